@@ -1,0 +1,83 @@
+"""Aggregation planner: tensors → few large aligned blobs. Pure function, no I/O.
+
+Greedy bucketing in state order (like DCP's ``_split_by_size_and_type`` and torchsnapshot's slab
+batcher): items are appended to the current blob until the next one would cross the target blob size.
+Extents of at least ``align`` bytes start on an ``align`` boundary, so a large tensor can be read alone
+with O_DIRECT; smaller ones are packed at ``small_align`` (64 B, enough for any dtype and for SIMD), so
+20,000 small tensors do not waste half a page each. Blob sizes are rounded up to ``align`` (zero padding),
+so a blob is always written and read in whole aligned units.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+__all__ = ["SMALL_ALIGN", "Extent", "Layout", "plan", "round_up"]
+
+SMALL_ALIGN = 64
+
+
+def round_up(n: int, align: int) -> int:
+    """Smallest multiple of ``align`` that is >= ``n``."""
+    return -(-n // align) * align
+
+
+@dataclass(frozen=True)
+class Extent:
+    """Where one item's bytes live: ``length`` bytes at ``offset`` of blob number ``blob``."""
+
+    blob: int
+    offset: int
+    length: int
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Extents in item order and the (aligned) size of every blob."""
+
+    extents: tuple[Extent, ...]
+    blob_sizes: tuple[int, ...]
+    align: int
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.blob_sizes)
+
+
+def plan(lengths: Sequence[int], *, align: int, blob_bytes: int, small_align: int = SMALL_ALIGN) -> Layout:
+    """Assign every item an extent.
+
+    Args:
+        lengths: byte length of each item, in the order they are stored.
+        align: power of two; large extents and blob sizes are multiples of it.
+        blob_bytes: target blob size; an item larger than it gets a blob of its own.
+        small_align: alignment of extents shorter than ``align``.
+
+    Returns:
+        A deterministic :class:`Layout`: the same lengths always give the same extents.
+    """
+    if align <= 0 or align & (align - 1):
+        raise ValueError(f"align must be a power of two, got {align}")
+    if small_align <= 0 or small_align & (small_align - 1) or small_align > align:
+        raise ValueError(f"small_align must be a power of two <= align, got {small_align}")
+    if blob_bytes < align:
+        raise ValueError(f"blob_bytes ({blob_bytes}) must be at least align ({align})")
+    extents: list[Extent] = []
+    sizes: list[int] = []
+    blob, end = 0, 0
+    for n in lengths:
+        if n < 0:
+            raise ValueError(f"negative length {n}")
+        if n == 0:  # zero-size tensors take no bytes and never start a blob
+            extents.append(Extent(blob, end, 0))
+            continue
+        off = round_up(end, align if n >= align else small_align)
+        if off + n > blob_bytes and end > 0:
+            sizes.append(round_up(end, align))
+            blob, off = blob + 1, 0
+        extents.append(Extent(blob, off, n))
+        end = off + n
+    if end > 0:
+        sizes.append(round_up(end, align))
+    return Layout(extents=tuple(extents), blob_sizes=tuple(sizes), align=align)

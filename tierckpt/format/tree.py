@@ -1,0 +1,202 @@
+"""Flatten a nested state into (tree bytes, tensors) and back. Pure: no I/O.
+
+The tree is msgpack. Plain values (None, bool, int, float, str, bytes, list, dict) are stored as
+themselves; everything msgpack cannot tell apart is an ext type (docs/format.md, "Tree"):
+
+====  ==================  =========================================================
+code  Python value        payload
+====  ==================  =========================================================
+1     tuple               msgpack array of the items
+2     tensor reference    u32 big-endian index into the manifest's tensor table
+3     pickled value       pickle bytes (only with ``allow_pickle=True``)
+4     OrderedDict         msgpack array of ``[key, value]`` pairs
+5     int outside 64 bit  decimal ASCII
+6     torch.dtype         name, e.g. ``bfloat16``
+7     torch.device        str(device), e.g. ``cuda:0``
+8     torch.Size          msgpack array of ints
+====  ==================  =========================================================
+"""
+
+from __future__ import annotations
+
+import pickle
+import struct
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+import torch
+
+from tierckpt.errors import CorruptCheckpointError, StateError
+
+__all__ = ["FlatState", "TensorRef", "flatten", "format_path", "unflatten"]
+
+EXT_TUPLE, EXT_TENSOR, EXT_PICKLE, EXT_ODICT, EXT_BIGINT, EXT_DTYPE, EXT_DEVICE, EXT_SIZE = range(1, 9)
+_I64_MIN, _U64_MAX = -(1 << 63), (1 << 64) - 1
+_PLAIN = (type(None), bool, int, float, str, bytes)
+_SUPPORTED_LAYOUTS = (torch.strided,)
+
+
+def format_path(path: tuple[Any, ...], root: str = "state") -> str:
+    """``('optim', 'param_groups', 0)`` → ``state['optim']['param_groups'][0]``."""
+    return root + "".join(f"[{p!r}]" for p in path)
+
+
+@dataclass(frozen=True)
+class TensorRef:
+    """A tensor found in the state: its first key path and the tensor itself (detached, CPU or device)."""
+
+    path: str
+    tensor: torch.Tensor
+
+
+@dataclass(frozen=True)
+class FlatState:
+    """Result of :func:`flatten`: the msgpack tree and the distinct tensors it references, in order."""
+
+    tree: bytes
+    tensors: tuple[TensorRef, ...]
+    has_pickle: bool
+
+
+def _tensor_identity(t: torch.Tensor) -> tuple[Any, ...]:
+    return (t.device, t.dtype, t.data_ptr(), t.storage_offset(), tuple(t.shape), t.stride())
+
+
+def flatten(state: Any, *, allow_pickle: bool = False) -> FlatState:
+    """Walk ``state`` and split it into a msgpack tree and a list of tensors.
+
+    The same tensor object (or the same view of the same storage) referenced twice is stored once and
+    restored as one tensor, so tied weights stay tied.
+
+    Raises:
+        StateError: naming the key path of a value that cannot be saved (unless ``allow_pickle``).
+    """
+    tensors: list[TensorRef] = []
+    seen: dict[tuple[Any, ...], int] = {}
+    has_pickle = False
+
+    def refuse(path: tuple[Any, ...], what: str) -> StateError:
+        return StateError(
+            f"{format_path(path)}: cannot save {what}; tierckpt stores tensors and plain values "
+            "(None, bool, int, float, str, bytes, list, tuple, dict); pass allow_pickle=True to pickle it"
+        )
+
+    def pickled(v: Any, path: tuple[Any, ...], what: str) -> msgpack.ExtType:
+        nonlocal has_pickle
+        if not allow_pickle:
+            raise refuse(path, what)
+        try:
+            data = pickle.dumps(v, protocol=pickle.HIGHEST_PROTOCOL)
+        except Exception as e:
+            raise StateError(f"{format_path(path)}: cannot pickle {what}: {e}") from e
+        has_pickle = True
+        return msgpack.ExtType(EXT_PICKLE, data)
+
+    def pack(v: Any) -> bytes:
+        return msgpack.packb(v, use_bin_type=True, strict_types=True)
+
+    def walk(v: Any, path: tuple[Any, ...]) -> Any:
+        tv = type(v)
+        if tv in _PLAIN:
+            if tv is int and not _I64_MIN <= v <= _U64_MAX:
+                return msgpack.ExtType(EXT_BIGINT, str(v).encode())
+            return v
+        if isinstance(v, torch.Tensor):
+            return msgpack.ExtType(EXT_TENSOR, struct.pack(">I", tensor_index(v, path)))
+        if tv is list:
+            return [walk(x, (*path, i)) for i, x in enumerate(v)]
+        if tv is tuple:
+            return msgpack.ExtType(EXT_TUPLE, pack([walk(x, (*path, i)) for i, x in enumerate(v)]))
+        if tv is dict or tv is OrderedDict:
+            items = []
+            for k, x in v.items():
+                if type(k) is not str and type(k) is not int:
+                    return pickled(v, path, f"a dict with a {type(k).__name__} key {k!r}")
+                items.append((k, walk(x, (*path, k))))
+            if tv is dict:
+                return dict(items)
+            return msgpack.ExtType(EXT_ODICT, pack([list(kv) for kv in items]))
+        if tv is torch.dtype:
+            return msgpack.ExtType(EXT_DTYPE, str(v).removeprefix("torch.").encode())
+        if tv is torch.device:
+            return msgpack.ExtType(EXT_DEVICE, str(v).encode())
+        if tv is torch.Size:
+            return msgpack.ExtType(EXT_SIZE, pack(list(v)))
+        return pickled(v, path, f"a value of type {tv.__module__}.{tv.__qualname__}")
+
+    def tensor_index(t: torch.Tensor, path: tuple[Any, ...]) -> int:
+        if t.layout not in _SUPPORTED_LAYOUTS or t.is_quantized or t.is_meta or t.is_nested:
+            raise StateError(f"{format_path(path)}: cannot save a {t.layout} / quantized / meta / nested tensor")
+        t = t.detach()
+        if t.is_conj():
+            t = t.resolve_conj()
+        if t.is_neg():
+            t = t.resolve_neg()
+        ident = _tensor_identity(t)
+        idx = seen.get(ident)
+        if idx is None:
+            idx = seen[ident] = len(tensors)
+            tensors.append(TensorRef(format_path(path), t))
+        return idx
+
+    tree = pack(walk(state, ()))
+    return FlatState(tree=tree, tensors=tuple(tensors), has_pickle=has_pickle)
+
+
+def unflatten(
+    tree: bytes,
+    tensor_at: Callable[[int], torch.Tensor],
+    n_tensors: int,
+    *,
+    allow_pickle: bool = False,
+) -> Any:
+    """Rebuild the nested state from a tree; ``tensor_at(i)`` returns tensor ``i`` of the manifest.
+
+    Raises:
+        CorruptCheckpointError: the tree is malformed or references a tensor that does not exist.
+        StateError: the tree holds pickled values and ``allow_pickle`` is False.
+    """
+
+    def hook(code: int, data: bytes) -> Any:
+        if code == EXT_TENSOR:
+            if len(data) != 4:
+                raise CorruptCheckpointError("tree: malformed tensor reference")
+            (i,) = struct.unpack(">I", data)
+            if i >= n_tensors:
+                raise CorruptCheckpointError(f"tree: tensor reference {i} out of range (have {n_tensors})")
+            return tensor_at(i)
+        if code == EXT_TUPLE:
+            return tuple(unpack(data))
+        if code == EXT_ODICT:
+            return OrderedDict((k, v) for k, v in unpack(data))
+        if code == EXT_BIGINT:
+            return int(data.decode("ascii"))
+        if code == EXT_DTYPE:
+            dt = getattr(torch, data.decode("ascii"), None)
+            if not isinstance(dt, torch.dtype):
+                raise CorruptCheckpointError(f"tree: unknown dtype {data!r}")
+            return dt
+        if code == EXT_DEVICE:
+            return torch.device(data.decode("ascii"))
+        if code == EXT_SIZE:
+            return torch.Size(unpack(data))
+        if code == EXT_PICKLE:
+            if not allow_pickle:
+                raise StateError(
+                    "checkpoint holds pickled values; pass allow_pickle=True to restore() if you trust its source"
+                )
+            return pickle.loads(data)
+        raise CorruptCheckpointError(f"tree: unknown ext type {code}")
+
+    def unpack(data: bytes) -> Any:
+        return msgpack.unpackb(data, raw=False, ext_hook=hook, strict_map_key=False, use_list=True)
+
+    try:
+        return unpack(tree)
+    except (StateError, CorruptCheckpointError):
+        raise
+    except Exception as e:
+        raise CorruptCheckpointError(f"tree: cannot decode: {e}") from e

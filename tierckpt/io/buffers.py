@@ -1,0 +1,93 @@
+"""Aligned host buffers, raw-pointer memoryviews and a reusable staging pool.
+
+``torch.empty`` is only 64-byte aligned, which O_DIRECT refuses; :func:`aligned_empty` over-allocates
+and slices so ``data_ptr() % align == 0``. With CUDA present the memory is pinned (cudaHostAlloc), so
+device copies into it run asynchronously. Memory handed to the kernel is always described by
+:func:`ptr_mv` (a memoryview of a raw address that owns nothing), and the caller keeps the owning tensor
+alive until the I/O completes.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+
+__all__ = ["StagingPool", "aligned_empty", "memmove", "ptr_mv"]
+
+_PyMemoryView_FromMemory = ctypes.pythonapi.PyMemoryView_FromMemory
+_PyMemoryView_FromMemory.restype = ctypes.py_object
+_PyMemoryView_FromMemory.argtypes = [ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int]
+_PyBUF_READ, _PyBUF_WRITE = 0x100, 0x200
+
+memmove = ctypes.memmove  # releases the GIL; single-threaded (no OpenMP barrier stalls, URING.md §9)
+
+
+def ptr_mv(addr: int, nbytes: int, *, writable: bool = True) -> memoryview:
+    """A flat byte memoryview of ``nbytes`` at ``addr``. It owns nothing: keep the memory alive."""
+    return _PyMemoryView_FromMemory(addr, nbytes, _PyBUF_WRITE if writable else _PyBUF_READ)
+
+
+def _pin_ok() -> bool:
+    try:
+        return torch.cuda.is_available()
+    except Exception:  # pragma: no cover - broken CUDA installs
+        return False
+
+
+def aligned_empty(nbytes: int, align: int = 4096, *, pin: bool | None = None) -> torch.Tensor:
+    """An uninitialized uint8 CPU tensor of ``nbytes`` whose data pointer is a multiple of ``align``.
+
+    Args:
+        nbytes: size in bytes.
+        align: power of two.
+        pin: page-lock the memory (default: when CUDA is available).
+    """
+    pin = _pin_ok() if pin is None else pin
+    raw = torch.empty(nbytes + align, dtype=torch.uint8, pin_memory=pin)
+    off = (-raw.data_ptr()) % align
+    return raw[off : off + nbytes]
+
+
+class StagingPool:
+    """A fixed set of aligned buffers, reused from save to save so memory does not grow.
+
+    ``acquire()`` blocks while every slot is in use; buffers are allocated on first use.
+    """
+
+    def __init__(self, slots: int, slot_bytes: int, align: int = 4096) -> None:
+        if slots < 1 or slot_bytes < align or slot_bytes % align:
+            raise ValueError(f"bad staging pool: {slots} slots of {slot_bytes} bytes, align {align}")
+        self.slots, self.slot_bytes, self.align = slots, slot_bytes, align
+        self._free: list[torch.Tensor] = []
+        self._allocated = 0
+        self._cv = threading.Condition()
+
+    @property
+    def allocated_bytes(self) -> int:
+        return self._allocated * self.slot_bytes
+
+    def acquire(self) -> torch.Tensor:
+        with self._cv:
+            while not self._free and self._allocated >= self.slots:
+                self._cv.wait()
+            if self._free:
+                return self._free.pop()
+            self._allocated += 1
+        return aligned_empty(self.slot_bytes, self.align)
+
+    def release(self, buf: torch.Tensor) -> None:
+        with self._cv:
+            self._free.append(buf)
+            self._cv.notify()
+
+    @contextmanager
+    def slot(self) -> Iterator[torch.Tensor]:
+        buf = self.acquire()
+        try:
+            yield buf
+        finally:
+            self.release(buf)

@@ -1,0 +1,69 @@
+"""Tier kinds → classes, like fsspec's registry.
+
+Built-in kinds are lazy dotted paths, so importing tierckpt imports no tier module (and never CUDA or
+liburing). Third-party packages add kinds through the ``tierckpt.tiers`` entry-point group, or call
+:func:`register_tier`. Registering a different class under a taken kind raises unless ``clobber=True``.
+"""
+
+from __future__ import annotations
+
+import importlib
+from importlib.metadata import entry_points
+
+from tierckpt.errors import ConfigError
+
+__all__ = ["available_kinds", "get_tier_class", "register_tier"]
+
+ENTRY_POINT_GROUP = "tierckpt.tiers"
+
+_known: dict[str, str] = {
+    "host": "tierckpt.tiers.host:HostTier",
+    "local": "tierckpt.tiers.local:LocalTier",
+    "pfs": "tierckpt.tiers.pfs:PfsTier",
+}
+_registry: dict[str, type] = {}
+
+
+def register_tier(kind: str, cls: type | str, *, clobber: bool = False) -> None:
+    """Register a tier class (or a ``"module:Class"`` path) under ``kind``.
+
+    Raises:
+        ValueError: ``kind`` is taken by another class and ``clobber`` is False.
+    """
+    current = _registry.get(kind) or _known.get(kind)
+    if current is not None and current != cls and not clobber:
+        raise ValueError(f"tier kind {kind!r} is already registered to {current!r}; pass clobber=True to replace it")
+    if isinstance(cls, str):
+        _known[kind] = cls
+        _registry.pop(kind, None)
+    else:
+        _registry[kind] = cls
+
+
+def _entry_points() -> dict[str, str]:
+    return {ep.name: ep.value for ep in entry_points(group=ENTRY_POINT_GROUP)}
+
+
+def available_kinds() -> list[str]:
+    """Every kind that can be built: built-ins, registered ones and installed plugins."""
+    return sorted(set(_known) | set(_registry) | set(_entry_points()))
+
+
+def get_tier_class(kind: str, key: str = "kind") -> type:
+    """The class for ``kind``, importing it on first use.
+
+    Raises:
+        ConfigError: naming ``key`` when the kind is unknown or its module does not import.
+    """
+    if kind in _registry:
+        return _registry[kind]
+    target = _known.get(kind) or _entry_points().get(kind)
+    if target is None:
+        raise ConfigError(f"{key}: unknown tier kind {kind!r} (available: {', '.join(available_kinds())})")
+    mod_name, _, attr = target.partition(":")
+    try:
+        cls = getattr(importlib.import_module(mod_name), attr)
+    except (ImportError, AttributeError) as e:
+        raise ConfigError(f"{key}: tier kind {kind!r} ({target}) cannot be imported: {e}") from e
+    _registry[kind] = cls
+    return cls

@@ -1,0 +1,359 @@
+"""Directory-backed tiers (``local``, ``pfs``): layout, atomic publish, O_DIRECT blob I/O.
+
+On disk (docs/format.md)::
+
+    <path>/step-000000000100/rank-00000/manifest        the msgpack manifest (framed, checksummed)
+    <path>/step-000000000100/rank-00000/blob-00000.bin  aggregated tensor bytes
+    <path>/step-000000000100/.tmp-rank-00000-<host>-<pid>-<hex>/   a write in progress (never listed)
+
+A rank's directory is written under a ``.tmp-`` name, every file and the directory are fsynced, and
+only then is it renamed to ``rank-NNNNN`` (atomically swapped in with renameat2(RENAME_EXCHANGE) when
+it replaces an existing copy) and the step directory fsynced. A reader lists only ``rank-NNNNN``
+directories, so it never sees a half-written checkpoint, and a crash leaves the previous one intact.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import ctypes.util
+import errno
+import logging
+import os
+import re
+import secrets
+import shutil
+import socket
+import threading
+from collections.abc import Sequence
+from concurrent.futures import Future
+from pathlib import Path
+
+from tierckpt.config import TierConfig
+from tierckpt.errors import CheckpointNotFoundError, ConfigError, TierFullError, TierIOError
+from tierckpt.format.manifest import BlobEntry
+from tierckpt.io.engine import IOEngine
+from tierckpt.io.fsutil import fsync_dir, probe_direct
+from tierckpt.tiers.base import CheckpointKey, EngineSource, Tier, TierCapabilities, TierReader, TierWriter
+
+__all__ = ["FileTier"]
+
+log = logging.getLogger(__name__)
+
+MANIFEST_NAME = "manifest"
+_STEP_RE = re.compile(r"^step-(\d{12})$")
+_RANK_RE = re.compile(r"^rank-(\d{5})$")
+_SCRATCH_RE = re.compile(r"^\.(tmp|old|evict)-rank-\d{5}-(.+)-(\d+)-[0-9a-f]+$")
+_HOST = socket.gethostname().replace("-", "_")[:32] or "host"
+_RENAME_EXCHANGE = 2
+_libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+
+
+def step_dir_name(step: int) -> str:
+    return f"step-{step:012d}"
+
+
+def rank_dir_name(rank: int) -> str:
+    return f"rank-{rank:05d}"
+
+
+def _scratch(kind: str, rank: int) -> str:
+    return f".{kind}-rank-{rank:05d}-{_HOST}-{os.getpid()}-{secrets.token_hex(4)}"
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Atomically swap two directory entries; False where renameat2(RENAME_EXCHANGE) is unsupported."""
+    fn = getattr(_libc, "renameat2", None)
+    if fn is None:
+        return False
+    if fn(-100, os.fsencode(a), -100, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+        return False
+    raise OSError(err, os.strerror(err), str(b))
+
+
+def _write_file(path: Path, data: bytes) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+    try:
+        view, done = memoryview(data), 0
+        while done < len(data):
+            done += os.write(fd, view[done:])
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _io_error(tier: str, what: str, e: OSError) -> TierIOError:
+    err = TierIOError(e.errno, f"tier {tier!r}: {what}: {e.strerror or e}", e.filename)
+    err.__cause__ = e
+    return err
+
+
+class FileTier(Tier):
+    """A tier in a directory. Subclasses set ``kind``, ``shared`` and their preferred blob size.
+
+    Args:
+        name: tier name.
+        path: the directory (created if missing).
+        engine: I/O engine for blob reads and writes.
+        direct: use O_DIRECT where the file system allows it.
+        chunk_bytes: size of one I/O operation.
+        capacity_bytes: most bytes of committed checkpoints, or None.
+    """
+
+    kind = "file"
+    shared = False
+
+    def __init__(
+        self,
+        name: str,
+        path: str | os.PathLike[str],
+        engine: IOEngine,
+        *,
+        direct: bool = True,
+        chunk_bytes: int = 64 << 20,
+        capacity_bytes: int | None = None,
+        blob_bytes: int | None = None,
+    ) -> None:
+        super().__init__(name)
+        self.path = Path(path)
+        try:
+            self.path.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise _io_error(name, f"cannot create directory {self.path}", e) from None
+        if not os.access(self.path, os.W_OK | os.X_OK):
+            raise TierIOError(errno.EACCES, f"tier {name!r}: directory {self.path} is not writable", str(self.path))
+        self.engine = engine
+        can_direct, align = probe_direct(self.path)
+        self.direct = direct and can_direct
+        if direct and not can_direct:
+            log.info("tier %r: %s does not support O_DIRECT; using buffered I/O", name, self.path)
+        align = max(align, self._fs_alignment())
+        self.chunk_bytes = max(align, chunk_bytes // align * align)
+        self.capacity_bytes = capacity_bytes
+        if blob_bytes:
+            self.preferred_blob_bytes = blob_bytes
+        self.capabilities = TierCapabilities(
+            persistent=True, shared=self.shared, device="file", atomic_rename=True, alignment_bytes=align
+        )
+        self._lock = threading.Lock()
+        self._sweep()
+
+    def _fs_alignment(self) -> int:
+        """Extra alignment the file system asks for (the PFS tier returns the stripe size)."""
+        return 4096
+
+    @classmethod
+    def from_config(cls, cfg: TierConfig, engines: EngineSource) -> FileTier:
+        if cfg.path is None:
+            raise ConfigError(f"{cfg.key}.path: a {cls.kind} tier needs a directory path")
+        return cls(
+            cfg.name,
+            cfg.path,
+            engines.get(cfg.io.engine, cfg.io.queue_depth),
+            direct=cfg.io.direct,
+            chunk_bytes=cfg.io.chunk_bytes,
+            capacity_bytes=cfg.capacity_bytes,
+            blob_bytes=cfg.blob_bytes,
+        )
+
+    def describe(self) -> str:
+        return f"{self.path} ({'O_DIRECT' if self.direct else 'buffered'}, {self.engine.name} engine)"
+
+    # -- housekeeping ---------------------------------------------------------------------------------
+    def _sweep(self) -> None:
+        """Remove scratch directories left by dead processes of this host (crashed saves/evictions)."""
+        for step in self._step_dirs():
+            try:
+                entries = list(os.scandir(step))
+            except OSError:
+                continue
+            for e in entries:
+                m = _SCRATCH_RE.match(e.name)
+                if m and m.group(2) == _HOST and not _pid_alive(int(m.group(3))):
+                    if m.group(1) == "old" and not (step / e.name.replace(".old-", "", 1)[:10]).exists():
+                        continue  # an interrupted non-atomic replace: keep the only copy for inspection
+                    shutil.rmtree(e.path, ignore_errors=True)
+
+    def _step_dirs(self) -> list[Path]:
+        try:
+            return sorted(self.path / n for n in os.listdir(self.path) if _STEP_RE.match(n))
+        except FileNotFoundError:
+            return []
+
+    def _rank_dir(self, key: CheckpointKey) -> Path:
+        return self.path / step_dir_name(key.step) / rank_dir_name(key.rank)
+
+    # -- contract -------------------------------------------------------------------------------------
+    def list_committed(self) -> list[CheckpointKey]:
+        out = []
+        for step in self._step_dirs():
+            s = int(_STEP_RE.match(step.name).group(1))  # type: ignore[union-attr]
+            try:
+                names = os.listdir(step)
+            except OSError:
+                continue
+            out.extend(CheckpointKey(s, int(m.group(1))) for n in names if (m := _RANK_RE.match(n)))
+        return sorted(out)
+
+    def used_bytes(self) -> int:
+        total = 0
+        for key in self.list_committed():
+            with contextlib.suppress(OSError):
+                total += sum(e.stat().st_size for e in os.scandir(self._rank_dir(key)) if e.is_file())
+        return total
+
+    def read_manifest(self, key: CheckpointKey) -> bytes:
+        p = self._rank_dir(key) / MANIFEST_NAME
+        try:
+            return p.read_bytes()
+        except FileNotFoundError:
+            raise CheckpointNotFoundError(
+                f"tier {self.name!r} holds no checkpoint for step {key.step} rank {key.rank}"
+            ) from None
+        except OSError as e:
+            raise _io_error(self.name, f"cannot read {p}", e) from None
+
+    def reserve(self, key: CheckpointKey, blobs: Sequence[BlobEntry]) -> TierWriter:
+        need = sum(b.size for b in blobs)
+        if self.capacity_bytes is not None:
+            used = self.used_bytes()
+            if used + need > self.capacity_bytes:
+                raise TierFullError(
+                    f"tier {self.name!r}: checkpoint of step {key.step} needs {need} bytes, "
+                    f"{max(0, self.capacity_bytes - used)} of capacity {self.capacity_bytes} are free"
+                )
+        return _FileWriter(self, key, blobs)
+
+    def reader(self, key: CheckpointKey, blobs: Sequence[BlobEntry]) -> TierReader:
+        return _FileReader(self, self._rank_dir(key), blobs)
+
+    def evict(self, key: CheckpointKey) -> None:
+        src = self._rank_dir(key)
+        gone = src.parent / _scratch("evict", key.rank)
+        try:
+            os.rename(src, gone)
+        except FileNotFoundError:
+            return
+        except OSError as e:
+            raise _io_error(self.name, f"cannot evict step {key.step}", e) from None
+        with contextlib.suppress(OSError):
+            fsync_dir(src.parent)
+        shutil.rmtree(gone, ignore_errors=True)
+        with contextlib.suppress(OSError):
+            src.parent.rmdir()  # only succeeds when no other rank (or write) is in there
+
+
+class _FileWriter(TierWriter):
+    def __init__(self, tier: FileTier, key: CheckpointKey, blobs: Sequence[BlobEntry]) -> None:
+        self.tier, self.key, self.blobs = tier, key, list(blobs)
+        self.step_dir = tier.path / step_dir_name(key.step)
+        self.tmp = self.step_dir / _scratch("tmp", key.rank)
+        self.fds: list[int] = []
+        self._open = True
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | (os.O_DIRECT if tier.direct else 0)
+        try:
+            self.step_dir.mkdir(exist_ok=True)
+            self.tmp.mkdir()
+            for b in self.blobs:
+                fd = os.open(self.tmp / b.name, flags, 0o644)
+                self.fds.append(fd)
+                if b.size:
+                    os.posix_fallocate(fd, 0, b.size)  # ENOSPC now, not halfway; parallel O_DIRECT writes
+        except OSError as e:
+            self.abort()
+            raise _io_error(tier.name, f"cannot start step {key.step} in {self.step_dir}", e) from None
+
+    def write(self, blob: int, offset: int, addr: int, nbytes: int) -> Future[int]:
+        path = str(self.tmp / self.blobs[blob].name)
+        return self.tier.engine.pwrite(self.fds[blob], addr, nbytes, offset, path=path)
+
+    def commit(self, manifest: bytes) -> None:
+        if not self._open:
+            raise RuntimeError("writer already finished")
+        try:
+            syncs = [self.tier.engine.fsync(fd, path=str(self.tmp / b.name)) for fd, b in zip(self.fds, self.blobs)]
+            for f in syncs:
+                f.result()
+            for fd in self.fds:
+                os.close(fd)
+            self.fds = []
+            _write_file(self.tmp / MANIFEST_NAME, manifest)
+            fsync_dir(self.tmp)
+            final = self.tier._rank_dir(self.key)
+            if final.exists():
+                self._replace(final)
+            else:
+                os.rename(self.tmp, final)
+            fsync_dir(self.step_dir)
+            fsync_dir(self.tier.path)
+        except OSError as e:
+            self.abort()
+            raise _io_error(self.tier.name, f"cannot commit step {self.key.step}", e) from None
+        self._open = False
+
+    def _replace(self, final: Path) -> None:
+        """Put the new copy in place of an existing one without a moment where neither is listed."""
+        if _exchange(self.tmp, final):
+            shutil.rmtree(self.tmp, ignore_errors=True)  # self.tmp now names the old copy
+            return
+        old = self.step_dir / _scratch("old", self.key.rank)
+        os.rename(final, old)
+        os.rename(self.tmp, final)
+        shutil.rmtree(old, ignore_errors=True)
+
+    def abort(self) -> None:
+        for fd in self.fds:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self.fds = []
+        if self._open:
+            self._open = False
+            shutil.rmtree(self.tmp, ignore_errors=True)
+            with contextlib.suppress(OSError):
+                self.step_dir.rmdir()
+
+
+class _FileReader(TierReader):
+    def __init__(self, tier: FileTier, rank_dir: Path, blobs: Sequence[BlobEntry]) -> None:
+        self.tier, self.dir, self.blobs = tier, rank_dir, list(blobs)
+        self._fds: dict[int, int] = {}
+        self._lock = threading.Lock()
+
+    def _fd(self, blob: int) -> int:
+        with self._lock:
+            fd = self._fds.get(blob)
+            if fd is None:
+                p = self.dir / self.blobs[blob].name
+                flags = os.O_RDONLY | os.O_CLOEXEC
+                try:
+                    fd = os.open(p, flags | (os.O_DIRECT if self.tier.direct else 0))
+                except FileNotFoundError:
+                    raise CheckpointNotFoundError(f"tier {self.tier.name!r}: blob {p} is missing") from None
+                except OSError as e:
+                    raise _io_error(self.tier.name, f"cannot open {p}", e) from None
+                self._fds[blob] = fd
+            return fd
+
+    def read(self, blob: int, offset: int, addr: int, nbytes: int) -> Future[int]:
+        fd = self._fd(blob)
+        return self.tier.engine.pread(fd, addr, nbytes, offset, path=str(self.dir / self.blobs[blob].name))
+
+    def close(self) -> None:
+        with self._lock:
+            for fd in self._fds.values():
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+            self._fds.clear()

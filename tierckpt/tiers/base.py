@@ -1,0 +1,162 @@
+"""The tier contract: a place where a checkpoint's manifest and blobs can live.
+
+Call sequence (like DCP's ``StorageWriter``; in a multi-rank job every rank runs it for its own
+``CheckpointKey(step, rank)``, nothing is coordinated through the tier):
+
+Write, by the hierarchy's saving thread::
+
+    w = tier.reserve(key, blobs)          # room is checked and taken; nothing is visible yet
+    w.buffer(i)                           # memory tiers: the blob's bytes, to pack into directly
+    w.write(i, offset, addr, nbytes)      # any number, any order; returns a Future; aligned for files
+    w.commit(manifest_bytes)              # after every write future is done: durable, then published
+                                          # atomically (rename / swap); the step becomes listable
+    w.abort()                             # instead of commit, on any failure: leaves no trace
+
+Read, by any thread or process::
+
+    tier.list_committed()                 # keys of committed checkpoints, oldest first
+    tier.read_manifest(key)               # the manifest's bytes
+    r = tier.reader(key, blobs)           # then r.read(i, offset, addr, nbytes) -> Future[int]; r.close()
+
+Evict, by the hierarchy's retention: ``tier.evict(key)`` makes the checkpoint unlistable first (one
+rename), then frees it. A crash at any point leaves either the old state or the new one.
+
+Capabilities are declared data, checked once when the hierarchy is built, never asserted in the data path.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from tierckpt.format.manifest import BlobEntry
+
+if TYPE_CHECKING:
+    from tierckpt.config import TierConfig
+    from tierckpt.io.engine import IOEngine
+
+__all__ = ["CheckpointKey", "EngineSource", "Tier", "TierCapabilities", "TierReader", "TierWriter"]
+
+
+@dataclass(frozen=True)
+class TierCapabilities:
+    """What a tier is, declared once.
+
+    Attributes:
+        persistent: survives the end of the process.
+        shared: visible from other nodes (a parallel file system, an object store).
+        device: where the bytes live: ``cpu`` (process memory), ``cuda`` or ``file``.
+        atomic_rename: publishes by rename; otherwise by a commit marker.
+        alignment_bytes: buffers, offsets and lengths of writes and reads must be multiples of this.
+    """
+
+    persistent: bool
+    shared: bool
+    device: str
+    atomic_rename: bool
+    alignment_bytes: int
+
+
+@dataclass(frozen=True, order=True)
+class CheckpointKey:
+    """One rank's part of one step."""
+
+    step: int
+    rank: int = 0
+
+
+class EngineSource:
+    """Gives tiers an I/O engine for their settings; engines are shared and closed by the hierarchy."""
+
+    def get(self, engine: str, queue_depth: int) -> IOEngine:  # pragma: no cover - interface
+        raise NotImplementedError
+
+
+class TierWriter(ABC):
+    """One checkpoint being written to one tier (see the module docstring for the sequence)."""
+
+    def buffer(self, blob: int) -> torch.Tensor | None:
+        """The blob's own memory (uint8, aligned) on memory tiers, to pack into; None on file tiers."""
+        return None
+
+    @abstractmethod
+    def write(self, blob: int, offset: int, addr: int, nbytes: int) -> Future[int]:
+        """Write ``nbytes`` at ``addr`` to ``offset`` of blob ``blob``; keep the memory alive until done."""
+
+    @abstractmethod
+    def commit(self, manifest: bytes) -> None:
+        """Make everything durable, then publish atomically. Raises on failure (the writer is aborted)."""
+
+    @abstractmethod
+    def abort(self) -> None:
+        """Drop everything written so far. Idempotent; never raises for cleanup problems."""
+
+
+class TierReader(ABC):
+    """Reads the blobs of one committed checkpoint."""
+
+    @abstractmethod
+    def read(self, blob: int, offset: int, addr: int, nbytes: int) -> Future[int]:
+        """Read into ``addr``; the result is the byte count (short only when the blob is truncated)."""
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Release file descriptors."""
+
+
+class Tier(ABC):
+    """A storage tier. Subclasses declare ``kind`` and ``capabilities`` and implement the sequence above.
+
+    Attributes:
+        name: the tier's name in the hierarchy (policies and records use it).
+        preferred_blob_bytes: blob size this tier writes best (the hierarchy takes the largest).
+        chunk_bytes: size of one I/O operation on this tier.
+    """
+
+    kind: str = "abstract"
+    capabilities: TierCapabilities
+    preferred_blob_bytes: int = 256 << 20
+    chunk_bytes: int = 64 << 20
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    @classmethod
+    def from_config(cls, cfg: TierConfig, engines: EngineSource) -> Tier:
+        """Build the tier from its validated config entry; raise ConfigError naming ``cfg.key`` fields."""
+        raise NotImplementedError(f"tier kind {cls.kind!r} cannot be built from a config")
+
+    @abstractmethod
+    def reserve(self, key: CheckpointKey, blobs: Sequence[BlobEntry]) -> TierWriter:
+        """Take room for a checkpoint with these blobs; raise TierFullError when there is none."""
+
+    @abstractmethod
+    def list_committed(self) -> list[CheckpointKey]:
+        """Committed checkpoints on this tier, sorted by (step, rank)."""
+
+    @abstractmethod
+    def read_manifest(self, key: CheckpointKey) -> bytes:
+        """The manifest bytes; CheckpointNotFoundError if ``key`` is not committed here."""
+
+    @abstractmethod
+    def reader(self, key: CheckpointKey, blobs: Sequence[BlobEntry]) -> TierReader:
+        """Open the blobs of a committed checkpoint for reading."""
+
+    @abstractmethod
+    def evict(self, key: CheckpointKey) -> None:
+        """Remove a committed checkpoint (missing keys are ignored)."""
+
+    def used_bytes(self) -> int:
+        """Bytes held by committed checkpoints (for capacity checks and ``tierckpt ls``)."""
+        return 0
+
+    def describe(self) -> str:
+        """Where the tier keeps its bytes, for humans."""
+        return self.kind
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Release resources (the hierarchy closes shared engines itself)."""

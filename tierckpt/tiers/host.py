@@ -1,0 +1,188 @@
+"""``host`` tier: checkpoints kept in this process's memory, bounded by ``capacity``.
+
+Blobs live in aligned (pinned where CUDA exists) buffers that the save path packs into directly, so a
+save to host memory is one copy. Freed buffers are kept for reuse by the next checkpoint of the same
+size, within the capacity. Not persistent: a new process starts empty.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+import torch
+
+from tierckpt.config import TierConfig
+from tierckpt.errors import CheckpointNotFoundError, ConfigError, TierFullError
+from tierckpt.format.manifest import BlobEntry
+from tierckpt.io.buffers import aligned_empty, memmove
+from tierckpt.tiers.base import CheckpointKey, EngineSource, Tier, TierCapabilities, TierReader, TierWriter
+
+__all__ = ["HostTier", "done_future"]
+
+
+def done_future(value: int) -> Future[int]:
+    """A future that is already resolved with ``value``."""
+    f: Future[int] = Future()
+    f.set_result(value)
+    return f
+
+
+def _default_capacity() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 4
+    except (ValueError, OSError):  # pragma: no cover
+        return 8 << 30
+
+
+@dataclass
+class _Held:
+    manifest: bytes
+    blobs: list[torch.Tensor]
+    nbytes: int
+
+
+class HostTier(Tier):
+    """Process-memory tier.
+
+    Args:
+        name: tier name.
+        capacity_bytes: most bytes held (committed + being written + kept for reuse);
+            default a quarter of physical memory.
+    """
+
+    kind = "host"
+    preferred_blob_bytes = 1 << 30
+
+    def __init__(self, name: str = "host", capacity_bytes: int | None = None) -> None:
+        super().__init__(name)
+        self.capacity_bytes = _default_capacity() if capacity_bytes is None else capacity_bytes
+        self.capabilities = TierCapabilities(
+            persistent=False, shared=False, device="cpu", atomic_rename=True, alignment_bytes=4096
+        )
+        self._lock = threading.Lock()
+        self._held: dict[CheckpointKey, _Held] = {}
+        self._reserved = 0
+        self._free: list[torch.Tensor] = []
+
+    @classmethod
+    def from_config(cls, cfg: TierConfig, engines: EngineSource) -> HostTier:
+        if cfg.path is not None:
+            raise ConfigError(f"{cfg.key}.path: a host tier keeps checkpoints in memory and takes no path")
+        tier = cls(cfg.name, cfg.capacity_bytes)
+        if cfg.blob_bytes:
+            tier.preferred_blob_bytes = cfg.blob_bytes
+        return tier
+
+    def used_bytes(self) -> int:
+        with self._lock:
+            return sum(h.nbytes for h in self._held.values())
+
+    def _take(self, size: int) -> torch.Tensor:
+        """Called with the lock held: a reused buffer of exactly ``size`` bytes, or a new one."""
+        for i, b in enumerate(self._free):
+            if b.numel() == size:
+                return self._free.pop(i)
+        return aligned_empty(size)
+
+    def reserve(self, key: CheckpointKey, blobs: Sequence[BlobEntry]) -> TierWriter:
+        need = sum(b.size for b in blobs)
+        with self._lock:
+            used = sum(h.nbytes for h in self._held.values()) + self._reserved
+            if used + need > self.capacity_bytes:
+                raise TierFullError(
+                    f"tier {self.name!r}: checkpoint of step {key.step} needs {need} bytes, "
+                    f"{self.capacity_bytes - used} of capacity {self.capacity_bytes} are free"
+                )
+            free_bytes = sum(b.numel() for b in self._free)
+            while self._free and used + need + free_bytes > self.capacity_bytes:
+                free_bytes -= self._free.pop().numel()  # drop cached buffers that no longer fit
+            self._reserved += need
+            bufs = [self._take(b.size) for b in blobs]
+        return _HostWriter(self, key, bufs, need)
+
+    def _finish(self, key: CheckpointKey, held: _Held | None, reserved: int, bufs: list[torch.Tensor]) -> None:
+        with self._lock:
+            self._reserved -= reserved
+            if held is not None:
+                old = self._held.pop(key, None)
+                self._held[key] = held
+                if old is not None:
+                    self._free.extend(old.blobs)
+            else:
+                self._free.extend(bufs)
+
+    def list_committed(self) -> list[CheckpointKey]:
+        with self._lock:
+            return sorted(self._held)
+
+    def _get(self, key: CheckpointKey) -> _Held:
+        with self._lock:
+            held = self._held.get(key)
+        if held is None:
+            raise CheckpointNotFoundError(f"tier {self.name!r} holds no checkpoint for step {key.step} rank {key.rank}")
+        return held
+
+    def read_manifest(self, key: CheckpointKey) -> bytes:
+        return self._get(key).manifest
+
+    def reader(self, key: CheckpointKey, blobs: Sequence[BlobEntry]) -> TierReader:
+        return _HostReader(self._get(key))
+
+    def evict(self, key: CheckpointKey) -> None:
+        with self._lock:
+            held = self._held.pop(key, None)
+            if held is not None:
+                self._free.extend(held.blobs)
+
+    def describe(self) -> str:
+        return f"process memory, capacity {self.capacity_bytes} bytes"
+
+    def close(self) -> None:
+        with self._lock:
+            self._held.clear()
+            self._free.clear()
+
+
+class _HostWriter(TierWriter):
+    def __init__(self, tier: HostTier, key: CheckpointKey, bufs: list[torch.Tensor], reserved: int) -> None:
+        self._tier, self._key, self._bufs, self._reserved = tier, key, bufs, reserved
+        self._open = True
+
+    def buffer(self, blob: int) -> torch.Tensor:
+        return self._bufs[blob]
+
+    def write(self, blob: int, offset: int, addr: int, nbytes: int) -> Future[int]:
+        dst = self._bufs[blob]
+        if offset < 0 or offset + nbytes > dst.numel():
+            raise ValueError(f"write [{offset}, {offset + nbytes}) outside blob {blob} of {dst.numel()} bytes")
+        target = dst.data_ptr() + offset
+        if target != addr and nbytes:
+            memmove(target, addr, nbytes)
+        return done_future(nbytes)
+
+    def commit(self, manifest: bytes) -> None:
+        if not self._open:
+            raise RuntimeError("writer already finished")
+        self._open = False
+        self._tier._finish(self._key, _Held(bytes(manifest), self._bufs, self._reserved), self._reserved, [])
+
+    def abort(self) -> None:
+        if self._open:
+            self._open = False
+            self._tier._finish(self._key, None, self._reserved, self._bufs)
+
+
+class _HostReader(TierReader):
+    def __init__(self, held: _Held) -> None:
+        self._held = held
+
+    def read(self, blob: int, offset: int, addr: int, nbytes: int) -> Future[int]:
+        src = self._held.blobs[blob]
+        n = max(0, min(nbytes, src.numel() - offset))
+        if n:
+            memmove(addr, src.data_ptr() + offset, n)
+        return done_future(n)
