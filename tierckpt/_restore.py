@@ -18,7 +18,7 @@ import xxhash
 from tierckpt.errors import CorruptCheckpointError, StateError
 from tierckpt.format.manifest import Manifest, decode_manifest, dtype_from_name
 from tierckpt.format.tree import format_path, unflatten
-from tierckpt.io.buffers import aligned_empty, memmove, ptr_mv
+from tierckpt.io.buffers import MappedBuffer, memmove, ptr_mv
 from tierckpt.tiers.base import CheckpointKey, Tier
 
 __all__ = ["copy_into", "load_manifest", "read_checkpoint", "verify_checkpoint"]
@@ -42,16 +42,15 @@ def load_manifest(tier: Tier, key: CheckpointKey) -> Manifest:
 
 
 def _read_blobs(
-    tier: Tier, key: CheckpointKey, m: Manifest, on_blob: Callable[[int, torch.Tensor], None]
-) -> list[torch.Tensor]:
+    tier: Tier, key: CheckpointKey, m: Manifest, on_blob: Callable[[int, MappedBuffer], None]
+) -> list[MappedBuffer]:
     chunk = max(m.align, getattr(tier, "chunk_bytes", 64 << 20) // m.align * m.align)
-    align = max(m.align, tier.capabilities.alignment_bytes)
-    bufs = [aligned_empty(b.size, align, pin=False) for b in m.blobs]
+    bufs = [MappedBuffer(b.size) for b in m.blobs]  # page-aligned: fine for O_DIRECT
     reader = tier.reader(key, m.blobs)
     futs: list[list[tuple[int, int, Future[int]]]] = []
     try:
         for bi, (b, buf) in enumerate(zip(m.blobs, bufs)):
-            futs.append([(o, min(chunk, b.size - o), reader.read(bi, o, buf.data_ptr() + o, min(chunk, b.size - o)))
+            futs.append([(o, min(chunk, b.size - o), reader.read(bi, o, buf.addr + o, min(chunk, b.size - o)))
                          for o in range(0, b.size, chunk)])  # fmt: skip
         for bi, blob_futs in enumerate(futs):
             for off, n, f in blob_futs:
@@ -71,14 +70,14 @@ def _read_blobs(
     return bufs
 
 
-def _verifier(tier: Tier, key: CheckpointKey, m: Manifest) -> Callable[[int, torch.Tensor], None]:
+def _verifier(tier: Tier, key: CheckpointKey, m: Manifest) -> Callable[[int, MappedBuffer], None]:
     by_blob: dict[int, list[int]] = {}
     for i, t in enumerate(m.tensors):
         if t.length:
             by_blob.setdefault(t.blob, []).append(i)
 
-    def verify(bi: int, buf: torch.Tensor) -> None:
-        base = buf.data_ptr()
+    def verify(bi: int, buf: MappedBuffer) -> None:
+        base = buf.addr
         for i in by_blob.get(bi, ()):
             t = m.tensors[i]
             if xxhash.xxh3_64_intdigest(ptr_mv(base + t.offset, t.length, writable=False)) != t.checksum:
@@ -120,7 +119,7 @@ def read_checkpoint(tier: Tier, key: CheckpointKey, *, allow_pickle: bool = Fals
             if e.length == 0:
                 t = torch.empty(e.shape, dtype=dt)
             else:
-                t = bufs[e.blob][e.offset : e.offset + e.length].view(dt).view(e.shape)
+                t = bufs[e.blob].tensor(e.offset, e.length, dt, e.shape)
             cache[i] = t
         return t
 

@@ -251,11 +251,25 @@ def parse_config(data: Any, base_dir: str | os.PathLike[str] | None = None) -> H
         )
     policy = PolicyConfig()
     if "policy" in d:
-        pd = _check_keys(d["policy"], "policy", {"keep"})
+        pd = _policy_mapping(d["policy"], base)
         if "keep" in pd:
             keep = _check_keys(pd["keep"], "policy.keep", {t.name for t in tiers})
             policy = PolicyConfig(keep={k: _int(v, f"policy.keep.{k}", 1, 1 << 31) for k, v in keep.items()})
     return HierarchyConfig(tiers=tuple(tiers), io=io, layout=layout, policy=policy)
+
+
+def _policy_mapping(value: Any, base: Path) -> Mapping[str, Any]:
+    """``policy:`` is a mapping, or the path of a YAML preset (e.g. ``policies/keep-last-2.yaml``)."""
+    if isinstance(value, str):
+        p = Path(os.path.expandvars(os.path.expanduser(value)))
+        p = p if p.is_absolute() else base / p
+        try:
+            value = yaml.safe_load(p.read_text())
+        except OSError as e:
+            raise ConfigError(f"policy: cannot read policy preset {p}: {e.strerror or e}") from e
+        except yaml.YAMLError as e:
+            raise ConfigError(f"policy: {p} is not valid YAML: {e}") from e
+    return _check_keys(value, "policy", {"keep"})
 
 
 def _blob_size(v: Any, key: str) -> int:

@@ -299,21 +299,17 @@ class Hierarchy:
         return handle
 
     def _reserve(self, tier: Tier, key: CheckpointKey, blobs: tuple[BlobEntry, ...]) -> TierWriter:
-        try:
-            return tier.reserve(key, blobs)
-        except TierFullError:
-            if not self._make_room(tier, key):
-                raise
-            return tier.reserve(key, blobs)
-
-    def _make_room(self, tier: Tier, key: CheckpointKey) -> bool:
-        """Evict this tier's oldest checkpoints that another tier also holds; True if any went."""
-        elsewhere = {k for t in self._tiers if t is not tier for k in t.list_committed()}
-        victims = [k for k in tier.list_committed() if k in elsewhere and k != key]
-        for k in victims:
-            log.info("tier %r is full: evicting step %d (also held by another tier)", tier.name, k.step)
-            tier.evict(k)
-        return bool(victims)
+        """Reserve room on ``tier``; when it is full, evict its oldest copies that another tier also holds."""
+        while True:
+            try:
+                return tier.reserve(key, blobs)
+            except TierFullError:
+                elsewhere = {k for t in self._tiers if t is not tier for k in t.list_committed()}
+                victims = [k for k in tier.list_committed() if k in elsewhere and k != key]
+                if not victims:
+                    raise
+                log.info("tier %r is full: evicting step %d (another tier holds it)", tier.name, victims[0].step)
+                tier.evict(victims[0])
 
     def _apply_retention(self) -> None:
         for t in self._tiers:

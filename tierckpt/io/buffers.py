@@ -10,13 +10,14 @@ alive until the I/O completes.
 from __future__ import annotations
 
 import ctypes
+import mmap
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
 
-__all__ = ["StagingPool", "aligned_empty", "memmove", "ptr_mv"]
+__all__ = ["MappedBuffer", "StagingPool", "aligned_empty", "memmove", "ptr_mv"]
 
 _PyMemoryView_FromMemory = ctypes.pythonapi.PyMemoryView_FromMemory
 _PyMemoryView_FromMemory.restype = ctypes.py_object
@@ -91,3 +92,25 @@ class StagingPool:
             yield buf
         finally:
             self.release(buf)
+
+
+class MappedBuffer:
+    """Page-aligned anonymous memory that restored tensors are carved from without copying.
+
+    Each tensor made by :meth:`tensor` owns a storage that starts at its first byte (storage offset 0,
+    storage size = tensor size), as a freshly allocated tensor would; torch APIs that look at the
+    storage (``set_rng_state``, ``torch.save``, ``untyped_storage()``) behave as usual. The memory is
+    returned to the OS once the last tensor carved from it is gone.
+    """
+
+    def __init__(self, nbytes: int) -> None:
+        self.nbytes = nbytes
+        self._map = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        self.addr = ctypes.addressof(ctypes.c_char.from_buffer(self._map))
+
+    def tensor(self, offset: int, nbytes: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+        """A tensor over ``nbytes`` at ``offset`` (which must suit ``dtype``'s alignment)."""
+        if offset < 0 or offset + nbytes > self.nbytes or nbytes <= 0:
+            raise ValueError(f"[{offset}, {offset + nbytes}) is outside a buffer of {self.nbytes} bytes")
+        window = (ctypes.c_char * nbytes).from_buffer(self._map, offset)
+        return torch.frombuffer(window, dtype=dtype).view(shape)

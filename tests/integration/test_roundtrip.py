@@ -1,0 +1,272 @@
+"""The Hierarchy contract of issue #2, end to end on real directories."""
+
+from __future__ import annotations
+
+import errno
+import filecmp
+import logging
+from collections import OrderedDict
+from pathlib import Path
+
+import pytest
+import torch
+
+from tierckpt import (
+    CheckpointNotFoundError,
+    ConfigError,
+    CorruptCheckpointError,
+    Hierarchy,
+    StateError,
+    TierckptError,
+    TierIOError,
+)
+from tierckpt.testing import FaultyTier
+from tierckpt.tiers.host import HostTier
+from tierckpt.tiers.local import LocalTier
+
+ALL_DTYPES = [
+    torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.complex64, torch.complex128,
+    torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8, torch.uint16, torch.uint32, torch.uint64,
+    torch.bool, torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz,
+]  # fmt: skip
+
+
+def cfg(tmp_path: Path, *tiers: str, **extra: object) -> dict:
+    kinds = {"host": {"name": "host", "kind": "host", "capacity": "512MiB"},
+             "ssd": {"name": "ssd", "kind": "local", "path": str(tmp_path / "ssd")},
+             "pfs": {"name": "pfs", "kind": "pfs", "path": str(tmp_path / "pfs")}}  # fmt: skip
+    return {"tiers": [kinds[t] for t in tiers], **extra}
+
+
+def rand(shape: tuple[int, ...], dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    n = 1
+    for s in shape:
+        n *= s
+    raw = torch.randint(0, 256, (n * dtype.itemsize,), dtype=torch.uint8, generator=g)
+    if dtype == torch.bool:
+        return (raw % 2).to(torch.bool).view(shape)
+    return raw.view(dtype).view(shape)
+
+
+def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    return torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)) if a.numel() else True
+
+
+def full_state() -> dict:
+    state: dict = {"dtypes": {}, "shapes": {}}
+    for i, dt in enumerate(ALL_DTYPES):
+        state["dtypes"][str(dt)] = rand((17, 5), dt, i)
+    base = rand((64, 48), torch.float32, 99)
+    state["shapes"] = {
+        "scalar": torch.tensor(3.5), "scalar_bf16": torch.tensor(1.25, dtype=torch.bfloat16),
+        "empty": torch.empty(0, 4), "empty3": torch.empty(2, 0, 3, dtype=torch.int16),
+        "transposed": base.t(), "sliced": base[::3, 5:20], "view_row": base[7], "base": base,
+        "expanded": torch.arange(4.0).expand(3, 4), "big": rand((1 << 20,), torch.float32, 5),
+        "conj": rand((4,), torch.complex64, 7).conj(),
+    }  # fmt: skip
+    state["plain"] = {"step": 12, "lr": 3e-4, "name": "run", "flags": [True, None], "betas": (0.9, 0.95),
+                      "blob": b"\x00\x01", "nested": {0: {"x": (1, [2, 3])}}, "od": OrderedDict(a=1)}  # fmt: skip
+    return state
+
+
+def assert_same(a: object, b: object, path: str = "state") -> None:
+    assert type(a) is type(b), path
+    if isinstance(a, torch.Tensor):
+        assert bits_equal(a.resolve_conj(), b), path  # type: ignore[arg-type]
+    elif isinstance(a, dict):
+        assert list(a) == list(b), path  # type: ignore[arg-type]
+        for k in a:
+            assert_same(a[k], b[k], f"{path}[{k!r}]")  # type: ignore[index]
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), path  # type: ignore[arg-type]
+        for i, (x, y) in enumerate(zip(a, b)):  # type: ignore[call-overload]
+            assert_same(x, y, f"{path}[{i}]")
+    else:
+        assert a == b, path
+
+
+@pytest.mark.parametrize("engine", ["threads", "uring"])
+@pytest.mark.parametrize("tiers", [("ssd",), ("host", "ssd", "pfs")])
+def test_every_dtype_and_shape_round_trips_bit_exact(tmp_path: Path, engine: str, tiers: tuple[str, ...]) -> None:
+    state = full_state()
+    with Hierarchy.from_config(cfg(tmp_path, *tiers, io={"engine": engine, "chunk": "256KiB"},
+                                   layout={"blob_size": "1MiB"})) as h:  # fmt: skip
+        h.save(state, step=100).wait()
+        back = h.restore()
+        assert_same(state, back)
+        for name in tiers:
+            assert_same(state, h.restore(step=100, tier=name))
+        assert back["shapes"]["base"].data_ptr() != state["shapes"]["base"].data_ptr()
+
+
+def test_restore_into_copies_in_place(tmp_path: Path) -> None:
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4))
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, 8)).sum().backward()
+    opt.step()
+    state = {"model": model.state_dict(), "optim": opt.state_dict(), "step": 1}
+    with Hierarchy.from_config(cfg(tmp_path, "ssd")) as h:
+        h.save(state, step=1).wait()
+        model2 = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4))
+        target = {"model": model2.state_dict(), "step": 0}
+        ptrs = [t.data_ptr() for t in target["model"].values()]
+        out = h.restore(into=target)
+        assert out is target and target["step"] == 1
+        assert [t.data_ptr() for t in target["model"].values()] == ptrs
+        for k, v in model.state_dict().items():
+            assert torch.equal(model2.state_dict()[k], v)
+        opt2 = torch.optim.AdamW(model2.parameters())
+        opt2.load_state_dict(target["optim"])  # the optimizer state (int keys, tuples) restores usable
+
+        bad = {"model": {k: torch.zeros(1) for k in model.state_dict()}}
+        before = [t.clone() for t in model2.parameters()]
+        with pytest.raises(StateError, match=r"target\['model'\]\['0.weight'\]: target is torch.float32 \(1,\)"):
+            h.restore(into=bad)
+        with pytest.raises(StateError, match=r"target\['missing'\]: key is not in the checkpoint"):
+            h.restore(into={"model": model2.state_dict(), "missing": torch.zeros(1)})
+        assert all(torch.equal(a, b) for a, b in zip(before, model2.parameters()))
+
+
+def test_same_state_same_bytes(tmp_path: Path) -> None:
+    paths = []
+    for run in ("a", "b"):
+        root = tmp_path / run
+        with Hierarchy.from_config(cfg(root, "ssd"), ) as h:
+            h.save(full_state(), step=3).wait()
+        paths.append(root / "ssd" / "step-000000000003" / "rank-00000")
+    names = sorted(p.name for p in paths[0].iterdir())
+    assert names == sorted(p.name for p in paths[1].iterdir())
+    assert all(filecmp.cmp(paths[0] / n, paths[1] / n, shallow=False) for n in names)
+
+
+def test_retention_and_records(tmp_path: Path) -> None:
+    with Hierarchy.from_config(cfg(tmp_path, "host", "ssd", "pfs", policy={"keep": {"host": 1, "ssd": 2}})) as h:
+        for step in range(1, 6):
+            h.save({"w": torch.full((10,), float(step))}, step=step).wait()
+        assert [(c.step, c.tiers) for c in h.checkpoints()] == [
+            (1, ("pfs",)), (2, ("pfs",)), (3, ("pfs",)), (4, ("ssd", "pfs")), (5, ("host", "ssd", "pfs"))]  # fmt: skip
+        assert h.restore(step=2)["w"][0] == 2.0
+        with pytest.raises(CheckpointNotFoundError, match="step 42 is not committed"):
+            h.restore(step=42)
+    with Hierarchy.from_config(cfg(tmp_path, "ssd", "pfs")) as h2:  # a new process sees the file tiers
+        assert h2.restore()["w"][0] == 5.0
+
+
+def test_restore_prefers_fastest_and_falls_back_on_corruption(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    with Hierarchy.from_config(cfg(tmp_path, "ssd", "pfs")) as h:
+        h.save({"w": torch.arange(1000.0)}, step=1).wait()
+        blob = tmp_path / "ssd" / "step-000000000001" / "rank-00000" / "blob-00000.bin"
+        data = bytearray(blob.read_bytes())
+        data[100] ^= 0xFF
+        blob.write_bytes(bytes(data))
+        with caplog.at_level(logging.WARNING):
+            assert torch.equal(h.restore()["w"], torch.arange(1000.0))
+        assert any("tier 'ssd'" in r.message and "checksum mismatch" in r.message for r in caplog.records)
+        with pytest.raises(CorruptCheckpointError, match=r"tier=ssd, step=1, blob=blob-00000.bin, key=state\['w'\]"):
+            h.restore(tier="ssd")
+
+
+def test_refused_values_leave_nothing_on_disk(tmp_path: Path) -> None:
+    with Hierarchy.from_config(cfg(tmp_path, "host", "ssd")) as h:
+        with pytest.raises(StateError, match=r"state\['optim'\]\['param_groups'\]\[0\]\['fn'\]"):
+            h.save({"w": torch.ones(3), "optim": {"param_groups": [{"fn": print}]}}, step=1)
+        assert h.checkpoints() == []
+        assert list((tmp_path / "ssd").iterdir()) == []
+        with pytest.raises(ValueError, match="step must be"):
+            h.save({}, step=-1)
+
+
+def test_failure_on_one_tier_does_not_stop_the_others(tmp_path: Path) -> None:
+    from tierckpt.io import make_engine
+
+    eng = make_engine("threads", 2)
+    good = LocalTier("ssd", tmp_path / "ssd", eng)
+    bad = FaultyTier(LocalTier("pfs", tmp_path / "pfs", eng), {"write": OSError(errno.EIO, "injected EIO")})
+    h = Hierarchy([HostTier("host", 64 << 20), good, bad])
+    handle = h.save({"w": torch.ones(100)}, step=1)
+    handle.wait(tier="ssd")
+    handle.wait(tier="host")
+    with pytest.raises(OSError, match="injected EIO"):
+        handle.wait()
+    assert set(handle.errors()) == {"pfs"}
+    assert [(c.step, c.tiers) for c in h.checkpoints()] == [(1, ("host", "ssd"))]
+    assert not list((tmp_path / "pfs").glob("step-*/.tmp-*"))
+    h.save({"w": torch.ones(100)}, step=2)  # not waited on: close() raises it
+    with pytest.raises(OSError, match="injected EIO"):
+        h.close()
+    eng.close()
+
+
+def test_commit_failure_is_isolated(tmp_path: Path) -> None:
+    from tierckpt.io import make_engine
+
+    eng = make_engine("threads", 2)
+    bad = FaultyTier(LocalTier("pfs", tmp_path / "pfs", eng), {"commit": TierIOError(errno.ENOSPC, "full")})
+    with Hierarchy([LocalTier("ssd", tmp_path / "ssd", eng), bad]) as h:
+        handle = h.save({"w": torch.ones(10)}, step=1)
+        with pytest.raises(TierIOError):
+            handle.wait()
+        assert isinstance(handle.errors()["pfs"], TierckptError)
+        assert [c.tiers for c in h.checkpoints()] == [("ssd",)]
+    eng.close()
+
+
+def test_host_capacity_evicts_copies_held_elsewhere(tmp_path: Path) -> None:
+    state = {"w": torch.zeros(3 << 20, dtype=torch.uint8)}
+    conf = cfg(tmp_path, "host", "ssd")
+    conf["tiers"][0]["capacity"] = "7MiB"
+    with Hierarchy.from_config(conf) as h:
+        h.save(state, step=1).wait()
+        h.save(state, step=2).wait()
+        h.save(state, step=3).wait()  # needs room: step 1 is on ssd too, so it leaves host memory
+        assert [c.tiers for c in h.checkpoints()] == [("ssd",), ("host", "ssd"), ("host", "ssd")]
+    with Hierarchy.from_config({"tiers": [{"name": "host", "kind": "host", "capacity": "1MiB"}]}) as h:
+        handle = h.save(state, step=1)
+        with pytest.raises(OSError) as ei:
+            handle.wait()
+        assert ei.value.errno == errno.ENOSPC and "capacity" in str(ei.value)
+
+
+def test_pickle_opt_in(tmp_path: Path) -> None:
+    with Hierarchy.from_config(cfg(tmp_path, "ssd")) as h:
+        h.save({"keys": {(1, 2): "x"}}, step=1, allow_pickle=True).wait()
+        with pytest.raises(StateError, match="pickled"):
+            h.restore()
+        assert h.restore(allow_pickle=True) == {"keys": {(1, 2): "x"}}
+
+
+def test_empty_and_tensorless_states(tmp_path: Path) -> None:
+    with Hierarchy.from_config(cfg(tmp_path, "host", "ssd")) as h:
+        h.save({}, step=1).wait()
+        h.save({"only": [1, "two"], "e": torch.empty(0)}, step=2).wait()
+        assert h.restore(step=1) == {}
+        back = h.restore()
+        assert back["only"] == [1, "two"] and back["e"].shape == (0,)
+
+
+def test_constructor_validation(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="at least one tier"):
+        Hierarchy([])
+    with pytest.raises(ConfigError, match="policy.keep.nvme"):
+        Hierarchy([HostTier("host")], policy={"keep": {"nvme": 1}})
+    h = Hierarchy([HostTier("host")])
+    h.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        h.save({}, step=1)
+
+
+def test_restored_tensors_own_their_storage(tmp_path: Path) -> None:
+    """Zero-copy restore must still look like fresh tensors to torch (set_rng_state once segfaulted on views)."""
+    state = {"rng": torch.get_rng_state(), "w": torch.randn(100, 7), "small": torch.arange(3, dtype=torch.int16)}
+    with Hierarchy.from_config(cfg(tmp_path, "ssd")) as h:
+        h.save(state, step=1).wait()
+        back = h.restore()
+    for t in back.values():
+        assert t.storage_offset() == 0
+        assert t.untyped_storage().nbytes() == t.numel() * t.element_size()
+    torch.set_rng_state(back["rng"])
+    assert torch.equal(torch.get_rng_state(), state["rng"])
+    back["w"].add_(1)  # writable

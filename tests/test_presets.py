@@ -1,0 +1,42 @@
+"""Every YAML preset in tiers/ and policies/ loads, so they never rot."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from tierckpt import Hierarchy
+from tierckpt.config import load_config, parse_config
+
+ROOT = Path(__file__).resolve().parent.parent
+TIER_PRESETS = sorted((ROOT / "tiers").glob("*.yaml"))
+POLICY_PRESETS = sorted((ROOT / "policies").glob("*.yaml"))
+
+
+def test_presets_exist() -> None:
+    assert TIER_PRESETS and POLICY_PRESETS
+
+
+@pytest.mark.parametrize("path", TIER_PRESETS, ids=lambda p: p.name)
+def test_tier_preset_loads(path: Path) -> None:
+    cfg = load_config(path)
+    assert cfg.tiers and all(t.path is None or t.path.is_absolute() for t in cfg.tiers)
+
+
+@pytest.mark.parametrize("path", POLICY_PRESETS, ids=lambda p: p.name)
+def test_policy_preset_loads(path: Path) -> None:
+    tiers = [{"name": n, "kind": "host"} for n in ("host", "ssd", "pfs")]
+    cfg = parse_config({"tiers": tiers, "policy": path.name}, base_dir=path.parent)
+    assert cfg.policy.keep and all(v >= 1 for v in cfg.policy.keep.values())
+
+
+def test_default_local_hierarchy_saves_and_restores(tmp_path: Path) -> None:
+    shutil.copytree(ROOT / "tiers", tmp_path / "tiers")
+    shutil.copytree(ROOT / "policies", tmp_path / "policies")
+    with Hierarchy.from_yaml(tmp_path / "tiers" / "local.yaml") as h:
+        h.save({"w": torch.ones(3)}, step=1).wait()
+        assert [c.tiers for c in h.checkpoints()] == [("host", "ssd", "pfs")]
+    assert (tmp_path / ".tierckpt" / "ssd" / "step-000000000001").is_dir()

@@ -1,0 +1,86 @@
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+
+import pytest
+import torch
+
+from tierckpt.errors import CorruptCheckpointError, StateError
+from tierckpt.format.tree import flatten, unflatten
+
+
+def round_trip(state: object, allow_pickle: bool = False) -> object:
+    flat = flatten(state, allow_pickle=allow_pickle)
+    return unflatten(flat.tree, lambda i: flat.tensors[i].tensor, len(flat.tensors), allow_pickle=allow_pickle)
+
+
+def test_plain_values_keep_their_types() -> None:
+    state = {
+        "none": None, "t": True, "f": False, "i": -3, "big": 2**80, "neg": -(2**70), "u64": 2**64 - 1,
+        "x": 1.5, "nan": math.nan, "s": "héllo", "b": b"\x00\xff", "l": [1, [2, (3, 4)]], "tup": (1, "a", (None,)),
+        "empty": {}, "int_keys": {0: "a", 7: {"b": 1}}, "od": OrderedDict([("z", 1), ("a", 2)]),
+        "dtype": torch.bfloat16, "device": torch.device("cpu"), "size": torch.Size([2, 3]),
+    }  # fmt: skip
+    back = round_trip(state)
+    assert isinstance(back, dict)
+    for k, v in state.items():
+        if k == "nan":
+            assert math.isnan(back[k])
+            continue
+        assert back[k] == v and type(back[k]) is type(v), k
+    assert type(back["l"][1][1]) is tuple
+    assert list(back["od"]) == ["z", "a"]
+
+
+def test_tensors_are_referenced_and_shared_ones_deduplicated() -> None:
+    w = torch.randn(3, 4)
+    state = {"a": w, "b": [w, w.t()], "c": (w[1],)}
+    flat = flatten(state)
+    assert [r.path for r in flat.tensors] == ["state['a']", "state['b'][1]", "state['c'][0]"]
+    back = round_trip(state)
+    assert back["a"] is back["b"][0]  # tied weights stay tied
+
+
+def test_refusals_name_the_key_path() -> None:
+    state = {"optim": {"param_groups": [{"lr": 1.0, "betas_fn": lambda: 0}]}}
+    with pytest.raises(StateError, match=r"state\['optim'\]\['param_groups'\]\[0\]\['betas_fn'\]"):
+        flatten(state)
+    with pytest.raises(StateError, match=r"state\['s'\]: cannot save a value of type builtins.set"):
+        flatten({"s": {1, 2}})
+    with pytest.raises(StateError, match=r"state\['d'\]: .*tuple key"):
+        flatten({"d": {(1, 2): 3}})
+    with pytest.raises(StateError, match="sparse"):
+        flatten({"sp": torch.eye(3).to_sparse()})
+
+
+class Custom:
+    def __init__(self, x: int) -> None:
+        self.x = x
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Custom) and other.x == self.x
+
+
+def test_pickle_is_opt_in_on_both_sides() -> None:
+    state = {"obj": Custom(3), "keys": {(1, 2): "x"}}
+    flat = flatten(state, allow_pickle=True)
+    assert flat.has_pickle
+    with pytest.raises(StateError, match="allow_pickle"):
+        unflatten(flat.tree, lambda i: flat.tensors[i].tensor, 0)
+    assert round_trip(state, allow_pickle=True) == state
+
+
+def test_same_state_same_tree() -> None:
+    def make() -> dict:
+        return {"a": torch.ones(2), "b": {"c": [1, 2.5, "x"], "d": (None, b"z")}}
+
+    assert flatten(make()).tree == flatten(make()).tree
+
+
+def test_malformed_tree_is_corrupt() -> None:
+    with pytest.raises(CorruptCheckpointError):
+        unflatten(b"\xc1garbage", lambda i: torch.zeros(1), 0)
+    flat = flatten({"a": torch.zeros(1)})
+    with pytest.raises(CorruptCheckpointError, match="out of range"):
+        unflatten(flat.tree, lambda i: torch.zeros(1), 0)

@@ -1,0 +1,121 @@
+"""Fault-injecting tier wrapper for tests (like DCP's ``FaultyStorageWriter``)."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Mapping, Sequence
+from concurrent.futures import Future
+
+from tierckpt.format.manifest import BlobEntry
+from tierckpt.tiers.base import CheckpointKey, Tier, TierReader, TierWriter
+
+__all__ = ["FaultyTier"]
+
+METHODS = ("reserve", "write", "commit", "list_committed", "read_manifest", "read", "evict")
+
+
+class FaultyTier(Tier):
+    """Wraps a tier and raises chosen exceptions from chosen methods.
+
+    Args:
+        inner: the real tier (its name and capabilities are reused).
+        fail: method name → exception to raise (methods: reserve, write, commit, list_committed,
+            read_manifest, read, evict). ``write`` and ``read`` failures arrive through the future.
+        after: let this many calls of each failing method succeed first.
+
+    Attributes:
+        calls: how often each method was called.
+    """
+
+    def __init__(self, inner: Tier, fail: Mapping[str, BaseException], after: int = 0) -> None:
+        super().__init__(inner.name)
+        unknown = set(fail) - set(METHODS)
+        if unknown:
+            raise ValueError(f"cannot inject into {sorted(unknown)}; methods: {', '.join(METHODS)}")
+        self.inner, self.fail, self.after = inner, dict(fail), after
+        self.kind = f"faulty-{inner.kind}"
+        self.capabilities = inner.capabilities
+        self.preferred_blob_bytes = inner.preferred_blob_bytes
+        self.chunk_bytes = inner.chunk_bytes
+        self.calls: dict[str, int] = dict.fromkeys(METHODS, 0)
+        self._lock = threading.Lock()
+
+    def _hit(self, method: str) -> BaseException | None:
+        with self._lock:
+            self.calls[method] += 1
+            if method in self.fail and self.calls[method] > self.after:
+                return self.fail[method]
+        return None
+
+    def _check(self, method: str) -> None:
+        err = self._hit(method)
+        if err is not None:
+            raise err
+
+    def reserve(self, key: CheckpointKey, blobs: Sequence[BlobEntry]) -> TierWriter:
+        self._check("reserve")
+        return _FaultyWriter(self, self.inner.reserve(key, blobs))
+
+    def list_committed(self) -> list[CheckpointKey]:
+        self._check("list_committed")
+        return self.inner.list_committed()
+
+    def read_manifest(self, key: CheckpointKey) -> bytes:
+        self._check("read_manifest")
+        return self.inner.read_manifest(key)
+
+    def reader(self, key: CheckpointKey, blobs: Sequence[BlobEntry]) -> TierReader:
+        return _FaultyReader(self, self.inner.reader(key, blobs))
+
+    def evict(self, key: CheckpointKey) -> None:
+        self._check("evict")
+        self.inner.evict(key)
+
+    def used_bytes(self) -> int:
+        return self.inner.used_bytes()
+
+    def describe(self) -> str:
+        return f"faulty({self.inner.describe()})"
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+def _failed(err: BaseException) -> Future[int]:
+    f: Future[int] = Future()
+    f.set_exception(err)
+    return f
+
+
+class _FaultyWriter(TierWriter):
+    def __init__(self, tier: FaultyTier, inner: TierWriter) -> None:
+        self.tier, self.inner = tier, inner
+
+    def buffer(self, blob: int):  # type: ignore[no-untyped-def]
+        return None if "write" in self.tier.fail else self.inner.buffer(blob)
+
+    def write(self, blob: int, offset: int, addr: int, nbytes: int) -> Future[int]:
+        err = self.tier._hit("write")
+        return _failed(err) if err is not None else self.inner.write(blob, offset, addr, nbytes)
+
+    def commit(self, manifest: bytes) -> None:
+        err = self.tier._hit("commit")
+        if err is not None:
+            self.inner.abort()
+            raise err
+        self.inner.commit(manifest)
+
+    def abort(self) -> None:
+        self.inner.abort()
+
+
+class _FaultyReader(TierReader):
+    def __init__(self, tier: FaultyTier, inner: TierReader) -> None:
+        self.tier, self.inner = tier, inner
+
+    def read(self, blob: int, offset: int, addr: int, nbytes: int) -> Future[int]:
+        err = self.tier._hit("read")
+        return _failed(err) if err is not None else self.inner.read(blob, offset, addr, nbytes)
+
+    def close(self) -> None:
+        self.inner.close()
