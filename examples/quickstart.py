@@ -103,8 +103,10 @@ def main() -> None:
     tied = model2.head.weight is model2.tok.weight
     next_a = train_step(model, opt, args.steps + 1)
     next_b = train_step(model2, opt2, args.steps + 1)
-    print(f"weights identical: {same}; tied weights still tied: {tied}; "
-          f"next-step loss {next_a:.6f} vs {next_b:.6f} -> {'resumed exactly' if next_a == next_b else 'MISMATCH'}")
+    print(
+        f"weights identical: {same}; tied weights still tied: {tied}; "
+        f"next-step loss {next_a:.6f} vs {next_b:.6f} -> {'resumed exactly' if next_a == next_b else 'MISMATCH'}"
+    )
     if not (same and next_a == next_b):
         raise SystemExit(1)
 

@@ -78,7 +78,10 @@ def _cmd_verify(args: argparse.Namespace) -> int:
         else:
             for s, t, e in results:
                 print(f"step {s} on {t}: {'ok' if e is None else f'CORRUPT: {e}'}")
-            print(f"{len(results) - len(bad)} of {len(results)} copies verified" + (f", {len(bad)} damaged" if bad else ""))
+            print(
+                f"{len(results) - len(bad)} of {len(results)} copies verified"
+                + (f", {len(bad)} damaged" if bad else "")
+            )
     return 1 if bad else 0
 
 
@@ -103,7 +106,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``tierckpt`` console script."""
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.ERROR, format="%(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.ERROR, format="%(levelname)s %(name)s: %(message)s"
+    )
     try:
         return int(args.func(args))
     except CheckpointNotFoundError as e:

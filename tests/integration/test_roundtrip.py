@@ -134,7 +134,9 @@ def test_same_state_same_bytes(tmp_path: Path) -> None:
     paths = []
     for run in ("a", "b"):
         root = tmp_path / run
-        with Hierarchy.from_config(cfg(root, "ssd"), ) as h:
+        with Hierarchy.from_config(
+            cfg(root, "ssd"),
+        ) as h:
             h.save(full_state(), step=3).wait()
         paths.append(root / "ssd" / "step-000000000003" / "rank-00000")
     names = sorted(p.name for p in paths[0].iterdir())

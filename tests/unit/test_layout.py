@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import itertools
 import random
 
 import pytest
@@ -22,7 +23,7 @@ def check(lengths: list[int], align: int, blob: int) -> None:
         assert s % align == 0 and s > 0
     for ranges in spans.values():
         ranges.sort()
-        assert all(a[1] <= b[0] for a, b in zip(ranges, ranges[1:]))
+        assert all(a[1] <= b[0] for a, b in itertools.pairwise(ranges))
     for b, size in enumerate(lay.blob_sizes):  # a blob only exceeds the target when one item does
         if size > blob:
             assert any(e.blob == b and e.length > blob - align for e in lay.extents)

@@ -41,7 +41,11 @@ def test_large_tree_is_compressed_transparently() -> None:
 
 def reframe(payload: dict) -> bytes:
     body = msgpack.packb(payload, use_bin_type=True)
-    return struct.pack("<8sHHIQ", b"TIERCKPT", 1, 0, 0, len(body)) + body + struct.pack("<Q", xxhash.xxh3_64_intdigest(body))
+    return (
+        struct.pack("<8sHHIQ", b"TIERCKPT", 1, 0, 0, len(body))
+        + body
+        + struct.pack("<Q", xxhash.xxh3_64_intdigest(body))
+    )
 
 
 def payload() -> dict:
