@@ -7,6 +7,7 @@ zero-copy views into those buffers. ``copy_into`` then moves a verified state in
 
 from __future__ import annotations
 
+import ctypes
 import logging
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -71,19 +72,34 @@ def _read_blobs(
 
 
 def _verifier(tier: Tier, key: CheckpointKey, m: Manifest) -> Callable[[int, MappedBuffer], None]:
+    """Checks every tensor's checksum, and that every byte no tensor covers is zero (format.md: gaps
+    and padding are zero), so that damage anywhere in a blob is found."""
     by_blob: dict[int, list[int]] = {}
     for i, t in enumerate(m.tensors):
         if t.length:
             by_blob.setdefault(t.blob, []).append(i)
+    for ids in by_blob.values():
+        ids.sort(key=lambda i: m.tensors[i].offset)
 
     def verify(bi: int, buf: MappedBuffer) -> None:
-        base = buf.addr
+        base, end = buf.addr, 0
         for i in by_blob.get(bi, ()):
             t = m.tensors[i]
+            if t.offset > end:
+                _check_zero(base, end, t.offset, bi)
             if xxhash.xxh3_64_intdigest(ptr_mv(base + t.offset, t.length, writable=False)) != t.checksum:
                 raise CorruptCheckpointError(
                     "checksum mismatch", tier=tier.name, step=key.step, blob=m.blobs[bi].name, key=t.path
                 )
+            end = t.offset + t.length
+        if m.blobs[bi].size > end:
+            _check_zero(base, end, m.blobs[bi].size, bi)
+
+    def _check_zero(base: int, start: int, stop: int, bi: int) -> None:
+        if ctypes.string_at(base + start, stop - start).count(0) != stop - start:
+            raise CorruptCheckpointError(
+                f"padding bytes [{start}, {stop}) are not zero", tier=tier.name, step=key.step, blob=m.blobs[bi].name
+            )
 
     return verify
 
