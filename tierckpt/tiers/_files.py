@@ -30,7 +30,7 @@ from concurrent.futures import Future
 from pathlib import Path
 
 from tierckpt.config import TierConfig
-from tierckpt.errors import CheckpointNotFoundError, ConfigError, TierFullError, TierIOError
+from tierckpt.errors import CheckpointNotFoundError, ConfigError, CorruptCheckpointError, TierFullError, TierIOError
 from tierckpt.format.manifest import BlobEntry
 from tierckpt.io.engine import IOEngine
 from tierckpt.io.fsutil import fsync_dir, probe_direct
@@ -186,6 +186,8 @@ class FileTier(Tier):
                     if m.group(1) == "old" and not (step / e.name.replace(".old-", "", 1)[:10]).exists():
                         continue  # an interrupted non-atomic replace: keep the only copy for inspection
                     shutil.rmtree(e.path, ignore_errors=True)
+            with contextlib.suppress(OSError):
+                step.rmdir()  # empty after a killed save; fails harmlessly when anything is inside
 
     def _step_dirs(self) -> list[Path]:
         try:
@@ -220,6 +222,8 @@ class FileTier(Tier):
         try:
             return p.read_bytes()
         except FileNotFoundError:
+            if p.parent.is_dir():  # listed as committed, yet its manifest is gone: damage, not absence
+                raise CorruptCheckpointError(f"manifest {p} is missing", tier=self.name, step=key.step) from None
             raise CheckpointNotFoundError(
                 f"tier {self.name!r} holds no checkpoint for step {key.step} rank {key.rank}"
             ) from None
@@ -265,8 +269,14 @@ class _FileWriter(TierWriter):
         self._open = True
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | (os.O_DIRECT if tier.direct else 0)
         try:
-            self.step_dir.mkdir(exist_ok=True)
-            self.tmp.mkdir()
+            for attempt in (0, 1):  # another process may remove an empty step directory between the two
+                self.step_dir.mkdir(exist_ok=True)
+                try:
+                    self.tmp.mkdir()
+                    break
+                except FileNotFoundError:
+                    if attempt:
+                        raise
             for b in self.blobs:
                 fd = os.open(self.tmp / b.name, flags, 0o644)
                 self.fds.append(fd)
@@ -340,8 +350,10 @@ class _FileReader(TierReader):
                 flags = os.O_RDONLY | os.O_CLOEXEC
                 try:
                     fd = os.open(p, flags | (os.O_DIRECT if self.tier.direct else 0))
-                except FileNotFoundError:
-                    raise CheckpointNotFoundError(f"tier {self.tier.name!r}: blob {p} is missing") from None
+                except FileNotFoundError:  # the rank directory is committed, so this is damage
+                    raise CorruptCheckpointError(
+                        f"blob file {p} is missing", tier=self.tier.name, blob=self.blobs[blob].name
+                    ) from None
                 except OSError as e:
                     raise _io_error(self.tier.name, f"cannot open {p}", e) from None
                 self._fds[blob] = fd
