@@ -7,7 +7,6 @@ from pathlib import Path
 
 import pytest
 
-from tierckpt.io.engine import make_engine
 from tierckpt.testing.conformance import TierConformanceTests
 from tierckpt.tiers.base import Tier
 from tierckpt.tiers.host import HostTier
@@ -21,16 +20,6 @@ class TestHostTier(TierConformanceTests):
         t = HostTier("host", capacity_bytes=64 << 20)
         yield t
         t.close()
-
-
-@pytest.fixture(params=["threads", "uring"])
-def engine(request: pytest.FixtureRequest) -> Iterator[object]:
-    try:
-        e = make_engine(request.param, 4)
-    except OSError as err:
-        pytest.skip(f"io_uring unavailable here: {err}")
-    yield e
-    e.close()
 
 
 class TestLocalTier(TierConformanceTests):

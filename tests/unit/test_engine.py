@@ -3,7 +3,6 @@ from __future__ import annotations
 import errno
 import logging
 import os
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -14,16 +13,6 @@ from tierckpt.io import aligned_empty, make_engine
 from tierckpt.io.buffers import StagingPool
 from tierckpt.io.engine import IOEngine
 from tierckpt.io.threadpool import ThreadEngine
-
-
-@pytest.fixture(params=["threads", "uring"])
-def engine(request: pytest.FixtureRequest) -> Iterator[IOEngine]:
-    try:
-        e = make_engine(request.param, 4)
-    except OSError as err:
-        pytest.skip(f"io_uring unavailable here: {err}")
-    yield e
-    e.close()
 
 
 @pytest.mark.parametrize("direct", [False, True])
