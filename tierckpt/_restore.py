@@ -1,16 +1,18 @@
 """Restore data path: read one tier's copy of a checkpoint, verify it, rebuild the state.
 
-Blobs are read in aligned chunks into aligned buffers (O_DIRECT where the tier uses it), every tensor's
-checksum is verified as soon as its blob has arrived (while later reads are in flight), and tensors are
-zero-copy views into those buffers. ``copy_into`` then moves a verified state into existing tensors.
+Blobs are read in aligned chunks into fresh page-aligned buffers (O_DIRECT where the tier uses it),
+whose pages helper threads fault in just ahead of the reads; every tensor's checksum is verified, and
+its zero-copy view built, as soon as the chunk that completes it has arrived (while later reads are in
+flight). ``copy_into`` then moves a verified state into existing tensors.
 """
 
 from __future__ import annotations
 
-import ctypes
+import contextlib
 import logging
+import os
 from collections.abc import Callable
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -25,6 +27,7 @@ from tierckpt.tiers.base import CheckpointKey, Tier
 __all__ = ["copy_into", "load_manifest", "read_checkpoint", "verify_checkpoint"]
 
 log = logging.getLogger(__name__)
+_PREFAULT_THREADS = max(1, min(4, os.cpu_count() or 1))
 
 
 def load_manifest(tier: Tier, key: CheckpointKey) -> Manifest:
@@ -43,60 +46,98 @@ def load_manifest(tier: Tier, key: CheckpointKey) -> Manifest:
 
 
 def _read_blobs(
-    tier: Tier, key: CheckpointKey, m: Manifest, on_blob: Callable[[int, MappedBuffer], None]
+    tier: Tier, key: CheckpointKey, m: Manifest, on_data: Callable[[int, MappedBuffer, int], object]
 ) -> list[MappedBuffer]:
+    """Read every blob into fresh page-aligned buffers.
+
+    ``on_data(i, buf, upto)`` runs (in this thread) each time the first ``upto`` bytes of blob i are in,
+    chunk by chunk, so checking and rebuilding overlap the reads still in flight.
+
+    The buffers' pages are faulted in by ``_PREFAULT_THREADS`` helper threads ahead of the reads (each
+    helper populates a chunk, then submits its read), so the page faults of fresh memory overlap the I/O
+    instead of running inside it (see :func:`tierckpt.io.buffers.populate`). The first chunk is read in
+    quarters, so the disk starts after a quarter chunk is populated.
+    """
     chunk = max(m.align, getattr(tier, "chunk_bytes", 64 << 20) // m.align * m.align)
+    first = max(m.align, chunk // 4 // m.align * m.align)
     bufs = [MappedBuffer(b.size) for b in m.blobs]  # page-aligned: fine for O_DIRECT
     reader = tier.reader(key, m.blobs)
-    futs: list[list[tuple[int, int, Future[int]]]] = []
+
+    def prep(bi: int, off: int, n: int) -> Future[int]:
+        bufs[bi].populate(off, n)
+        return reader.read(bi, off, bufs[bi].addr + off, n)
+
+    pieces: list[tuple[int, int, int]] = []  # (blob, offset, length) in reading order
+    for bi, b in enumerate(m.blobs):
+        off = 0
+        while off < b.size:
+            n = min(first if bi == 0 and off < chunk else chunk, b.size - off)
+            pieces.append((bi, off, n))
+            off += n
+    pool = ThreadPoolExecutor(_PREFAULT_THREADS, thread_name_prefix="tierckpt-prefault")
+    tasks: list[Future[Future[int]]] = []
     try:
-        for bi, (b, buf) in enumerate(zip(m.blobs, bufs)):
-            futs.append([(o, min(chunk, b.size - o), reader.read(bi, o, buf.addr + o, min(chunk, b.size - o)))
-                         for o in range(0, b.size, chunk)])  # fmt: skip
-        for bi, blob_futs in enumerate(futs):
-            for off, n, f in blob_futs:
-                got = f.result()
-                if got != n:
-                    raise CorruptCheckpointError(
-                        f"blob is truncated: read {got} of {n} bytes at offset {off}",
-                        tier=tier.name, step=key.step, blob=m.blobs[bi].name,
-                    )  # fmt: skip
-            on_blob(bi, bufs[bi])
+        tasks = [pool.submit(prep, bi, off, n) for bi, off, n in pieces]
+        for (bi, off, n), t in zip(pieces, tasks):
+            got = t.result().result()
+            if got != n:
+                raise CorruptCheckpointError(
+                    f"blob is truncated: read {got} of {n} bytes at offset {off}",
+                    tier=tier.name, step=key.step, blob=m.blobs[bi].name,
+                )  # fmt: skip
+            on_data(bi, bufs[bi], off + n)
     finally:
-        for blob_futs in futs:  # never free a buffer the engine may still be reading into
-            for _, _, f in blob_futs:
-                if not f.done():
-                    f.exception()
+        for t in tasks:  # never free a buffer the engine may still be reading into
+            if t.cancel():
+                continue
+            with contextlib.suppress(Exception):  # the error, if any, was raised above
+                t.result().exception()
+        pool.shutdown(wait=True)
         reader.close()
     return bufs
 
 
-def _verifier(tier: Tier, key: CheckpointKey, m: Manifest) -> Callable[[int, MappedBuffer], None]:
+def _verifier(tier: Tier, key: CheckpointKey, m: Manifest) -> Callable[[int, MappedBuffer, int], list[int]]:
     """Checks every tensor's checksum, and that every byte no tensor covers is zero (format.md: gaps
-    and padding are zero), so that damage anywhere in a blob is found."""
+    and padding are zero), so that damage anywhere in a blob is found.
+
+    The returned function is called with a blob's received prefix (``upto`` bytes, growing); it checks
+    what lies wholly inside it and was not checked yet, and returns the indices of the tensors checked.
+    """
     by_blob: dict[int, list[int]] = {}
     for i, t in enumerate(m.tensors):
         if t.length:
             by_blob.setdefault(t.blob, []).append(i)
     for ids in by_blob.values():
         ids.sort(key=lambda i: m.tensors[i].offset)
+    done = [(0, 0)] * len(m.blobs)  # per blob: tensors checked (position in by_blob), bytes checked
+    tensors, digest = m.tensors, xxhash.xxh3_64_intdigest
 
-    def verify(bi: int, buf: MappedBuffer) -> None:
-        base, end = buf.addr, 0
-        for i in by_blob.get(bi, ()):
-            t = m.tensors[i]
+    def verify(bi: int, buf: MappedBuffer, upto: int) -> list[int]:
+        ids = by_blob.get(bi, ())
+        k, end = done[bi]
+        k0 = k
+        view = ptr_mv(buf.addr, buf.nbytes, writable=False)  # sliced per tensor: cheaper than a view each
+        while k < len(ids):
+            t = tensors[ids[k]]
+            if t.offset + t.length > upto:
+                break
             if t.offset > end:
-                _check_zero(base, end, t.offset, bi)
-            if xxhash.xxh3_64_intdigest(ptr_mv(base + t.offset, t.length, writable=False)) != t.checksum:
+                _check_zero(view, end, t.offset, bi)
+            if digest(view[t.offset : t.offset + t.length]) != t.checksum:
                 raise CorruptCheckpointError(
                     "checksum mismatch", tier=tier.name, step=key.step, blob=m.blobs[bi].name, key=t.path
                 )
             end = t.offset + t.length
-        if m.blobs[bi].size > end:
-            _check_zero(base, end, m.blobs[bi].size, bi)
+            k += 1
+        if k == len(ids) and upto >= m.blobs[bi].size and m.blobs[bi].size > end:
+            _check_zero(view, end, m.blobs[bi].size, bi)
+            end = m.blobs[bi].size
+        done[bi] = (k, end)
+        return list(ids[k0:k])
 
-    def _check_zero(base: int, start: int, stop: int, bi: int) -> None:
-        if ctypes.string_at(base + start, stop - start).count(0) != stop - start:
+    def _check_zero(view: memoryview, start: int, stop: int, bi: int) -> None:
+        if view[start:stop].tobytes().count(0) != stop - start:
             raise CorruptCheckpointError(
                 f"padding bytes [{start}, {stop}) are not zero", tier=tier.name, step=key.step, blob=m.blobs[bi].name
             )
@@ -124,8 +165,15 @@ def read_checkpoint(tier: Tier, key: CheckpointKey, *, allow_pickle: bool = Fals
             f"step {key.step} on tier {tier.name!r} holds pickled values; pass allow_pickle=True "
             "to restore() only if you trust where it came from"
         )
-    bufs = _read_blobs(tier, key, m, _verifier(tier, key, m))
     cache: dict[int, torch.Tensor] = {}
+    verify = _verifier(tier, key, m)
+
+    def on_data(bi: int, buf: MappedBuffer, upto: int) -> None:
+        for i in verify(bi, buf, upto):  # build the views now, while later chunks are still being read
+            e = m.tensors[i]
+            cache[i] = buf.tensor(e.offset, e.length, dtype_from_name(e.dtype), e.shape)
+
+    bufs = _read_blobs(tier, key, m, on_data)
 
     def tensor_at(i: int) -> torch.Tensor:
         t = cache.get(i)
