@@ -418,7 +418,7 @@ def test_manifest_with_out_of_bounds_extent_is_refused(one: Hierarchy, monkeypat
     mpath = rank_dir(one, "ssd", 8) / "manifest"
     m = decode_manifest(mpath.read_bytes())
     t0 = m.tensors[0]
-    moved = dataclasses.replace(t0, offset=m.blobs[t0.blob].size - t0.length // 2 // 64 * 64)
+    moved = t0._replace(offset=m.blobs[t0.blob].size - t0.length // 2 // 64 * 64)
     mpath.write_bytes(encode_manifest(dataclasses.replace(m, tensors=(moved, *m.tensors[1:]))))
     no_blob_reads(monkeypatch, one)
     with pytest.raises(CorruptCheckpointError, match="exceeds blob size"):

@@ -38,3 +38,24 @@ def test_unknown_or_broken_kinds() -> None:
     register_tier("broken-test", "no_such_module_xyz:Tier")
     with pytest.raises(ConfigError, match="cannot be imported"):
         get_tier_class("broken-test")
+
+
+def test_gc_pause_is_reentrant_and_restores_state() -> None:
+    import gc
+
+    from tierckpt.hierarchy import _gc_paused
+
+    assert gc.isenabled()
+    with _gc_paused():
+        assert not gc.isenabled()
+        with _gc_paused():
+            assert not gc.isenabled()
+        assert not gc.isenabled()
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with _gc_paused():
+            pass
+        assert not gc.isenabled()  # a caller that disabled gc keeps it disabled
+    finally:
+        gc.enable()

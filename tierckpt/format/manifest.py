@@ -11,7 +11,7 @@ import math
 import re
 import struct
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgpack
 import torch
@@ -54,9 +54,13 @@ def _dtype_table() -> dict[str, torch.dtype]:
 _DTYPES = _dtype_table()
 
 
+_NAMES = {dt: name for name, dt in _DTYPES.items()}
+
+
 def dtype_name(dt: torch.dtype) -> str:
     """Canonical name of a dtype in the manifest (``bfloat16``, ``float8_e4m3fn`` …)."""
-    return str(dt).removeprefix("torch.")
+    name = _NAMES.get(dt)
+    return name if name is not None else str(dt).removeprefix("torch.")
 
 
 def dtype_from_name(name: str) -> torch.dtype:
@@ -64,16 +68,14 @@ def dtype_from_name(name: str) -> torch.dtype:
     return _DTYPES[name]
 
 
-@dataclass(frozen=True)
-class BlobEntry:
+class BlobEntry(NamedTuple):
     """One blob file of this rank: its file name inside the checkpoint directory and its size."""
 
     name: str
     size: int
 
 
-@dataclass(frozen=True)
-class TensorEntry:
+class TensorEntry(NamedTuple):
     """One stored tensor: first key path, dtype, shape and extent, and the xxh3_64 of its bytes."""
 
     path: str
@@ -222,30 +224,31 @@ def decode_manifest(data: bytes) -> Manifest:
 
     _want(isinstance(d["tensors"], list), "tensors is not a list")
     tensors = []
+    n_blobs, u64 = len(blobs), (1 << 64) - 1
     for i, t in enumerate(d["tensors"]):
-        _want(isinstance(t, list) and len(t) == 7, f"tensors[{i}] is malformed")
+        # Messages are built only on failure: this loop runs once per tensor (20,000 in small states).
+        if not (isinstance(t, list) and len(t) == 7 and isinstance(t[0], str)):
+            raise _bad(f"tensors[{i}] is malformed")
         path, dt, shape, blob, off, length, checksum = t
-        _want(isinstance(path, str), f"tensors[{i}] path is not a string")
-        where = f"tensor {path}"
-        _want(isinstance(dt, str) and dt in _DTYPES, f"{where}: unknown dtype {dt!r}")
-        _want(
-            isinstance(shape, list) and len(shape) <= _MAX_DIMS and all(_is_int(s) for s in shape),
-            f"{where}: bad shape {shape!r}",
-        )
-        _want(_is_int(blob) and _is_int(off) and _is_int(length), f"{where}: bad extent")
-        _want(_is_int(checksum, 0, (1 << 64) - 1), f"{where}: bad checksum")
-        itemsize = _DTYPES[dt].itemsize
-        _want(
-            math.prod(shape) * itemsize == length,
-            f"{where}: length {length} != {math.prod(shape)} x {itemsize} bytes",
-        )
+        dtype = _DTYPES.get(dt) if isinstance(dt, str) else None
+        if dtype is None:
+            raise _bad(f"tensor {path}: unknown dtype {dt!r}")
+        if not (isinstance(shape, list) and len(shape) <= _MAX_DIMS and all(_is_int(s) for s in shape)):
+            raise _bad(f"tensor {path}: bad shape {shape!r}")
+        if not (_is_int(blob) and _is_int(off) and _is_int(length)):
+            raise _bad(f"tensor {path}: bad extent")
+        if not _is_int(checksum, 0, u64):
+            raise _bad(f"tensor {path}: bad checksum")
+        itemsize = dtype.itemsize
+        if math.prod(shape) * itemsize != length:
+            raise _bad(f"tensor {path}: length {length} != {math.prod(shape)} x {itemsize} bytes")
         if length:
-            _want(blob < len(blobs), f"{where}: blob {blob} does not exist (have {len(blobs)})")
-            _want(off % itemsize == 0 or itemsize == 0, f"{where}: offset {off} is not aligned to its dtype")
-            _want(
-                off + length <= blobs[blob].size,
-                f"{where}: extent [{off}, {off + length}) exceeds blob size {blobs[blob].size}",
-            )
+            if blob >= n_blobs:
+                raise _bad(f"tensor {path}: blob {blob} does not exist (have {n_blobs})")
+            if itemsize and off % itemsize:
+                raise _bad(f"tensor {path}: offset {off} is not aligned to its dtype")
+            if off + length > blobs[blob].size:
+                raise _bad(f"tensor {path}: extent [{off}, {off + length}) exceeds blob size {blobs[blob].size}")
         tensors.append(TensorEntry(path, dt, tuple(shape), blob, off, length, checksum))
     spans = sorted((t.blob, t.offset, t.offset + t.length, t.path) for t in tensors if t.length)
     for a, b in itertools.pairwise(spans):

@@ -36,7 +36,6 @@ __all__ = ["FlatState", "TensorRef", "flatten", "format_path", "unflatten"]
 EXT_TUPLE, EXT_TENSOR, EXT_PICKLE, EXT_ODICT, EXT_BIGINT, EXT_DTYPE, EXT_DEVICE, EXT_SIZE = range(1, 9)
 _I64_MIN, _U64_MAX = -(1 << 63), (1 << 64) - 1
 _PLAIN = (type(None), bool, int, float, str, bytes)
-_SUPPORTED_LAYOUTS = (torch.strided,)
 
 
 def format_path(path: tuple[Any, ...], root: str = "state") -> str:
@@ -59,10 +58,6 @@ class FlatState:
     tree: bytes
     tensors: tuple[TensorRef, ...]
     has_pickle: bool
-
-
-def _tensor_identity(t: torch.Tensor) -> tuple[Any, ...]:
-    return (t.device, t.dtype, t.data_ptr(), t.storage_offset(), tuple(t.shape), t.stride())
 
 
 def flatten(state: Any, *, allow_pickle: bool = False) -> FlatState:
@@ -128,14 +123,15 @@ def flatten(state: Any, *, allow_pickle: bool = False) -> FlatState:
         return pickled(v, path, f"a value of type {tv.__module__}.{tv.__qualname__}")
 
     def tensor_index(t: torch.Tensor, path: tuple[Any, ...]) -> int:
-        if t.layout not in _SUPPORTED_LAYOUTS or t.is_quantized or t.is_meta or t.is_nested:
+        if t.layout is not torch.strided or t.is_quantized or t.is_meta or t.is_nested:
             raise StateError(f"{format_path(path)}: cannot save a {t.layout} / quantized / meta / nested tensor")
-        t = t.detach()
-        if t.is_conj():
+        if t.requires_grad:
+            t = t.detach()
+        if t.is_complex() and t.is_conj():
             t = t.resolve_conj()
         if t.is_neg():
             t = t.resolve_neg()
-        ident = _tensor_identity(t)
+        ident = (t.device, t.dtype, t.data_ptr(), t.storage_offset(), t.shape, t.stride())
         idx = seen.get(ident)
         if idx is None:
             idx = seen[ident] = len(tensors)
