@@ -173,18 +173,13 @@ def read_checkpoint(tier: Tier, key: CheckpointKey, *, allow_pickle: bool = Fals
             e = m.tensors[i]
             cache[i] = buf.tensor(e.offset, e.length, dtype_from_name(e.dtype), e.shape)
 
-    bufs = _read_blobs(tier, key, m, on_data)
+    _read_blobs(tier, key, m, on_data)  # every non-empty tensor is in the cache once this returns
 
     def tensor_at(i: int) -> torch.Tensor:
         t = cache.get(i)
-        if t is None:
+        if t is None:  # only zero-size tensors have no bytes to carve
             e = m.tensors[i]
-            dt = dtype_from_name(e.dtype)
-            if e.length == 0:
-                t = torch.empty(e.shape, dtype=dt)
-            else:
-                t = bufs[e.blob].tensor(e.offset, e.length, dt, e.shape)
-            cache[i] = t
+            t = cache[i] = torch.empty(e.shape, dtype=dtype_from_name(e.dtype))
         return t
 
     try:

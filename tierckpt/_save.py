@@ -139,9 +139,7 @@ def pack_and_write(
                         if a > cursor:
                             _zero(view, cursor - c0, a - c0)
                         if not src:
-                            held = tensors[i].tensor
-                            if not (held.is_cpu and held.is_contiguous()):
-                                held = contiguous_cpu(held)
+                            held = contiguous_cpu(tensors[i].tensor)
                             src = held.data_ptr()
                             if a == off and z == end and z - a <= _BLOCK_BYTES:  # whole small tensor
                                 memmove(base + a, src, z - a)

@@ -3,15 +3,14 @@
 from __future__ import annotations
 
 import contextlib
-import functools
 import gc
 import logging
 import os
 import threading
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
 from tierckpt._restore import copy_into, load_manifest, read_checkpoint, verify_checkpoint
 from tierckpt._save import pack_and_write
@@ -35,7 +34,6 @@ from tierckpt.tiers.base import CheckpointKey, EngineSource, Tier, TierWriter
 __all__ = ["CheckpointInfo", "Hierarchy", "SaveHandle"]
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
 _STAGING_SLOTS = 3
 
 
@@ -113,7 +111,7 @@ _gc_state = {"depth": 0, "was_enabled": False}
 
 @contextlib.contextmanager
 def _gc_paused() -> Iterator[None]:
-    """Pause the cyclic garbage collector (re-entrant, thread-safe). With 20,000 tensors it otherwise
+    """Pause the cyclic garbage collector (re-entrant, thread-safe; also a decorator). With 20,000 tensors it otherwise
     runs dozens of times per save or restore and doubles the Python-side cost; reference counting
     still frees everything meanwhile."""
     with _gc_lock:
@@ -128,15 +126,6 @@ def _gc_paused() -> Iterator[None]:
             _gc_state["depth"] -= 1
             if _gc_state["depth"] == 0 and _gc_state["was_enabled"]:
                 gc.enable()
-
-
-def _gc_paused_call(fn: Callable[..., T]) -> Callable[..., T]:
-    @functools.wraps(fn)
-    def wrapper(*args: Any, **kwargs: Any) -> T:
-        with _gc_paused():
-            return fn(*args, **kwargs)
-
-    return wrapper
 
 
 def _dist_rank() -> tuple[int, int]:
@@ -259,7 +248,7 @@ class Hierarchy:
             self._pool = StagingPool(_STAGING_SLOTS, round_up(self.io.chunk_bytes, self.align), self.align)
         return self._pool
 
-    @_gc_paused_call
+    @_gc_paused()
     def save(self, state: Any, *, step: int, allow_pickle: bool = False) -> SaveHandle:
         """Save ``state`` as ``step`` to every tier; returns when every tier has committed or failed.
 
@@ -383,7 +372,7 @@ class Hierarchy:
                 return i
         raise CheckpointNotFoundError(f"step {step} is not committed (committed steps: {[i.step for i in infos]})")
 
-    @_gc_paused_call
+    @_gc_paused()
     def restore(
         self,
         step: int | None = None,
