@@ -18,11 +18,12 @@ import torch
 import xxhash
 
 from tierckpt.format.layout import Layout
+from tierckpt.format.manifest import BlobEntry, Manifest, TensorEntry, dtype_name, encode_manifest
 from tierckpt.format.tree import FlatState
 from tierckpt.io.buffers import StagingPool, memmove, ptr_mv
 from tierckpt.tiers.base import TierWriter
 
-__all__ = ["contiguous_cpu", "pack_and_write"]
+__all__ = ["build_manifest", "contiguous_cpu", "pack_and_write"]
 
 log = logging.getLogger(__name__)
 _EMPTY_DIGEST = xxhash.xxh3_64_intdigest(b"")
@@ -166,3 +167,28 @@ def pack_and_write(
         while inflight:
             drain_one()
     return checksums
+
+
+def build_manifest(
+    flat: FlatState,
+    srcs: list[torch.Tensor],
+    layout: Layout,
+    blobs: tuple[BlobEntry, ...],
+    checksums: list[int],
+    *,
+    step: int,
+    rank: int,
+    world_size: int,
+    align: int,
+) -> bytes:
+    """The encoded manifest of a packed checkpoint (``srcs[i]`` is the tensor of ``flat.tensors[i]``)."""
+    return encode_manifest(
+        Manifest(
+            step=step, rank=rank, world_size=world_size, align=align, blobs=blobs,
+            tensors=tuple(
+                TensorEntry(r.path, dtype_name(t.dtype), tuple(t.shape), e.blob, e.offset, e.length, c)
+                for r, t, e, c in zip(flat.tensors, srcs, layout.extents, checksums)
+            ),
+            tree=flat.tree, has_pickle=flat.has_pickle,
+        )
+    )  # fmt: skip

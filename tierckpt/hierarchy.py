@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tierckpt._restore import copy_into, load_manifest, read_checkpoint, verify_checkpoint
-from tierckpt._save import pack_and_write
+from tierckpt._save import build_manifest, pack_and_write
 from tierckpt.config import HierarchyConfig, IOConfig, LayoutConfig, PolicyConfig, load_config, parse_config
 from tierckpt.errors import (
     CheckpointNotFoundError,
@@ -23,7 +23,7 @@ from tierckpt.errors import (
     TierFullError,
 )
 from tierckpt.format.layout import plan, round_up
-from tierckpt.format.manifest import BlobEntry, Manifest, TensorEntry, dtype_name, encode_manifest
+from tierckpt.format.manifest import BlobEntry, Manifest
 from tierckpt.format.tree import flatten
 from tierckpt.io.buffers import StagingPool
 from tierckpt.io.engine import IOEngine, make_engine
@@ -288,15 +288,9 @@ class Hierarchy:
                 flat, layout, writers, failed, self._staging, round_up(self.io.chunk_bytes, self.align),
                 on_staged=lambda: handle.staged.set_result(None),
             )  # fmt: skip
-            manifest = encode_manifest(
-                Manifest(
-                    step=step, rank=self.rank, world_size=self.world_size, align=self.align, blobs=blobs,
-                    tensors=tuple(
-                        TensorEntry(r.path, dtype_name(t.dtype), tuple(t.shape), e.blob, e.offset, e.length, c)
-                        for r, t, e, c in zip(flat.tensors, srcs, layout.extents, checksums)
-                    ),
-                    tree=flat.tree, has_pickle=flat.has_pickle,
-                )
+            manifest = build_manifest(
+                flat, srcs, layout, blobs, checksums, step=step, rank=self.rank, world_size=self.world_size,
+                align=self.align,
             )  # fmt: skip
         except BaseException as e:
             for w in writers.values():
