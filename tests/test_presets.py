@@ -10,6 +10,7 @@ import torch
 
 from tierckpt import Hierarchy
 from tierckpt.config import load_config, parse_config
+from tierckpt.tiers.host import HostTier
 
 ROOT = Path(__file__).resolve().parent.parent
 TIER_PRESETS = sorted((ROOT / "tiers").glob("*.yaml"))
@@ -30,7 +31,16 @@ def test_tier_preset_loads(path: Path) -> None:
 def test_policy_preset_loads(path: Path) -> None:
     tiers = [{"name": n, "kind": "host"} for n in ("host", "ssd", "pfs")]
     cfg = parse_config({"tiers": tiers, "policy": path.name}, base_dir=path.parent)
-    assert cfg.policy.keep and all(v >= 1 for v in cfg.policy.keep.values())
+    assert cfg.policy.keep or cfg.policy.demote or cfg.policy.promote_on_restore
+    assert set(cfg.policy.keep) | set(cfg.policy.demote) <= {"host", "ssd", "pfs"}
+    # and a hierarchy runs with it
+    h = Hierarchy([HostTier(n) for n in ("host", "ssd", "pfs")], policy=cfg.policy)
+    with h:
+        for s in range(1, 7):
+            h.save({"w": torch.full((4,), float(s))}, step=s)
+        h.wait()
+        assert h.checkpoints()[-1].tiers[0] == "host"
+        assert torch.equal(h.restore()["w"], torch.full((4,), 6.0))
 
 
 def test_default_local_hierarchy_saves_and_restores(tmp_path: Path) -> None:

@@ -6,7 +6,7 @@
 >>> state = h.restore()
 """
 
-from tierckpt.config import HierarchyConfig, IOConfig, LayoutConfig, PolicyConfig, TierConfig, load_config
+from tierckpt.config import DemoteConfig, HierarchyConfig, IOConfig, LayoutConfig, PolicyConfig, TierConfig, load_config
 from tierckpt.errors import (
     CheckpointNotFoundError,
     ConfigError,
@@ -28,6 +28,7 @@ __all__ = [
     "CheckpointNotFoundError",
     "ConfigError",
     "CorruptCheckpointError",
+    "DemoteConfig",
     "Hierarchy",
     "HierarchyConfig",
     "IOConfig",

@@ -10,6 +10,8 @@ Schema (docs/config.md has every key)::
     layout: {align: 4KiB, blob_size: 1GiB}
     policy:
       keep: {host: 1, ssd: 2}
+      demote: {pfs: {every: 5, every_secs: 3600, on_close: true}}
+      promote: {on_restore: true}
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ from tierckpt.errors import ConfigError
 
 __all__ = [
     "ENGINES",
+    "ON_FULL",
+    "DemoteConfig",
     "HierarchyConfig",
     "IOConfig",
     "LayoutConfig",
@@ -35,10 +39,12 @@ __all__ = [
     "format_size",
     "load_config",
     "parse_config",
+    "parse_policy",
     "parse_size",
 ]
 
 ENGINES = ("auto", "uring", "threads")
+ON_FULL = ("wait", "fail")
 ENV_ENGINE = "TIERCKPT_ENGINE"
 
 _UNITS = {
@@ -122,6 +128,8 @@ class TierConfig:
         capacity_bytes: upper bound on bytes this tier may hold, or None for unbounded.
         blob_bytes: preferred blob size on this tier, or None for the kind's default.
         io: I/O settings, the hierarchy's merged with this entry's overrides.
+        on_full: when the tier is full and nothing can be evicted yet: ``wait`` for the background
+            mover to free room (backpressure), or ``fail`` the save at once.
         key: where the entry came from (``tiers[1]``), for error messages.
     """
 
@@ -131,14 +139,39 @@ class TierConfig:
     capacity_bytes: int | None = None
     blob_bytes: int | None = None
     io: IOConfig = field(default_factory=IOConfig)
+    on_full: str = "wait"
     key: str = "tiers[?]"
 
 
 @dataclass(frozen=True)
+class DemoteConfig:
+    """When saves reach one tier below the top (docs/policies.md).
+
+    Attributes:
+        every: every N-th save (None: not by count).
+        every_secs: the first save at least T seconds after the last one sent there (None: not by time).
+        on_close: on ``close()`` / preemption, send the newest checkpoint there if it is not yet there.
+    """
+
+    every: int | None = None
+    every_secs: float | None = None
+    on_close: bool = False
+
+
+@dataclass(frozen=True)
 class PolicyConfig:
-    """Policy settings. ``keep`` maps tier name → newest K checkpoints kept on it (absent: keep all)."""
+    """Policy settings.
+
+    Attributes:
+        keep: tier name → newest K checkpoints kept on it (absent: keep all).
+        demote: tier name → its cadence (absent: every save goes there).
+        promote_on_restore: a restore that reads from a lower tier also copies the checkpoint up to the
+            top tier, in the background.
+    """
 
     keep: Mapping[str, int] = field(default_factory=dict)
+    demote: Mapping[str, DemoteConfig] = field(default_factory=dict)
+    promote_on_restore: bool = False
 
 
 @dataclass(frozen=True)
@@ -224,7 +257,7 @@ def parse_config(data: Any, base_dir: str | os.PathLike[str] | None = None) -> H
     tiers: list[TierConfig] = []
     for i, t in enumerate(tiers_raw):
         key = f"tiers[{i}]"
-        t = _check_keys(t, key, {"name", "kind", "path", "capacity", "blob_size", "io"}, {"name", "kind"})
+        t = _check_keys(t, key, {"name", "kind", "path", "capacity", "blob_size", "io", "on_full"}, {"name", "kind"})
         name, kind = t["name"], t["kind"]
         if not isinstance(name, str) or not _NAME_RE.match(name):
             raise ConfigError(f"{key}.name: expected a name of letters, digits, '_', '-', '.', got {name!r}")
@@ -246,15 +279,13 @@ def parse_config(data: Any, base_dir: str | os.PathLike[str] | None = None) -> H
                 capacity_bytes=parse_size(t["capacity"], f"{key}.capacity") if "capacity" in t else None,
                 blob_bytes=_blob_size(t["blob_size"], f"{key}.blob_size") if "blob_size" in t else None,
                 io=_parse_io(t["io"], f"{key}.io", io) if "io" in t else io,
+                on_full=_choice(t.get("on_full", "wait"), f"{key}.on_full", ON_FULL),
                 key=key,
             )
         )
-    policy = PolicyConfig()
-    if "policy" in d:
-        pd = _policy_mapping(d["policy"], base)
-        if "keep" in pd:
-            keep = _check_keys(pd["keep"], "policy.keep", {t.name for t in tiers})
-            policy = PolicyConfig(keep={k: _int(v, f"policy.keep.{k}", 1, 1 << 31) for k, v in keep.items()})
+    policy = (
+        parse_policy(_policy_mapping(d["policy"], base), [t.name for t in tiers]) if "policy" in d else PolicyConfig()
+    )
     return HierarchyConfig(tiers=tuple(tiers), io=io, layout=layout, policy=policy)
 
 
@@ -269,7 +300,56 @@ def _policy_mapping(value: Any, base: Path) -> Mapping[str, Any]:
             raise ConfigError(f"policy: cannot read policy preset {p}: {e.strerror or e}") from e
         except yaml.YAMLError as e:
             raise ConfigError(f"policy: {p} is not valid YAML: {e}") from e
-    return _check_keys(value, "policy", {"keep"})
+    return _check_keys(value, "policy", {"keep", "demote", "promote"})
+
+
+def _choice(v: Any, key: str, choices: tuple[str, ...]) -> str:
+    if v not in choices:
+        raise ConfigError(f"{key}: expected one of {', '.join(choices)}, got {v!r}")
+    return v  # type: ignore[no-any-return]
+
+
+def _bool(v: Any, key: str) -> bool:
+    if not isinstance(v, bool):
+        raise ConfigError(f"{key}: expected true or false, got {v!r}")
+    return v
+
+
+def parse_policy(data: Any, tiers: list[str]) -> PolicyConfig:
+    """Validate a ``policy:`` mapping for a hierarchy with these tier names (fastest first).
+
+    Raises:
+        ConfigError: naming the bad key, e.g. ``policy.demote.pfs.every: expected an integer in [1, ...]``.
+    """
+    pd = _check_keys(data, "policy", {"keep", "demote", "promote"})
+    names = set(tiers)
+    keep: dict[str, int] = {}
+    if "keep" in pd:
+        kd = _check_keys(pd["keep"], "policy.keep", names)
+        keep = {k: _int(v, f"policy.keep.{k}", 1, 1 << 31) for k, v in kd.items()}
+    demote: dict[str, DemoteConfig] = {}
+    if "demote" in pd:
+        dd = _check_keys(pd["demote"], "policy.demote", names)
+        for name, rule in dd.items():
+            key = f"policy.demote.{name}"
+            if name == tiers[0]:
+                raise ConfigError(
+                    f"{key}: {name!r} is the top tier, which receives every save; demotion rules are for the tiers below it"
+                )
+            rule = _check_keys(rule, key, {"every", "every_secs", "on_close"})
+            secs = rule.get("every_secs")
+            if secs is not None and (isinstance(secs, bool) or not isinstance(secs, (int, float)) or not secs > 0):
+                raise ConfigError(f"{key}.every_secs: expected a positive number of seconds, got {secs!r}")
+            demote[name] = DemoteConfig(
+                every=_int(rule["every"], f"{key}.every", 1, 1 << 31) if "every" in rule else None,
+                every_secs=float(secs) if secs is not None else None,
+                on_close=_bool(rule.get("on_close", False), f"{key}.on_close"),
+            )
+    on_restore = False
+    if "promote" in pd:
+        prd = _check_keys(pd["promote"], "policy.promote", {"on_restore"})
+        on_restore = _bool(prd.get("on_restore", False), "policy.promote.on_restore")
+    return PolicyConfig(keep=keep, demote=demote, promote_on_restore=on_restore)
 
 
 def _blob_size(v: Any, key: str) -> int:

@@ -1,5 +1,24 @@
-"""Policies: small pure objects deciding what is kept where (more arrive with the background mover)."""
+"""Policies: small pure objects that decide what moves where and what is kept; they do no I/O.
 
-from tierckpt.policies.retention import KeepAll, KeepLatest, RetentionPolicy
+* demotion (:mod:`tierckpt.policies.demotion`): which saves go down to a tier (every N, every T seconds,
+  on close);
+* retention (:mod:`tierckpt.policies.retention`): which copies a tier keeps, and the eviction safety rules.
+"""
 
-__all__ = ["KeepAll", "KeepLatest", "RetentionPolicy"]
+from tierckpt.policies.demotion import AnyOf, Cadence, Demotion, DemotionRule, Every, EverySecs, Never
+from tierckpt.policies.retention import KeepAll, KeepLatest, RetentionPolicy, capacity_victims, plan_evictions
+
+__all__ = [
+    "AnyOf",
+    "Cadence",
+    "Demotion",
+    "DemotionRule",
+    "Every",
+    "EverySecs",
+    "KeepAll",
+    "KeepLatest",
+    "Never",
+    "RetentionPolicy",
+    "capacity_victims",
+    "plan_evictions",
+]
