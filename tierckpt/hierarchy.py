@@ -1,161 +1,88 @@
-"""The user-facing API: a chain of tiers, fastest first, with ``save`` / ``restore``."""
+"""The user-facing API: a chain of tiers, fastest first, with ``save`` / ``restore`` / ``prefetch``.
+
+``save`` checks and flattens the state in the caller's thread, then hands the copy to the background
+mover (``tierckpt._mover``): the top tier's worker packs the tensors into the top tier (``staged``
+resolves when the last byte is copied out of the caller's tensors) and commits; each tier below that
+the demotion policy picks for this save gets a copy from the nearest tier above it. Retention runs
+after every change. ``prefetch`` climbs the other way.
+"""
 
 from __future__ import annotations
 
-import contextlib
-import gc
 import logging
 import os
+import signal
 import threading
-from collections.abc import Iterator, Mapping, Sequence
+import time
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass
+from concurrent.futures import TimeoutError as FutureTimeout
+from types import FrameType
 from typing import Any
 
+from tierckpt._mover import Mover
+from tierckpt._records import STATES, CheckpointInfo, SaveHandle, Tracker
 from tierckpt._restore import copy_into, load_manifest, read_checkpoint, verify_checkpoint
+from tierckpt._runtime import Engines, dist_rank, gc_paused
 from tierckpt._save import build_manifest, pack_and_write
-from tierckpt.config import HierarchyConfig, IOConfig, LayoutConfig, PolicyConfig, load_config, parse_config
-from tierckpt.errors import (
-    CheckpointNotFoundError,
-    ConfigError,
-    CorruptCheckpointError,
-    StateError,
-    TierFullError,
+from tierckpt.config import (
+    HierarchyConfig,
+    IOConfig,
+    LayoutConfig,
+    PolicyConfig,
+    load_config,
+    parse_config,
+    parse_policy,
 )
+from tierckpt.errors import CheckpointNotFoundError, ConfigError, CorruptCheckpointError, StateError, TierckptError
 from tierckpt.format.layout import plan, round_up
 from tierckpt.format.manifest import BlobEntry, Manifest
 from tierckpt.format.tree import flatten
 from tierckpt.io.buffers import StagingPool
-from tierckpt.io.engine import IOEngine, make_engine
+from tierckpt.policies.demotion import Cadence, Demotion
 from tierckpt.policies.retention import KeepAll, KeepLatest, RetentionPolicy
 from tierckpt.registry import get_tier_class
-from tierckpt.tiers.base import CheckpointKey, EngineSource, Tier, TierWriter
+from tierckpt.tiers.base import CheckpointKey, Tier
 
-__all__ = ["CheckpointInfo", "Hierarchy", "SaveHandle"]
+__all__ = ["STATES", "CheckpointInfo", "Hierarchy", "SaveHandle"]
 
 log = logging.getLogger(__name__)
 _STAGING_SLOTS = 3
 
 
-@dataclass(frozen=True)
-class CheckpointInfo:
-    """One step as the hierarchy sees it: ``tiers`` names the tiers where it is committed, fastest first."""
-
-    step: int
-    tiers: tuple[str, ...]
+def _resolved(value: Any = None) -> Future[Any]:
+    f: Future[Any] = Future()
+    f.set_result(value)
+    return f
 
 
-class SaveHandle:
-    """What ``Hierarchy.save`` returns.
-
-    Attributes:
-        step: the saved step.
-        staged: resolves once every tensor byte has been copied out of the caller's state (safe to mutate).
-        durable: per tier name, resolves once that tier has committed the checkpoint.
-    """
-
-    def __init__(self, step: int, tiers: Sequence[str]) -> None:
-        self.step = step
-        self.staged: Future[None] = Future()
-        self.durable: dict[str, Future[None]] = {name: Future() for name in tiers}
-        self._observed = False
-
-    def done(self) -> bool:
-        """True when every future has resolved (successfully or not)."""
-        return self.staged.done() and all(f.done() for f in self.durable.values())
-
-    def errors(self) -> dict[str, BaseException]:
-        """Failures so far, by tier name (``"staged"`` for a failure before any tier got the bytes)."""
-        out: dict[str, BaseException] = {}
-        if self.staged.done() and self.staged.exception() is not None:
-            out["staged"] = self.staged.exception()  # type: ignore[assignment]
-        out.update({n: f.exception() for n, f in self.durable.items() if f.done() and f.exception() is not None})  # type: ignore[misc]
-        return out
-
-    def wait(self, tier: str | None = None, timeout: float | None = None) -> None:
-        """Block until ``tier`` (default: every tier) has committed; re-raise a failure with its cause.
-
-        Raises:
-            KeyError: ``tier`` is not a tier this checkpoint goes to.
-            Exception: the first failure, e.g. ``TierIOError`` for ENOSPC on a slow tier.
-        """
-        self._observed = True
-        self.staged.result(timeout)
-        futs = [self.durable[tier]] if tier is not None else list(self.durable.values())
-        for f in futs:
-            f.result(timeout)
-
-
-class _Engines(EngineSource):
-    def __init__(self) -> None:
-        self._engines: dict[tuple[str, int], IOEngine] = {}
-        self._lock = threading.Lock()
-
-    def get(self, engine: str, queue_depth: int) -> IOEngine:
-        with self._lock:
-            e = self._engines.get((engine, queue_depth))
-            if e is None:
-                e = self._engines[(engine, queue_depth)] = make_engine(engine, queue_depth)
-            return e
-
-    def close(self) -> None:
-        with self._lock:
-            engines, self._engines = list(self._engines.values()), {}
-        for e in engines:
-            e.close()
-
-
-_gc_lock = threading.Lock()
-_gc_state = {"depth": 0, "was_enabled": False}
-
-
-@contextlib.contextmanager
-def _gc_paused() -> Iterator[None]:
-    """Pause the cyclic garbage collector (re-entrant, thread-safe; also a decorator). With 20,000 tensors it otherwise
-    runs dozens of times per save or restore and doubles the Python-side cost; reference counting
-    still frees everything meanwhile."""
-    with _gc_lock:
-        if _gc_state["depth"] == 0:
-            _gc_state["was_enabled"] = gc.isenabled()
-            gc.disable()
-        _gc_state["depth"] += 1
-    try:
-        yield
-    finally:
-        with _gc_lock:
-            _gc_state["depth"] -= 1
-            if _gc_state["depth"] == 0 and _gc_state["was_enabled"]:
-                gc.enable()
-
-
-def _dist_rank() -> tuple[int, int]:
-    try:
-        import torch.distributed as dist
-
-        if dist.is_available() and dist.is_initialized():
-            return dist.get_rank(), dist.get_world_size()
-    except Exception:  # pragma: no cover
-        pass
-    return 0, 1
+def _clock() -> float:
+    """The clock demotion cadences read (a function so that tests can move time forward)."""
+    return time.monotonic()
 
 
 class Hierarchy:
     """A chain of storage tiers, fastest first, and the policy that decides what each keeps.
 
-    ``save`` packs the state once into a few large aligned blobs and commits them to every tier;
+    ``save`` packs the state once into a few large aligned blobs in the top tier and returns at once;
+    background workers demote copies down the chain as the policy says, and retention evicts old ones.
     ``restore`` reads the newest (or a given) step from the fastest tier holding a good copy.
 
     Args:
         tiers: tier objects, fastest first; names must be unique.
-        policy: retention settings (``PolicyConfig`` or a mapping like ``{"keep": {"ssd": 2}}``).
+        policy: ``PolicyConfig`` or a mapping with the YAML schema (``{"keep": {"ssd": 2},
+            "demote": {"pfs": {"every": 5}}}``).
         io: default I/O settings (staging chunk size).
         layout: aggregation settings.
         rank: this process's rank (default: torch.distributed's, else 0).
         world_size: number of ranks (default: torch.distributed's, else 1).
+        retention: per tier name, a retention policy object; overrides ``policy.keep`` for that tier.
+        demotion: per tier name, a :class:`~tierckpt.policies.Demotion`; overrides ``policy.demote``.
 
     Example:
         >>> with Hierarchy.from_yaml("tiers/local.yaml") as h:   # doctest: +SKIP
-        ...     h.save({"model": model.state_dict()}, step=100).wait()
+        ...     handle = h.save({"model": model.state_dict()}, step=100)
+        ...     handle.staged.result()         # before the next optimizer.step()
         ...     state = h.restore()
     """
 
@@ -168,7 +95,9 @@ class Hierarchy:
         layout: LayoutConfig | None = None,
         rank: int | None = None,
         world_size: int | None = None,
-        _engines: _Engines | None = None,
+        retention: Mapping[str, RetentionPolicy] | None = None,
+        demotion: Mapping[str, Demotion] | None = None,
+        _engines: Engines | None = None,
     ) -> None:
         if not tiers:
             raise ConfigError("tiers: a hierarchy needs at least one tier")
@@ -176,30 +105,45 @@ class Hierarchy:
         if len(set(names)) != len(names):
             raise ConfigError(f"tiers: names must be unique, got {names}")
         if isinstance(policy, Mapping):
-            policy = parse_config(
-                {"tiers": [{"name": n, "kind": "host"} for n in names], "policy": dict(policy)}
-            ).policy
+            policy = parse_policy(policy, names)
         self.policy = policy or PolicyConfig()
-        for name in self.policy.keep:
-            if name not in names:
-                raise ConfigError(f"policy.keep.{name}: no tier of that name (tiers: {', '.join(names)})")
+        for section, keys in (("keep", self.policy.keep), ("demote", self.policy.demote)):
+            for name in keys:
+                if name not in names:
+                    raise ConfigError(f"policy.{section}.{name}: no tier of that name (tiers: {', '.join(names)})")
+        for arg, given in (("retention", retention or {}), ("demotion", demotion or {})):
+            for name in given:
+                if name not in names or (arg == "demotion" and name == names[0]):
+                    raise ConfigError(f"{arg}: {name!r} is not a tier below the top one (tiers: {', '.join(names)})")
         self._tiers = tuple(tiers)
+        self._index = {n: i for i, n in enumerate(names)}
         self.io = io or IOConfig()
         self.layout = layout or LayoutConfig()
-        dr, dw = _dist_rank()
+        dr, dw = dist_rank()
         self.rank = dr if rank is None else rank
         self.world_size = dw if world_size is None else world_size
         if not 0 <= self.rank < self.world_size:
             raise ConfigError(f"rank: {self.rank} is not in [0, {self.world_size})")
-        self._retention: dict[str, RetentionPolicy] = {
-            t.name: KeepLatest(self.policy.keep[t.name]) if t.name in self.policy.keep else KeepAll() for t in tiers
+        self.retention: dict[str, RetentionPolicy] = {
+            n: KeepLatest(self.policy.keep[n]) if n in self.policy.keep else KeepAll() for n in names
         }
+        self.retention.update(retention or {})
+        self.demotion: dict[str, Demotion] = {
+            n: Demotion.from_settings(d.every, d.every_secs, d.on_close) for n, d in self.policy.demote.items()
+        }
+        self.demotion.update(demotion or {})
         self.align = max([self.layout.align_bytes] + [t.capabilities.alignment_bytes for t in tiers])
-        self._engines = _engines or _Engines()
-        self._pool: StagingPool | None = None
+        self._engines = _engines or Engines()
+        self._tracker = Tracker()
+        self._mover = Mover(self._tiers, self.retention, self._tracker, self.rank, self._staging)
+        now = _clock()
+        self._cadence = {n: [0, now] for n in names[1:]}  # saves since the last one sent, when it was sent
         self._handles: list[SaveHandle] = []
-        self._lock = threading.Lock()
+        self._promotions: dict[int, Future[str]] = {}
+        self._extra: list[Future[None]] = []  # on-close demotions
+        self._lock = threading.RLock()
         self._closed = False
+        self.last_restore: tuple[int, str] | None = None  #: (step, tier) of the latest restore
 
     # -- construction -----------------------------------------------------------------------------------
     @classmethod
@@ -212,12 +156,14 @@ class Hierarchy:
             ConfigError: naming the bad key.
         """
         cfg = config if isinstance(config, HierarchyConfig) else parse_config(config, base_dir)
-        engines = _Engines()
+        engines = Engines()
         tiers: list[Tier] = []
         try:
             for t in cfg.tiers:
                 klass = get_tier_class(t.kind, f"{t.key}.kind")
-                tiers.append(klass.from_config(t, engines))
+                tier = klass.from_config(t, engines)
+                tier.on_full = t.on_full
+                tiers.append(tier)
             return cls(tiers, policy=cfg.policy, io=cfg.io, layout=cfg.layout, _engines=engines)
         except BaseException:
             for t in tiers:
@@ -237,30 +183,45 @@ class Hierarchy:
 
     def tier(self, name: str) -> Tier:
         """The tier called ``name``; KeyError if there is none."""
-        for t in self._tiers:
-            if t.name == name:
-                return t
-        raise KeyError(f"no tier named {name!r} (tiers: {', '.join(t.name for t in self._tiers)})")
+        if name not in self._index:
+            raise KeyError(f"no tier named {name!r} (tiers: {', '.join(t.name for t in self._tiers)})")
+        return self._tiers[self._index[name]]
+
+    def _staging(self, tier: Tier) -> StagingPool:
+        chunk = self.io.chunk_bytes if tier is self._tiers[0] else tier.chunk_bytes
+        return StagingPool(_STAGING_SLOTS, round_up(chunk, self.align), self.align)
 
     # -- save ---------------------------------------------------------------------------------------------
-    def _staging(self) -> StagingPool:
-        if self._pool is None:
-            self._pool = StagingPool(_STAGING_SLOTS, round_up(self.io.chunk_bytes, self.align), self.align)
-        return self._pool
+    def _destinations(self) -> list[str]:
+        """The top tier, and each lower tier whose demotion rule is due for this save."""
+        now = _clock()
+        out = [self._tiers[0].name]
+        for t in self._tiers[1:]:
+            c = self._cadence[t.name]
+            c[0] += 1
+            if self.demotion.get(t.name, Demotion()).rule.due(Cadence(c[0], now - c[1])):
+                out.append(t.name)
+                c[0], c[1] = 0, now
+        return out
 
-    @_gc_paused()
-    def save(self, state: Any, *, step: int, allow_pickle: bool = False) -> SaveHandle:
-        """Save ``state`` as ``step`` to every tier; returns when every tier has committed or failed.
+    @gc_paused()
+    def save(self, state: Any, *, step: int, allow_pickle: bool = False, blocking: bool = False) -> SaveHandle:
+        """Save ``state`` as ``step``; returns as soon as the copy into the top tier is scheduled.
 
-        The state is checked before a byte is written: a value that is not a tensor or a plain value
-        raises :class:`StateError` naming its key path (unless ``allow_pickle``). A failure on one tier
-        does not stop the others; it is raised by ``handle.wait()`` (and by ``wait()``/``close()`` if the
-        handle was never waited on).
+        The state is checked and flattened before this returns: a value that is not a tensor or a plain
+        value raises :class:`StateError` naming its key path (unless ``allow_pickle``), and nothing is
+        written. The copy itself runs in the background; **do not modify the state's tensors in place
+        before** ``handle.staged`` **resolves** (e.g. wait on it right before ``optimizer.step()``).
+        Copies to the lower tiers follow in the background, in order, as the demotion policy says.
+
+        A failure on one tier does not stop the others; it is raised by ``handle.wait()`` (and by
+        ``wait()``/``close()`` if the handle was never waited on).
 
         Args:
             state: nested dict/list/tuple of tensors and plain values.
             step: non-negative integer identifying the checkpoint.
             allow_pickle: pickle values that are neither tensors nor plain values.
+            blocking: return only when every tier this save goes to has committed it or failed.
         """
         self._check_open()
         if type(step) is not int or step < 0:
@@ -272,87 +233,133 @@ class Hierarchy:
         layout = plan(lengths, align=self.align, blob_bytes=round_up(blob_target, self.align))
         blobs = tuple(BlobEntry(f"blob-{i:05d}.bin", s) for i, s in enumerate(layout.blob_sizes))
         key = CheckpointKey(step, self.rank)
-        handle = SaveHandle(step, [t.name for t in self._tiers])
         with self._lock:
+            dests = self._destinations()
+            handle = SaveHandle(step, dests)
+            self._handles = [h for h in self._handles if not h.done() or (h.errors() and not h._observed)]
             self._handles.append(handle)
-        failed: dict[str, BaseException] = {}
-        writers: dict[str, TierWriter] = {}
-        try:
-            for t in self._tiers:
-                try:
-                    writers[t.name] = self._reserve(t, key, blobs)
-                except Exception as e:
-                    log.error("tier %r cannot take step %d: %s", t.name, step, e)
-                    failed[t.name] = e
-            checksums = pack_and_write(
-                flat, layout, writers, failed, self._staging, round_up(self.io.chunk_bytes, self.align),
-                on_staged=lambda: handle.staged.set_result(None),
-            )  # fmt: skip
-            manifest = build_manifest(
-                flat, srcs, layout, blobs, checksums, step=step, rank=self.rank, world_size=self.world_size,
-                align=self.align,
-            )  # fmt: skip
-        except BaseException as e:
-            for w in writers.values():
-                w.abort()
-            if not handle.staged.done():
-                handle.staged.set_exception(e)
-            for f in handle.durable.values():
-                if not f.done():
-                    f.set_exception(e)
-            raise
-        for t in self._tiers:
-            w = writers.get(t.name)
-            if t.name not in failed and w is not None:
-                try:
-                    w.commit(manifest)
-                except Exception as e:
-                    log.error("tier %r cannot commit step %d: %s", t.name, step, e)
-                    failed[t.name] = e
-            elif w is not None:
-                w.abort()
-            if t.name in failed:
-                handle.durable[t.name].set_exception(failed[t.name])
-            else:
-                handle.durable[t.name].set_result(None)
-        self._apply_retention()
+            self._tracker.plan(step, dests)
+
+            def stage_into(name: str) -> Callable[[], None]:
+                tier, last = self.tier(name), name == dests[-1]
+
+                def stage() -> None:  # pack the caller's tensors into ``tier`` and commit
+                    writer = None
+                    try:
+                        if name != dests[0] and handle.staged.done():
+                            raise TierckptError(
+                                f"step {step}: every tier above {name!r} failed after the state was staged; "
+                                "the caller may have changed it since, so it is not packed again"
+                            )
+                        with gc_paused():
+                            writer = self._mover.reserve(tier, key, blobs)
+                            failed: dict[str, BaseException] = {}
+                            pool = self._mover.workers[name].pool
+                            checksums = pack_and_write(
+                                flat, layout, {name: writer}, failed, pool, pool().slot_bytes,
+                                on_staged=lambda: handle.staged.set_result(None),
+                            )  # fmt: skip
+                            if failed:
+                                raise failed[name]
+                            manifest = build_manifest(
+                                flat, srcs, layout, blobs, checksums, step=step, rank=self.rank,
+                                world_size=self.world_size, align=self.align,
+                            )  # fmt: skip
+                            writer.commit(manifest)
+                    except BaseException as e:
+                        if writer is not None:
+                            writer.abort()
+                        if last and not handle.staged.done():
+                            handle.staged.set_exception(e)
+                        raise
+
+                return stage
+
+            self._mover.run_commit(dests[0], step, stage_into(dests[0]), handle.durable[dests[0]])
+            for i, name in enumerate(dests[1:], 1):
+                sources = [(dests[j], handle.durable[dests[j]]) for j in range(i - 1, -1, -1)]
+                self._mover.transfer(key, name, sources, handle.durable[name], blobs, fallback=stage_into(name))
+        if blocking:
+            handle._settle()
         return handle
 
-    def _reserve(self, tier: Tier, key: CheckpointKey, blobs: tuple[BlobEntry, ...]) -> TierWriter:
-        """Reserve room on ``tier``; when it is full, evict its oldest copies that another tier also holds."""
-        while True:
-            try:
-                return tier.reserve(key, blobs)
-            except TierFullError:
-                elsewhere = {k for t in self._tiers if t is not tier for k in t.list_committed()}
-                victims = [k for k in tier.list_committed() if k in elsewhere and k != key]
-                if not victims:
-                    raise
-                log.info("tier %r is full: evicting step %d (another tier holds it)", tier.name, victims[0].step)
-                tier.evict(victims[0])
+    # -- promotion ------------------------------------------------------------------------------------------
+    def prefetch(self, step: int | None = None, to: str | None = None) -> Future[str]:
+        """Copy a checkpoint up the chain (e.g. pfs → local → host) in the background.
 
-    def _apply_retention(self) -> None:
-        for t in self._tiers:
-            mine = [k.step for k in t.list_committed() if k.rank == self.rank]
-            for s in self._retention[t.name].to_evict(mine):
-                log.debug("retention: evicting step %d from tier %r", s, t.name)
-                try:
-                    t.evict(CheckpointKey(s, self.rank))
-                except OSError as e:
-                    log.warning("retention: cannot evict step %d from tier %r: %s", s, t.name, e)
+        Call it early (while the model is being built) so that ``restore()`` later reads from memory.
+        Every tier between the fastest one holding the step and ``to`` receives a copy.
+
+        Args:
+            step: the step (default: the newest committed one).
+            to: the tier to bring it to (default: the top tier).
+
+        Returns:
+            A future resolving to the name of ``to`` once it has committed the copy (at once if the step
+            is already there or higher). It holds :class:`CheckpointNotFoundError` when there is no such
+            step, or the copy's error.
+        """
+        self._check_open()
+        if to is not None:
+            self.tier(to)
+        to_i = self._index[to] if to is not None else 0
+        out: Future[str] = Future()
+        try:
+            info = self._locate(step)
+        except CheckpointNotFoundError as e:
+            out.set_exception(e)
+            return out
+        src_i = min(self._index[n] for n in info.tiers)
+        if src_i <= to_i:
+            out.set_result(self._tiers[to_i].name)
+            return out
+        key = CheckpointKey(info.step, self.rank)
+        chain: list[tuple[str, Future[None]]] = [(self._tiers[src_i].name, _resolved())]
+        with self._lock:
+            for i in range(src_i - 1, to_i - 1, -1):
+                name = self._tiers[i].name
+                done: Future[None] = Future()
+                self._mover.transfer(key, name, chain[::-1], done, promoted=True)
+                chain.append((name, done))
+            last, to_name = chain[-1][1], self._tiers[to_i].name
+            last.add_done_callback(
+                lambda f: out.set_exception(f.exception()) if f.exception() else out.set_result(to_name)  # type: ignore[arg-type]
+            )
+            self._promotions[info.step] = out
+        return out
 
     # -- read side ---------------------------------------------------------------------------------------
     def checkpoints(self) -> list[CheckpointInfo]:
-        """Committed steps of this rank, oldest first, with the tiers holding each (fastest first)."""
-        where: dict[int, list[str]] = {}
+        """This rank's steps, oldest first: where each is committed, and its state on every tier
+        (``pending``, ``writing``, ``committed``, ``failed``, ``evicting`` or ``absent``)."""
+        committed: dict[int, list[str]] = {}
         for t in self._tiers:
-            for k in t.list_committed():
+            try:
+                keys = t.list_committed()
+            except OSError as e:
+                log.warning("tier %r cannot list its checkpoints: %s", t.name, e)
+                continue
+            for k in keys:
                 if k.rank == self.rank:
-                    where.setdefault(k.step, []).append(t.name)
-        return [CheckpointInfo(s, tuple(where[s])) for s in sorted(where)]
+                    committed.setdefault(k.step, []).append(t.name)
+        tracked, errors = self._tracker.states(), self._tracker.errors()
+        out = []
+        for s in sorted(set(committed) | set(tracked)):
+            here = committed.get(s, [])
+            states = {}
+            for t in self._tiers:
+                st = tracked.get(s, {}).get(t.name, "absent")
+                if t.name in here and st != "evicting":
+                    st = "committed"
+                elif st == "committed":
+                    st = "absent"  # evicted, or removed from outside
+                states[t.name] = st
+            if any(v != "absent" for v in states.values()):
+                out.append(CheckpointInfo(s, tuple(here), states, dict(errors.get(s, {}))))
+        return out
 
     def _locate(self, step: int | None, tier: str | None = None) -> CheckpointInfo:
-        infos = self.checkpoints()
+        infos = [i for i in self.checkpoints() if i.tiers]
         if tier is not None:
             self.tier(tier)
             infos = [CheckpointInfo(i.step, (tier,)) for i in infos if tier in i.tiers]
@@ -366,7 +373,15 @@ class Hierarchy:
                 return i
         raise CheckpointNotFoundError(f"step {step} is not committed (committed steps: {[i.step for i in infos]})")
 
-    @_gc_paused()
+    def _settle_top(self) -> None:
+        """Wait until every save of this hierarchy has committed (or failed) on the top tier."""
+        with self._lock:
+            handles = list(self._handles)
+        top = self._tiers[0].name
+        for h in handles:
+            h._settle_one(top)
+
+    @gc_paused()
     def restore(
         self,
         step: int | None = None,
@@ -377,8 +392,10 @@ class Hierarchy:
     ) -> Any:
         """Read a checkpoint back, verifying every checksum.
 
-        The fastest tier holding ``step`` (default: the newest committed step) is read; if its copy is
-        damaged, a warning is logged and the next tier's copy is used.
+        Saves of this hierarchy still being staged are waited for first, and so is a ``prefetch`` of the
+        step still climbing. The fastest tier holding ``step`` (default: the newest committed step) is
+        read; if its copy is damaged, a warning is logged and the next tier's copy is used. With
+        ``policy.promote.on_restore``, a copy read from a lower tier is then promoted in the background.
 
         Args:
             step: the step, or None for the newest.
@@ -392,7 +409,15 @@ class Hierarchy:
             StateError: ``into`` does not match the checkpoint, or it holds pickled values.
         """
         self._check_open()
+        self._settle_top()
         info = self._locate(step, tier)
+        climbing = self._promotions.get(info.step)
+        if tier is None and climbing is not None and not climbing.done():
+            log.info("restore: waiting for the prefetch of step %d", info.step)
+            try:
+                climbing.exception()
+            finally:
+                info = self._locate(info.step)
         first: BaseException | None = None
         for name in info.tiers:
             try:
@@ -407,6 +432,9 @@ class Hierarchy:
                 continue
             if first is not None:
                 log.warning("restored step %d from tier %r instead", info.step, name)
+            self.last_restore = (info.step, name)
+            if tier is None and self.policy.promote_on_restore and self._index[name] > 0:
+                self.prefetch(info.step)
             return state if into is None else copy_into(into, state)
         assert first is not None
         raise first
@@ -418,7 +446,7 @@ class Hierarchy:
 
     def verify(self, step: int | None = None) -> list[tuple[int, str, BaseException | None]]:
         """Re-read every copy of ``step`` (default: every step) on every tier; (step, tier, error or None)."""
-        infos = [self._locate(step)] if step is not None else self.checkpoints()
+        infos = [self._locate(step)] if step is not None else [i for i in self.checkpoints() if i.tiers]
         out: list[tuple[int, str, BaseException | None]] = []
         for info in infos:
             for name in info.tiers:
@@ -430,37 +458,111 @@ class Hierarchy:
         return out
 
     # -- lifecycle ---------------------------------------------------------------------------------------
+    def _settle(self, deadline: float | None) -> bool:
+        """Wait (until ``deadline``, a monotonic time) for every save, promotion and flush; True if all ended."""
+        with self._lock:
+            futs = [f for h in self._handles for f in (h.staged, *h.durable.values())]
+            futs += list(self._promotions.values()) + list(self._extra)
+        for f in futs:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            try:
+                f.exception(left)
+            except FutureTimeout:
+                return False
+        return True
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Finish what the policy wants durable: every pending copy, then the newest checkpoint to each
+        tier with ``on_close: true``. Returns False if ``timeout`` seconds passed first.
+
+        ``close()`` calls it without a timeout; the SIGTERM handler with its deadline.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        if not self._settle(deadline):
+            return False
+        wanted = [t.name for t in self._tiers[1:] if self.demotion.get(t.name, Demotion()).on_close]
+        infos = [i for i in self.checkpoints() if i.tiers]
+        if wanted and infos:
+            newest = infos[-1]
+            key = CheckpointKey(newest.step, self.rank)
+            with self._lock:
+                for name in wanted:
+                    if name in newest.tiers:
+                        continue
+                    above = [n for n in newest.tiers if self._index[n] < self._index[name]][::-1]
+                    if not above:
+                        log.warning("flush: step %d is only below tier %r; not sent up", newest.step, name)
+                        continue
+                    log.info("flush: sending step %d to tier %r", newest.step, name)
+                    done: Future[None] = Future()
+                    self._mover.transfer(key, name, [(n, _resolved()) for n in above], done)
+                    self._extra.append(done)
+        return self._settle(deadline)
+
     def wait(self) -> None:
-        """Wait for every save; raise the first failure of a save whose handle nobody waited on."""
+        """Wait for every save, prefetch and flush; raise the first failure of a save whose handle nobody
+        waited on (prefetch failures stay in the future ``prefetch`` returned)."""
+        self._settle(None)
         with self._lock:
             handles, self._handles = self._handles, []
+            extra, self._extra = self._extra, []
+            self._promotions = {s: f for s, f in self._promotions.items() if not f.done()}
         first: BaseException | None = None
         for h in handles:
+            if h._observed:
+                continue
             try:
-                if h._observed:
-                    continue
                 h.wait()
             except BaseException as e:
                 first = first or e
+        for f in extra:
+            first = first or f.exception()
         if first is not None:
             raise first
+
+    def install_sigterm_handler(self, deadline: float = 60.0, signals: Sequence[int] = (signal.SIGTERM,)) -> None:
+        """On SIGTERM (preemption), flush within ``deadline`` seconds, then let the signal do what it did
+        before (the default: terminate). Call from the main thread.
+
+        Raises:
+            ValueError: not called from the main thread (Python only runs signal handlers there).
+        """
+        previous = {s: signal.getsignal(s) for s in signals}
+
+        def handler(signum: int, frame: FrameType | None) -> None:
+            log.warning("signal %d: flushing checkpoints (deadline %.0f s)", signum, deadline)
+            try:
+                if not self._closed and not self.flush(deadline):
+                    log.error("signal %d: the flush did not finish within %.0f s", signum, deadline)
+            finally:
+                prev = previous[signum]
+                signal.signal(signum, prev)
+                if callable(prev):
+                    prev(signum, frame)
+                elif prev == signal.SIG_DFL:
+                    os.kill(os.getpid(), signum)
+
+        for s in signals:
+            signal.signal(s, handler)
 
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError("the hierarchy is closed")
 
     def close(self) -> None:
-        """Wait for pending work, release tiers and engines; raise unobserved save failures."""
+        """Flush (pending copies and ``on_close`` demotions), release tiers and engines; raise unobserved
+        save failures."""
         if self._closed:
             return
         try:
+            self.flush()
             self.wait()
         finally:
             self._closed = True
+            self._mover.close()
             for t in self._tiers:
                 t.close()
             self._engines.close()
-            self._pool = None
 
     def __enter__(self) -> Hierarchy:
         return self

@@ -22,17 +22,27 @@ class FaultyTier(Tier):
         fail: method name → exception to raise (methods: reserve, write, commit, list_committed,
             read_manifest, read, evict). ``write`` and ``read`` failures arrive through the future.
         after: let this many calls of each failing method succeed first.
+        gates: method name → event; each call of that method first waits until the event is set
+            (to hold a tier mid-copy and look at the hierarchy meanwhile).
 
     Attributes:
         calls: how often each method was called.
     """
 
-    def __init__(self, inner: Tier, fail: Mapping[str, BaseException], after: int = 0) -> None:
+    def __init__(
+        self,
+        inner: Tier,
+        fail: Mapping[str, BaseException] | None = None,
+        after: int = 0,
+        gates: Mapping[str, threading.Event] | None = None,
+    ) -> None:
         super().__init__(inner.name)
-        unknown = set(fail) - set(METHODS)
+        fail, gates = fail or {}, gates or {}
+        unknown = (set(fail) | set(gates)) - set(METHODS)
         if unknown:
             raise ValueError(f"cannot inject into {sorted(unknown)}; methods: {', '.join(METHODS)}")
-        self.inner, self.fail, self.after = inner, dict(fail), after
+        self.inner, self.fail, self.after, self.gates = inner, dict(fail), after, dict(gates)
+        self.on_full = inner.on_full
         self.kind = f"faulty-{inner.kind}"
         self.capabilities = inner.capabilities
         self.preferred_blob_bytes = inner.preferred_blob_bytes
@@ -41,6 +51,9 @@ class FaultyTier(Tier):
         self._lock = threading.Lock()
 
     def _hit(self, method: str) -> BaseException | None:
+        gate = self.gates.get(method)
+        if gate is not None:
+            gate.wait()
         with self._lock:
             self.calls[method] += 1
             if method in self.fail and self.calls[method] > self.after:
@@ -92,7 +105,7 @@ class _FaultyWriter(TierWriter):
         self.tier, self.inner = tier, inner
 
     def buffer(self, blob: int):  # type: ignore[no-untyped-def]
-        return None if "write" in self.tier.fail else self.inner.buffer(blob)
+        return None if "write" in self.tier.fail or "write" in self.tier.gates else self.inner.buffer(blob)
 
     def write(self, blob: int, offset: int, addr: int, nbytes: int) -> Future[int]:
         err = self.tier._hit("write")
@@ -112,6 +125,9 @@ class _FaultyWriter(TierWriter):
 class _FaultyReader(TierReader):
     def __init__(self, tier: FaultyTier, inner: TierReader) -> None:
         self.tier, self.inner = tier, inner
+
+    def buffer(self, blob: int):  # type: ignore[no-untyped-def]
+        return None if "read" in self.tier.fail or "read" in self.tier.gates else self.inner.buffer(blob)
 
     def read(self, blob: int, offset: int, addr: int, nbytes: int) -> Future[int]:
         err = self.tier._hit("read")

@@ -100,6 +100,10 @@ class TierWriter(ABC):
 class TierReader(ABC):
     """Reads the blobs of one committed checkpoint."""
 
+    def buffer(self, blob: int) -> torch.Tensor | None:
+        """The blob's own memory (uint8) on memory tiers, to copy from directly; None on file tiers."""
+        return None
+
     @abstractmethod
     def read(self, blob: int, offset: int, addr: int, nbytes: int) -> Future[int]:
         """Read into ``addr``; the result is the byte count (short only when the blob is truncated)."""
@@ -115,12 +119,14 @@ class Tier(ABC):
         name: the tier's name in the hierarchy (policies and records use it).
         preferred_blob_bytes: blob size this tier writes best (the hierarchy takes the largest).
         chunk_bytes: size of one I/O operation on this tier.
+        on_full: when full with nothing evictable yet, ``wait`` for the mover (backpressure) or ``fail``.
     """
 
     kind: str = "abstract"
     capabilities: TierCapabilities
     preferred_blob_bytes: int = 256 << 20
     chunk_bytes: int = 64 << 20
+    on_full: str = "wait"
 
     def __init__(self, name: str) -> None:
         self.name = name

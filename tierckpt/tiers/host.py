@@ -180,6 +180,9 @@ class _HostReader(TierReader):
     def __init__(self, held: _Held) -> None:
         self._held = held
 
+    def buffer(self, blob: int) -> torch.Tensor:
+        return self._held.blobs[blob]
+
     def read(self, blob: int, offset: int, addr: int, nbytes: int) -> Future[int]:
         src = self._held.blobs[blob]
         n = max(0, min(nbytes, src.numel() - offset))

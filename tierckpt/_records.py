@@ -1,0 +1,197 @@
+"""What the hierarchy knows about its checkpoints: save handles, per-tier states, pins."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections import Counter
+from collections.abc import Iterable, Mapping, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+__all__ = ["STATES", "CheckpointInfo", "SaveHandle", "Tracker"]
+
+#: States of one step on one tier, in the order a copy goes through them (``absent``: no copy, none coming).
+STATES = ("pending", "writing", "committed", "failed", "evicting", "absent")
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    """One step as the hierarchy sees it.
+
+    Attributes:
+        step: the step.
+        tiers: names of the tiers where it is committed, fastest first.
+        states: per tier (every tier of the hierarchy, fastest first), one of :data:`STATES`.
+        errors: per tier whose copy failed, the error.
+    """
+
+    step: int
+    tiers: tuple[str, ...]
+    states: Mapping[str, str] = field(default_factory=dict)
+    errors: Mapping[str, BaseException] = field(default_factory=dict)
+
+
+class SaveHandle:
+    """What ``Hierarchy.save`` returns.
+
+    Attributes:
+        step: the saved step.
+        staged: resolves once every tensor byte has been copied out of the caller's state into the top
+            tier: the caller may mutate its tensors from then on.
+        durable: per tier the policy sends this checkpoint to, resolves once that tier has committed it.
+    """
+
+    def __init__(self, step: int, tiers: Sequence[str]) -> None:
+        self.step = step
+        self.staged: Future[None] = Future()
+        self.durable: dict[str, Future[None]] = {name: Future() for name in tiers}
+        self._observed = False
+
+    def done(self) -> bool:
+        """True when every future has resolved (successfully or not)."""
+        return self.staged.done() and all(f.done() for f in self.durable.values())
+
+    def errors(self) -> dict[str, BaseException]:
+        """Failures so far, by tier name (``"staged"`` for a failure before any tier got the bytes)."""
+        out: dict[str, BaseException] = {}
+        if self.staged.done() and self.staged.exception() is not None:
+            out["staged"] = self.staged.exception()  # type: ignore[assignment]
+        out.update({n: f.exception() for n, f in self.durable.items() if f.done() and f.exception() is not None})  # type: ignore[misc]
+        return out
+
+    def wait(self, tier: str | None = None, timeout: float | None = None) -> None:
+        """Block until ``tier`` (default: every tier this checkpoint goes to) has committed it; re-raise a
+        failure with its cause.
+
+        Raises:
+            KeyError: ``tier`` is not a tier this checkpoint goes to.
+            concurrent.futures.TimeoutError: ``timeout`` seconds passed.
+            Exception: the first failure, e.g. ``TierIOError`` for ENOSPC on a slow tier.
+        """
+        if tier is not None and tier not in self.durable:
+            raise KeyError(f"step {self.step} does not go to tier {tier!r} (it goes to: {', '.join(self.durable)})")
+        self._observed = True
+        futs = [self.durable[tier]] if tier is not None else list(self.durable.values())
+        for f in futs:
+            f.result(timeout)
+        self.staged.result(timeout)
+
+    def _settle(self, timeout: float | None = None) -> None:
+        """Wait until every future is done, without raising."""
+        for f in (self.staged, *self.durable.values()):
+            with contextlib.suppress(Exception):  # cancelled
+                f.exception(timeout)
+
+    def _settle_one(self, tier: str) -> None:
+        """Wait until ``tier``'s future (if this checkpoint goes there) is done, without raising."""
+        f = self.durable.get(tier)
+        if f is not None:
+            with contextlib.suppress(Exception):
+                f.exception()
+
+    def __repr__(self) -> str:
+        def show(f: Future[None]) -> str:
+            if not f.done():
+                return "running"
+            return "ok" if f.exception() is None else f"failed: {f.exception()!r}"
+
+        tiers = ", ".join(f"{n}: {show(f)}" for n, f in self.durable.items())
+        return f"<SaveHandle step={self.step} staged: {show(self.staged)}; {tiers}>"
+
+
+class Tracker:
+    """Per-step, per-tier states of the copies this hierarchy writes, and the pins that keep copies
+    from being evicted while a transfer still reads them. Thread-safe; ``changed`` is notified on every
+    update (the backpressure wait uses it)."""
+
+    def __init__(self) -> None:
+        self.changed = threading.Condition(threading.RLock())
+        self._states: dict[int, dict[str, str]] = {}
+        self._errors: dict[int, dict[str, BaseException]] = {}
+        self._pins: Counter[tuple[int, str]] = Counter()
+        self._promoted: set[tuple[int, str]] = set()
+        self._wanted: dict[int, set[str]] = {}
+
+    def plan(self, step: int, tiers: Iterable[str]) -> None:
+        """A save or promotion of ``step`` will go to ``tiers``: they become ``pending`` and wanted."""
+        with self.changed:
+            st = self._states.setdefault(step, {})
+            for t in tiers:
+                st[t] = "pending"
+                self._errors.get(step, {}).pop(t, None)
+                self._wanted.setdefault(step, set()).add(t)
+            self.changed.notify_all()
+
+    def set(self, step: int, tier: str, state: str, error: BaseException | None = None) -> None:
+        """Record a state; ``failed`` also records ``error`` and drops the tier from the step's wanted set."""
+        with self.changed:
+            self._states.setdefault(step, {})[tier] = state
+            if state == "failed":
+                self._errors.setdefault(step, {})[tier] = error or RuntimeError("failed")
+                self._wanted.get(step, set()).discard(tier)
+            self.changed.notify_all()
+
+    def forget(self, step: int, tier: str) -> None:
+        """The copy is gone (evicted): drop its state."""
+        with self.changed:
+            self._states.get(step, {}).pop(tier, None)
+            self._promoted.discard((step, tier))
+            self.changed.notify_all()
+
+    def states(self) -> dict[int, dict[str, str]]:
+        with self.changed:
+            return {s: dict(d) for s, d in self._states.items()}
+
+    def errors(self) -> dict[int, dict[str, BaseException]]:
+        with self.changed:
+            return {s: dict(d) for s, d in self._errors.items()}
+
+    def wanted(self) -> dict[int, set[str]]:
+        with self.changed:
+            return {s: set(d) for s, d in self._wanted.items()}
+
+    def pin(self, step: int, tier: str) -> None:
+        with self.changed:
+            self._pins[(step, tier)] += 1
+
+    def unpin(self, step: int, tier: str) -> None:
+        with self.changed:
+            self._pins[(step, tier)] -= 1
+            if self._pins[(step, tier)] <= 0:
+                del self._pins[(step, tier)]
+            self.changed.notify_all()
+
+    def promoted(self, step: int, tier: str, on: bool) -> None:
+        """Mark a promoted copy: retention leaves it alone until a newer save commits on that tier."""
+        with self.changed:
+            (self._promoted.add if on else self._promoted.discard)((step, tier))
+
+    def clear_promoted(self, tier: str, below: int) -> None:
+        """A save of a newer step committed on ``tier``: its promoted older copies fall back under retention."""
+        with self.changed:
+            self._promoted = {(s, t) for s, t in self._promoted if t != tier or s >= below}
+
+    def protected(self) -> set[tuple[int, str]]:
+        """Copies retention must not evict now: pinned by a transfer, or freshly promoted."""
+        with self.changed:
+            return set(self._pins) | self._promoted
+
+    def pinned_on(self, tier: str) -> set[int]:
+        with self.changed:
+            return {s for s, t in self._pins if t == tier}
+
+    def prune(self, alive: set[int]) -> None:
+        """Forget steps held by no tier that no transfer is working on (keeps memory bounded)."""
+        newest = max(alive, default=-1)
+        with self.changed:
+            for s in list(self._states):
+                if s in alive or s >= newest:
+                    continue
+                if any(v in ("pending", "writing", "evicting") for v in self._states[s].values()):
+                    continue
+                if any(p == s for p, _ in self._pins):
+                    continue
+                self._states.pop(s, None)
+                self._errors.pop(s, None)
+                self._wanted.pop(s, None)
