@@ -3,13 +3,20 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-__all__ = ["STATES", "CheckpointInfo", "SaveHandle", "Tracker"]
+if TYPE_CHECKING:
+    from tierckpt.tiers.base import Tier
+
+__all__ = ["STATES", "CheckpointInfo", "SaveHandle", "Tracker", "merge_states"]
+
+log = logging.getLogger("tierckpt.hierarchy")
 
 #: States of one step on one tier, in the order a copy goes through them (``absent``: no copy, none coming).
 STATES = ("pending", "writing", "committed", "failed", "evicting", "absent")
@@ -195,3 +202,33 @@ class Tracker:
                 self._states.pop(s, None)
                 self._errors.pop(s, None)
                 self._wanted.pop(s, None)
+
+
+def merge_states(tiers: Sequence[Tier], tracker: Tracker, rank: int) -> list[CheckpointInfo]:
+    """``rank``'s steps, oldest first: what the tiers list as committed merged with the tracker's states
+    of the copies in flight. A tier that cannot list (e.g. its directory is gone) is logged and skipped."""
+    committed: dict[int, list[str]] = {}
+    for t in tiers:
+        try:
+            keys = t.list_committed()
+        except OSError as e:
+            log.warning("tier %r cannot list its checkpoints: %s", t.name, e)
+            continue
+        for k in keys:
+            if k.rank == rank:
+                committed.setdefault(k.step, []).append(t.name)
+    tracked, errors = tracker.states(), tracker.errors()
+    out = []
+    for s in sorted(set(committed) | set(tracked)):
+        here = committed.get(s, [])
+        states = {}
+        for t in tiers:
+            st = tracked.get(s, {}).get(t.name, "absent")
+            if t.name in here and st != "evicting":
+                st = "committed"
+            elif st == "committed":
+                st = "absent"  # evicted, or removed from outside
+            states[t.name] = st
+        if any(v != "absent" for v in states.values()):
+            out.append(CheckpointInfo(s, tuple(here), states, dict(errors.get(s, {}))))
+    return out

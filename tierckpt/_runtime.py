@@ -4,13 +4,19 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import logging
+import os
+import signal
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
+from types import FrameType
 
 from tierckpt.io.engine import IOEngine, make_engine
 from tierckpt.tiers.base import EngineSource
 
-__all__ = ["Engines", "dist_rank", "gc_paused"]
+__all__ = ["Engines", "dist_rank", "gc_paused", "install_flush_handler"]
+
+log = logging.getLogger("tierckpt.hierarchy")
 
 
 class Engines(EngineSource):
@@ -66,3 +72,28 @@ def dist_rank() -> tuple[int, int]:
     except Exception:  # pragma: no cover
         pass
     return 0, 1
+
+
+def install_flush_handler(
+    flush: Callable[[], bool], deadline: float, signals: Sequence[int] = (signal.SIGTERM,)
+) -> None:
+    """On each of ``signals``: run ``flush`` (which should give up after ``deadline`` seconds and return
+    False if it did), then let the signal do what it did before — call the previous handler, or for
+    the default action re-raise the signal so the process dies of it. Call from the main thread."""
+    previous = {s: signal.getsignal(s) for s in signals}
+
+    def handler(signum: int, frame: FrameType | None) -> None:
+        log.warning("signal %d: flushing checkpoints (deadline %.0f s)", signum, deadline)
+        try:
+            if not flush():
+                log.error("signal %d: the flush did not finish within %.0f s", signum, deadline)
+        finally:
+            prev = previous[signum]
+            signal.signal(signum, prev)
+            if callable(prev):
+                prev(signum, frame)
+            elif prev == signal.SIG_DFL:
+                os.kill(os.getpid(), signum)
+
+    for s in signals:
+        signal.signal(s, handler)

@@ -17,14 +17,13 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
-from types import FrameType
 from typing import Any
 
 from tierckpt._mover import Mover
-from tierckpt._records import STATES, CheckpointInfo, SaveHandle, Tracker
+from tierckpt._records import STATES, CheckpointInfo, SaveHandle, Tracker, merge_states
 from tierckpt._restore import copy_into, load_manifest, read_checkpoint, verify_checkpoint
-from tierckpt._runtime import Engines, dist_rank, gc_paused
-from tierckpt._save import build_manifest, pack_and_write
+from tierckpt._runtime import Engines, dist_rank, gc_paused, install_flush_handler
+from tierckpt._stage import make_stage_job
 from tierckpt.config import (
     HierarchyConfig,
     IOConfig,
@@ -34,7 +33,7 @@ from tierckpt.config import (
     parse_config,
     parse_policy,
 )
-from tierckpt.errors import CheckpointNotFoundError, ConfigError, CorruptCheckpointError, StateError, TierckptError
+from tierckpt.errors import CheckpointNotFoundError, ConfigError, CorruptCheckpointError, StateError
 from tierckpt.format.layout import plan, round_up
 from tierckpt.format.manifest import BlobEntry, Manifest
 from tierckpt.format.tree import flatten
@@ -241,39 +240,10 @@ class Hierarchy:
             self._tracker.plan(step, dests)
 
             def stage_into(name: str) -> Callable[[], None]:
-                tier, last = self.tier(name), name == dests[-1]
-
-                def stage() -> None:  # pack the caller's tensors into ``tier`` and commit
-                    writer = None
-                    try:
-                        if name != dests[0] and handle.staged.done():
-                            raise TierckptError(
-                                f"step {step}: every tier above {name!r} failed after the state was staged; "
-                                "the caller may have changed it since, so it is not packed again"
-                            )
-                        with gc_paused():
-                            writer = self._mover.reserve(tier, key, blobs)
-                            failed: dict[str, BaseException] = {}
-                            pool = self._mover.workers[name].pool
-                            checksums = pack_and_write(
-                                flat, layout, {name: writer}, failed, pool, pool().slot_bytes,
-                                on_staged=lambda: handle.staged.set_result(None),
-                            )  # fmt: skip
-                            if failed:
-                                raise failed[name]
-                            manifest = build_manifest(
-                                flat, srcs, layout, blobs, checksums, step=step, rank=self.rank,
-                                world_size=self.world_size, align=self.align,
-                            )  # fmt: skip
-                            writer.commit(manifest)
-                    except BaseException as e:
-                        if writer is not None:
-                            writer.abort()
-                        if last and not handle.staged.done():
-                            handle.staged.set_exception(e)
-                        raise
-
-                return stage
+                return make_stage_job(
+                    self._mover, self.tier(name), handle, flat, layout, blobs, key,
+                    first=name == dests[0], last=name == dests[-1], world_size=self.world_size, align=self.align,
+                )  # fmt: skip
 
             self._mover.run_commit(dests[0], step, stage_into(dests[0]), handle.durable[dests[0]])
             for i, name in enumerate(dests[1:], 1):
@@ -332,31 +302,7 @@ class Hierarchy:
     def checkpoints(self) -> list[CheckpointInfo]:
         """This rank's steps, oldest first: where each is committed, and its state on every tier
         (``pending``, ``writing``, ``committed``, ``failed``, ``evicting`` or ``absent``)."""
-        committed: dict[int, list[str]] = {}
-        for t in self._tiers:
-            try:
-                keys = t.list_committed()
-            except OSError as e:
-                log.warning("tier %r cannot list its checkpoints: %s", t.name, e)
-                continue
-            for k in keys:
-                if k.rank == self.rank:
-                    committed.setdefault(k.step, []).append(t.name)
-        tracked, errors = self._tracker.states(), self._tracker.errors()
-        out = []
-        for s in sorted(set(committed) | set(tracked)):
-            here = committed.get(s, [])
-            states = {}
-            for t in self._tiers:
-                st = tracked.get(s, {}).get(t.name, "absent")
-                if t.name in here and st != "evicting":
-                    st = "committed"
-                elif st == "committed":
-                    st = "absent"  # evicted, or removed from outside
-                states[t.name] = st
-            if any(v != "absent" for v in states.values()):
-                out.append(CheckpointInfo(s, tuple(here), states, dict(errors.get(s, {}))))
-        return out
+        return merge_states(self._tiers, self._tracker, self.rank)
 
     def _locate(self, step: int | None, tier: str | None = None) -> CheckpointInfo:
         infos = [i for i in self.checkpoints() if i.tiers]
@@ -527,23 +473,7 @@ class Hierarchy:
         Raises:
             ValueError: not called from the main thread (Python only runs signal handlers there).
         """
-        previous = {s: signal.getsignal(s) for s in signals}
-
-        def handler(signum: int, frame: FrameType | None) -> None:
-            log.warning("signal %d: flushing checkpoints (deadline %.0f s)", signum, deadline)
-            try:
-                if not self._closed and not self.flush(deadline):
-                    log.error("signal %d: the flush did not finish within %.0f s", signum, deadline)
-            finally:
-                prev = previous[signum]
-                signal.signal(signum, prev)
-                if callable(prev):
-                    prev(signum, frame)
-                elif prev == signal.SIG_DFL:
-                    os.kill(os.getpid(), signum)
-
-        for s in signals:
-            signal.signal(s, handler)
+        install_flush_handler(lambda: self._closed or self.flush(deadline), deadline, signals)
 
     def _check_open(self) -> None:
         if self._closed:
