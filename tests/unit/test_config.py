@@ -48,6 +48,19 @@ def test_format_size_round_trips() -> None:
         ({"tiers": [{"name": "s", "kind": "local", "path": "/x", "io": {"chunk": "3MiB", "bogus": 1}}]},
          r"tiers\[0\]\.io\.bogus: unknown key"),
         ("just a string", "config: expected a mapping"),
+        (with_(policy={"demote": {"host": {"every": 2}}}), r"policy\.demote\.host: 'host' is the top tier"),
+        (with_(policy={"demote": {"ssd": {"every": 0}}}), r"policy\.demote\.ssd\.every: expected an integer"),
+        (with_(policy={"demote": {"ssd": {"every": "5"}}}), r"policy\.demote\.ssd\.every: expected an integer"),
+        (with_(policy={"demote": {"ssd": {"every_secs": -1}}}), r"policy\.demote\.ssd\.every_secs: expected a positive"),
+        (with_(policy={"demote": {"ssd": {"every_secs": True}}}), r"policy\.demote\.ssd\.every_secs: expected a positive"),
+        (with_(policy={"demote": {"ssd": {"on_close": "yes"}}}), r"policy\.demote\.ssd\.on_close: expected true or false"),
+        (with_(policy={"demote": {"ssd": {"evry": 5}}}), r"policy\.demote\.ssd\.evry: unknown key"),
+        (with_(policy={"demote": {"tape": {"every": 5}}}), r"policy\.demote\.tape: unknown key"),
+        (with_(policy={"demote": {"ssd": 5}}), r"policy\.demote\.ssd: expected a mapping"),
+        (with_(policy={"promote": {"on_restore": 1}}), r"policy\.promote\.on_restore: expected true or false"),
+        (with_(policy={"promote": {"eager": True}}), r"policy\.promote\.eager: unknown key"),
+        (with_(policy={"evict": {}}), r"policy\.evict: unknown key"),
+        ({"tiers": [{"name": "h", "kind": "host", "on_full": "drop"}]}, r"tiers\[0\]\.on_full: expected one of wait, fail"),
     ],
 )  # fmt: skip
 def test_errors_name_the_key(cfg: object, message: str) -> None:
@@ -96,3 +109,25 @@ def test_engine_knob_env_var(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TIERCKPT_ENGINE", "warp")
     with pytest.raises(ConfigError, match="TIERCKPT_ENGINE"):
         parse_config(BASE)
+
+
+def test_policy_keys_reach_the_hierarchy(tmp_path: Path) -> None:
+    cfg = {
+        "tiers": [
+            {"name": "host", "kind": "host", "on_full": "fail"},
+            {"name": "ssd", "kind": "local", "path": str(tmp_path / "ssd")},
+            {"name": "pfs", "kind": "pfs", "path": str(tmp_path / "pfs")},
+        ],
+        "policy": {
+            "keep": {"host": 1},
+            "demote": {"ssd": {"every": 2, "every_secs": 30}, "pfs": {"on_close": True}},
+            "promote": {"on_restore": True},
+        },
+    }
+    with Hierarchy.from_config(cfg) as h:
+        assert h.tier("host").on_full == "fail" and h.tier("ssd").on_full == "wait"
+        assert h.policy.promote_on_restore
+        from tierckpt.policies import AnyOf, Every, EverySecs, Never
+
+        assert h.demotion["ssd"].rule == AnyOf((Every(2), EverySecs(30.0))) and not h.demotion["ssd"].on_close
+        assert h.demotion["pfs"].rule == Never() and h.demotion["pfs"].on_close
