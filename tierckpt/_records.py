@@ -53,7 +53,7 @@ class SaveHandle:
         self.step = step
         self.staged: Future[None] = Future()
         self.durable: dict[str, Future[None]] = {name: Future() for name in tiers}
-        self._observed = False
+        self._observed: set[str] = set()  # tiers whose outcome the caller has waited for
 
     def done(self) -> bool:
         """True when every future has resolved (successfully or not)."""
@@ -78,11 +78,19 @@ class SaveHandle:
         """
         if tier is not None and tier not in self.durable:
             raise KeyError(f"step {self.step} does not go to tier {tier!r} (it goes to: {', '.join(self.durable)})")
-        self._observed = True
+        self._observed.update([tier, "staged"] if tier is not None else [*self.durable, "staged"])
         futs = [self.durable[tier]] if tier is not None else list(self.durable.values())
         for f in futs:
             f.result(timeout)
         self.staged.result(timeout)
+
+    def _unobserved(self) -> BaseException | None:
+        """The first failure of a tier the caller never waited for (``Hierarchy.wait`` raises it); marks
+        every failure as observed."""
+        errors = self.errors()
+        first = next((e for n, e in errors.items() if n not in self._observed), None)
+        self._observed.update(errors)
+        return first
 
     def _settle(self, timeout: float | None = None) -> None:
         """Wait until every future is done, without raising."""

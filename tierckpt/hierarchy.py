@@ -235,7 +235,7 @@ class Hierarchy:
         with self._lock:
             dests = self._destinations()
             handle = SaveHandle(step, dests)
-            self._handles = [h for h in self._handles if not h.done() or (h.errors() and not h._observed)]
+            self._handles = [h for h in self._handles if not h.done() or set(h.errors()) - h._observed]
             self._handles.append(handle)
             self._tracker.plan(step, dests)
 
@@ -446,8 +446,9 @@ class Hierarchy:
         return self._settle(deadline)
 
     def wait(self) -> None:
-        """Wait for every save, prefetch and flush; raise the first failure of a save whose handle nobody
-        waited on (prefetch failures stay in the future ``prefetch`` returned)."""
+        """Wait for every save, prefetch and flush; raise the first failure nobody has seen yet: of a tier
+        whose outcome was never waited for through the save's handle, or of an ``on_close`` flush (each
+        failure is raised once; prefetch failures stay in the future ``prefetch`` returned)."""
         self._settle(None)
         with self._lock:
             handles, self._handles = self._handles, []
@@ -455,12 +456,7 @@ class Hierarchy:
             self._promotions = {s: f for s, f in self._promotions.items() if not f.done()}
         first: BaseException | None = None
         for h in handles:
-            if h._observed:
-                continue
-            try:
-                h.wait()
-            except BaseException as e:
-                first = first or e
+            first = first or h._unobserved()
         for f in extra:
             first = first or f.exception()
         if first is not None:

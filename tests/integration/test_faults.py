@@ -11,7 +11,6 @@ import logging
 import math
 import os
 import shutil
-import subprocess
 from collections import OrderedDict
 from collections.abc import Iterator
 from fractions import Fraction
@@ -123,26 +122,6 @@ def no_blob_reads(monkeypatch: pytest.MonkeyPatch, h: Hierarchy) -> None:
 
 
 # -- ENOSPC on a small tmpfs -----------------------------------------------------------------------------
-@pytest.fixture
-def tmpfs(tmp_path: Path) -> Iterator[Path]:
-    if not hasattr(os, "geteuid") or os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs needs root")
-    mnt = tmp_path / "pfs"
-    mnt.mkdir()
-    try:
-        r = subprocess.run(
-            ["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(mnt)], capture_output=True, text=True, timeout=30
-        )
-    except (OSError, subprocess.TimeoutExpired) as e:
-        pytest.skip(f"cannot mount a tmpfs: {e}")
-    if r.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs: {r.stderr.strip()}")
-    try:
-        yield mnt
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], check=False, capture_output=True, timeout=30)
-
-
 def big_state(mib: int, fill: int) -> dict[str, torch.Tensor]:
     return {f"t{i:02d}": torch.full((4 << 20,), (fill + i) % 251, dtype=torch.uint8) for i in range(mib // 4)}
 
