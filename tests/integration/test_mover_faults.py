@@ -7,6 +7,7 @@ from __future__ import annotations
 import errno
 import shutil
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -135,7 +136,14 @@ def test_tier_directory_removed_while_a_copy_is_in_flight(tmp_path: Path) -> Non
         try:
             handle = h.save(state(2), step=2)
             handle.wait(tier="host")
-            shutil.rmtree(tmp_path / "ssd")
+            for _ in range(100):  # the ssd may still be writing blobs (only its commit is held)
+                try:
+                    shutil.rmtree(tmp_path / "ssd")
+                    break
+                except OSError as e:
+                    if e.errno != errno.ENOTEMPTY:
+                        raise
+                    time.sleep(0.05)
         finally:
             gate.set()
         with pytest.raises(TierIOError) as ei:
