@@ -31,6 +31,7 @@ from tierckpt.format.manifest import BlobEntry
 from tierckpt.io.buffers import StagingPool, memmove
 from tierckpt.policies.retention import RetentionPolicy, capacity_victims, plan_evictions
 from tierckpt.tiers.base import CheckpointKey, Tier, TierReader, TierWriter
+from tierckpt.tiers.gpu import device_copy
 
 __all__ = ["Mover", "Worker", "copy_blobs"]
 
@@ -136,9 +137,15 @@ def copy_blobs(
     try:
         for b, blob in enumerate(blobs):
             sbuf, dbuf = reader.buffer(b), writer.buffer(b)
-            if sbuf is not None and dbuf is not None:  # memory → memory
+            if sbuf is not None and dbuf is not None and (sbuf.is_cpu and dbuf.is_cpu):  # memory → memory
                 memmove(dbuf.data_ptr(), sbuf.data_ptr(), blob.size)
-            elif sbuf is not None:  # memory → file: write from the source's own buffer
+                continue
+            if sbuf is not None and dbuf is not None:  # device memory ↔ memory: a side-stream copy
+                device_copy(dbuf, sbuf, blob.size)
+                continue
+            sbuf = sbuf if sbuf is None or sbuf.is_cpu else None  # device memory ↔ file: through staging
+            dbuf = dbuf if dbuf is None or dbuf.is_cpu else None
+            if sbuf is not None:  # memory → file: write from the source's own buffer
                 if sbuf.numel() < blob.size:
                     _check_count(sbuf.numel(), blob.size, src, key, blob, 0)
                 base = sbuf.data_ptr()

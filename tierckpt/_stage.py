@@ -55,10 +55,14 @@ def make_stage_job(
                 writer = mover.reserve(tier, key, blobs)
                 failed: dict[str, BaseException] = {}
                 pool = mover.workers[tier.name].pool
-                checksums = pack_and_write(
-                    flat, layout, {tier.name: writer}, failed, pool, pool().slot_bytes,
-                    on_staged=lambda: handle.staged.set_result(None),
-                )  # fmt: skip
+                on_staged = lambda: handle.staged.set_result(None)  # noqa: E731
+                packer = getattr(tier, "pack", None)  # a tier that snapshots itself (gpu: device copies)
+                if packer is not None:
+                    checksums = packer(writer, flat, layout, pool, on_staged)
+                else:
+                    checksums = pack_and_write(
+                        flat, layout, {tier.name: writer}, failed, pool, pool().slot_bytes, on_staged
+                    )
                 if failed:
                     raise failed[tier.name]
                 srcs = [r.tensor for r in flat.tensors]

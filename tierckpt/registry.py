@@ -17,6 +17,7 @@ __all__ = ["available_kinds", "get_tier_class", "register_tier"]
 ENTRY_POINT_GROUP = "tierckpt.tiers"
 
 _known: dict[str, str] = {
+    "gpu": "tierckpt.tiers.gpu:GpuTier",
     "host": "tierckpt.tiers.host:HostTier",
     "local": "tierckpt.tiers.local:LocalTier",
     "pfs": "tierckpt.tiers.pfs:PfsTier",

@@ -6,9 +6,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 
 from tierckpt.testing.conformance import TierConformanceTests
 from tierckpt.tiers.base import Tier
+from tierckpt.tiers.gpu import GpuTier
 from tierckpt.tiers.host import HostTier
 from tierckpt.tiers.local import LocalTier
 from tierckpt.tiers.pfs import PfsTier
@@ -18,6 +20,16 @@ class TestHostTier(TierConformanceTests):
     @pytest.fixture
     def tier(self) -> Iterator[Tier]:
         t = HostTier("host", capacity_bytes=64 << 20)
+        yield t
+        t.close()
+
+
+class TestGpuTier(TierConformanceTests):
+    """On CUDA when there is a device; else the same code on ``device="cpu"``."""
+
+    @pytest.fixture
+    def tier(self) -> Iterator[Tier]:
+        t = GpuTier("gpu", capacity_bytes=64 << 20, device=None if torch.cuda.is_available() else "cpu")
         yield t
         t.close()
 

@@ -67,6 +67,8 @@ class HostTier(Tier):
         self._held: dict[CheckpointKey, _Held] = {}
         self._reserved = 0
         self._free: list[torch.Tensor] = []
+        self._writer_cls: type[_HostWriter] = _HostWriter
+        self._reader_cls: type[_HostReader] = _HostReader
 
     @classmethod
     def from_config(cls, cfg: TierConfig, engines: EngineSource) -> HostTier:
@@ -81,12 +83,16 @@ class HostTier(Tier):
         with self._lock:
             return sum(h.nbytes for h in self._held.values())
 
+    def _alloc(self, size: int) -> torch.Tensor:
+        """A new blob buffer of ``size`` bytes (subclasses put it elsewhere, e.g. device memory)."""
+        return aligned_empty(size)
+
     def _take(self, size: int) -> torch.Tensor:
         """Called with the lock held: a reused buffer of exactly ``size`` bytes, or a new one."""
         for i, b in enumerate(self._free):
             if b.numel() == size:
                 return self._free.pop(i)
-        return aligned_empty(size)
+        return self._alloc(size)
 
     def reserve(self, key: CheckpointKey, blobs: Sequence[BlobEntry]) -> TierWriter:
         need = sum(b.size for b in blobs)
@@ -102,7 +108,7 @@ class HostTier(Tier):
                 free_bytes -= self._free.pop().numel()  # drop cached buffers that no longer fit
             self._reserved += need
             bufs = [self._take(b.size) for b in blobs]
-        return _HostWriter(self, key, bufs, need)
+        return self._writer_cls(self, key, bufs, need)
 
     def _finish(self, key: CheckpointKey, held: _Held | None, reserved: int, bufs: list[torch.Tensor]) -> None:
         with self._lock:
@@ -130,7 +136,7 @@ class HostTier(Tier):
         return self._get(key).manifest
 
     def reader(self, key: CheckpointKey, blobs: Sequence[BlobEntry]) -> TierReader:
-        return _HostReader(self._get(key))
+        return self._reader_cls(self._get(key))
 
     def evict(self, key: CheckpointKey) -> None:
         with self._lock:
