@@ -69,7 +69,7 @@ def _host_view(addr: int, nbytes: int) -> torch.Tensor:
 
 def _as_bytes(t: torch.Tensor) -> torch.Tensor:
     """The tensor's bytes as a flat uint8 tensor on its device (a copy only where not contiguous)."""
-    t = t.resolve_conj().resolve_neg()
+    t = t.detach().resolve_conj().resolve_neg()
     if not t.is_contiguous():
         t = t.contiguous()
     return t.reshape(-1).view(torch.uint8)
