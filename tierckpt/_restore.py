@@ -128,7 +128,9 @@ def _verifier(tier: Tier, key: CheckpointKey, m: Manifest) -> Callable[[int, Map
             stop = o + lengths[i]
             if stop > upto:
                 break
-            if o != end and (view[end:o] != zeros[: o - end] if o - end <= nz else not _all_zero(view, end, o)):
+            if o != end and (
+                view[end:o].tobytes() != zeros[: o - end] if o - end <= nz else not _all_zero(view, end, o)
+            ):
                 _padding_error(bi, end, o)
             if digest(view[o:stop]) != checksums[i]:
                 raise CorruptCheckpointError(
@@ -153,7 +155,10 @@ def _verifier(tier: Tier, key: CheckpointKey, m: Manifest) -> Callable[[int, Map
 
 
 def _all_zero(view: memoryview, start: int, stop: int) -> bool:
-    return view[start:stop].tobytes().count(0) == stop - start
+    return not any(
+        view[p : min(stop, p + len(_ZEROS))].tobytes() != _ZEROS[: min(stop, p + len(_ZEROS)) - p]
+        for p in range(start, stop, len(_ZEROS))
+    )
 
 
 def verify_checkpoint(tier: Tier, key: CheckpointKey) -> Manifest:
