@@ -28,6 +28,7 @@ __all__ = ["copy_into", "load_manifest", "read_checkpoint", "verify_checkpoint"]
 
 log = logging.getLogger(__name__)
 _PREFAULT_THREADS = max(1, min(4, os.cpu_count() or 1))
+_ZEROS = bytes(4096)
 
 
 def load_manifest(tier: Tier, key: CheckpointKey) -> Manifest:
@@ -104,14 +105,17 @@ def _verifier(tier: Tier, key: CheckpointKey, m: Manifest) -> Callable[[int, Map
     The returned function is called with a blob's received prefix (``upto`` bytes, growing); it checks
     what lies wholly inside it and was not checked yet, and returns the indices of the tensors checked.
     """
+    t = m.tensors
+    order = t.order()  # non-empty tensors by (blob, offset)
+    blob_of, offsets, lengths, checksums = t.blobs, t.offsets, t.lengths, t.checksums
     by_blob: dict[int, list[int]] = {}
-    for i, t in enumerate(m.tensors):
-        if t.length:
-            by_blob.setdefault(t.blob, []).append(i)
-    for ids in by_blob.values():
-        ids.sort(key=lambda i: m.tensors[i].offset)
+    start = 0
+    for stop in range(1, len(order) + 1):  # order is grouped by blob: cut it where the blob changes
+        if stop == len(order) or blob_of[order[stop]] != blob_of[order[start]]:
+            by_blob[blob_of[order[start]]] = order[start:stop]
+            start = stop
     done = [(0, 0)] * len(m.blobs)  # per blob: tensors checked (position in by_blob), bytes checked
-    tensors, digest = m.tensors, xxhash.xxh3_64_intdigest
+    digest, zeros, nz = xxhash.xxh3_64_intdigest, _ZEROS, len(_ZEROS)
 
     def verify(bi: int, buf: MappedBuffer, upto: int) -> list[int]:
         ids = by_blob.get(bi, ())
@@ -119,30 +123,42 @@ def _verifier(tier: Tier, key: CheckpointKey, m: Manifest) -> Callable[[int, Map
         k0 = k
         view = ptr_mv(buf.addr, buf.nbytes, writable=False)  # sliced per tensor: cheaper than a view each
         while k < len(ids):
-            t = tensors[ids[k]]
-            if t.offset + t.length > upto:
+            i = ids[k]
+            o = offsets[i]
+            stop = o + lengths[i]
+            if stop > upto:
                 break
-            if t.offset > end:
-                _check_zero(view, end, t.offset, bi)
-            if digest(view[t.offset : t.offset + t.length]) != t.checksum:
+            if o != end and (
+                view[end:o].tobytes() != zeros[: o - end] if o - end <= nz else not _all_zero(view, end, o)
+            ):
+                _padding_error(bi, end, o)
+            if digest(view[o:stop]) != checksums[i]:
                 raise CorruptCheckpointError(
-                    "checksum mismatch", tier=tier.name, step=key.step, blob=m.blobs[bi].name, key=t.path
+                    "checksum mismatch", tier=tier.name, step=key.step, blob=m.blobs[bi].name, key=t.paths[i]
                 )
-            end = t.offset + t.length
+            end = stop
             k += 1
-        if k == len(ids) and upto >= m.blobs[bi].size and m.blobs[bi].size > end:
-            _check_zero(view, end, m.blobs[bi].size, bi)
-            end = m.blobs[bi].size
+        size = m.blobs[bi].size
+        if k == len(ids) and upto >= size and size > end:
+            if not _all_zero(view, end, size):
+                _padding_error(bi, end, size)
+            end = size
         done[bi] = (k, end)
-        return list(ids[k0:k])
+        return ids[k0:k]  # type: ignore[index,return-value]
 
-    def _check_zero(view: memoryview, start: int, stop: int, bi: int) -> None:
-        if view[start:stop].tobytes().count(0) != stop - start:
-            raise CorruptCheckpointError(
-                f"padding bytes [{start}, {stop}) are not zero", tier=tier.name, step=key.step, blob=m.blobs[bi].name
-            )
+    def _padding_error(bi: int, start: int, stop: int) -> None:
+        raise CorruptCheckpointError(
+            f"padding bytes [{start}, {stop}) are not zero", tier=tier.name, step=key.step, blob=m.blobs[bi].name
+        )
 
     return verify
+
+
+def _all_zero(view: memoryview, start: int, stop: int) -> bool:
+    return not any(
+        view[p : min(stop, p + len(_ZEROS))].tobytes() != _ZEROS[: min(stop, p + len(_ZEROS)) - p]
+        for p in range(start, stop, len(_ZEROS))
+    )
 
 
 def verify_checkpoint(tier: Tier, key: CheckpointKey) -> Manifest:
@@ -168,22 +184,25 @@ def read_checkpoint(tier: Tier, key: CheckpointKey, *, allow_pickle: bool = Fals
     cache: dict[int, torch.Tensor] = {}
     verify = _verifier(tier, key, m)
 
+    t = m.tensors
+    dtypes = [dtype_from_name(d) for d in t.dtypes]
+    offsets, lengths, shapes = t.offsets, t.lengths, t.shapes
+
     def on_data(bi: int, buf: MappedBuffer, upto: int) -> None:
+        carve = buf.tensor
         for i in verify(bi, buf, upto):  # build the views now, while later chunks are still being read
-            e = m.tensors[i]
-            cache[i] = buf.tensor(e.offset, e.length, dtype_from_name(e.dtype), e.shape)
+            cache[i] = carve(offsets[i], lengths[i], dtypes[i], shapes[i])
 
     _read_blobs(tier, key, m, on_data)  # every non-empty tensor is in the cache once this returns
 
     def tensor_at(i: int) -> torch.Tensor:
-        t = cache.get(i)
-        if t is None:  # only zero-size tensors have no bytes to carve
-            e = m.tensors[i]
-            t = cache[i] = torch.empty(e.shape, dtype=dtype_from_name(e.dtype))
-        return t
+        got = cache.get(i)
+        if got is None:  # only zero-size tensors have no bytes to carve
+            got = cache[i] = torch.empty(shapes[i], dtype=dtypes[i])
+        return got
 
     try:
-        state = unflatten(m.tree, tensor_at, len(m.tensors), allow_pickle=allow_pickle)
+        state = unflatten(m.tree, tensor_at, len(t), allow_pickle=allow_pickle)
     except CorruptCheckpointError as e:
         raise CorruptCheckpointError(str(e), tier=tier.name, step=key.step) from None
     return state, m

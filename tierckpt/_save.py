@@ -18,7 +18,7 @@ import torch
 import xxhash
 
 from tierckpt.format.layout import Layout
-from tierckpt.format.manifest import BlobEntry, Manifest, TensorEntry, dtype_name, encode_manifest
+from tierckpt.format.manifest import BlobEntry, Manifest, TensorTable, dtype_name, encode_manifest
 from tierckpt.format.tree import FlatState
 from tierckpt.io.buffers import StagingPool, memmove, ptr_mv
 from tierckpt.tiers.base import TierWriter
@@ -69,10 +69,11 @@ def pack_and_write(
     A writer whose write fails is recorded in ``failed`` (first error) and gets no further chunks; the
     others go on. ``on_staged`` runs once every tensor byte has been copied out of the caller's state.
     """
-    tensors, extents = flat.tensors, layout.extents
+    tensors, e_blob, e_off, e_len = flat.tensors, layout.blobs, layout.offsets, layout.lengths
     checksums = [_EMPTY_DIGEST] * len(tensors)
-    order = sorted(range(len(tensors)), key=lambda i: (extents[i].blob, extents[i].offset))
-    order = [i for i in order if extents[i].length]
+    order = [i for i, n in enumerate(e_len) if n]
+    order.sort(key=e_off.__getitem__)
+    order.sort(key=e_blob.__getitem__)  # stable: (blob, offset); linear when plan() made the layout
     mem = next(
         (n for n, w in writers.items() if n not in failed and layout.blob_sizes and w.buffer(0) is not None),
         None,
@@ -132,10 +133,10 @@ def pack_and_write(
                     cursor = p0
                     while k < nk:
                         i = order[k]
-                        e = extents[i]
-                        if e.blob != b or e.offset >= p1:
+                        off = e_off[i]
+                        if e_blob[i] != b or off >= p1:
                             break
-                        off, end = e.offset, e.offset + e.length
+                        end = off + e_len[i]
                         a, z = max(off, p0), min(end, p1)
                         if a > cursor:
                             _zero(view, cursor - c0, a - c0)
@@ -182,13 +183,13 @@ def build_manifest(
     align: int,
 ) -> bytes:
     """The encoded manifest of a packed checkpoint (``srcs[i]`` is the tensor of ``flat.tensors[i]``)."""
+    table = TensorTable(
+        [r.path for r in flat.tensors], [dtype_name(t.dtype) for t in srcs], [tuple(t.shape) for t in srcs],
+        layout.blobs, layout.offsets, layout.lengths, checksums,
+    )  # fmt: skip
     return encode_manifest(
         Manifest(
-            step=step, rank=rank, world_size=world_size, align=align, blobs=blobs,
-            tensors=tuple(
-                TensorEntry(r.path, dtype_name(t.dtype), tuple(t.shape), e.blob, e.offset, e.length, c)
-                for r, t, e, c in zip(flat.tensors, srcs, layout.extents, checksums)
-            ),
+            step=step, rank=rank, world_size=world_size, align=align, blobs=blobs, tensors=table,
             tree=flat.tree, has_pickle=flat.has_pickle,
         )
     )  # fmt: skip

@@ -247,7 +247,7 @@ def test_flipped_byte_falls_back_to_the_other_tier(
     assert_same(state, two.restore(4, tier=good))
 
 
-@pytest.mark.parametrize("where", ["blob-tail-padding", "gap-between-tensors"])
+@pytest.mark.parametrize("where", ["blob-tail-padding", "gap-between-tensors", "gap-last-byte"])
 def test_damage_in_padding_is_found(two: Hierarchy, where: str, caplog: pytest.LogCaptureFixture) -> None:
     """Bytes outside every extent (alignment gaps, blob tail) must be zero (docs/format.md): a flipped one
     is damage too, reported with the blob, and the other tier's copy is used."""
@@ -261,7 +261,7 @@ def test_damage_in_padding_is_found(two: Hierarchy, where: str, caplog: pytest.L
     else:
         gaps = [(a_end, b_start) for (_, a_end), (b_start, _) in itertools.pairwise(spans) if b_start > a_end]
         assert gaps, spans
-        pos = gaps[0][0]
+        pos = gaps[0][0] if where == "gap-between-tensors" else gaps[-1][1] - 1
     flip_byte(rank_dir(two, "ssd", 1) / m.blobs[0].name, pos)
 
     with pytest.raises(CorruptCheckpointError) as ei:
@@ -402,6 +402,19 @@ def test_manifest_with_out_of_bounds_extent_is_refused(one: Hierarchy, monkeypat
     no_blob_reads(monkeypatch, one)
     with pytest.raises(CorruptCheckpointError, match="exceeds blob size"):
         one.restore()
+
+
+def test_format_v1_checkpoint_is_still_restored(one: Hierarchy) -> None:
+    """A checkpoint whose manifest is format version 1 (row-per-tensor table) restores and verifies."""
+    state = small_state(4)
+    one.save(state, step=9).wait()
+    mpath = rank_dir(one, "ssd", 9) / "manifest"
+    m = decode_manifest(mpath.read_bytes())
+    assert m.version == 2
+    mpath.write_bytes(encode_manifest(dataclasses.replace(m, version=1)))
+    assert one.inspect(9)[1].version == 1
+    assert_same(state, one.restore(step=9))
+    assert [err for _, _, err in one.verify(9)] == [None]
 
 
 def test_bad_manifest_on_fast_tier_falls_back(two: Hierarchy, caplog: pytest.LogCaptureFixture) -> None:

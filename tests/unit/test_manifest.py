@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import struct
 
 import msgpack
@@ -8,7 +9,7 @@ import pytest
 import xxhash
 
 from tierckpt.errors import CorruptCheckpointError
-from tierckpt.format.manifest import BlobEntry, Manifest, TensorEntry, decode_manifest, encode_manifest
+from tierckpt.format.manifest import BlobEntry, Manifest, TensorEntry, TensorTable, decode_manifest, encode_manifest
 
 
 def sample(**kw: object) -> Manifest:
@@ -39,17 +40,17 @@ def test_large_tree_is_compressed_transparently() -> None:
     assert decode_manifest(data).tree == tree
 
 
-def reframe(payload: dict) -> bytes:
+def reframe(payload: dict, version: int = 1) -> bytes:
     body = msgpack.packb(payload, use_bin_type=True)
     return (
-        struct.pack("<8sHHIQ", b"TIERCKPT", 1, 0, 0, len(body))
+        struct.pack("<8sHHIQ", b"TIERCKPT", version, 0, 0, len(body))
         + body
         + struct.pack("<Q", xxhash.xxh3_64_intdigest(body))
     )
 
 
-def payload() -> dict:
-    data = encode_manifest(sample())
+def payload(version: int = 1) -> dict:
+    data = encode_manifest(sample(version=version))
     n = struct.unpack_from("<Q", data, 16)[0]
     return msgpack.unpackb(data[24 : 24 + n], raw=False)
 
@@ -73,10 +74,85 @@ def payload() -> dict:
     ],
 )
 def test_validation_names_the_problem(mutate, message: str) -> None:  # type: ignore[no-untyped-def]
-    p = payload()
+    p = payload()  # the row-per-tensor table of format version 1
     mutate(p)
     with pytest.raises(CorruptCheckpointError, match=message):
         decode_manifest(reframe(p))
+
+
+def u64s(*values: int) -> bytes:
+    return struct.pack(f"<{len(values)}Q", *values)
+
+
+@pytest.mark.parametrize(
+    ("mutate", "message"),
+    [
+        (lambda t: t.__setitem__("dtype_names", ["float99", "bfloat16", "int64"]), "unknown dtype 'float99'"),
+        (lambda t: t.__setitem__("dtype", b"\x00\x01\x07"), "state\\['c'\\]: dtype index 7"),
+        (lambda t: t.__setitem__("ndim", b"\x02\x01\x41"), "state\\['c'\\]: bad shape \\(rank 65\\)"),
+        (lambda t: t.__setitem__("length", u64s(25, 0, 8)), "state\\['a'\\]: length 25 != 6 x 4"),
+        (lambda t: t.__setitem__("offset", u64s(0, 0, 8192)), "state\\['c'\\]: extent \\[8192, 8200\\) exceeds"),
+        (lambda t: t.__setitem__("offset", u64s(0, 0, 8)), "extents of state\\['a'\\] and state\\['c'\\] overlap"),
+        (lambda t: t.__setitem__("offset", u64s(0, 0, 4100)), "state\\['c'\\]: offset 4100 is not aligned"),
+        (lambda t: t.__setitem__("offset", u64s(1 << 63, 0, 4096)), "state\\['a'\\]: bad extent"),
+        (lambda t: t.__setitem__("blob", struct.pack("<3I", 4, 0, 0)), "state\\['a'\\]: blob 4 does not exist"),
+        (lambda t: t.__setitem__("dims", u64s(2, 3)), "tensors.dims is not 3 x 8 bytes"),
+        (lambda t: t.__setitem__("checksum", b"\x00" * 23), "tensors.checksum is not 3 x 8 bytes"),
+        (lambda t: t.__setitem__("count", 4), "tensors.path is not a list of 4 strings"),
+        (lambda t: t.__setitem__("path", ["a", 1, "c"]), "tensors.path is not a list of 3 strings"),
+        (lambda t: t.pop("ndim"), "not a version-2 table"),
+    ],
+)
+def test_v2_table_validation_names_the_problem(mutate, message: str) -> None:  # type: ignore[no-untyped-def]
+    p = payload(version=2)
+    mutate(p["tensors"])
+    with pytest.raises(CorruptCheckpointError, match=message):
+        decode_manifest(reframe(p, version=2))
+
+
+def test_v2_is_written_by_default_and_v1_stays_readable() -> None:
+    m = sample()
+    assert m.version == 2
+    assert struct.unpack_from("<H", encode_manifest(m), 8)[0] == 2
+    assert isinstance(payload(version=2)["tensors"], dict)
+    v1 = sample(version=1)
+    data = encode_manifest(v1)
+    assert struct.unpack_from("<H", data, 8)[0] == 1
+    back = decode_manifest(data)
+    assert back == v1 and back.version == 1
+    assert list(back.tensors) == list(decode_manifest(encode_manifest(m)).tensors)
+    with pytest.raises(ValueError, match="version 3"):
+        encode_manifest(sample(version=3))
+
+
+def test_table_columns_and_rows_agree() -> None:
+    m = decode_manifest(encode_manifest(sample()))
+    t = m.tensors
+    assert isinstance(t, TensorTable) and len(t) == 3
+    assert t[2] == TensorEntry("state['c']", "int64", (), 0, 4096, 8, 2**64 - 1)
+    assert t[-1] == t[2] and t[1:] == [t[1], t[2]]
+    assert t.shapes == [(2, 3), (0,), ()] and t.checksums[2] == 2**64 - 1
+    assert t.order() == [0, 2]  # non-empty tensors in (blob, offset) order
+    assert m.tensor_bytes == 32
+
+
+def test_many_tensors_round_trip_both_versions() -> None:
+    n = 3000
+    rows = [
+        TensorEntry(f"state['t{i}']", ("float32", "bfloat16", "uint8")[i % 3], (i % 7 + 1, 2)[: 1 + i % 2],
+                    i % 2, 0, 0, i * 7919)
+        for i in range(n)
+    ]  # fmt: skip
+    ends = [0, 0]
+    for i, r in enumerate(rows):
+        size = {"float32": 4, "bfloat16": 2, "uint8": 1}[r.dtype] * math.prod(r.shape)
+        rows[i] = r._replace(offset=ends[r.blob], length=size)
+        ends[r.blob] += 64
+    m = sample(tensors=rows, blobs=(BlobEntry("b0", ends[0]), BlobEntry("b1", ends[1])))
+    for v in (1, 2):
+        back = decode_manifest(encode_manifest(dataclasses.replace(m, version=v)))
+        assert list(back.tensors) == rows
+        assert back.tensors.order() == sorted(range(n), key=lambda i: (rows[i].blob, rows[i].offset))
 
 
 def test_framing_errors() -> None:

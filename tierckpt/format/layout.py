@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 __all__ = ["SMALL_ALIGN", "Extent", "Layout", "plan", "round_up"]
 
@@ -23,8 +24,7 @@ def round_up(n: int, align: int) -> int:
     return -(-n // align) * align
 
 
-@dataclass(frozen=True)
-class Extent:
+class Extent(NamedTuple):
     """Where one item's bytes live: ``length`` bytes at ``offset`` of blob number ``blob``."""
 
     blob: int
@@ -34,11 +34,18 @@ class Extent:
 
 @dataclass(frozen=True)
 class Layout:
-    """Extents in item order and the (aligned) size of every blob."""
+    """The extent of every item, as three columns in item order, and the (aligned) size of every blob."""
 
-    extents: tuple[Extent, ...]
+    blobs: list[int]
+    offsets: list[int]
+    lengths: list[int]
     blob_sizes: tuple[int, ...]
     align: int
+
+    @property
+    def extents(self) -> tuple[Extent, ...]:
+        """The extents as rows (built on each access; the data path reads the columns)."""
+        return tuple(map(Extent, self.blobs, self.offsets, self.lengths))
 
     @property
     def total_bytes(self) -> int:
@@ -63,21 +70,26 @@ def plan(lengths: Sequence[int], *, align: int, blob_bytes: int, small_align: in
         raise ValueError(f"small_align must be a power of two <= align, got {small_align}")
     if blob_bytes < align:
         raise ValueError(f"blob_bytes ({blob_bytes}) must be at least align ({align})")
-    extents: list[Extent] = []
+    lengths = list(lengths)
+    if lengths and min(lengths) < 0:
+        raise ValueError(f"negative length {min(lengths)}")
+    blobs: list[int] = []
+    offsets: list[int] = []
     sizes: list[int] = []
     blob, end = 0, 0
+    big_mask, small_mask = align - 1, small_align - 1
     for n in lengths:
-        if n < 0:
-            raise ValueError(f"negative length {n}")
         if n == 0:  # zero-size tensors take no bytes and never start a blob
-            extents.append(Extent(blob, end, 0))
+            blobs.append(blob)
+            offsets.append(end)
             continue
-        off = round_up(end, align if n >= align else small_align)
+        off = (end + big_mask) & ~big_mask if n >= align else (end + small_mask) & ~small_mask
         if off + n > blob_bytes and end > 0:
-            sizes.append(round_up(end, align))
+            sizes.append((end + big_mask) & ~big_mask)
             blob, off = blob + 1, 0
-        extents.append(Extent(blob, off, n))
+        blobs.append(blob)
+        offsets.append(off)
         end = off + n
     if end > 0:
-        sizes.append(round_up(end, align))
-    return Layout(extents=tuple(extents), blob_sizes=tuple(sizes), align=align)
+        sizes.append((end + big_mask) & ~big_mask)
+    return Layout(blobs=blobs, offsets=offsets, lengths=lengths, blob_sizes=tuple(sizes), align=align)

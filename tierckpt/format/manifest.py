@@ -6,7 +6,6 @@ types, bounds, overlaps, blob names) before any blob byte is read.
 
 from __future__ import annotations
 
-import itertools
 import math
 import re
 import struct
@@ -19,13 +18,16 @@ import xxhash
 import zstandard
 
 from tierckpt.errors import CorruptCheckpointError
+from tierckpt.format.table import DTYPES, MAX_DIMS, TensorEntry, TensorTable, check_extents, decode_table, encode_table
 
 __all__ = [
     "FORMAT_VERSION",
     "MAGIC",
+    "READ_VERSIONS",
     "BlobEntry",
     "Manifest",
     "TensorEntry",
+    "TensorTable",
     "decode_manifest",
     "dtype_from_name",
     "dtype_name",
@@ -33,27 +35,15 @@ __all__ = [
 ]
 
 MAGIC = b"TIERCKPT"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+READ_VERSIONS = (1, 2)
 _HEADER = struct.Struct("<8sHHIQ")  # magic, version, flags, reserved, payload length
 _TRAILER = struct.Struct("<Q")  # xxh3_64 of the payload
 MAX_PAYLOAD_BYTES = 1 << 31
 _COMPRESS_TREE_ABOVE = 64 << 10
 _BLOB_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
-_MAX_DIMS = 64
-
-
-def _dtype_table() -> dict[str, torch.dtype]:
-    table: dict[str, torch.dtype] = {}
-    for name in dir(torch):
-        dt = getattr(torch, name)
-        if isinstance(dt, torch.dtype) and not str(dt).startswith("torch.q"):
-            table.setdefault(str(dt).removeprefix("torch."), dt)
-    return table
-
-
-_DTYPES = _dtype_table()
-
-
+_KEYS = ("step", "rank", "world_size", "align", "checksum", "blobs", "tensors", "tree_codec", "tree", "has_pickle")
+_DTYPES = DTYPES
 _NAMES = {dt: name for name, dt in _DTYPES.items()}
 
 
@@ -75,35 +65,32 @@ class BlobEntry(NamedTuple):
     size: int
 
 
-class TensorEntry(NamedTuple):
-    """One stored tensor: first key path, dtype, shape and extent, and the xxh3_64 of its bytes."""
-
-    path: str
-    dtype: str
-    shape: tuple[int, ...]
-    blob: int
-    offset: int
-    length: int
-    checksum: int
-
-
 @dataclass(frozen=True)
 class Manifest:
-    """Everything needed to rebuild one rank's state from its blobs."""
+    """Everything needed to rebuild one rank's state from its blobs.
+
+    ``tensors`` may be given as any sequence of :class:`TensorEntry`; it is always held as a
+    :class:`TensorTable`. ``version`` is the format version :func:`encode_manifest` writes (or the one
+    :func:`decode_manifest` read).
+    """
 
     step: int
     rank: int
     world_size: int
     align: int
     blobs: tuple[BlobEntry, ...]
-    tensors: tuple[TensorEntry, ...]
+    tensors: TensorTable
     tree: bytes
     has_pickle: bool
     version: int = FORMAT_VERSION
 
+    def __post_init__(self) -> None:
+        if not isinstance(self.tensors, TensorTable):
+            object.__setattr__(self, "tensors", TensorTable.from_entries(self.tensors))
+
     @property
     def tensor_bytes(self) -> int:
-        return sum(t.length for t in self.tensors)
+        return sum(self.tensors.lengths)
 
     @property
     def blob_bytes(self) -> int:
@@ -111,12 +98,22 @@ class Manifest:
 
 
 def encode_manifest(m: Manifest) -> bytes:
-    """Serialize deterministically: the same manifest always gives the same bytes."""
+    """Serialize deterministically in format ``m.version``: the same manifest always gives the same bytes.
+
+    Raises:
+        ValueError: ``m.version`` is not a version this writer knows (1 or 2).
+    """
+    if m.version not in READ_VERSIONS:
+        raise ValueError(f"cannot write format version {m.version} (this writer knows {READ_VERSIONS})")
     tree, codec = m.tree, "none"
     if len(tree) > _COMPRESS_TREE_ABOVE:
         packed = zstandard.ZstdCompressor(level=3, write_content_size=True, write_checksum=False).compress(tree)
         if len(packed) < len(tree) * 0.9:
             tree, codec = packed, "zstd"
+    if m.version == 1:
+        tensors: Any = [[t.path, t.dtype, list(t.shape), t.blob, t.offset, t.length, t.checksum] for t in m.tensors]
+    else:
+        tensors = encode_table(m.tensors)
     payload = msgpack.packb(
         {
             "step": m.step,
@@ -125,7 +122,7 @@ def encode_manifest(m: Manifest) -> bytes:
             "align": m.align,
             "checksum": "xxh3_64",
             "blobs": [[b.name, b.size] for b in m.blobs],
-            "tensors": [[t.path, t.dtype, list(t.shape), t.blob, t.offset, t.length, t.checksum] for t in m.tensors],
+            "tensors": tensors,
             "tree_codec": codec,
             "tree": tree,
             "has_pickle": m.has_pickle,
@@ -150,7 +147,7 @@ def _is_int(v: Any, lo: int = 0, hi: int = (1 << 63) - 1) -> bool:
 
 
 def decode_manifest(data: bytes) -> Manifest:
-    """Parse and validate a manifest file's bytes.
+    """Parse and validate a manifest file's bytes (format version 1 or 2).
 
     Checks magic, version, payload length and checksum, every field's type, dtypes, that each extent's
     length matches dtype × shape and lies inside its blob, that extents do not overlap, and that blob
@@ -163,8 +160,8 @@ def decode_manifest(data: bytes) -> Manifest:
     magic, version, flags, _reserved, n = _HEADER.unpack_from(data)
     _want(magic == MAGIC, f"bad magic {magic!r} (not a tierckpt manifest)")
     _want(
-        version == FORMAT_VERSION,
-        f"format version {version} is not supported (this reader knows {FORMAT_VERSION})",
+        version in READ_VERSIONS,
+        f"format version {version} is not supported (this reader knows {', '.join(map(str, READ_VERSIONS))})",
     )
     _want(flags == 0, f"unknown flags {flags:#x}")
     _want(n <= MAX_PAYLOAD_BYTES, f"payload length {n} is too large")
@@ -176,19 +173,7 @@ def decode_manifest(data: bytes) -> Manifest:
         d = msgpack.unpackb(payload, raw=False, use_list=True, strict_map_key=True)
     except Exception as e:
         raise _bad(f"payload is not msgpack: {e}") from e
-    keys = {
-        "step",
-        "rank",
-        "world_size",
-        "align",
-        "checksum",
-        "blobs",
-        "tensors",
-        "tree_codec",
-        "tree",
-        "has_pickle",
-    }
-    _want(isinstance(d, dict) and set(d) == keys, "payload keys differ from format version 1")
+    _want(isinstance(d, dict) and set(d) == set(_KEYS), f"payload keys differ from format version {version}")
     _want(_is_int(d["step"]), f"step {d['step']!r} is not a non-negative integer")
     _want(_is_int(d["world_size"], 1, 1 << 24), f"world_size {d['world_size']!r} is invalid")
     _want(
@@ -221,11 +206,26 @@ def decode_manifest(data: bytes) -> Manifest:
         _want(_is_int(size), f"blobs[{i}] size {size!r} is invalid")
         blobs.append(BlobEntry(name, size))
     _want(len({b.name for b in blobs}) == len(blobs), "blob names repeat")
+    sizes = [b.size for b in blobs]
+    tensors = decode_table(d["tensors"], sizes) if version == 2 else _decode_rows_v1(d["tensors"], sizes)
+    return Manifest(
+        step=d["step"],
+        rank=d["rank"],
+        world_size=d["world_size"],
+        align=align,
+        blobs=tuple(blobs),
+        tensors=tensors,
+        tree=tree,
+        has_pickle=d["has_pickle"],
+        version=version,
+    )
 
-    _want(isinstance(d["tensors"], list), "tensors is not a list")
+
+def _decode_rows_v1(rows: Any, blob_sizes: list[int]) -> TensorTable:
+    """Version 1's tensor table: one msgpack array per tensor, type-checked row by row."""
+    _want(isinstance(rows, list), "tensors is not a list")
     tensors = []
-    n_blobs, u64 = len(blobs), (1 << 64) - 1
-    for i, t in enumerate(d["tensors"]):
+    for i, t in enumerate(rows):
         # Messages are built only on failure: this loop runs once per tensor (20,000 in small states).
         if not (isinstance(t, list) and len(t) == 7 and isinstance(t[0], str)):
             raise _bad(f"tensors[{i}] is malformed")
@@ -233,34 +233,15 @@ def decode_manifest(data: bytes) -> Manifest:
         dtype = _DTYPES.get(dt) if isinstance(dt, str) else None
         if dtype is None:
             raise _bad(f"tensor {path}: unknown dtype {dt!r}")
-        if not (isinstance(shape, list) and len(shape) <= _MAX_DIMS and all(_is_int(s) for s in shape)):
+        if not (isinstance(shape, list) and len(shape) <= MAX_DIMS and all(_is_int(s) for s in shape)):
             raise _bad(f"tensor {path}: bad shape {shape!r}")
         if not (_is_int(blob) and _is_int(off) and _is_int(length)):
             raise _bad(f"tensor {path}: bad extent")
-        if not _is_int(checksum, 0, u64):
+        if not _is_int(checksum, 0, (1 << 64) - 1):
             raise _bad(f"tensor {path}: bad checksum")
-        itemsize = dtype.itemsize
-        if math.prod(shape) * itemsize != length:
-            raise _bad(f"tensor {path}: length {length} != {math.prod(shape)} x {itemsize} bytes")
-        if length:
-            if blob >= n_blobs:
-                raise _bad(f"tensor {path}: blob {blob} does not exist (have {n_blobs})")
-            if itemsize and off % itemsize:
-                raise _bad(f"tensor {path}: offset {off} is not aligned to its dtype")
-            if off + length > blobs[blob].size:
-                raise _bad(f"tensor {path}: extent [{off}, {off + length}) exceeds blob size {blobs[blob].size}")
+        if math.prod(shape) * dtype.itemsize != length:
+            raise _bad(f"tensor {path}: length {length} != {math.prod(shape)} x {dtype.itemsize} bytes")
         tensors.append(TensorEntry(path, dt, tuple(shape), blob, off, length, checksum))
-    spans = sorted((t.blob, t.offset, t.offset + t.length, t.path) for t in tensors if t.length)
-    for a, b in itertools.pairwise(spans):
-        _want(not (a[0] == b[0] and b[1] < a[2]), f"extents of {a[3]} and {b[3]} overlap")
-    return Manifest(
-        step=d["step"],
-        rank=d["rank"],
-        world_size=d["world_size"],
-        align=align,
-        blobs=tuple(blobs),
-        tensors=tuple(tensors),
-        tree=tree,
-        has_pickle=d["has_pickle"],
-        version=version,
-    )
+    table = TensorTable.from_entries(tensors)
+    check_extents(table, blob_sizes)
+    return table

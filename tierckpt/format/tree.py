@@ -24,7 +24,7 @@ import struct
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgpack
 import torch
@@ -36,6 +36,7 @@ __all__ = ["FlatState", "TensorRef", "flatten", "format_path", "unflatten"]
 EXT_TUPLE, EXT_TENSOR, EXT_PICKLE, EXT_ODICT, EXT_BIGINT, EXT_DTYPE, EXT_DEVICE, EXT_SIZE = range(1, 9)
 _I64_MIN, _U64_MAX = -(1 << 63), (1 << 64) - 1
 _PLAIN = (type(None), bool, int, float, str, bytes)
+_PLAIN_SMALL = frozenset((type(None), bool, float, str, bytes))  # stored as themselves, whatever the value
 
 
 def format_path(path: tuple[Any, ...], root: str = "state") -> str:
@@ -43,8 +44,7 @@ def format_path(path: tuple[Any, ...], root: str = "state") -> str:
     return root + "".join(f"[{p!r}]" for p in path)
 
 
-@dataclass(frozen=True)
-class TensorRef:
+class TensorRef(NamedTuple):
     """A tensor found in the state: its first key path and the tensor itself (detached, CPU or device)."""
 
     path: str
@@ -60,6 +60,17 @@ class FlatState:
     has_pickle: bool
 
 
+_TENSOR_REFS: list[msgpack.ExtType] = []  # ext-2 references by index, built once (ExtType() costs ~1 us)
+
+
+def _tensor_ref(i: int) -> msgpack.ExtType:
+    if i >= len(_TENSOR_REFS):
+        _TENSOR_REFS.extend(
+            msgpack.ExtType(EXT_TENSOR, struct.pack(">I", k)) for k in range(len(_TENSOR_REFS), max(i + 1, 1024, 2 * i))
+        )
+    return _TENSOR_REFS[i]
+
+
 def flatten(state: Any, *, allow_pickle: bool = False) -> FlatState:
     """Walk ``state`` and split it into a msgpack tree and a list of tensors.
 
@@ -72,45 +83,49 @@ def flatten(state: Any, *, allow_pickle: bool = False) -> FlatState:
     tensors: list[TensorRef] = []
     seen: dict[tuple[Any, ...], int] = {}
     has_pickle = False
+    Tensor, strided = torch.Tensor, torch.strided
 
-    def refuse(path: tuple[Any, ...], what: str) -> StateError:
+    # Key paths travel down the walk as formatted strings (``state['a'][0]``), extended only where a
+    # container or a tensor is found: plain leaves, most of a state, never pay for a repr.
+    def refuse(path: str, what: str) -> StateError:
         return StateError(
-            f"{format_path(path)}: cannot save {what}; tierckpt stores tensors and plain values "
+            f"{path}: cannot save {what}; tierckpt stores tensors and plain values "
             "(None, bool, int, float, str, bytes, list, tuple, dict); pass allow_pickle=True to pickle it"
         )
 
-    def pickled(v: Any, path: tuple[Any, ...], what: str) -> msgpack.ExtType:
+    def pickled(v: Any, path: str, what: str) -> msgpack.ExtType:
         nonlocal has_pickle
         if not allow_pickle:
             raise refuse(path, what)
         try:
             data = pickle.dumps(v, protocol=pickle.HIGHEST_PROTOCOL)
         except Exception as e:
-            raise StateError(f"{format_path(path)}: cannot pickle {what}: {e}") from e
+            raise StateError(f"{path}: cannot pickle {what}: {e}") from e
         has_pickle = True
         return msgpack.ExtType(EXT_PICKLE, data)
 
     def pack(v: Any) -> bytes:
         return msgpack.packb(v, use_bin_type=True, strict_types=True)
 
-    def walk(v: Any, path: tuple[Any, ...]) -> Any:
+    def walk(v: Any, path: str) -> Any:
         tv = type(v)
         if tv in _PLAIN:
             if tv is int and not _I64_MIN <= v <= _U64_MAX:
                 return msgpack.ExtType(EXT_BIGINT, str(v).encode())
             return v
-        if isinstance(v, torch.Tensor):
-            return msgpack.ExtType(EXT_TENSOR, struct.pack(">I", tensor_index(v, path)))
+        if isinstance(v, Tensor):
+            return tensor_ref(v, path)
         if tv is list:
-            return [walk(x, (*path, i)) for i, x in enumerate(v)]
+            return [x if type(x) in _PLAIN_SMALL else walk(x, f"{path}[{i}]") for i, x in enumerate(v)]
         if tv is tuple:
-            return msgpack.ExtType(EXT_TUPLE, pack([walk(x, (*path, i)) for i, x in enumerate(v)]))
+            return msgpack.ExtType(EXT_TUPLE, pack([walk(x, f"{path}[{i}]") for i, x in enumerate(v)]))
         if tv is dict or tv is OrderedDict:
             items = []
             for k, x in v.items():
-                if type(k) is not str and type(k) is not int:
-                    return pickled(v, path, f"a dict with a {type(k).__name__} key {k!r}")
-                items.append((k, walk(x, (*path, k))))
+                tk = type(k)
+                if tk is not str and tk is not int:
+                    return pickled(v, path, f"a dict with a {tk.__name__} key {k!r}")
+                items.append((k, x if type(x) in _PLAIN_SMALL else walk(x, f"{path}[{k!r}]")))
             if tv is dict:
                 return dict(items)
             return msgpack.ExtType(EXT_ODICT, pack([list(kv) for kv in items]))
@@ -122,23 +137,21 @@ def flatten(state: Any, *, allow_pickle: bool = False) -> FlatState:
             return msgpack.ExtType(EXT_SIZE, pack(list(v)))
         return pickled(v, path, f"a value of type {tv.__module__}.{tv.__qualname__}")
 
-    def tensor_index(t: torch.Tensor, path: tuple[Any, ...]) -> int:
-        if t.layout is not torch.strided or t.is_quantized or t.is_meta or t.is_nested:
-            raise StateError(f"{format_path(path)}: cannot save a {t.layout} / quantized / meta / nested tensor")
+    def tensor_ref(t: torch.Tensor, path: str) -> msgpack.ExtType:
+        if t.layout is not strided or t.is_quantized or t.is_meta or t.is_nested:
+            raise StateError(f"{path}: cannot save a {t.layout} / quantized / meta / nested tensor")
         if t.requires_grad:
             t = t.detach()
-        if t.is_complex() and t.is_conj():
-            t = t.resolve_conj()
-        if t.is_neg():
-            t = t.resolve_neg()
-        ident = (t.device, t.dtype, t.data_ptr(), t.storage_offset(), t.shape, t.stride())
+        if t.is_neg() or t.is_conj():
+            t = t.resolve_conj().resolve_neg()
+        ident = (t.data_ptr(), t.device, t.dtype, t.storage_offset(), t.shape, t.stride())
         idx = seen.get(ident)
         if idx is None:
             idx = seen[ident] = len(tensors)
-            tensors.append(TensorRef(format_path(path), t))
-        return idx
+            tensors.append(TensorRef(path, t))
+        return _tensor_ref(idx)
 
-    tree = pack(walk(state, ()))
+    tree = pack(walk(state, "state"))
     return FlatState(tree=tree, tensors=tuple(tensors), has_pickle=has_pickle)
 
 
