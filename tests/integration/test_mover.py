@@ -234,3 +234,20 @@ def test_every_secs_cadence(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> 
             sent.append("pfs" in h.save({"w": torch.ones(4)}, step=s).durable)
         h.wait()
     assert sent == [False, False, True, False, False, True, False]  # 75 s after the start, then 75 s later
+
+
+def test_host_reuses_its_buffers_after_a_size_change(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Steady state allocates nothing: a cached buffer of the wanted size is reused even when the cache
+    also holds one of an earlier, different size that has to be dropped to stay within capacity."""
+    import tierckpt.tiers.host as host_mod
+
+    allocs: list[int] = []
+    real = host_mod.aligned_empty
+    monkeypatch.setattr(host_mod, "aligned_empty", lambda n, *a, **k: allocs.append(n) or real(n, *a, **k))
+    small, big = {"w": torch.zeros(4 * MiB)}, {"w": torch.zeros(4 * MiB), "m": torch.zeros(8 * MiB)}
+    host = HostTier("host", capacity_bytes=3 * 48 * MiB + 3 * 64 * 1024)
+    with Hierarchy([host, LocalTier("ssd", tmp_path / "ssd", _engine())], policy={"keep": {"host": 1}}) as h:
+        h.save(small, step=0).wait()
+        for s in range(1, 8):
+            h.save(big, step=s).wait()
+    assert [n // MiB for n in allocs] == [16, 48, 48]  # two sets: one committed, one being written

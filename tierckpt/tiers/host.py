@@ -87,12 +87,12 @@ class HostTier(Tier):
         """A new blob buffer of ``size`` bytes (subclasses put it elsewhere, e.g. device memory)."""
         return aligned_empty(size)
 
-    def _take(self, size: int) -> torch.Tensor:
-        """Called with the lock held: a reused buffer of exactly ``size`` bytes, or a new one."""
-        for i, b in enumerate(self._free):
-            if b.numel() == size:
+    def _reuse(self, size: int) -> torch.Tensor | None:
+        """Called with the lock held: a cached buffer of exactly ``size`` bytes (the newest), or None."""
+        for i in range(len(self._free) - 1, -1, -1):
+            if self._free[i].numel() == size:
                 return self._free.pop(i)
-        return self._alloc(size)
+        return None
 
     def reserve(self, key: CheckpointKey, blobs: Sequence[BlobEntry]) -> TierWriter:
         need = sum(b.size for b in blobs)
@@ -103,11 +103,12 @@ class HostTier(Tier):
                     f"tier {self.name!r}: checkpoint of step {key.step} needs {need} bytes, "
                     f"{self.capacity_bytes - used} of capacity {self.capacity_bytes} are free"
                 )
+            reused = [self._reuse(b.size) for b in blobs]  # exact-size cached buffers first
             free_bytes = sum(b.numel() for b in self._free)
             while self._free and used + need + free_bytes > self.capacity_bytes:
-                free_bytes -= self._free.pop().numel()  # drop cached buffers that no longer fit
+                free_bytes -= self._free.pop(0).numel()  # then drop the oldest cached ones that no longer fit
             self._reserved += need
-            bufs = [self._take(b.size) for b in blobs]
+            bufs = [r if r is not None else self._alloc(b.size) for r, b in zip(reused, blobs)]
         return self._writer_cls(self, key, bufs, need)
 
     def _finish(self, key: CheckpointKey, held: _Held | None, reserved: int, bufs: list[torch.Tensor]) -> None:
