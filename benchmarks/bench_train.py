@@ -95,6 +95,7 @@ class Bench:
         self.steps: dict[str, list[float]] = {}
         self.blocks: dict[str, list[tuple[float, float, float, float | None]]] = {}  # total, call, wait, prev
         self.drains: dict[str, list[float]] = {}
+        self.backlogs: dict[str, list[int]] = {}  # per save: earlier saves not yet durable when it started
         self.checks: dict[str, list[str]] = {}
         self.skipped: dict[str, str] = {}
         self.probe: dict[str, list[dict[str, float]]] = {}
@@ -128,6 +129,7 @@ class Bench:
                 save_now = saving and i % a.every == 0
                 if check and i == last_save:
                     ref = snapshot(trainer.state())  # what step i's checkpoint must restore to (not timed)
+                backlog = saver.backlog() if save_now else None
                 t0 = time.perf_counter()
                 call = wait = 0.0
                 if save_now:
@@ -149,6 +151,9 @@ class Bench:
                     rec.update(blocking_secs=call + wait, call_secs=call, wait_secs=wait)
                     if saver.prev_wait_secs is not None:
                         rec["prev_wait_secs"] = saver.prev_wait_secs
+                    if backlog is not None:
+                        rec["backlog"] = backlog
+                        self.backlogs.setdefault(mode, []).append(backlog)
                 self.emit({**rec, "loss": round(loss, 5)})
             t0 = time.perf_counter()
             saver.drain()
@@ -192,8 +197,9 @@ class Bench:
         saver = TierckptLazy(where, self.ckpt_bytes)
         base_secs = 0.05 if self.args.quick else 0.3
         try:
-            saver.h.save(state, step=0).wait()  # warm: host buffers exist, files were created once
-            step = 1
+            for step in range(3):  # warm: the host tier's buffers (up to 3 sets) are allocated and faulted in
+                saver.h.save(state, step=step).wait()
+            step = 3
             for loop, chunk in (("python", python_loop()), ("matmul", matmul_loop())):
                 for _ in range(self.args.probe_saves):
                     for phase in ("base", "stage", "demote"):
@@ -276,6 +282,8 @@ class Bench:
                 "blocking_median_secs": mb, "blocking_min_secs": min(b[0] for b in bl) if bl else None,
                 "call_median_secs": _median([b[1] for b in bl]), "wait_median_secs": _median([b[2] for b in bl]),
                 "prev_wait_median_secs": _median(prev),
+                "backlog_mean": statistics.mean(self.backlogs[mode]) if self.backlogs.get(mode) else None,
+                "backlog_max": max(self.backlogs[mode]) if self.backlogs.get(mode) else None,
                 "blocking_vs_sync_save": mb / sync if mb is not None and sync else None,
                 "drain_median_secs": _median(self.drains.get(mode, [])),
                 "check": " ".join(sorted(set(self.checks.get(mode, [])))) or None,
@@ -337,6 +345,10 @@ class Bench:
                 if r["prev_wait_median_secs"] is not None]  # fmt: skip
         if prev:
             lines += ["", "Of the time in the call, waiting for the previous save (median): " + ", ".join(prev) + "."]
+        backlog = [f"{r['mode']} {r['backlog_mean']:.2f} / {r['backlog_max']}" for r in rows
+                   if r["backlog_max"] is not None]  # fmt: skip
+        if backlog:
+            lines += ["", "Earlier saves not yet durable when a save starts (mean / max): " + ", ".join(backlog) + "."]
         for mode, why in self.skipped.items():
             lines += ["", f"{mode}: skipped ({why})"]
         if self.probe:
@@ -357,7 +369,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--quick", action="store_true", help="tiny model, for a smoke test (well under a minute)")
     p.add_argument("--steps", type=int, default=10, help="timed steps per mode and repeat (default 10)")
-    p.add_argument("--warmup", type=int, default=2, help="untimed steps first, saving like the timed ones (2)")
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps first, saving like the timed ones (3)")
     p.add_argument("--every", type=int, default=1, help="checkpoint every K steps (default 1)")
     p.add_argument("--repeats", type=int, default=3, help="repeats; the order of modes rotates (default 3)")
     p.add_argument("--modes", default=",".join((*MODES, PROBE)), help="comma-separated subset of: %(default)s")

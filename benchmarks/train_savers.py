@@ -48,6 +48,10 @@ class Saver:
     #: part of the last ``begin`` spent waiting for the previous save (modes that must wait for it)
     prev_wait_secs: float | None = None
 
+    def backlog(self) -> int | None:
+        """Earlier saves not yet durable (None where the mode has no background work)."""
+        return None
+
     def begin(self, step: int, state: dict[str, Any]) -> None:
         """Start saving ``state`` as ``step`` (called before forward/backward)."""
 
@@ -81,9 +85,15 @@ class TierckptLazy(Saver):
             }
         )
         self.handle: Any = None
+        self.pending: list[Any] = []
+
+    def backlog(self) -> int:
+        self.pending = [h for h in self.pending if not h.done()]
+        return len(self.pending)
 
     def begin(self, step: int, state: dict[str, Any]) -> None:
         self.handle = self.h.save(state, step=step)
+        self.pending.append(self.handle)
 
     def before_update(self) -> None:
         self.handle.staged.result()
@@ -176,6 +186,9 @@ class DcpAsync(_DcpBase):
             self.stager = DefaultStager(opts)
         self.upload: Future[Any] | None = None
         self.staging: Future[Any] | None = None
+
+    def backlog(self) -> int:
+        return int(self.upload is not None and not self.upload.done())
 
     def begin(self, step: int, state: dict[str, Any]) -> None:
         t0 = time.perf_counter()
