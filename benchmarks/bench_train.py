@@ -60,6 +60,7 @@ from train_workload import (
     python_loop,
     rate_until,
     same_tensors,
+    sched_secs,
     snapshot,
     tensor_bytes,
 )
@@ -95,6 +96,7 @@ class Bench:
         self.steps: dict[str, list[float]] = {}
         self.blocks: dict[str, list[tuple[float, float, float, float | None]]] = {}  # total, call, wait, prev
         self.drains: dict[str, list[float]] = {}
+        self.runq: dict[str, list[tuple[float, float]]] = {}  # per step: main thread waiting for a CPU, step secs
         self.backlogs: dict[str, list[int]] = {}  # per save: earlier saves not yet durable when it started
         self.checks: dict[str, list[str]] = {}
         self.skipped: dict[str, str] = {}
@@ -123,13 +125,14 @@ class Bench:
         last_save = max(i for i in range(total) if i % a.every == 0)
         check = saving and (rep == 0 or a.quick)
         ref: Any = None
-        steps, blocks = [], []
+        steps, blocks, runq = [], [], []
         try:
             for i in range(total):
                 save_now = saving and i % a.every == 0
                 if check and i == last_save:
                     ref = snapshot(trainer.state())  # what step i's checkpoint must restore to (not timed)
                 backlog = saver.backlog() if save_now else None
+                cpu0, runq0 = sched_secs()
                 t0 = time.perf_counter()
                 call = wait = 0.0
                 if save_now:
@@ -142,10 +145,13 @@ class Bench:
                     wait = time.perf_counter() - b0
                 trainer.update()
                 dt = time.perf_counter() - t0
+                cpu1, runq1 = sched_secs()
                 if i < a.warmup:
                     continue
                 steps.append(dt)
-                rec: dict[str, Any] = {"kind": "sample", "mode": mode, "repeat": rep, "step": i, "step_secs": dt}
+                runq.append((runq1 - runq0, dt))
+                rec: dict[str, Any] = {"kind": "sample", "mode": mode, "repeat": rep, "step": i, "step_secs": dt,
+                                       "cpu_secs": cpu1 - cpu0, "runq_secs": runq1 - runq0}  # fmt: skip
                 if save_now:
                     blocks.append((call + wait, call, wait, saver.prev_wait_secs))
                     rec.update(blocking_secs=call + wait, call_secs=call, wait_secs=wait)
@@ -169,6 +175,7 @@ class Bench:
             saver.close()
             shutil.rmtree(where, ignore_errors=True)
         self.steps.setdefault(mode, []).extend(steps)
+        self.runq.setdefault(mode, []).extend(runq)
         self.blocks.setdefault(mode, []).extend(blocks)
         if saving:
             self.drains.setdefault(mode, []).append(drain)
@@ -286,6 +293,7 @@ class Bench:
                 "backlog_max": max(self.backlogs[mode]) if self.backlogs.get(mode) else None,
                 "blocking_vs_sync_save": mb / sync if mb is not None and sync else None,
                 "drain_median_secs": _median(self.drains.get(mode, [])),
+                "main_waiting_for_cpu": sum(q for q, _ in self.runq[mode]) / sum(d for _, d in self.runq[mode]),
                 "check": " ".join(sorted(set(self.checks.get(mode, [])))) or None,
             })  # fmt: skip
         return rows
@@ -329,8 +337,8 @@ class Bench:
             f"{info.get('fs', '?')} on {info.get('device', '?')}; torch {torch.__version__}.",
             "",
             "| mode | step median s | step min s | × none | blocking median ms | blocking min ms "
-            "| in call / before update ms | % of sync save | drain median s | restore check |",
-            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+            "| in call / before update ms | % of sync save | drain median s | main waiting for a CPU | restore check |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
         ]
         for r in rows:
             split = f"{_fmt(r['call_median_secs'], '.1f', ms)} / {_fmt(r['wait_median_secs'], '.1f', ms)}"
@@ -339,7 +347,7 @@ class Bench:
                 f"| {_fmt(r['step_vs_none'], '.3f')} | {_fmt(r['blocking_median_secs'], '.1f', ms)} "
                 f"| {_fmt(r['blocking_min_secs'], '.1f', ms)} | {split if r['saves'] else '-'} "
                 f"| {_fmt(r['blocking_vs_sync_save'], '.1f', 100)} "
-                f"| {_fmt(r['drain_median_secs'], '.2f')} | {r['check'] or '-'} |"
+                f"| {_fmt(r['drain_median_secs'], '.2f')} | {r['main_waiting_for_cpu']:.0%} | {r['check'] or '-'} |"
             )
         prev = [f"{r['mode']} {_fmt(r['prev_wait_median_secs'], '.1f', ms)} ms" for r in rows
                 if r["prev_wait_median_secs"] is not None]  # fmt: skip
