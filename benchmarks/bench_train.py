@@ -96,7 +96,7 @@ class Bench:
         self.steps: dict[str, list[float]] = {}
         self.blocks: dict[str, list[tuple[float, float, float, float | None]]] = {}  # total, call, wait, prev
         self.drains: dict[str, list[float]] = {}
-        self.runq: dict[str, list[tuple[float, float]]] = {}  # per step: main thread waiting for a CPU, step secs
+        self.runq: dict[str, list[tuple[float, float, float]]] = {}  # per step: runq secs, step secs, bg CPU secs
         self.backlogs: dict[str, list[int]] = {}  # per save: earlier saves not yet durable when it started
         self.checks: dict[str, list[str]] = {}
         self.skipped: dict[str, str] = {}
@@ -133,6 +133,7 @@ class Bench:
                     ref = snapshot(trainer.state())  # what step i's checkpoint must restore to (not timed)
                 backlog = saver.backlog() if save_now else None
                 cpu0, runq0 = sched_secs()
+                proc0, thr0 = time.process_time(), time.thread_time()
                 t0 = time.perf_counter()
                 call = wait = 0.0
                 if save_now:
@@ -146,12 +147,13 @@ class Bench:
                 trainer.update()
                 dt = time.perf_counter() - t0
                 cpu1, runq1 = sched_secs()
+                bg = max(0.0, (time.process_time() - proc0) - (time.thread_time() - thr0))
                 if i < a.warmup:
                     continue
                 steps.append(dt)
-                runq.append((runq1 - runq0, dt))
+                runq.append((runq1 - runq0, dt, bg))
                 rec: dict[str, Any] = {"kind": "sample", "mode": mode, "repeat": rep, "step": i, "step_secs": dt,
-                                       "cpu_secs": cpu1 - cpu0, "runq_secs": runq1 - runq0}  # fmt: skip
+                                       "cpu_secs": cpu1 - cpu0, "runq_secs": runq1 - runq0, "bg_cpu_secs": bg}  # fmt: skip
                 if save_now:
                     blocks.append((call + wait, call, wait, saver.prev_wait_secs))
                     rec.update(blocking_secs=call + wait, call_secs=call, wait_secs=wait)
@@ -293,7 +295,8 @@ class Bench:
                 "backlog_max": max(self.backlogs[mode]) if self.backlogs.get(mode) else None,
                 "blocking_vs_sync_save": mb / sync if mb is not None and sync else None,
                 "drain_median_secs": _median(self.drains.get(mode, [])),
-                "main_waiting_for_cpu": sum(q for q, _ in self.runq[mode]) / sum(d for _, d in self.runq[mode]),
+                "main_waiting_for_cpu": sum(q for q, _, _ in self.runq[mode]) / sum(d for _, d, _ in self.runq[mode]),
+                "bg_cpu_median_secs": statistics.median(b for _, _, b in self.runq[mode]),
                 "check": " ".join(sorted(set(self.checks.get(mode, [])))) or None,
             })  # fmt: skip
         return rows
@@ -337,8 +340,8 @@ class Bench:
             f"{info.get('fs', '?')} on {info.get('device', '?')}; torch {torch.__version__}.",
             "",
             "| mode | step median s | step min s | × none | blocking median ms | blocking min ms "
-            "| in call / before update ms | % of sync save | drain median s | main waiting for a CPU | restore check |",
-            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+            "| in call / before update ms | % of sync save | drain median s | main waiting for a CPU | other threads' CPU s/step | restore check |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
         ]
         for r in rows:
             split = f"{_fmt(r['call_median_secs'], '.1f', ms)} / {_fmt(r['wait_median_secs'], '.1f', ms)}"
@@ -347,7 +350,8 @@ class Bench:
                 f"| {_fmt(r['step_vs_none'], '.3f')} | {_fmt(r['blocking_median_secs'], '.1f', ms)} "
                 f"| {_fmt(r['blocking_min_secs'], '.1f', ms)} | {split if r['saves'] else '-'} "
                 f"| {_fmt(r['blocking_vs_sync_save'], '.1f', 100)} "
-                f"| {_fmt(r['drain_median_secs'], '.2f')} | {r['main_waiting_for_cpu']:.0%} | {r['check'] or '-'} |"
+                f"| {_fmt(r['drain_median_secs'], '.2f')} | {r['main_waiting_for_cpu']:.0%} "
+                f"| {r['bg_cpu_median_secs']:.3f} | {r['check'] or '-'} |"
             )
         prev = [f"{r['mode']} {_fmt(r['prev_wait_median_secs'], '.1f', ms)} ms" for r in rows
                 if r["prev_wait_median_secs"] is not None]  # fmt: skip
