@@ -119,6 +119,9 @@ class Bench:
         os.sync()  # write back what the previous mode left dirty, outside every timing
         where = self.scratch / f"{mode}-r{rep}"
         trainer = Trainer(self.dims, a.seed)
+        for j in range(a.init_steps):  # untimed, unsaved: the checkpoints then all hold the optimizer state
+            trainer.forward_backward(1_000_000 + j)
+            trainer.update()
         saver = make_saver(mode, where, self.ckpt_bytes)
         total = a.warmup + a.steps
         saving = mode != "none"
@@ -332,8 +335,9 @@ class Bench:
             self.emit(r)
         ms = 1e3
         lines = [
-            f"## Training loop: {a.steps} steps per mode after {a.warmup} warm-up, checkpoint every {a.every}, "
-            f"{a.repeats} repeats, torch threads {a.threads}",
+            f"## Training loop: {a.steps} steps per mode after {a.warmup} warm-up"
+            + (f" and {a.init_steps} unsaved" if a.init_steps else "")
+            + f", checkpoint every {a.every}, {a.repeats} repeats, torch threads {a.threads}",
             "",
             f"Model {self.dims.as_dict()} ({self.dims.params() / 1e6:.1f} M params), checkpoint "
             f"{self.state_bytes / 1e6:.0f} MB of tensors; {info.get('cpu', '?')}, {info.get('cores', '?')} cores, "
@@ -383,6 +387,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=10, help="timed steps per mode and repeat (default 10)")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first, saving like the timed ones (3)")
     p.add_argument("--every", type=int, default=1, help="checkpoint every K steps (default 1)")
+    p.add_argument("--init-steps", type=int, default=0,
+                   help="optimizer steps before the warm-up, not timed, not saved (default 0: the first save,\n"
+                        "before any optimizer step, holds no optimizer state and is smaller than the others)")  # fmt: skip
     p.add_argument("--repeats", type=int, default=3, help="repeats; the order of modes rotates (default 3)")
     p.add_argument("--modes", default=",".join((*MODES, PROBE)), help="comma-separated subset of: %(default)s")
     p.add_argument("--threads", type=int, default=1,
@@ -402,8 +409,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     bad = [m for m in args.mode_list if m not in known]
     if bad:
         p.error(f"--modes: unknown {bad} (known: {', '.join(known)})")
-    if args.steps < 1 or args.every < 1 or args.repeats < 1 or args.warmup < 0:
-        p.error("--steps, --every and --repeats must be >= 1, --warmup >= 0")
+    if args.steps < 1 or args.every < 1 or args.repeats < 1 or args.warmup < 0 or args.init_steps < 0:
+        p.error("--steps, --every and --repeats must be >= 1, --warmup and --init-steps >= 0")
     return args
 
 
@@ -433,6 +440,7 @@ def main(argv: list[str] | None = None) -> int:
         info.update(threads=args.threads, dims=dims.as_dict(), params=dims.params())
         bench.emit({"kind": "machine", "argv": sys.argv if argv is None else argv, "quick": args.quick,
                     "steps": args.steps, "warmup": args.warmup, "every": args.every, "repeats": args.repeats,
+                    "init_steps": args.init_steps,
                     "modes": args.mode_list, **info})  # fmt: skip
         print(f"model {dims.as_dict()}: {dims.params() / 1e6:.1f} M params, torch threads {args.threads}, "
               f"scratch {scratch}", flush=True)  # fmt: skip
