@@ -322,10 +322,17 @@ class Bench:
         dcp = [by[m] for m in DCP_ASYNC if m in by and by[m]["blocking_median_secs"] is not None]
         if dcp:
             best = min(dcp, key=lambda r: r["blocking_median_secs"])
-            r = lb / best["blocking_median_secs"]
-            out.append(f"lazy blocking <= {TARGET_BLOCK_VS_DCP}x best DCP async_save ({best['mode']}, "
-                       f"{1e3 * best['blocking_median_secs']:.0f} ms): {1e3 * lb:.1f} ms = {r:.3f}x "
-                       f"{_ok(r <= TARGET_BLOCK_VS_DCP)}")  # fmt: skip
+            # the best DCP configuration measured, and (when it is another) the one issue #4 names
+            for what, peer in (
+                ("best DCP async_save", best),
+                ("DCP with a reused DefaultStager", by.get(DCP_ASYNC[1])),
+            ):
+                if peer is None or (what != "best DCP async_save" and peer is best):
+                    continue
+                r = lb / peer["blocking_median_secs"]
+                out.append(f"lazy blocking <= {TARGET_BLOCK_VS_DCP}x {what} ({peer['mode']}, "
+                           f"{1e3 * peer['blocking_median_secs']:.1f} ms): {1e3 * lb:.1f} ms = {r:.3f}x "
+                           f"{_ok(r <= TARGET_BLOCK_VS_DCP)}")  # fmt: skip
         return out
 
     def report(self, info: dict[str, Any]) -> str:

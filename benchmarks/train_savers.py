@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import threading
 import time
 import warnings
 from collections import deque
@@ -136,7 +137,8 @@ class TierckptSync(Saver):
 
 
 class _DcpBase(Saver):
-    """A directory per checkpoint under ``scratch``; the two newest durable ones are kept (like keep 2)."""
+    """A directory per checkpoint under ``scratch``; older ones are deleted once two newer ones are durable
+    (like tierckpt's ``keep: 2``), by whichever thread finished the save (DCP's upload thread for async)."""
 
     check_tiers = ("",)
 
@@ -145,17 +147,21 @@ class _DcpBase(Saver):
 
         self.dcp = dcp
         self.scratch = scratch
-        self.dirs: deque[Path] = deque()
+        self._durable: deque[Path] = deque()
+        self._lock = threading.Lock()
 
-    def _new_dir(self, step: int) -> Path:
-        while len(self.dirs) > 2:
-            shutil.rmtree(self.dirs.popleft(), ignore_errors=True)
-        d = self.scratch / f"step-{step:06d}"
-        self.dirs.append(d)
-        return d
+    def _dir(self, step: int) -> Path:
+        return self.scratch / f"step-{step:06d}"
+
+    def _durable_now(self, d: Path) -> None:
+        with self._lock:
+            self._durable.append(d)
+            old = [self._durable.popleft() for _ in range(len(self._durable) - 2)]
+        for p in old:
+            shutil.rmtree(p, ignore_errors=True)
 
     def load(self, step: int, like: Any, tier: str) -> Any:
-        self.dcp.load(like, checkpoint_id=str(self.scratch / f"step-{step:06d}"), no_dist=True)
+        self.dcp.load(like, checkpoint_id=str(self._dir(step)), no_dist=True)
         return like
 
 
@@ -163,8 +169,8 @@ class DcpSync(_DcpBase):
     """``dcp.save`` with a ``FileSystemWriter`` (fsyncs its files), no process group."""
 
     def begin(self, step: int, state: dict[str, Any]) -> None:
-        writer = self.dcp.FileSystemWriter(str(self._new_dir(step)))
-        self.dcp.save(state, storage_writer=writer, no_dist=True)
+        self.dcp.save(state, storage_writer=self.dcp.FileSystemWriter(str(self._dir(step))), no_dist=True)
+        self._durable_now(self._dir(step))
 
 
 class DcpAsync(_DcpBase):
@@ -195,12 +201,14 @@ class DcpAsync(_DcpBase):
         if self.upload is not None:
             self.upload.result()  # DCP allows one async save in flight
         self.prev_wait_secs = time.perf_counter() - t0
-        writer = self.dcp.FileSystemWriter(str(self._new_dir(step)))
+        d = self._dir(step)
+        writer = self.dcp.FileSystemWriter(str(d))
         out = self.dcp.async_save(state, storage_writer=writer, async_stager=self.stager, no_dist=True)
         if isinstance(out, Future):
             self.upload = out
         else:  # AsyncSaveResponse
             self.upload, self.staging = out.upload_completion, out.staging_completion
+        self.upload.add_done_callback(lambda f: None if f.exception() else self._durable_now(d))
 
     def before_update(self) -> None:
         if self.staging is not None:
