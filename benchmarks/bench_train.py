@@ -2,7 +2,7 @@
 
 Usage::
 
-    python benchmarks/bench_train.py                     # ~330 MB state, 10 steps x 8 modes x 3 repeats, ~5 min
+    python benchmarks/bench_train.py                     # ~330 MB state, 10 steps x 8 modes x 3 repeats, ~5 minutes
     python benchmarks/bench_train.py --quick             # tiny model, well under a minute
     python benchmarks/bench_train.py --modes none,tierckpt-lazy,dcp-async-staged --every 2 --steps 20
 
@@ -10,7 +10,8 @@ A small GPT-style model (token + position embedding, transformer blocks, LM head
 ~330 MB of fp32 weights and AdamW state) trains on seeded random tokens on the CPU. ``--threads``
 (default 1) sets ``torch.set_num_threads``: one core of this 2-core machine trains, the other is left
 to the I/O threads. Each mode runs the same ``--steps`` (after ``--warmup`` steps that also save and
-are not counted) with a checkpoint every ``--every`` steps:
+are not counted; ``--init-steps`` optimizer steps before those, so that even the first checkpoint holds
+the optimizer state) with a checkpoint every ``--every`` steps:
 
 * ``none``: no checkpointing;
 * ``tierckpt-lazy``: host → local tiers; ``save()`` before forward/backward, ``handle.staged`` waited
