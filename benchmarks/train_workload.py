@@ -53,7 +53,7 @@ class GPTDims:
         return asdict(self)
 
 
-# ~27 M parameters -> ~330 MB of training state; ~0.6-0.8 s per step on one core of this machine.
+# ~27 M parameters -> ~330 MB of training state; ~0.5-0.8 s per step on one core of this machine.
 FULL = GPTDims(vocab=8192, dim=512, layers=6, heads=8, batch=4, seq=64)
 QUICK = GPTDims(vocab=512, dim=64, layers=2, heads=4, batch=2, seq=16)
 
