@@ -160,8 +160,6 @@ class Harness:
                 p.open(root, wl)
                 p.warmup(wl.state)
                 active.append(p)
-                if p.wl_note:
-                    self.rec.note(f"`{p.name}` on {wl.name}: {p.wl_note}")
             except Exception as e:
                 self.rec.skip(p.name, _why(e), wl.name)
                 self.progress.update(self.repeats)
@@ -181,7 +179,6 @@ class Harness:
                     except Exception as e:
                         log.debug("%s on %s failed", p.name, wl.name, exc_info=True)
                         self.rec.skip(p.name, _why(e), wl.name)
-                        self.progress.update(self.repeats - rep - 1)
                         with _suppress():
                             p.discard(rep)
                     self.progress.update()

@@ -98,7 +98,6 @@ class Peer:
         how: one line on what is called (for the report).
         durability: how the save is made durable (for the report).
         note: anything the reader must know to interpret the row.
-        wl_note: set by ``open`` when something about this workload must be reported.
     """
 
     name: str = "?"
@@ -108,7 +107,6 @@ class Peer:
     durability: str = ""
     note: str = ""
     how: str = ""
-    wl_note: str | None = None
 
     def check(self) -> None:
         """Import what the peer needs; raises ImportError (or RuntimeError) when it cannot run here."""
@@ -306,6 +304,7 @@ class RawIO(Peer):
     def open(self, scratch: Path, wl: Workload) -> None:
         super().open(scratch, wl)
         self.nbytes = wl.nbytes
+        self.bufs.get(self.nbytes)  # allocate and fill before anything is timed
 
     def files(self, rep: int) -> list[Path]:
         return [self.dir / f"{rep}.bin"]

@@ -60,7 +60,7 @@ def plot_comparison(rec: Recorder, workloads: Sequence[str], path: Path) -> Path
     if not wls or not peers:
         return None
     plt = _plt()
-    fig, axes = plt.subplots(1, 2, figsize=(max(10, 1.2 * len(wls) * len(peers) / 2), 5.5), squeeze=False)
+    fig, axes = plt.subplots(1, 2, figsize=(max(10.0, 0.35 * len(wls) * len(peers)), 5.5), squeeze=False)
     width = 0.8 / len(peers)
     cmap = plt.get_cmap("tab20")
     for ax, (title, op, cache) in zip(axes[0], panels):
