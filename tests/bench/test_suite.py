@@ -157,6 +157,7 @@ def test_train_entry_is_skipped_without_the_script(tmp_path: Path, monkeypatch: 
 def test_bad_options_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert runner.main(["--workloads", "llm,huge", "--out", str(tmp_path)]) == 2
     assert runner.main(["--llm-size", "lots", "--out", str(tmp_path)]) == 2
+    assert runner.main(["--peers", "nosuch", "--no-progress", "--out", str(tmp_path), "--dir", str(tmp_path)]) == 2
     assert "--workloads" in capsys.readouterr().err
     with pytest.raises(SystemExit) as e:
         cli_main(["bench", "--help"])

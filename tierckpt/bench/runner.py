@@ -171,8 +171,13 @@ def run(args: argparse.Namespace) -> int:
                   "io": io, **info})  # fmt: skip
         print(f"machine: {machine_line(info)}", flush=True)
         engine = make_engine(io.get("engine", "auto"), probe.io.queue_depth)
-        peers = Harness.usable(select_peers(all_peers(engine, RawBuffers(), io), args.peers), rec)
         compare_wls = [] if (args.sweep or args.prefetch) else [w for w in wls if w != "train"]
+        try:
+            selected = select_peers(all_peers(engine, RawBuffers(), io), args.peers) if compare_wls else []
+        except ValueError as e:
+            print(f"tierckpt bench: {e}", file=sys.stderr)
+            return 2
+        peers = Harness.usable(selected, rec)
         run_pf = args.prefetch or not (args.sweep or args.no_prefetch)
         knobs = QUICK_KNOBS if args.quick else KNOBS
         n_pf = args.repeats * (1 + (len(init_secs) if init_secs else len(default_factors(args.quick))))
