@@ -20,18 +20,15 @@ installed, runs the same sizes as an outside reference. See docs/benchmarks.md.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import gc
 import json
 import os
-import platform
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -41,7 +38,18 @@ import torch
 
 import tierckpt
 from tierckpt import Hierarchy
-from tierckpt.io.buffers import aligned_empty, ptr_mv
+from tierckpt.bench.rawio import raw_read_engine, raw_read_pread, raw_write_engine, raw_write_pwrite, run_fio
+from tierckpt.bench.system import machine_info, make_cold
+from tierckpt.bench.system import read_text as _read
+from tierckpt.bench.workloads import (
+    LLM_FULL,
+    LLM_QUICK,
+    make_llm_state,
+    make_small_state,
+    same_state,
+    state_bytes,
+)
+from tierckpt.io.buffers import aligned_empty
 from tierckpt.io.engine import IOEngine, make_engine
 
 GB = 1e9
@@ -55,296 +63,6 @@ TARGET_SAVE = 0.85
 TARGET_SAVE_SMALL = 0.75
 TARGET_RESTORE = 0.85
 TARGET_RESTORE_VS_TORCH = 1.2
-
-
-# -- workloads ---------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class LLMDims:
-    vocab: int
-    hidden: int
-    ffn: int
-    layers: int
-
-
-LLM_FULL = LLMDims(vocab=32000, hidden=1024, ffn=2816, layers=4)  # 117 M params -> ~1.64 GB state
-LLM_QUICK = LLMDims(vocab=4000, hidden=256, ffn=704, layers=2)
-
-
-def make_llm_state(d: LLMDims, seed: int = 0) -> dict[str, Any]:
-    """A LLaMA-style training state: bf16 params, fp32 master weights and Adam moments, counters, RNG."""
-    g = torch.Generator().manual_seed(seed)
-    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (d.vocab, d.hidden)}
-    for i in range(d.layers):
-        p = f"model.layers.{i}."
-        shapes.update(
-            {
-                p + "self_attn.q_proj.weight": (d.hidden, d.hidden),
-                p + "self_attn.k_proj.weight": (d.hidden, d.hidden),
-                p + "self_attn.v_proj.weight": (d.hidden, d.hidden),
-                p + "self_attn.o_proj.weight": (d.hidden, d.hidden),
-                p + "mlp.gate_proj.weight": (d.ffn, d.hidden),
-                p + "mlp.up_proj.weight": (d.ffn, d.hidden),
-                p + "mlp.down_proj.weight": (d.hidden, d.ffn),
-                p + "input_layernorm.weight": (d.hidden,),
-                p + "post_attention_layernorm.weight": (d.hidden,),
-            }
-        )
-    shapes["model.norm.weight"] = (d.hidden,)
-    shapes["lm_head.weight"] = (d.vocab, d.hidden)
-    model: dict[str, torch.Tensor] = {}
-    optim_state: dict[int, dict[str, torch.Tensor]] = {}
-    for i, (name, shape) in enumerate(shapes.items()):
-        if name.endswith("norm.weight"):
-            master = 1.0 + 0.01 * torch.randn(shape, generator=g)
-        else:
-            master = torch.randn(shape, generator=g) * 0.02
-        model[name] = master.to(torch.bfloat16)
-        optim_state[i] = {
-            "step": torch.tensor(1000.0),
-            "master": master,
-            "exp_avg": torch.randn(shape, generator=g) * 1e-3,
-            "exp_avg_sq": torch.rand(shape, generator=g) * 1e-6,
-        }
-    rng_blob = torch.randint(0, 256, (5056,), dtype=torch.uint8, generator=g).numpy().tobytes()
-    return {
-        "model": model,
-        "optim": {
-            "state": optim_state,
-            "param_groups": [
-                {"lr": 3e-4, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1, "params": list(optim_state)}
-            ],
-        },
-        "rng": {"torch_cpu": torch.get_rng_state(), "python": rng_blob},
-        "step": 1000,
-    }
-
-
-_SMALL_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int32, torch.uint8, torch.bool)
-
-
-def make_small_state(n: int, seed: int = 0, lo: int = 1 << 10, hi: int = 64 << 10) -> dict[str, Any]:
-    """``n`` tensors of ``lo``-``hi`` bytes (uniform), mixed dtypes, each with its own storage."""
-    g = torch.Generator().manual_seed(seed)
-    sizes = torch.randint(lo, hi + 1, (n,), generator=g).tolist()
-    kinds = torch.randint(0, len(_SMALL_DTYPES), (n,), generator=g).tolist()
-    pool = torch.randint(0, 256, (hi * 64,), dtype=torch.uint8, generator=g)
-    starts = (torch.randint(0, hi * 63 // 8, (n,), generator=g) * 8).tolist()
-    state: dict[str, dict[str, torch.Tensor]] = {}
-    for i, (nb, k, s) in enumerate(zip(sizes, kinds, starts)):
-        dt = _SMALL_DTYPES[k]
-        item = torch.empty((), dtype=dt).element_size()
-        numel = max(1, nb // item)
-        raw = pool[s : s + numel * item]
-        t = (raw & 1).view(torch.bool).clone() if dt is torch.bool else raw.view(dt).clone()
-        state.setdefault(f"block{i // 100:04d}", {})[f"t{i % 100:02d}"] = t
-    return state
-
-
-def iter_tensors(obj: Any) -> Iterator[torch.Tensor]:
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, dict):
-        for v in obj.values():
-            yield from iter_tensors(v)
-    elif isinstance(obj, (list, tuple)):
-        for v in obj:
-            yield from iter_tensors(v)
-
-
-def state_bytes(state: Any) -> tuple[int, int]:
-    ts = list(iter_tensors(state))
-    return sum(t.numel() * t.element_size() for t in ts), len(ts)
-
-
-def same_state(a: Any, b: Any) -> bool:
-    """Bitwise equality of every tensor (NaN-safe) and equality of every other value."""
-    if isinstance(a, torch.Tensor):
-        return (
-            isinstance(b, torch.Tensor)
-            and a.dtype == b.dtype
-            and a.shape == b.shape
-            and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
-        )
-    if isinstance(a, dict):
-        return isinstance(b, dict) and a.keys() == b.keys() and all(same_state(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)):
-        return type(a) is type(b) and len(a) == len(b) and all(same_state(x, y) for x, y in zip(a, b))
-    return bool(a == b)
-
-
-# -- cold page cache -----------------------------------------------------------------------------------
-def make_cold(paths: list[Path]) -> str:
-    """Write back dirty pages and empty the page cache; returns the method that worked.
-
-    ``drop_caches`` (root) drops every clean page; without it, ``posix_fadvise(DONTNEED)`` drops the
-    pages of every file under ``paths`` (which only works for pages that are clean, hence the sync).
-    """
-    os.sync()
-    try:
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3")
-        return "drop_caches"
-    except OSError:
-        pass
-    for root in paths:
-        files = [root] if root.is_file() else [p for p in root.rglob("*") if p.is_file()]
-        for p in files:
-            with contextlib.suppress(OSError):
-                fd = os.open(p, os.O_RDONLY)
-                try:
-                    os.fsync(fd)
-                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-                finally:
-                    os.close(fd)
-    return "fadvise"
-
-
-# -- raw O_DIRECT limit ------------------------------------------------------------------------------
-def raw_write_pwrite(path: Path, buf: torch.Tensor, nbytes: int) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT | os.O_CLOEXEC, 0o644)
-    try:
-        os.posix_fallocate(fd, 0, nbytes)
-        base = buf.data_ptr()
-        for off in range(0, nbytes, RAW_CHUNK):
-            n = min(RAW_CHUNK, nbytes - off)
-            done = 0
-            while done < n:
-                done += os.pwrite(fd, ptr_mv(base + off + done, n - done, writable=False), off + done)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def raw_read_pread(path: Path, buf: torch.Tensor, nbytes: int) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECT | os.O_CLOEXEC)
-    try:
-        base = buf.data_ptr()
-        for off in range(0, nbytes, RAW_CHUNK):
-            n = min(RAW_CHUNK, nbytes - off)
-            done = 0
-            while done < n:
-                r = os.preadv(fd, [ptr_mv(base + off + done, n - done)], off + done)
-                if r == 0:
-                    raise EOFError(f"{path}: short file")
-                done += r
-    finally:
-        os.close(fd)
-
-
-def raw_write_engine(engine: IOEngine, path: Path, buf: torch.Tensor, nbytes: int) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT | os.O_CLOEXEC, 0o644)
-    try:
-        os.posix_fallocate(fd, 0, nbytes)
-        base = buf.data_ptr()
-        futs = [engine.pwrite(fd, base + off, min(RAW_CHUNK, nbytes - off), off) for off in range(0, nbytes, RAW_CHUNK)]
-        for f in futs:
-            f.result()
-        engine.fsync(fd).result()
-    finally:
-        os.close(fd)
-
-
-def raw_read_engine(engine: IOEngine, path: Path, buf: torch.Tensor, nbytes: int) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECT | os.O_CLOEXEC)
-    try:
-        base = buf.data_ptr()
-        futs = [
-            (min(RAW_CHUNK, nbytes - off), engine.pread(fd, base + off, min(RAW_CHUNK, nbytes - off), off))
-            for off in range(0, nbytes, RAW_CHUNK)
-        ]
-        for n, f in futs:
-            if f.result() != n:
-                raise EOFError(f"{path}: short file")
-    finally:
-        os.close(fd)
-
-
-# -- fio -----------------------------------------------------------------------------------------------
-def run_fio(path: Path, nbytes: int, rw: str) -> float | None:
-    """fio 16 MiB sequential O_DIRECT at QD16 (io_uring, preallocated, end_fsync); GB/s or None."""
-    cmd = [
-        "fio", "--name=ref", f"--filename={path}", f"--size={nbytes}", "--bs=16m", f"--rw={rw}",
-        "--direct=1", "--ioengine=io_uring", "--iodepth=16", "--fallocate=posix", "--end_fsync=1",
-        "--output-format=json",
-    ]  # fmt: skip
-    try:
-        p = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=True)
-        job = json.loads(p.stdout[p.stdout.index("{") :])["jobs"][0]
-        return float(job["write" if rw == "write" else "read"]["bw_bytes"]) / GB
-    except (OSError, subprocess.SubprocessError, ValueError, KeyError, IndexError) as e:
-        print(f"  fio {rw} failed: {e}", file=sys.stderr)
-        return None
-
-
-# -- machine -------------------------------------------------------------------------------------------
-def _read(path: str) -> str:
-    try:
-        return Path(path).read_text().strip()
-    except OSError:
-        return ""
-
-
-def _mount_of(path: Path) -> tuple[str, str, str, str]:
-    best = ("?", "?", "?", "?")
-    best_len = -1
-    real = str(path.resolve())
-    for line in _read("/proc/self/mounts").splitlines():
-        dev, mnt, fs, opts = line.split()[:4]
-        mnt = mnt.replace("\\040", " ")
-        if (real == mnt or real.startswith(mnt.rstrip("/") + "/")) and len(mnt) > best_len:
-            best, best_len = (dev, mnt, fs, opts), len(mnt)
-    return best
-
-
-def _source_rev() -> str:
-    """Where tierckpt was imported from, with the git commit (``+dirty`` if its sources are modified)."""
-    pkg = Path(tierckpt.__file__).resolve().parent
-    try:
-        rev = subprocess.run(
-            ["git", "-C", str(pkg), "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10
-        )
-        dirty = subprocess.run(
-            ["git", "-C", str(pkg), "status", "--porcelain", "--", "."], capture_output=True, text=True, timeout=10
-        )
-    except (OSError, subprocess.SubprocessError):
-        return str(pkg)
-    if rev.returncode != 0:
-        return str(pkg)
-    return f"{pkg} @ {rev.stdout.strip()}{'+dirty' if dirty.stdout.strip() else ''}"
-
-
-def machine_info(scratch: Path, h: Hierarchy) -> dict[str, Any]:
-    cpu = next(
-        (ln.split(":", 1)[1].strip() for ln in _read("/proc/cpuinfo").splitlines() if ln.startswith("model name")),
-        platform.processor() or "?",
-    )
-    dev, mnt, fs, opts = _mount_of(scratch)
-    blk = Path(dev).name
-    tier = h.tiers[0]
-    engine = getattr(tier, "engine", None)
-    mem_kib = next((int(ln.split()[1]) for ln in _read("/proc/meminfo").splitlines() if ln.startswith("MemTotal")), 0)
-    return {
-        "cpu": cpu,
-        "cores": os.cpu_count(),
-        "mem_gib": round(mem_kib / (1 << 20), 1),
-        "kernel": platform.release(),
-        "fs": fs,
-        "mount": mnt,
-        "device": dev,
-        "mount_opts": opts,
-        "scheduler": _read(f"/sys/block/{blk}/queue/scheduler"),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "tierckpt": tierckpt.__version__,
-        "tierckpt_src": _source_rev(),
-        "engine": getattr(engine, "name", "?"),
-        "backend": getattr(engine, "backend", "-"),
-        "direct": bool(getattr(tier, "direct", False)),
-        "queue_depth": h.io.queue_depth,
-        "chunk_bytes": h.io.chunk_bytes,
-        "loadavg_start": _read("/proc/loadavg"),
-        "cpu_pressure_start": _read("/proc/pressure/cpu").splitlines()[0] if _read("/proc/pressure/cpu") else "",
-    }
 
 
 # -- measurement ---------------------------------------------------------------------------------------

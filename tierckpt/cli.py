@@ -1,4 +1,5 @@
-"""The ``tierckpt`` command: ``ls``, ``inspect`` and ``verify`` a hierarchy's checkpoints.
+"""The ``tierckpt`` command: ``ls``, ``inspect`` and ``verify`` a hierarchy's checkpoints, and ``bench``
+(the benchmark suite, :mod:`tierckpt.bench`).
 
 Exit status: 0 on success, 1 when ``verify`` finds a damaged copy, 2 on bad usage or config.
 """
@@ -85,8 +86,16 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     return 1 if bad else 0
 
 
+def _cmd_bench(args: argparse.Namespace) -> int:
+    from tierckpt.bench.runner import run
+
+    return run(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="tierckpt", description="Inspect and verify tierckpt checkpoints.")
+    from tierckpt.bench.runner import add_arguments
+
+    p = argparse.ArgumentParser(prog="tierckpt", description="Inspect and verify tierckpt checkpoints; benchmark.")
     p.add_argument("-v", "--verbose", action="store_true", help="log what the library does")
     sub = p.add_subparsers(dest="command", required=True)
     for name, fn, helptext in (
@@ -100,12 +109,18 @@ def build_parser() -> argparse.ArgumentParser:
             sp.add_argument("--step", type=int, default=None, help="step (default: newest for inspect, all for verify)")
         sp.add_argument("--json", action="store_true", help="machine-readable output")
         sp.set_defaults(func=fn)
+    helptext = "benchmark tierckpt against torch.save, DCP, TorchSnapshot, safetensors and the raw disk"
+    sp = sub.add_parser("bench", help=helptext, description=helptext + " (see docs/benchmarks.md)")
+    add_arguments(sp)
+    sp.set_defaults(func=_cmd_bench)
     return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``tierckpt`` console script."""
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
+    args.argv = argv[argv.index("bench") + 1 :] if "bench" in argv else argv
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.ERROR, format="%(levelname)s %(name)s: %(message)s"
     )
