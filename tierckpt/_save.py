@@ -78,6 +78,10 @@ def pack_and_write(
         (n for n, w in writers.items() if n not in failed and layout.blob_sizes and w.buffer(0) is not None),
         None,
     )
+    # Packing into a memory tier's own buffers with no other writer: copy now, hash after ``on_staged``
+    # (the bytes no longer change then), so the caller's wait is the copies alone, and each copy is one
+    # GIL-free call per piece instead of a copy and a hash per block.
+    defer = mem is not None and all(n == mem or n in failed for n in writers)
     piece_bytes = max(layout.align, chunk_bytes // _PIECES // layout.align * layout.align)
     inflight: deque[tuple[StagingPool | None, object, list[tuple[str, Future[int]]]]] = deque()
     staged = 0  # chunks in flight that hold a staging slot
@@ -143,20 +147,25 @@ def pack_and_write(
                         if not src:
                             held = contiguous_cpu(tensors[i].tensor)
                             src = held.data_ptr()
-                            if a == off and z == end and z - a <= _BLOCK_BYTES:  # whole small tensor
+                            if a == off and z == end and (defer or z - a <= _BLOCK_BYTES):  # whole tensor
                                 memmove(base + a, src, z - a)
-                                checksums[i] = xxh3_64_intdigest(view[a - c0 : z - c0])
+                                if not defer:
+                                    checksums[i] = xxh3_64_intdigest(view[a - c0 : z - c0])
                                 src, held, cursor, k = 0, None, z, k + 1
                                 continue
                             hasher.reset()
-                        for q in range(a, z, _BLOCK_BYTES):
-                            n = min(_BLOCK_BYTES, z - q)
-                            memmove(base + q, src + q - off, n)
-                            hasher.update(view[q - c0 : q - c0 + n])
+                        if defer:
+                            memmove(base + a, src + a - off, z - a)
+                        else:
+                            for q in range(a, z, _BLOCK_BYTES):
+                                n = min(_BLOCK_BYTES, z - q)
+                                memmove(base + q, src + q - off, n)
+                                hasher.update(view[q - c0 : q - c0 + n])
                         cursor = z
                         if z < end:
                             break  # the extent goes on in the next piece
-                        checksums[i] = hasher.intdigest()
+                        if not defer:
+                            checksums[i] = hasher.intdigest()
                         src, held, k = 0, None, k + 1
                     if cursor < p1:
                         _zero(view, cursor - c0, p1 - c0)
@@ -164,6 +173,10 @@ def pack_and_write(
                 del view
         if on_staged is not None:
             on_staged()
+        if defer:
+            bases = [writers[mem].buffer(b).data_ptr() for b in range(len(layout.blob_sizes))]  # type: ignore[index, union-attr]
+            for i in order:
+                checksums[i] = xxh3_64_intdigest(ptr_mv(bases[e_blob[i]] + e_off[i], e_len[i], writable=False))
     finally:
         while inflight:
             drain_one()
