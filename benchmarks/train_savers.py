@@ -70,7 +70,22 @@ class Saver:
         """Release everything."""
 
 
-class TierckptLazy(Saver):
+class _TierckptBase(Saver):
+    """What both tierckpt modes share: a hierarchy ``self.h``, drained, read back and closed the same way."""
+
+    h: Hierarchy
+
+    def drain(self) -> None:
+        self.h.wait()
+
+    def load(self, step: int, like: Any, tier: str) -> Any:
+        return self.h.restore(step, tier=tier)
+
+    def close(self) -> None:
+        self.h.close()
+
+
+class TierckptLazy(_TierckptBase):
     """host → local, keep {host: 1, local: 2}: ``save()`` returns at once, ``staged`` waited before the update."""
 
     check_tiers = ("host", "local")
@@ -100,17 +115,8 @@ class TierckptLazy(Saver):
         self.handle.staged.result()
         self.handle = None
 
-    def drain(self) -> None:
-        self.h.wait()
 
-    def load(self, step: int, like: Any, tier: str) -> Any:
-        return self.h.restore(step, tier=tier)
-
-    def close(self) -> None:
-        self.h.close()
-
-
-class TierckptSync(Saver):
+class TierckptSync(_TierckptBase):
     """Only a local tier, keep 2, ``save(blocking=True)``: the synchronous save to the local tier."""
 
     check_tiers = ("local",)
@@ -125,15 +131,6 @@ class TierckptSync(Saver):
 
     def begin(self, step: int, state: dict[str, Any]) -> None:
         self.h.save(state, step=step, blocking=True).wait()
-
-    def drain(self) -> None:
-        self.h.wait()
-
-    def load(self, step: int, like: Any, tier: str) -> Any:
-        return self.h.restore(step, tier=tier)
-
-    def close(self) -> None:
-        self.h.close()
 
 
 class _DcpBase(Saver):

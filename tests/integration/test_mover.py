@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -18,27 +19,13 @@ from tierckpt.tiers.pfs import PfsTier
 MiB = 1 << 20
 
 
-def three_tiers(tmp_path: Path, **policy: Any) -> Hierarchy:
-    return Hierarchy.from_config(
-        {
-            "tiers": [
-                {"name": "host", "kind": "host", "capacity": "256MiB"},
-                {"name": "ssd", "kind": "local", "path": str(tmp_path / "ssd")},
-                {"name": "pfs", "kind": "pfs", "path": str(tmp_path / "pfs")},
-            ],
-            "io": {"chunk": "1MiB"},
-            "policy": policy,
-        }
-    )
-
-
 def steps_on(h: Hierarchy, tier: str) -> list[int]:
     return [k.step for k in h.tier(tier).list_committed()]
 
 
-def test_issue_policy_example(tmp_path: Path) -> None:
+def test_issue_policy_example(chain_config: Callable[..., dict[str, Any]], tmp_path: Path) -> None:
     """keep {host: 1, ssd: 2}, demote {pfs: every 5}: after steps 1..10, host 10, ssd 9-10, pfs 5 and 10."""
-    with three_tiers(tmp_path, keep={"host": 1, "ssd": 2}, demote={"pfs": {"every": 5}}) as h:
+    with Hierarchy.from_config(chain_config(keep={"host": 1, "ssd": 2}, demote={"pfs": {"every": 5}})) as h:
         handles = [h.save({"w": torch.full((1000,), float(s)), "step": s}, step=s) for s in range(1, 11)]
         assert set(handles[4].durable) == {"host", "ssd", "pfs"}
         assert set(handles[5].durable) == {"host", "ssd"}
@@ -54,14 +41,14 @@ def test_issue_policy_example(tmp_path: Path) -> None:
         assert h.restore(step=5)["step"] == 5
 
 
-def test_staged_snapshot_holds_pre_mutation_values(tmp_path: Path) -> None:
+def test_staged_snapshot_holds_pre_mutation_values(chain_config: Callable[..., dict[str, Any]], tmp_path: Path) -> None:
     """Parameters mutated in place right after ``staged`` resolves: the checkpoint has the old values."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(512, 512) for _ in range(8)])  # ~8 MiB
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     model(torch.randn(4, 512)).sum().backward()
     opt.step()
-    with three_tiers(tmp_path) as h:
+    with Hierarchy.from_config(chain_config()) as h:
         before = {k: v.clone() for k, v in model.state_dict().items()}
         handle = h.save({"model": model.state_dict(), "optim": opt.state_dict()}, step=1)
         handle.staged.result()
@@ -184,8 +171,8 @@ def test_full_single_memory_tier_fails_instead_of_waiting_forever() -> None:
         assert h.restore()["w"].shape == (MiB // 6,)
 
 
-def test_prefetch_climbs_and_restore_reads_memory(tmp_path: Path) -> None:
-    with three_tiers(tmp_path, keep={"host": 1, "ssd": 1}) as h:
+def test_prefetch_climbs_and_restore_reads_memory(chain_config: Callable[..., dict[str, Any]], tmp_path: Path) -> None:
+    with Hierarchy.from_config(chain_config(keep={"host": 1, "ssd": 1})) as h:
         for s in (1, 2, 3):
             h.save({"w": torch.full((4096,), float(s))}, step=s)
         h.wait()
@@ -202,10 +189,12 @@ def test_prefetch_climbs_and_restore_reads_memory(tmp_path: Path) -> None:
             h.prefetch(step=99).result(timeout=5)
 
 
-def test_restore_from_lower_tier_promotes_when_asked(tmp_path: Path) -> None:
-    with three_tiers(tmp_path) as h:
+def test_restore_from_lower_tier_promotes_when_asked(
+    chain_config: Callable[..., dict[str, Any]], tmp_path: Path
+) -> None:
+    with Hierarchy.from_config(chain_config()) as h:
         h.save({"w": torch.ones(16)}, step=1).wait()
-    with three_tiers(tmp_path, promote={"on_restore": True}) as h:  # a new process: host is empty
+    with Hierarchy.from_config(chain_config(promote={"on_restore": True})) as h:  # a new process: host is empty
         assert h.checkpoints()[0].tiers == ("ssd", "pfs")
         h.restore()
         assert h.last_restore == (1, "ssd")
@@ -213,8 +202,8 @@ def test_restore_from_lower_tier_promotes_when_asked(tmp_path: Path) -> None:
         assert h.checkpoints()[0].tiers == ("host", "ssd", "pfs")
 
 
-def test_on_close_flushes_the_newest_checkpoint(tmp_path: Path) -> None:
-    with three_tiers(tmp_path, demote={"pfs": {"on_close": True}}) as h:
+def test_on_close_flushes_the_newest_checkpoint(chain_config: Callable[..., dict[str, Any]], tmp_path: Path) -> None:
+    with Hierarchy.from_config(chain_config(demote={"pfs": {"on_close": True}})) as h:
         for s in (1, 2, 3):
             h.save({"w": torch.full((16,), float(s))}, step=s)
         h.wait()
@@ -222,12 +211,14 @@ def test_on_close_flushes_the_newest_checkpoint(tmp_path: Path) -> None:
     assert [k.step for k in PfsTier("p", tmp_path / "pfs", _engine()).list_committed()] == [3]
 
 
-def test_every_secs_cadence(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_every_secs_cadence(
+    chain_config: Callable[..., dict[str, Any]], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     import tierckpt.hierarchy as hmod
 
     now = [1000.0]
     monkeypatch.setattr(hmod, "_clock", lambda: now[0])
-    with three_tiers(tmp_path, demote={"pfs": {"every_secs": 60}}) as h:
+    with Hierarchy.from_config(chain_config(demote={"pfs": {"every_secs": 60}})) as h:
         sent = []
         for s in range(1, 8):
             now[0] += 25.0

@@ -3,6 +3,7 @@ fresh process that prefetches during its (simulated) initialization, and preempt
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shutil
@@ -10,6 +11,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -22,31 +24,16 @@ from tierckpt import Hierarchy
 REPO = Path(__file__).resolve().parents[2]
 
 
-class Block(torch.nn.Module):
-    def __init__(self, d: int, heads: int) -> None:
-        super().__init__()
-        self.ln1, self.ln2 = torch.nn.LayerNorm(d), torch.nn.LayerNorm(d)
-        self.attn = torch.nn.MultiheadAttention(d, heads, batch_first=True)
-        self.mlp = torch.nn.Sequential(torch.nn.Linear(d, 4 * d), torch.nn.GELU(), torch.nn.Linear(4 * d, d))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        n = x.shape[1]
-        mask = torch.triu(torch.ones(n, n, dtype=torch.bool), 1)
-        h = self.ln1(x)
-        x = x + self.attn(h, h, h, attn_mask=mask, need_weights=False)[0]
-        return x + self.mlp(self.ln2(x))
+def _example_model() -> type[torch.nn.Module]:
+    """The quickstart's small GPT (tied embedding and head), so the test trains the model users see."""
+    spec = importlib.util.spec_from_file_location("tierckpt_quickstart", REPO / "examples" / "quickstart.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.TinyGPT  # type: ignore[no-any-return]
 
 
-class TinyGPT(torch.nn.Module):
-    def __init__(self, vocab: int = 256, d: int = 64, layers: int = 2, ctx: int = 32) -> None:
-        super().__init__()
-        self.tok, self.pos = torch.nn.Embedding(vocab, d), torch.nn.Embedding(ctx, d)
-        self.blocks = torch.nn.Sequential(*[Block(d, 4) for _ in range(layers)])
-        self.ln, self.head = torch.nn.LayerNorm(d), torch.nn.Linear(d, vocab, bias=False)
-
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        x = self.tok(idx) + self.pos(torch.arange(idx.shape[1]))
-        return self.head(self.ln(self.blocks(x)))
+TinyGPT = _example_model()
 
 
 def train_state(model: torch.nn.Module, opt: torch.optim.Optimizer, step: int) -> dict[str, Any]:
@@ -73,19 +60,7 @@ def same(a: Any, b: Any) -> bool:
     return bool(a == b) and type(a) is type(b)
 
 
-def config(tmp_path: Path, **policy: Any) -> dict[str, Any]:
-    return {
-        "tiers": [
-            {"name": "host", "kind": "host", "capacity": "256MiB"},
-            {"name": "ssd", "kind": "local", "path": str(tmp_path / "ssd")},
-            {"name": "pfs", "kind": "pfs", "path": str(tmp_path / "pfs")},
-        ],
-        "io": {"chunk": "1MiB"},
-        "policy": policy,
-    }
-
-
-def test_training_loop_with_lazy_saves_every_step(tmp_path: Path) -> None:
+def test_training_loop_with_lazy_saves_every_step(chain_config: Callable[..., dict[str, Any]], tmp_path: Path) -> None:
     """50 steps of a small GPT with AdamW, a lazy save every step (host → ssd → pfs, every 5th to the pfs,
     keep host 1, ssd 2). The snapshot is staged while forward/backward run and waited for right before
     ``optimizer.step()``. Afterwards every tier holds what its policy says and every copy verifies."""
@@ -93,7 +68,7 @@ def test_training_loop_with_lazy_saves_every_step(tmp_path: Path) -> None:
     model = TinyGPT()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     expected: dict[int, Any] = {}
-    with Hierarchy.from_config(config(tmp_path, keep={"host": 1, "ssd": 2}, demote={"pfs": {"every": 5}})) as h:
+    with Hierarchy.from_config(chain_config(keep={"host": 1, "ssd": 2}, demote={"pfs": {"every": 5}})) as h:
         for step in range(1, 51):
             handle = h.save(train_state(model, opt, step - 1), step=step)  # the state as of the last step
             if step % 5 == 0 or step >= 49:
@@ -154,12 +129,14 @@ def run_py(code: str, *args: str, **kw: Any) -> subprocess.CompletedProcess[str]
     return subprocess.run([sys.executable, "-c", textwrap.dedent(code), *args], text=True, env=env, **kw)
 
 
-def test_restart_prefetches_during_init_and_restores_from_memory(tmp_path: Path) -> None:
+def test_restart_prefetches_during_init_and_restores_from_memory(
+    chain_config: Callable[..., dict[str, Any]], tmp_path: Path
+) -> None:
     """A job saved to host → ssd → pfs and died; it restarts on a node with an empty local SSD. The new
     process calls ``prefetch()`` first, initializes for 2 s, then ``restore()``: the bytes come from host
     memory, and the pfs was read exactly once (by the promotion)."""
     cfg_path = tmp_path / "tiers.yaml"
-    cfg_path.write_text(yaml.safe_dump(config(tmp_path, keep={"ssd": 1}, demote={"pfs": {"every": 2}})))
+    cfg_path.write_text(yaml.safe_dump(chain_config(keep={"ssd": 1}, demote={"pfs": {"every": 2}})))
     with Hierarchy.from_yaml(cfg_path) as h:
         for step in range(1, 5):
             h.save({"w": torch.full((4 << 20,), float(step)), "step": step}, step=step)  # 16 MiB each
@@ -191,11 +168,13 @@ print("not preempted", flush=True)
 
 
 @pytest.mark.skipif(not hasattr(signal, "SIGTERM"), reason="needs POSIX signals")
-def test_sigterm_flushes_the_newest_checkpoint_then_terminates(tmp_path: Path) -> None:
+def test_sigterm_flushes_the_newest_checkpoint_then_terminates(
+    chain_config: Callable[..., dict[str, Any]], tmp_path: Path
+) -> None:
     """pfs is ``on_close`` only. On SIGTERM the handler sends the newest step there within its deadline,
     then the process dies of the signal as it would have without the handler."""
     cfg_path = tmp_path / "tiers.yaml"
-    cfg_path.write_text(yaml.safe_dump(config(tmp_path, demote={"pfs": {"on_close": True}})))
+    cfg_path.write_text(yaml.safe_dump(chain_config(demote={"pfs": {"on_close": True}})))
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     proc = subprocess.Popen(
         [sys.executable, "-c", textwrap.dedent(PREEMPTED), str(cfg_path)],
