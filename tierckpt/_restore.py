@@ -3,7 +3,8 @@
 Blobs are read in aligned chunks into fresh page-aligned buffers (O_DIRECT where the tier uses it),
 whose pages helper threads fault in just ahead of the reads; every tensor's checksum is verified, and
 its zero-copy view built, as soon as the chunk that completes it has arrived (while later reads are in
-flight). ``copy_into`` then moves a verified state into existing tensors.
+flight). ``match_state`` pairs a restored state with a target for an in-place restore
+(``tierckpt._restore_into``).
 """
 
 from __future__ import annotations
@@ -21,18 +22,22 @@ import xxhash
 from tierckpt.errors import CorruptCheckpointError, StateError
 from tierckpt.format.manifest import Manifest, decode_manifest, dtype_from_name
 from tierckpt.format.tree import format_path, unflatten
-from tierckpt.io.buffers import MappedBuffer, memmove, ptr_mv
+from tierckpt.io.buffers import MappedBuffer, ptr_mv
 from tierckpt.tiers.base import CheckpointKey, Tier
 
-__all__ = ["copy_into", "load_manifest", "read_checkpoint", "verify_checkpoint"]
+__all__ = ["load_manifest", "match_state", "read_checkpoint", "rebuild", "verify_checkpoint"]
 
 log = logging.getLogger(__name__)
 _PREFAULT_THREADS = max(1, min(4, os.cpu_count() or 1))
 _ZEROS = bytes(4096)
 
 
-def load_manifest(tier: Tier, key: CheckpointKey) -> Manifest:
-    """Read and validate the manifest of ``key`` on ``tier``."""
+def load_manifest(tier: Tier, key: CheckpointKey, *, allow_pickle: bool = True) -> Manifest:
+    """Read and validate the manifest of ``key`` on ``tier``.
+
+    Raises:
+        StateError: the checkpoint holds pickled values and ``allow_pickle`` is False.
+    """
     try:
         m = decode_manifest(tier.read_manifest(key))
     except CorruptCheckpointError as e:
@@ -42,6 +47,11 @@ def load_manifest(tier: Tier, key: CheckpointKey) -> Manifest:
             f"manifest says step {m.step} rank {m.rank}, stored as step {key.step} rank {key.rank}",
             tier=tier.name,
             step=key.step,
+        )
+    if m.has_pickle and not allow_pickle:
+        raise StateError(
+            f"step {key.step} on tier {tier.name!r} holds pickled values; pass allow_pickle=True "
+            "to restore() only if you trust where it came from"
         )
     return m
 
@@ -175,12 +185,7 @@ def read_checkpoint(tier: Tier, key: CheckpointKey, *, allow_pickle: bool = Fals
         CorruptCheckpointError: naming the tier, blob and key of what failed validation.
         StateError: the checkpoint holds pickled values and ``allow_pickle`` is False.
     """
-    m = load_manifest(tier, key)
-    if m.has_pickle and not allow_pickle:
-        raise StateError(
-            f"step {key.step} on tier {tier.name!r} holds pickled values; pass allow_pickle=True "
-            "to restore() only if you trust where it came from"
-        )
+    m = load_manifest(tier, key, allow_pickle=allow_pickle)
     cache: dict[int, torch.Tensor] = {}
     verify = _verifier(tier, key, m)
 
@@ -201,24 +206,33 @@ def read_checkpoint(tier: Tier, key: CheckpointKey, *, allow_pickle: bool = Fals
             got = cache[i] = torch.empty(shapes[i], dtype=dtypes[i])
         return got
 
+    return rebuild(tier, key, m, tensor_at, allow_pickle=allow_pickle), m
+
+
+def rebuild(
+    tier: Tier, key: CheckpointKey, m: Manifest, tensor_at: Callable[[int], torch.Tensor], *, allow_pickle: bool
+) -> Any:
+    """The nested state of manifest ``m`` with ``tensor_at(i)`` as tensor i (errors name the tier)."""
     try:
-        state = unflatten(m.tree, tensor_at, len(t), allow_pickle=allow_pickle)
+        return unflatten(m.tree, tensor_at, len(m.tensors), allow_pickle=allow_pickle)
     except CorruptCheckpointError as e:
         raise CorruptCheckpointError(str(e), tier=tier.name, step=key.step) from None
-    return state, m
 
 
-def copy_into(target: Any, source: Any) -> Any:
-    """Copy a restored state into ``target`` in place: tensors by copy, other values by assignment.
+def match_state(
+    target: Any, source: Any, *, leaf: type = torch.Tensor
+) -> tuple[list[tuple[torch.Tensor, Any]], list[tuple[Any, Any, Any]]]:
+    """Pair a checkpoint's state with ``target`` for an in-place restore; changes nothing.
 
-    Dicts and lists of ``target`` are walked; a tensor in them receives the checkpoint's bytes (same
-    shape and dtype required); any other value (numbers, strings, tuples …) is replaced; keys only the
-    checkpoint has are added. Everything is checked before anything is changed.
+    ``source``'s tensors are objects of type ``leaf`` (anything with ``shape`` and ``dtype``).
+    Returns ``(copies, assigns)``: ``(target tensor, source leaf)`` pairs (same shape and dtype) and
+    ``(container, key, value)`` assignments for every other value (numbers, strings, tuples …, and
+    keys only the checkpoint has).
 
     Raises:
         StateError: naming the key path of a missing key or a shape/dtype/type mismatch.
     """
-    copies: list[tuple[torch.Tensor, torch.Tensor]] = []
+    copies: list[tuple[torch.Tensor, Any]] = []
     assigns: list[tuple[Any, Any, Any]] = []
 
     def walk(dst: Any, src: Any, path: tuple[Any, ...]) -> None:
@@ -243,7 +257,7 @@ def copy_into(target: Any, source: Any) -> Any:
                 else:
                     assigns.append((dst, i, s))
         elif isinstance(dst, torch.Tensor):
-            if not isinstance(src, torch.Tensor):
+            if not isinstance(src, leaf):
                 raise StateError(f"{where}: target is a tensor, checkpoint has {type(src).__name__}")
             if dst.shape != src.shape or dst.dtype != src.dtype:
                 raise StateError(
@@ -254,15 +268,7 @@ def copy_into(target: Any, source: Any) -> Any:
             raise StateError(f"{where}: cannot restore into a {type(dst).__name__}; pass a dict or a list")
 
     walk(target, source, ())
-    with torch.no_grad():
-        for dst, src in copies:
-            if dst.device.type == "cpu" and dst.is_contiguous() and dst.numel():
-                memmove(dst.data_ptr(), src.data_ptr(), src.numel() * src.element_size())
-            elif dst.numel():
-                dst.copy_(src)
-    for container, k, v in assigns:
-        container[k] = v
-    return target
+    return copies, assigns
 
 
 def _describe(v: Any) -> str:

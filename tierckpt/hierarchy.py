@@ -21,7 +21,8 @@ from typing import Any
 
 from tierckpt._mover import Mover
 from tierckpt._records import STATES, CheckpointInfo, SaveHandle, Tracker, merge_states
-from tierckpt._restore import copy_into, load_manifest, read_checkpoint, verify_checkpoint
+from tierckpt._restore import load_manifest, read_checkpoint, verify_checkpoint
+from tierckpt._restore_into import RestoreStaging
 from tierckpt._runtime import Engines, dist_rank, gc_paused, install_flush_handler
 from tierckpt._stage import make_stage_job
 from tierckpt.config import (
@@ -143,6 +144,7 @@ class Hierarchy:
         self._lock = threading.RLock()
         self._closed = False
         self.last_restore: tuple[int, str] | None = None  #: (step, tier) of the latest restore
+        self._in_place = RestoreStaging()
 
     # -- construction -----------------------------------------------------------------------------------
     @classmethod
@@ -346,6 +348,8 @@ class Hierarchy:
         Args:
             step: the step, or None for the newest.
             into: a state whose tensors receive the bytes in place (returned); None for fresh CPU tensors.
+                The bytes stream through a few reused staging buffers straight into its tensors
+                (docs/restore.md); its structure, shapes and dtypes are checked first.
             allow_pickle: accept checkpoints that hold pickled values.
             tier: read only from this tier.
 
@@ -366,10 +370,12 @@ class Hierarchy:
                 info = self._locate(info.step)
         first: BaseException | None = None
         for name in info.tiers:
+            key = CheckpointKey(info.step, self.rank)
             try:
-                state, _ = read_checkpoint(
-                    self.tier(name), CheckpointKey(info.step, self.rank), allow_pickle=allow_pickle
-                )
+                if into is None:
+                    state, _ = read_checkpoint(self.tier(name), key, allow_pickle=allow_pickle)
+                else:
+                    state = self._in_place.restore(self.tier(name), key, into, allow_pickle=allow_pickle)
             except StateError:
                 raise
             except (CorruptCheckpointError, OSError) as e:
@@ -381,7 +387,7 @@ class Hierarchy:
             self.last_restore = (info.step, name)
             if tier is None and self.policy.promote_on_restore and self._index[name] > 0:
                 self.prefetch(info.step)
-            return state if into is None else copy_into(into, state)
+            return state
         assert first is not None
         raise first
 
@@ -486,6 +492,7 @@ class Hierarchy:
         finally:
             self._closed = True
             self._mover.close()
+            self._in_place.release()
             for t in self._tiers:
                 t.close()
             self._engines.close()

@@ -1,0 +1,246 @@
+"""``restore(into=...)``: the in-place restore that streams a checkpoint through reused staging buffers
+straight into the target's tensors (tierckpt._restore_into)."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tierckpt import CorruptCheckpointError, Hierarchy, StateError
+from tierckpt._restore_into import RestoreStaging
+from tierckpt.config import LayoutConfig
+from tierckpt.tiers.gpu import GpuTier
+
+SLOT = 64 << 10  # small staging slots, so tensors span several reads and reads wrap the pool
+
+
+def config(tmp_path: Path, *tiers: str, engine: str = "auto") -> dict[str, Any]:
+    kinds = {
+        "host": {"name": "host", "kind": "host", "capacity": "256MiB"},
+        "ssd": {"name": "ssd", "kind": "local", "path": str(tmp_path / "ssd")},
+        "pfs": {"name": "pfs", "kind": "pfs", "path": str(tmp_path / "pfs")},
+    }
+    return {"tiers": [kinds.get(t, t) for t in tiers], "io": {"engine": engine}, "layout": {"blob_size": "1MiB"}}
+
+
+def open_h(cfg: dict[str, Any], slots: int = 3) -> Hierarchy:
+    if cfg["tiers"] == ["gpu"]:  # the gpu tier's logic on host memory (the CUDA run is tests/gpu)
+        h = Hierarchy([GpuTier("gpu", 256 << 20, device="cpu")], layout=LayoutConfig(blob_bytes=1 << 20))
+    else:
+        h = Hierarchy.from_config(cfg)
+    h._in_place = RestoreStaging(slots, SLOT)
+    return h
+
+
+def make_state(seed: int = 0) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(seed)
+
+    def raw(n: int, dtype: torch.dtype) -> torch.Tensor:
+        b = torch.randint(0, 256, (n * dtype.itemsize,), dtype=torch.uint8, generator=g)
+        return (b % 2).bool() if dtype == torch.bool else b.view(dtype)
+
+    return {
+        "model": {
+            "big": raw(400_000, torch.float32),  # 1.6 MB: several slots and blobs
+            "bf16": raw(40_001, torch.bfloat16).view(40_001, 1),
+            "mat": raw(96 * 33, torch.float64).view(96, 33),
+            "f8": raw(1000, torch.float8_e4m3fn),
+            "c64": raw(77, torch.complex64),
+            "flags": raw(13, torch.bool),
+            "u16": raw(5, torch.uint16),
+        },
+        "optim": {
+            "state": {0: {"step": torch.tensor(7.0), "exp_avg": raw(3000, torch.float32)}},
+            "param_groups": [{"lr": 1e-3, "betas": (0.9, 0.95), "params": [0]}],
+        },
+        "empty": torch.empty(0, 3),
+        "rng": raw(5056, torch.uint8),
+        "step": 10 + seed,
+    }
+
+
+def zeros_like(s: Any) -> Any:
+    if isinstance(s, torch.Tensor):
+        return torch.zeros_like(s)
+    if isinstance(s, dict):
+        return {k: zeros_like(v) for k, v in s.items()}
+    if isinstance(s, list):
+        return [zeros_like(v) for v in s]
+    return s
+
+
+def tensors(s: Any, path: str = "") -> Iterator[tuple[str, torch.Tensor]]:
+    if isinstance(s, torch.Tensor):
+        yield path, s
+    elif isinstance(s, dict):
+        for k, v in s.items():
+            yield from tensors(v, f"{path}/{k}")
+    elif isinstance(s, (list, tuple)):
+        for i, v in enumerate(s):
+            yield from tensors(v, f"{path}/{i}")
+
+
+def assert_same(a: Any, b: Any) -> None:
+    ta, tb = dict(tensors(a)), dict(tensors(b))
+    assert list(ta) == list(tb)
+    for k in ta:
+        x, y = ta[k], tb[k]
+        assert x.dtype == y.dtype and x.shape == y.shape, k
+        assert torch.equal(x.reshape(-1).view(torch.uint8), y.reshape(-1).view(torch.uint8)), k
+
+
+def flip(h: Hierarchy, tier: str, step: int, blob: str, pos: int) -> None:
+    p = Path(h.tier(tier).path) / f"step-{step:012d}" / "rank-00000" / blob  # type: ignore[attr-defined]
+    with open(p, "r+b") as f:
+        f.seek(pos)
+        b = f.read(1)
+        f.seek(pos)
+        f.write(bytes([b[0] ^ 0x5A]))
+
+
+@pytest.mark.parametrize("engine", ["threads", "uring"])
+@pytest.mark.parametrize("tier", ["host", "gpu", "ssd", "pfs"])
+def test_in_place_restore_is_bit_exact_and_keeps_the_target_memory(tmp_path: Path, engine: str, tier: str) -> None:
+    state = make_state()
+    with open_h(config(tmp_path, tier, engine=engine)) as h:
+        h.save(state, step=1).wait()
+        for rep in range(2):  # the second restore reuses the staging buffers
+            target = zeros_like(state)
+            target["step"] = 0
+            ptrs = {k: t.data_ptr() for k, t in tensors(target)}
+            assert h.restore(into=target) is target
+            assert_same(state, target)
+            assert target["step"] == 10 and target["optim"]["param_groups"][0]["betas"] == (0.9, 0.95)
+            assert {k: t.data_ptr() for k, t in tensors(target)} == ptrs, rep
+        if tier in ("ssd", "pfs"):
+            assert h._in_place._pool is not None
+            assert h._in_place._pool.allocated_bytes == 3 * SLOT  # bounded, and reused from restore to restore
+    assert h._in_place._pool is None  # released on close
+
+
+def test_targets_that_cannot_be_streamed_into(tmp_path: Path) -> None:
+    """Non-contiguous targets, keys only the checkpoint has, a tensor saved under two keys, and one
+    target tensor under two keys all end up holding the checkpoint's bytes."""
+    shared = torch.arange(600, dtype=torch.float32)
+    state = {"t": torch.randn(40, 70), "a": shared, "b": shared, "extra": {"x": torch.ones(3)}, "n": 1}
+    with open_h(config(tmp_path, "ssd")) as h:
+        h.save(state, step=2).wait()
+        same = torch.zeros(600)
+        target: dict[str, Any] = {"t": torch.zeros(70, 40).t(), "a": same, "b": same, "n": 0}
+        assert not target["t"].is_contiguous()
+        h.restore(into=target)
+        assert torch.equal(target["t"], state["t"]) and torch.equal(same, shared)
+        assert torch.equal(target["extra"]["x"], torch.ones(3)) and target["n"] == 1
+        a, b = torch.zeros(600), torch.zeros(600)  # two separate targets of one saved tensor
+        h.restore(into={"t": torch.zeros(40, 70), "a": a, "b": b, "n": 0})
+        assert torch.equal(a, shared) and torch.equal(b, shared)
+
+
+def test_mismatched_target_is_refused_before_anything_changes(tmp_path: Path) -> None:
+    state = make_state()
+    with open_h(config(tmp_path, "ssd")) as h:
+        h.save(state, step=1).wait()
+        target = zeros_like(state)
+        target["model"]["mat"] = torch.zeros(33, 96, dtype=torch.float64)
+        with pytest.raises(StateError, match=r"target\['model'\]\['mat'\]: target is torch.float64 \(33, 96\)"):
+            h.restore(into=target)
+        assert all(not t.any() for _, t in tensors(target) if t.numel())
+
+
+def positions(h: Hierarchy, step: int) -> dict[str, tuple[str, int, str]]:
+    """Where to flip a byte: (blob name, offset, key path of the tensor there)."""
+    _, m = h.inspect(step)
+    t = m.tensors
+    order = t.order()
+    big = max(order, key=lambda i: t.lengths[i])
+    first, last = order[0], order[-1]
+    return {
+        "first": (m.blobs[t.blobs[first]].name, t.offsets[first], t.paths[first]),
+        "middle-of-a-long-tensor": (m.blobs[t.blobs[big]].name, t.offsets[big] + t.lengths[big] - 5, t.paths[big]),
+        "last": (m.blobs[t.blobs[last]].name, t.offsets[last] + t.lengths[last] - 1, t.paths[last]),
+    }
+
+
+@pytest.mark.parametrize("where", ["first", "middle-of-a-long-tensor", "last"])
+def test_flipped_byte_is_named_and_the_other_copy_is_used(
+    tmp_path: Path, where: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    state = make_state(1)
+    with open_h(config(tmp_path, "ssd", "pfs")) as h:
+        h.save(state, step=3).wait()
+        blob, pos, key = positions(h, 3)[where]
+        flip(h, "ssd", 3, blob, pos)
+        with pytest.raises(CorruptCheckpointError) as ei:
+            h.restore(into=zeros_like(state), tier="ssd")
+        assert (ei.value.tier, ei.value.blob, ei.value.key) == ("ssd", blob, key)
+        target = zeros_like(state)
+        with caplog.at_level(logging.WARNING, logger="tierckpt"):
+            h.restore(into=target)
+        assert_same(state, target)
+        assert any("ssd" in r.getMessage() and key in r.getMessage() for r in caplog.records)
+        assert h.last_restore == (3, "pfs")
+
+
+def test_damaged_padding_and_truncated_blob_are_found(tmp_path: Path) -> None:
+    state = make_state(2)
+    with open_h(config(tmp_path, "ssd")) as h:
+        h.save(state, step=4).wait()
+        _, m = h.inspect(4)
+        t = m.tensors
+        order = t.order()
+        gaps = [
+            (t.blobs[i], t.offsets[i] + t.lengths[i])
+            for i, j in itertools.pairwise(order)
+            if t.blobs[i] == t.blobs[j] and t.offsets[j] > t.offsets[i] + t.lengths[i]
+        ]
+        assert gaps
+        for blob, pos in gaps[0], gaps[-1]:  # a gap between two tensors: first and last such gap
+            flip(h, "ssd", 4, m.blobs[blob].name, pos)
+            with pytest.raises(CorruptCheckpointError, match="padding") as ei:
+                h.restore(into=zeros_like(state))
+            assert ei.value.blob == m.blobs[blob].name
+            flip(h, "ssd", 4, m.blobs[blob].name, pos)
+        last_blob = m.blobs[-1]
+        flip(h, "ssd", 4, last_blob.name, last_blob.size - 1)  # the tail padding of the last blob
+        with pytest.raises(CorruptCheckpointError, match="padding") as ei:
+            h.restore(into=zeros_like(state))
+        assert ei.value.blob == last_blob.name
+        flip(h, "ssd", 4, last_blob.name, last_blob.size - 1)  # repaired
+        h.restore(into=zeros_like(state))
+        p = Path(h.tier("ssd").path) / "step-000000000004" / "rank-00000" / m.blobs[0].name  # type: ignore[attr-defined]
+        p.write_bytes(p.read_bytes()[: m.blobs[0].size // 2])
+        with pytest.raises(CorruptCheckpointError, match="truncated") as ei:
+            h.restore(into=zeros_like(state))
+        assert ei.value.blob == m.blobs[0].name
+
+
+def test_concurrent_in_place_restores_take_turns(tmp_path: Path) -> None:
+    states = [make_state(i) for i in range(2)]
+    with open_h(config(tmp_path, "ssd"), slots=2) as h:
+        for i, s in enumerate(states):
+            h.save(s, step=i).wait()
+        targets = [zeros_like(s) for s in states]
+        errors: list[BaseException] = []
+
+        def run(i: int) -> None:
+            try:
+                for _ in range(3):
+                    h.restore(i, into=targets[i])
+            except BaseException as e:  # pragma: no cover - reported below
+                errors.append(e)
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert not errors
+        for s, t in zip(states, targets):
+            assert_same(s, t)

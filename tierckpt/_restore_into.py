@@ -1,0 +1,275 @@
+"""In-place restore: stream a checkpoint through a few reused staging buffers into existing tensors.
+
+``restore(into=state)`` is the restart path of a training job: the model and optimizer already exist,
+so their memory is allocated and touched. Reading the blobs into fresh buffers first (what a restore
+into new tensors must do) would pay a page fault per 4 KiB of new memory, which on a VM costs more
+than the disk read (docs/benchmarks.md), and then a second copy. Here each chunk is read into a slot
+of a small reusable pool (faulted once per process), and the tensors it holds are copied out of it
+into the target's tensors and hashed there while the next chunks are being read, so the disk, not
+the fault rate, sets the speed.
+
+What cannot be streamed into (a tensor on another device, a non-contiguous tensor, a key only the
+checkpoint has, or one manifest tensor that two target tensors share) gets a fresh CPU tensor, which
+is copied or assigned into the target once every checksum has been verified.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any
+
+import torch
+import xxhash
+
+from tierckpt._restore import load_manifest, match_state, rebuild
+from tierckpt.errors import CorruptCheckpointError
+from tierckpt.format.layout import round_up
+from tierckpt.format.manifest import Manifest, dtype_from_name
+from tierckpt.io.buffers import StagingPool, memmove, ptr_mv
+from tierckpt.tiers.base import CheckpointKey, Tier, TierReader
+
+__all__ = ["RestoreStaging", "restore_into"]
+
+_SLOTS = 12  # reads in flight or being copied out (the engine's queue depth caps those in flight)
+_SLOT_BYTES = 16 << 20
+_BLOCK_BYTES = 1 << 20  # copy-then-hash unit: the hash reads the bytes while they are still cached
+_ZEROS = bytes(4096)
+xxh3_64_intdigest = xxhash.xxh3_64_intdigest
+
+
+class RestoreStaging:
+    """The staging buffers of a hierarchy's in-place restores: allocated on first use, kept for the next
+    restore (so their pages are faulted once per process), one restore at a time.
+
+    Args:
+        slots: reads in flight.
+        slot_bytes: size of one read.
+    """
+
+    def __init__(self, slots: int = _SLOTS, slot_bytes: int = _SLOT_BYTES) -> None:
+        self.slots, self.slot_bytes = slots, slot_bytes
+        self._pool: StagingPool | None = None
+        self.lock = threading.Lock()
+
+    def pool(self, align: int) -> StagingPool:
+        """The pool, with slots a multiple of ``align`` (re-made when a checkpoint needs a larger one)."""
+        if self._pool is None or self._pool.slot_bytes % align:
+            self._pool = StagingPool(self.slots, round_up(self.slot_bytes, align), max(4096, align))
+        return self._pool
+
+    def release(self) -> None:
+        """Free the buffers (the next restore allocates them again)."""
+        with self.lock:
+            self._pool = None
+
+    def restore(self, tier: Tier, key: CheckpointKey, target: Any, *, allow_pickle: bool) -> Any:
+        """:func:`restore_into` through these buffers; concurrent calls take turns."""
+        with self.lock:
+            return restore_into(tier, key, target, self.pool, allow_pickle=allow_pickle)
+
+
+def restore_into(
+    tier: Tier, key: CheckpointKey, target: Any, pool: Callable[[int], StagingPool], *, allow_pickle: bool
+) -> Any:
+    """Restore ``key`` from ``tier`` into ``target``'s tensors in place; returns ``target``.
+
+    The target's structure, shapes and dtypes are checked against the manifest before a byte is read.
+    Every checksum and every padding byte is verified as the bytes stream in.
+
+    Args:
+        tier: the tier to read from.
+        key: the checkpoint.
+        target: nested dicts/lists whose tensors receive the bytes.
+        pool: staging buffers for the reads, given the checkpoint's alignment (used by this call alone).
+        allow_pickle: accept checkpoints that hold pickled values.
+
+    Raises:
+        StateError: ``target`` does not match the checkpoint (nothing was changed), or pickled values.
+        CorruptCheckpointError: a checksum or padding mismatch (names tier, blob and key). Tensors of
+            ``target`` streamed before the damaged one already hold the checkpoint's bytes then; no
+            value is assigned and no tensor outside the streamed ones is changed.
+    """
+    m = load_manifest(tier, key, allow_pickle=allow_pickle)
+    t = m.tensors
+    leaves: dict[int, _Leaf] = {}
+
+    def leaf_at(i: int) -> _Leaf:
+        x = leaves.get(i)
+        if x is None:
+            x = leaves[i] = _Leaf(i, torch.Size(t.shapes[i]), dtype_from_name(t.dtypes[i]))
+        x.uses += 1
+        return x
+
+    source = rebuild(tier, key, m, leaf_at, allow_pickle=allow_pickle)  # type: ignore[arg-type]
+    copies, assigns = match_state(target, source, leaf=_Leaf)
+    sinks: dict[int, list[torch.Tensor]] = {}
+    for dst, src in copies:
+        sinks.setdefault(src.index, []).append(dst)  # type: ignore[attr-defined]
+    addrs = [0] * len(t)
+    made: dict[int, torch.Tensor] = {}  # fresh tensors: for assigned values and what cannot be streamed into
+    later: list[tuple[torch.Tensor, torch.Tensor]] = []  # (target tensor, fresh tensor) after verification
+    for i, x in leaves.items():
+        dsts = sinks.get(i, ())
+        if x.uses == 1 and len(dsts) == 1 and dsts[0].device.type == "cpu" and dsts[0].is_contiguous():
+            addrs[i] = dsts[0].data_ptr()
+        else:
+            made[i] = torch.empty(x.shape, dtype=x.dtype)  # not touched until the bytes arrive
+            addrs[i] = made[i].data_ptr()
+            later.extend((d, made[i]) for d in dsts)
+    reader = tier.reader(key, m.blobs)
+    try:
+        _Stream(tier, key, m, addrs).run(reader, lambda: pool(m.align))
+    finally:
+        reader.close()
+    with torch.no_grad():
+        for dst, fresh in later:
+            if dst.numel():
+                dst.copy_(fresh)
+    for container, k, v in assigns:
+        container[k] = _materialize(v, made)
+    return target
+
+
+class _Leaf:
+    """Tensor ``index`` of the manifest in the tree walked against the target (no memory behind it)."""
+
+    __slots__ = ("dtype", "index", "shape", "uses")
+
+    def __init__(self, index: int, shape: torch.Size, dtype: torch.dtype) -> None:
+        self.index, self.shape, self.dtype, self.uses = index, shape, dtype, 0
+
+
+def _materialize(v: Any, made: dict[int, torch.Tensor]) -> Any:
+    """``v`` with every leaf replaced by its fresh tensor (containers rebuilt with their types)."""
+    if isinstance(v, _Leaf):
+        return made[v.index]
+    if isinstance(v, dict):
+        return type(v)((k, _materialize(x, made)) for k, x in v.items())
+    if isinstance(v, (list, tuple)):
+        return type(v)(_materialize(x, made) for x in v)
+    return v
+
+
+class _Stream:
+    """Copies the blobs' bytes to each tensor's destination address, verifying as it goes."""
+
+    def __init__(self, tier: Tier, key: CheckpointKey, m: Manifest, addrs: list[int]) -> None:
+        self.tier, self.key, self.m, self.addrs = tier, key, m, addrs
+        self.order = m.tensors.order()
+        self.k = 0  # position in order of the next tensor (or the one partly copied)
+        self.hasher = xxhash.xxh3_64()
+
+    def run(self, reader: TierReader, pool: Callable[[], StagingPool]) -> None:
+        bufs = [reader.buffer(bi) for bi in range(len(self.m.blobs))]
+        if all(b is not None and b.device.type == "cpu" for b in bufs):  # a memory tier: copy straight out
+            for bi, (b, buf) in enumerate(zip(self.m.blobs, bufs)):
+                if b.size:
+                    self.consume(bi, 0, b.size, buf.data_ptr())  # type: ignore[union-attr]
+        else:
+            self._read(reader, pool())
+        if self.k != len(self.order):  # pragma: no cover - the manifest's validation rules this out
+            raise CorruptCheckpointError("blobs end before the tensors do", tier=self.tier.name, step=self.key.step)
+
+    def _read(self, reader: TierReader, pool: StagingPool) -> None:
+        """Read the blobs that are not in memory through ``pool``'s slots, ``pool.slots`` reads in flight."""
+        piece = pool.slot_bytes // self.m.align * self.m.align
+        if not piece:
+            raise ValueError(f"alignment {self.m.align} exceeds the restore staging slot ({pool.slot_bytes} bytes)")
+        todo = deque(
+            (bi, off, min(piece, b.size - off)) for bi, b in enumerate(self.m.blobs) for off in range(0, b.size, piece)
+        )
+        inflight: deque[tuple[int, int, int, torch.Tensor, Future[int]]] = deque()
+        try:
+            while todo or inflight:
+                while todo and len(inflight) < pool.slots:
+                    bi, off, n = todo.popleft()
+                    slot = pool.acquire()
+                    try:
+                        fut = reader.read(bi, off, slot.data_ptr(), n)
+                    except BaseException:
+                        pool.release(slot)
+                        raise
+                    inflight.append((bi, off, n, slot, fut))
+                bi, off, n, slot, fut = inflight[0]
+                got = fut.result()
+                if got != n:
+                    raise CorruptCheckpointError(
+                        f"blob is truncated: read {got} of {n} bytes at offset {off}",
+                        tier=self.tier.name, step=self.key.step, blob=self.m.blobs[bi].name,
+                    )  # fmt: skip
+                self.consume(bi, off, n, slot.data_ptr())
+                inflight.popleft()
+                pool.release(slot)
+        finally:
+            for _, _, _, slot, fut in inflight:  # never reuse a slot the engine may still be reading into
+                with contextlib.suppress(BaseException):
+                    fut.exception()
+                pool.release(slot)
+
+    def consume(self, bi: int, p0: int, n: int, base: int) -> None:
+        """Take bytes ``[p0, p0 + n)`` of blob ``bi``, found at address ``base``; pieces come in order.
+
+        Bytes are hashed where they arrived, then copied (the copy reads them from the cache), so a
+        small tensor's target only ever receives verified bytes; a large one is verified once its
+        last block is in.
+        """
+        t = self.m.tensors
+        order, blobs, offsets, lengths, addrs, sums = self.order, t.blobs, t.offsets, t.lengths, self.addrs, t.checksums
+        digest, copy, zeros, nz = xxh3_64_intdigest, memmove, _ZEROS, len(_ZEROS)
+        p1, nk, k = p0 + n, len(order), self.k
+        view = ptr_mv(base, n, writable=False)
+        cursor = p0  # bytes before it are accounted for (tensor bytes copied, gap bytes checked)
+        try:
+            while k < nk:
+                i = order[k]
+                o = offsets[i]
+                if blobs[i] != bi or o >= p1:
+                    break
+                end = o + lengths[i]
+                if o > cursor:  # a gap (alignment padding): must be zero
+                    g0, g1 = cursor - p0, o - p0
+                    if g1 - g0 > nz or view[g0:g1].tobytes() != zeros[: g1 - g0]:
+                        self._check_zero(bi, view, g0, g1, p0)
+                if o >= p0 and end <= p1 and end - o <= _BLOCK_BYTES:  # a whole small tensor
+                    s0 = o - p0
+                    if digest(view[s0 : s0 + end - o]) != sums[i]:
+                        self._mismatch(bi, i)
+                    copy(addrs[i], base + s0, end - o)
+                    cursor, k = end, k + 1
+                    continue
+                a, z = max(o, p0), min(end, p1)
+                if a == o:
+                    self.hasher.reset()
+                for q in range(a, z, _BLOCK_BYTES):
+                    c = min(_BLOCK_BYTES, z - q)
+                    self.hasher.update(view[q - p0 : q - p0 + c])
+                    copy(addrs[i] + q - o, base + q - p0, c)
+                cursor = z
+                if z < end:
+                    return  # the tensor goes on in the next piece
+                if self.hasher.intdigest() != sums[i]:
+                    self._mismatch(bi, i)
+                k += 1
+            if cursor < p1:
+                self._check_zero(bi, view, cursor - p0, n, p0)
+        finally:
+            self.k = k
+
+    def _check_zero(self, bi: int, view: memoryview, start: int, stop: int, base_off: int) -> None:
+        for p in range(start, stop, len(_ZEROS)):
+            q = min(stop, p + len(_ZEROS))
+            if view[p:q].tobytes() != _ZEROS[: q - p]:
+                raise CorruptCheckpointError(
+                    f"padding bytes [{base_off + start}, {base_off + stop}) are not zero",
+                    tier=self.tier.name, step=self.key.step, blob=self.m.blobs[bi].name,
+                )  # fmt: skip
+
+    def _mismatch(self, bi: int, i: int) -> None:
+        raise CorruptCheckpointError(
+            "checksum mismatch", tier=self.tier.name, step=self.key.step, blob=self.m.blobs[bi].name,
+            key=self.m.tensors.paths[i],
+        )  # fmt: skip
