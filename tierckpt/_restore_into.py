@@ -77,7 +77,8 @@ def restore_into(
 ) -> Any:
     """Restore ``key`` from ``tier`` into ``target``'s tensors in place; returns ``target``.
 
-    The target's structure, shapes and dtypes are checked against the manifest before a byte is read.
+    The target's structure, shapes and dtypes are checked against the manifest (while the first reads
+    are under way) before any of its bytes is changed.
     Every checksum and every padding byte is verified as the bytes stream in.
 
     Args:
@@ -94,6 +95,34 @@ def restore_into(
             value is assigned and no tensor outside the streamed ones is changed.
     """
     m = load_manifest(tier, key, allow_pickle=allow_pickle)
+    reader = tier.reader(key, m.blobs)
+    try:
+        stream = _Stream(tier, key, m, reader, lambda: pool(m.align))
+        try:
+            stream.fill()  # the first reads are under way while the target is matched
+            made, later, assigns = _plan(m, target, stream.addrs, allow_pickle=allow_pickle, tier=tier, key=key)
+            stream.run()
+        finally:
+            stream.close()
+    finally:
+        reader.close()
+    with torch.no_grad():
+        for dst, fresh in later:
+            if dst.numel():
+                dst.copy_(fresh)
+    for container, k, v in assigns:
+        container[k] = _materialize(v, made)
+    return target
+
+
+def _plan(
+    m: Manifest, target: Any, addrs: list[int], *, allow_pickle: bool, tier: Tier, key: CheckpointKey
+) -> tuple[dict[int, torch.Tensor], list[tuple[torch.Tensor, torch.Tensor]], list[tuple[Any, Any, Any]]]:
+    """Match ``target`` with the checkpoint and fill ``addrs`` (where each tensor's bytes go).
+
+    Returns the fresh tensors (by manifest index), the ``(target tensor, fresh tensor)`` copies to make
+    after verification, and the ``(container, key, value)`` assignments.
+    """
     t = m.tensors
     leaves: dict[int, _Leaf] = {}
 
@@ -109,7 +138,6 @@ def restore_into(
     sinks: dict[int, list[torch.Tensor]] = {}
     for dst, src in copies:
         sinks.setdefault(src.index, []).append(dst)  # type: ignore[attr-defined]
-    addrs = [0] * len(t)
     made: dict[int, torch.Tensor] = {}  # fresh tensors: for assigned values and what cannot be streamed into
     later: list[tuple[torch.Tensor, torch.Tensor]] = []  # (target tensor, fresh tensor) after verification
     for i, x in leaves.items():
@@ -120,18 +148,7 @@ def restore_into(
             made[i] = torch.empty(x.shape, dtype=x.dtype)  # not touched until the bytes arrive
             addrs[i] = made[i].data_ptr()
             later.extend((d, made[i]) for d in dsts)
-    reader = tier.reader(key, m.blobs)
-    try:
-        _Stream(tier, key, m, addrs).run(reader, lambda: pool(m.align))
-    finally:
-        reader.close()
-    with torch.no_grad():
-        for dst, fresh in later:
-            if dst.numel():
-                dst.copy_(fresh)
-    for container, k, v in assigns:
-        container[k] = _materialize(v, made)
-    return target
+    return made, later, assigns
 
 
 class _Leaf:
@@ -157,44 +174,52 @@ def _materialize(v: Any, made: dict[int, torch.Tensor]) -> Any:
 class _Stream:
     """Copies the blobs' bytes to each tensor's destination address, verifying as it goes."""
 
-    def __init__(self, tier: Tier, key: CheckpointKey, m: Manifest, addrs: list[int]) -> None:
-        self.tier, self.key, self.m, self.addrs = tier, key, m, addrs
+    def __init__(
+        self, tier: Tier, key: CheckpointKey, m: Manifest, reader: TierReader, pool: Callable[[], StagingPool]
+    ) -> None:
+        self.tier, self.key, self.m, self.reader = tier, key, m, reader
+        self.addrs = [0] * len(m.tensors)  # destination of each tensor's bytes; set before run()
         self.order = m.tensors.order()
         self.k = 0  # position in order of the next tensor (or the one partly copied)
         self.hasher = xxhash.xxh3_64()
+        bufs = [reader.buffer(bi) for bi in range(len(m.blobs))]
+        self.in_memory = all(b is not None and b.device.type == "cpu" for b in bufs)  # copy straight out
+        self.bufs = bufs
+        self.pool: StagingPool | None = None
+        self.todo: deque[tuple[int, int, int]] = deque()
+        self.inflight: deque[tuple[int, int, int, torch.Tensor, Future[int]]] = deque()
+        if not self.in_memory:
+            self.pool = pool()
+            piece = self.pool.slot_bytes // m.align * m.align
+            if not piece:
+                raise ValueError(f"alignment {m.align} exceeds the restore staging slot ({self.pool.slot_bytes} bytes)")
+            self.todo.extend(
+                (bi, off, min(piece, b.size - off)) for bi, b in enumerate(m.blobs) for off in range(0, b.size, piece)
+            )
 
-    def run(self, reader: TierReader, pool: Callable[[], StagingPool]) -> None:
-        bufs = [reader.buffer(bi) for bi in range(len(self.m.blobs))]
-        if all(b is not None and b.device.type == "cpu" for b in bufs):  # a memory tier: copy straight out
-            for bi, (b, buf) in enumerate(zip(self.m.blobs, bufs)):
+    def fill(self) -> None:
+        """Submit reads until every staging slot is in use (or nothing is left to read)."""
+        pool = self.pool
+        while self.todo and len(self.inflight) < pool.slots:  # type: ignore[union-attr]
+            bi, off, n = self.todo.popleft()
+            slot = pool.acquire()  # type: ignore[union-attr]
+            try:
+                fut = self.reader.read(bi, off, slot.data_ptr(), n)
+            except BaseException:
+                pool.release(slot)  # type: ignore[union-attr]
+                raise
+            self.inflight.append((bi, off, n, slot, fut))
+
+    def run(self) -> None:
+        """Copy and verify every tensor's bytes to ``addrs``."""
+        if self.in_memory:
+            for bi, (b, buf) in enumerate(zip(self.m.blobs, self.bufs)):
                 if b.size:
                     self.consume(bi, 0, b.size, buf.data_ptr())  # type: ignore[union-attr]
         else:
-            self._read(reader, pool())
-        if self.k != len(self.order):  # pragma: no cover - the manifest's validation rules this out
-            raise CorruptCheckpointError("blobs end before the tensors do", tier=self.tier.name, step=self.key.step)
-
-    def _read(self, reader: TierReader, pool: StagingPool) -> None:
-        """Read the blobs that are not in memory through ``pool``'s slots, ``pool.slots`` reads in flight."""
-        piece = pool.slot_bytes // self.m.align * self.m.align
-        if not piece:
-            raise ValueError(f"alignment {self.m.align} exceeds the restore staging slot ({pool.slot_bytes} bytes)")
-        todo = deque(
-            (bi, off, min(piece, b.size - off)) for bi, b in enumerate(self.m.blobs) for off in range(0, b.size, piece)
-        )
-        inflight: deque[tuple[int, int, int, torch.Tensor, Future[int]]] = deque()
-        try:
-            while todo or inflight:
-                while todo and len(inflight) < pool.slots:
-                    bi, off, n = todo.popleft()
-                    slot = pool.acquire()
-                    try:
-                        fut = reader.read(bi, off, slot.data_ptr(), n)
-                    except BaseException:
-                        pool.release(slot)
-                        raise
-                    inflight.append((bi, off, n, slot, fut))
-                bi, off, n, slot, fut = inflight[0]
+            while self.todo or self.inflight:
+                self.fill()
+                bi, off, n, slot, fut = self.inflight[0]
                 got = fut.result()
                 if got != n:
                     raise CorruptCheckpointError(
@@ -202,13 +227,19 @@ class _Stream:
                         tier=self.tier.name, step=self.key.step, blob=self.m.blobs[bi].name,
                     )  # fmt: skip
                 self.consume(bi, off, n, slot.data_ptr())
-                inflight.popleft()
-                pool.release(slot)
-        finally:
-            for _, _, _, slot, fut in inflight:  # never reuse a slot the engine may still be reading into
-                with contextlib.suppress(BaseException):
-                    fut.exception()
-                pool.release(slot)
+                self.inflight.popleft()
+                self.pool.release(slot)  # type: ignore[union-attr]
+        if self.k != len(self.order):  # pragma: no cover - the manifest's validation rules this out
+            raise CorruptCheckpointError("blobs end before the tensors do", tier=self.tier.name, step=self.key.step)
+
+    def close(self) -> None:
+        """Wait for the reads still in flight and give their slots back (never reuse a slot the engine
+        may still be reading into)."""
+        while self.inflight:
+            _, _, _, slot, fut = self.inflight.popleft()
+            with contextlib.suppress(BaseException):
+                fut.exception()
+            self.pool.release(slot)  # type: ignore[union-attr]
 
     def consume(self, bi: int, p0: int, n: int, base: int) -> None:
         """Take bytes ``[p0, p0 + n)`` of blob ``bi``, found at address ``base``; pieces come in order.

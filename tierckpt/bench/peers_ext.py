@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from tierckpt.bench.peers import Peer, Pending, fsync_tree
-from tierckpt.bench.workloads import Workload, iter_tensors, same_state
+from tierckpt.bench.workloads import Workload, empty_like_state, iter_tensors, same_state
 
 __all__ = ["DcpAsync", "DcpSave", "Safetensors", "TorchSnapshot", "empty_like_state", "flat_tensors"]
 
@@ -28,20 +28,6 @@ def _quiet() -> Iterator[None]:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         yield
-
-
-def empty_like_state(obj: Any) -> Any:
-    """The same nested structure with every tensor replaced by ``torch.empty_like`` (untouched memory,
-    so the page faults are paid by the restore that fills it, as by a restore into new tensors)."""
-    if isinstance(obj, torch.Tensor):
-        return torch.empty_like(obj)
-    if isinstance(obj, dict):
-        return {k: empty_like_state(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [empty_like_state(v) for v in obj]
-    if isinstance(obj, tuple):
-        return tuple(empty_like_state(v) for v in obj)
-    return obj
 
 
 def flat_tensors(obj: Any, prefix: str = "") -> dict[str, torch.Tensor]:

@@ -10,7 +10,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,13 +22,16 @@ __all__ = [
     "LLMDims",
     "Workload",
     "build_workload",
+    "empty_like_state",
     "iter_tensors",
+    "like_state",
     "llm_dims_for",
     "make_llm_state",
     "make_mixed_state",
     "make_small_state",
     "same_state",
     "state_bytes",
+    "zeros_like_state",
 ]
 
 _PARAM_STATE_BYTES = 2 + 4 * 3  # bf16 param + fp32 master, exp_avg, exp_avg_sq per parameter
@@ -175,6 +178,31 @@ def iter_tensors(obj: Any) -> Iterator[torch.Tensor]:
     elif isinstance(obj, (list, tuple)):
         for v in obj:
             yield from iter_tensors(v)
+
+
+def like_state(obj: Any, make: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """The same nested structure with every tensor replaced by ``make(tensor)``."""
+    if isinstance(obj, torch.Tensor):
+        return make(obj)
+    if isinstance(obj, dict):
+        return {k: like_state(v, make) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [like_state(v, make) for v in obj]
+    if isinstance(obj, tuple):
+        return tuple(like_state(v, make) for v in obj)
+    return obj
+
+
+def empty_like_state(obj: Any) -> Any:
+    """``torch.empty_like`` for every tensor: untouched memory, so the page faults are paid by the
+    restore that fills it, as by a restore into new tensors."""
+    return like_state(obj, torch.empty_like)
+
+
+def zeros_like_state(obj: Any) -> Any:
+    """``torch.zeros_like`` for every tensor: memory already written, like a live model's and
+    optimizer's (what a training restart restores into)."""
+    return like_state(obj, torch.zeros_like)
 
 
 def state_bytes(state: Any) -> tuple[int, int]:
