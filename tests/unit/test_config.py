@@ -90,7 +90,7 @@ def test_per_tier_io_overrides_and_relative_paths(tmp_path: Path) -> None:
     ssd, pfs = cfg.tiers
     assert ssd.path == (tmp_path / "data" / "ssd").resolve()
     assert ssd.io.queue_depth == 4 and ssd.io.chunk_bytes == 8 << 20 and ssd.io.engine == "threads"
-    assert pfs.io.queue_depth == 8 and str(pfs.path) == "/abs/pfs"
+    assert pfs.io.queue_depth == 16 and str(pfs.path) == "/abs/pfs"
 
 
 def test_yaml_errors_name_the_file(tmp_path: Path) -> None:

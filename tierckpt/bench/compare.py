@@ -17,7 +17,18 @@ from pathlib import Path
 from typing import Any
 
 from tierckpt.bench.metrics import Recorder, Sample
-from tierckpt.bench.peers import Fio, Memcpy, Peer, Pending, RawBuffers, RawIO, Tierckpt, TierckptLazy, TorchSave
+from tierckpt.bench.peers import (
+    Fio,
+    Memcpy,
+    Peer,
+    Pending,
+    RawBuffers,
+    RawIO,
+    Tierckpt,
+    TierckptInto,
+    TierckptLazy,
+    TorchSave,
+)  # fmt: skip
 from tierckpt.bench.peers_ext import DcpAsync, DcpSave, Safetensors, TorchSnapshot
 from tierckpt.bench.system import files_under, make_cold, measure, resident_fraction
 from tierckpt.bench.workloads import Workload
@@ -78,6 +89,7 @@ def all_peers(engine: IOEngine, bufs: RawBuffers, io: dict[str, Any] | None = No
     """
     return [
         Tierckpt(io),
+        TierckptInto(io),
         TierckptLazy(io),
         TorchSave(),
         DcpSave(1),

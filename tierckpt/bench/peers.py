@@ -29,13 +29,15 @@ from tierckpt.bench.rawio import (
     raw_write_pwrite,
     run_fio,
 )
-from tierckpt.bench.workloads import Workload, same_state
+from tierckpt.bench.workloads import Workload, same_state, zeros_like_state
 from tierckpt.hierarchy import Hierarchy
 from tierckpt.io.buffers import aligned_empty
 from tierckpt.io.engine import IOEngine
 from tierckpt.tiers.base import CheckpointKey
 
-__all__ = ["ALIGN", "Fio", "Memcpy", "Peer", "Pending", "RawBuffers", "RawIO", "Tierckpt", "TierckptLazy"]
+__all__ = [
+    "ALIGN", "Fio", "Memcpy", "Peer", "Pending", "RawBuffers", "RawIO", "Tierckpt", "TierckptInto", "TierckptLazy",
+]  # fmt: skip
 
 ALIGN = 4096
 
@@ -225,6 +227,24 @@ class TierckptLazy(Tierckpt):
     def restore(self, rep: int, arg: Any, cache: str) -> Any:
         assert self.h is not None
         return self.h.restore(step=rep, tier="host")
+
+
+class TierckptInto(Tierckpt):
+    """Like :class:`Tierckpt`, restoring with ``restore(into=target)`` into a live state (the training
+    restart path; compare with DCP's and TorchSnapshot's in-place loads)."""
+
+    name = "tierckpt:into"
+    how = (
+        "`Hierarchy.save(state, step=N, blocking=True)` to one `local` tier; `restore(step=N, into=target)` "
+        "into tensors allocated and written before the timer"
+    )
+
+    def prepare_restore(self, rep: int, like: Any) -> Any:
+        return zeros_like_state(like)
+
+    def restore(self, rep: int, arg: Any, cache: str) -> Any:
+        assert self.h is not None
+        return self.h.restore(step=rep, tier="local", into=arg)
 
 
 # -- torch.save --------------------------------------------------------------------------------------------

@@ -17,9 +17,9 @@ from typing import Any
 import torch
 
 from tierckpt.bench.peers import Peer, Pending, fsync_tree
-from tierckpt.bench.workloads import Workload, empty_like_state, iter_tensors, same_state
+from tierckpt.bench.workloads import Workload, iter_tensors, same_state, zeros_like_state
 
-__all__ = ["DcpAsync", "DcpSave", "Safetensors", "TorchSnapshot", "empty_like_state", "flat_tensors"]
+__all__ = ["DcpAsync", "DcpSave", "Safetensors", "TorchSnapshot", "flat_tensors"]
 
 
 @contextlib.contextmanager
@@ -74,7 +74,7 @@ class DcpSave(Peer):
         return Pending()
 
     def prepare_restore(self, rep: int, like: Any) -> Any:
-        return empty_like_state(like)
+        return zeros_like_state(like)  # a live target, as a built model and optimizer are
 
     def restore(self, rep: int, arg: Any, cache: str) -> Any:
         with _quiet():
@@ -208,7 +208,7 @@ class TorchSnapshot(Peer):
         return Pending(durable=durable)
 
     def prepare_restore(self, rep: int, like: Any) -> Any:
-        return self.ts.StateDict(empty_like_state(like))
+        return self.ts.StateDict(zeros_like_state(like))
 
     def restore(self, rep: int, arg: Any, cache: str) -> Any:
         with _quiet():

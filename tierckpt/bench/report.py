@@ -129,12 +129,13 @@ def targets(rec: Recorder, workloads: Sequence[Workload]) -> list[str]:
             extra = f"; {_ahead(rec, wl, 'save', None, ours)}" if wl == "llm" else ""
             out.append(f"{wl} save {ours:.2f} GB/s = {ours / raw[1]:.0%} of raw write ({raw[0]} {raw[1]:.2f}), "
                        f"target >= {goal:.0%}: {ok(ours >= goal * raw[1])}{extra}")  # fmt: skip
-    ours = g("llm", "tierckpt", "restore", "cold", "gbps", "median") if "llm" in names else None
     raw = _raw(rec, "llm", "restore", "cold")
-    if ours is not None and raw is not None:
-        out.append(f"llm restore from local (cold) {ours:.2f} GB/s = {ours / raw[1]:.0%} of raw read ({raw[0]} "
-                   f"{raw[1]:.2f}), target >= {T_RESTORE:.0%}: {ok(ours >= T_RESTORE * raw[1])}; "
-                   f"{_ahead(rec, 'llm', 'restore', 'cold', ours)}")  # fmt: skip
+    for peer, what in (("tierckpt", "into new tensors"), ("tierckpt:into", "into a live state (restore(into=))")):
+        ours = g("llm", peer, "restore", "cold", "gbps", "median") if "llm" in names else None
+        if ours is not None and raw is not None:
+            out.append(f"llm restore from local {what} (cold) {ours:.2f} GB/s = {ours / raw[1]:.0%} of raw read "
+                       f"({raw[0]} {raw[1]:.2f}), target >= {T_RESTORE:.0%}: {ok(ours >= T_RESTORE * raw[1])}; "
+                       f"{_ahead(rec, 'llm', 'restore', 'cold', ours)}")  # fmt: skip
     host = g("llm", "tierckpt-lazy", "restore", "memory", "gbps", "median")
     ref = g("llm", "memcpy", "restore", "memory", "gbps", "median")
     if host is not None and ref:
