@@ -4,9 +4,9 @@
 so their memory is allocated and touched. Reading the blobs into fresh buffers first (what a restore
 into new tensors must do) would pay a page fault per 4 KiB of new memory, which on a VM costs more
 than the disk read (docs/benchmarks.md), and then a second copy. Here each chunk is read into a slot
-of a small reusable pool (faulted once per process), and the tensors it holds are copied out of it
-into the target's tensors and hashed there while the next chunks are being read, so the disk, not
-the fault rate, sets the speed.
+of a small reusable pool (faulted once per process), and the tensors it holds are hashed there and
+copied into the target's tensors while the next chunks are being read, so the disk, not the fault
+rate, sets the speed (docs/restore.md).
 
 What cannot be streamed into (a tensor on another device, a non-contiguous tensor, a key only the
 checkpoint has, or one manifest tensor that two target tensors share) gets a fresh CPU tensor, which
