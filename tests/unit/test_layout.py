@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from tierckpt.format.layout import SMALL_ALIGN, plan, round_up
+from tierckpt.format.layout import PAD_RATIO, SMALL_ALIGN, extent_align, plan, round_up
 
 
 def check(lengths: list[int], align: int, blob: int) -> None:
@@ -16,7 +16,9 @@ def check(lengths: list[int], align: int, blob: int) -> None:
         assert e.length == n
         if n == 0:
             continue
-        assert e.offset % (align if n >= align else SMALL_ALIGN) == 0
+        a = extent_align(n, align)
+        assert e.offset % a == 0 and SMALL_ALIGN <= a <= align
+        assert a == align or a <= max(SMALL_ALIGN, n // PAD_RATIO)  # padding is at most 1/64 of the bytes
         assert e.offset + n <= lay.blob_sizes[e.blob]
         spans.setdefault(e.blob, []).append((e.offset, e.offset + n))
     for s in lay.blob_sizes:
@@ -50,6 +52,25 @@ def test_large_items_start_aligned_and_blobs_split() -> None:
     assert [e.blob for e in lay.extents] == [0, 0, 1]
     assert lay.extents[1].offset == 4096
     assert lay.blob_sizes == (4096 + (3 << 20), 3 << 20)
+
+
+def test_alignment_grows_with_the_extent_up_to_align() -> None:
+    assert [extent_align(n, 4096) for n in (1, 4096, 8192, 65536, 262143, 262144, 1 << 30)] == [
+        64, 64, 128, 1024, 2048, 4096, 4096,
+    ]  # fmt: skip
+    assert extent_align(1 << 30, 1 << 20) == 1 << 20
+    # a page-sized tensor after a small one is not pushed to the next page
+    assert [e.offset for e in plan([100, 4096, 300 << 10], align=4096, blob_bytes=1 << 20).extents] == [0, 128, 8192]
+
+
+def test_padding_stays_small_for_many_small_tensors() -> None:
+    rng = random.Random(1)
+    lengths = [rng.randint(1 << 10, 64 << 10) for _ in range(5000)]
+    lay = plan(lengths, align=4096, blob_bytes=256 << 20)
+    assert lay.total_bytes <= sum(lengths) * (1 + 2 / PAD_RATIO) + 4096
+    # a 1 MiB stripe alignment (Lustre) does not pad a 1.1 MiB tensor to 2 MiB
+    big = plan([1 << 20, 1200 << 10, 1200 << 10], align=1 << 20, blob_bytes=1 << 30)
+    assert big.offsets == [0, 1 << 20, (1 << 20) + (1200 << 10)] and big.blob_sizes == (4 << 20,)
 
 
 def test_oversized_item_gets_its_own_blob() -> None:
