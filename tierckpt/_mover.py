@@ -284,8 +284,11 @@ class Mover:
             else:
                 self.tracker.set(step, tier, "committed")
                 self.tracker.clear_promoted(tier, below=step)
+            evicted: set[str] = set()
             try:
-                self.apply_retention()  # before the future resolves: after handle.wait(), retention has run
+                # before the future resolves: after handle.wait(), retention has run (the evicted copies
+                # are unlisted); their files are deleted after it, so a blocking save does not wait for that
+                evicted = self.apply_retention(free=False)
             except Exception as e:  # retention problems are logged, never raised into a save
                 log.warning("retention after step %d on tier %r failed: %s", step, tier, e)
             if not done.done():
@@ -293,6 +296,11 @@ class Mover:
                     done.set_result(None)
                 else:
                     done.set_exception(error)
+            for name in evicted:
+                try:
+                    self.tiers[name].reclaim()
+                except Exception as e:
+                    log.warning("freeing the evicted copies on tier %r failed: %s", name, e)
 
         return self.workers[tier].submit(run)
 
@@ -409,26 +417,29 @@ class Mover:
                         )  # fmt: skip
                     self.tracker.changed.wait(1.0)
 
-    def _evict(self, tier: Tier, step: int) -> None:
+    def _evict(self, tier: Tier, step: int, free: bool = True) -> None:
         self.tracker.set(step, tier.name, "evicting")
         try:
-            tier.evict(CheckpointKey(step, self.rank))
+            tier.evict(CheckpointKey(step, self.rank), free=free)
         except OSError as e:
             log.warning("cannot evict step %d from tier %r: %s", step, tier.name, e)
             self.tracker.set(step, tier.name, "committed")
             return
         self.tracker.forget(step, tier.name)
 
-    def apply_retention(self) -> None:
-        """Evict what retention allows now (see :func:`tierckpt.policies.plan_evictions`)."""
+    def apply_retention(self, free: bool = True) -> set[str]:
+        """Evict what retention allows now (see :func:`tierckpt.policies.plan_evictions`); return the
+        names of the tiers evicted from. ``free=False``: the copies are only unlisted, and the caller
+        frees their space with ``Tier.reclaim()``."""
         with self._evict_lock:
             committed = {name: self._committed(t) for name, t in self.tiers.items()}
             plan = plan_evictions(committed, self.retention, self.tracker.wanted(), self.tracker.protected())
             for name, step in plan:
                 log.debug("retention: evicting step %d from tier %r", step, name)
-                self._evict(self.tiers[name], step)
+                self._evict(self.tiers[name], step, free=free)
             gone = set(plan)
             self.tracker.prune({s for n, steps in committed.items() for s in steps if (n, s) not in gone})
+            return {name for name, _ in plan}
 
     def close(self, timeout: float | None = None) -> None:
         for w in self.workers.values():

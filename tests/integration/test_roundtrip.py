@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import filecmp
 import logging
+import threading
 from collections import OrderedDict
 from pathlib import Path
 
@@ -155,6 +156,25 @@ def test_retention_and_records(tmp_path: Path) -> None:
             h.restore(step=42)
     with Hierarchy.from_config(cfg(tmp_path, "ssd", "pfs")) as h2:  # a new process sees the file tiers
         assert h2.restore()["w"][0] == 5.0
+
+
+def test_blocking_save_does_not_wait_for_evicted_files_to_be_deleted(tmp_path: Path) -> None:
+    from tierckpt.io import make_engine
+
+    gate = threading.Event()
+    eng = make_engine("threads", 2)
+    ssd = FaultyTier(LocalTier("ssd", tmp_path / "ssd", eng), gates={"reclaim": gate})
+    with Hierarchy([ssd], policy={"keep": {"ssd": 1}}) as h:
+        h.save({"w": torch.ones(4096)}, step=1, blocking=True)
+        h.save({"w": torch.zeros(4096)}, step=2, blocking=True)  # returns while step 1's files wait in reclaim
+        assert [c.step for c in h.checkpoints()] == [2]  # step 1 is unlisted before the save returns
+        assert (tmp_path / "ssd" / "step-000000000001").exists()  # ... and its files are not deleted yet
+        assert torch.equal(h.restore()["w"], torch.zeros(4096))
+        gate.set()
+        h.wait()
+    eng.close()
+    assert not (tmp_path / "ssd" / "step-000000000001").exists()
+    assert ssd.calls["reclaim"] >= 1
 
 
 def test_restore_prefers_fastest_and_falls_back_on_corruption(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:

@@ -15,6 +15,7 @@ The suite only uses the :class:`~tierckpt.tiers.base.Tier` contract, with aligne
 from __future__ import annotations
 
 import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -140,6 +141,23 @@ class TierConformanceTests:
         assert tier.list_committed() == [CheckpointKey(2)]
         with pytest.raises(CheckpointNotFoundError):
             tier.read_manifest(CheckpointKey(1))
+
+    def test_evict_unlisted_now_freed_by_reclaim(self, tier: Tier) -> None:
+        _write(tier, CheckpointKey(1), [_blob(65536, 7)])
+        _write(tier, CheckpointKey(2), [_blob(4096, 8)])
+        used = tier.used_bytes()
+        tier.evict(CheckpointKey(1), free=False)
+        assert tier.list_committed() == [CheckpointKey(2)]
+        with pytest.raises(CheckpointNotFoundError):
+            tier.read_manifest(CheckpointKey(1))
+        assert tier.used_bytes() <= used
+        tier.reclaim()
+        tier.reclaim()  # nothing left: a no-op
+        assert tier.list_committed() == [CheckpointKey(2)]
+        assert torch.equal(_read(tier, CheckpointKey(2), [4096])[0], _blob(4096, 8))
+        root = getattr(tier, "path", None)
+        if root is not None:  # a file tier: nothing of step 1 is left on disk
+            assert not any("000000000001" in str(p) for p in Path(root).rglob("*")), list(Path(root).rglob("*"))
 
     def test_concurrent_writers_of_different_steps(self, tier: Tier) -> None:
         errors: list[BaseException] = []

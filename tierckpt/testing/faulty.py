@@ -11,7 +11,7 @@ from tierckpt.tiers.base import CheckpointKey, Tier, TierReader, TierWriter
 
 __all__ = ["FaultyTier"]
 
-METHODS = ("reserve", "write", "commit", "list_committed", "read_manifest", "read", "evict")
+METHODS = ("reserve", "write", "commit", "list_committed", "read_manifest", "read", "evict", "reclaim")
 
 
 class FaultyTier(Tier):
@@ -20,7 +20,7 @@ class FaultyTier(Tier):
     Args:
         inner: the real tier (its name and capabilities are reused).
         fail: method name → exception to raise (methods: reserve, write, commit, list_committed,
-            read_manifest, read, evict). ``write`` and ``read`` failures arrive through the future.
+            read_manifest, read, evict, reclaim). ``write`` and ``read`` failures arrive through the future.
         after: let this many calls of each failing method succeed first.
         gates: method name → event; each call of that method first waits until the event is set
             (to hold a tier mid-copy and look at the hierarchy meanwhile).
@@ -80,9 +80,13 @@ class FaultyTier(Tier):
     def reader(self, key: CheckpointKey, blobs: Sequence[BlobEntry]) -> TierReader:
         return _FaultyReader(self, self.inner.reader(key, blobs))
 
-    def evict(self, key: CheckpointKey) -> None:
+    def evict(self, key: CheckpointKey, *, free: bool = True) -> None:
         self._check("evict")
-        self.inner.evict(key)
+        self.inner.evict(key, free=free)
+
+    def reclaim(self) -> None:
+        self._check("reclaim")
+        self.inner.reclaim()
 
     def used_bytes(self) -> int:
         return self.inner.used_bytes()

@@ -149,6 +149,7 @@ class FileTier(Tier):
             persistent=True, shared=self.shared, device="file", atomic_rename=True, alignment_bytes=align
         )
         self._lock = threading.Lock()
+        self._evicted: list[Path] = []  # renamed away by evict(free=False), deleted by reclaim()
         self._sweep()
 
     def _fs_alignment(self) -> int:
@@ -244,7 +245,7 @@ class FileTier(Tier):
     def reader(self, key: CheckpointKey, blobs: Sequence[BlobEntry]) -> TierReader:
         return _FileReader(self, self._rank_dir(key), blobs)
 
-    def evict(self, key: CheckpointKey) -> None:
+    def evict(self, key: CheckpointKey, *, free: bool = True) -> None:
         src = self._rank_dir(key)
         gone = src.parent / _scratch("evict", key.rank)
         try:
@@ -255,9 +256,20 @@ class FileTier(Tier):
             raise _io_error(self.name, f"cannot evict step {key.step}", e) from None
         with contextlib.suppress(OSError):
             fsync_dir(src.parent)
-        shutil.rmtree(gone, ignore_errors=True)
-        with contextlib.suppress(OSError):
-            src.parent.rmdir()  # only succeeds when no other rank (or write) is in there
+        with self._lock:
+            self._evicted.append(gone)
+        if free:
+            self.reclaim()
+
+    def reclaim(self) -> None:
+        """Delete the directories of evicted checkpoints (unlisted already; a crash leaves them to the
+        next start's sweep)."""
+        with self._lock:
+            gone, self._evicted = self._evicted, []
+        for p in gone:
+            shutil.rmtree(p, ignore_errors=True)
+            with contextlib.suppress(OSError):
+                p.parent.rmdir()  # only succeeds when no other rank (or write) is in there
 
 
 class _FileWriter(TierWriter):

@@ -19,7 +19,10 @@ Read, by any thread or process::
     r = tier.reader(key, blobs)           # then r.read(i, offset, addr, nbytes) -> Future[int]; r.close()
 
 Evict, by the hierarchy's retention: ``tier.evict(key)`` makes the checkpoint unlistable first (one
-rename), then frees it. A crash at any point leaves either the old state or the new one.
+rename), then frees it; ``tier.evict(key, free=False)`` leaves the freeing to the next
+``tier.reclaim()``, which the mover calls once the save that triggered the eviction has resolved (so a
+blocking save does not wait while gigabytes of files are deleted). A crash at any point leaves either
+the old state or the new one.
 
 Capabilities are declared data, checked once when the hierarchy is built, never asserted in the data path.
 """
@@ -153,8 +156,17 @@ class Tier(ABC):
         """Open the blobs of a committed checkpoint for reading."""
 
     @abstractmethod
-    def evict(self, key: CheckpointKey) -> None:
-        """Remove a committed checkpoint (missing keys are ignored)."""
+    def evict(self, key: CheckpointKey, *, free: bool = True) -> None:
+        """Remove a committed checkpoint (missing keys are ignored).
+
+        Args:
+            key: the checkpoint.
+            free: free its space now; with ``False`` it is only made unlistable at once, and
+                :meth:`reclaim` frees it later (tiers whose freeing is cheap free it anyway).
+        """
+
+    def reclaim(self) -> None:  # noqa: B027 - optional hook
+        """Free the space of checkpoints evicted with ``free=False``."""
 
     def used_bytes(self) -> int:
         """Bytes held by committed checkpoints (for capacity checks and ``tierckpt ls``)."""

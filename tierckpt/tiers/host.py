@@ -139,7 +139,7 @@ class HostTier(Tier):
     def reader(self, key: CheckpointKey, blobs: Sequence[BlobEntry]) -> TierReader:
         return self._reader_cls(self._get(key))
 
-    def evict(self, key: CheckpointKey) -> None:
+    def evict(self, key: CheckpointKey, *, free: bool = True) -> None:  # freeing memory is cheap: always
         with self._lock:
             held = self._held.pop(key, None)
             if held is not None:
