@@ -141,6 +141,7 @@ class Hierarchy:
         self._handles: list[SaveHandle] = []
         self._promotions: dict[int, Future[str]] = {}
         self._extra: list[Future[None]] = []  # on-close demotions
+        self._fills: list[Future[None]] = []  # prefetch copies into the tiers below its target (logged on failure)
         self._lock = threading.RLock()
         self._closed = False
         self.last_restore: tuple[int, str] | None = None  #: (step, tier) of the latest restore
@@ -257,10 +258,12 @@ class Hierarchy:
 
     # -- promotion ------------------------------------------------------------------------------------------
     def prefetch(self, step: int | None = None, to: str | None = None) -> Future[str]:
-        """Copy a checkpoint up the chain (e.g. pfs → local → host) in the background.
+        """Copy a checkpoint up the chain (e.g. pfs → host, then host → local) in the background.
 
         Call it early (while the model is being built) so that ``restore()`` later reads from memory.
-        Every tier between the fastest one holding the step and ``to`` receives a copy.
+        The copy goes straight from the fastest tier holding the step to ``to`` (one read of the slow
+        tier); every tier in between then receives a copy from ``to``'s (or, if that failed, from the
+        source).
 
         Args:
             step: the step (default: the newest committed one).
@@ -286,15 +289,20 @@ class Hierarchy:
             out.set_result(self._tiers[to_i].name)
             return out
         key = CheckpointKey(info.step, self.rank)
-        chain: list[tuple[str, Future[None]]] = [(self._tiers[src_i].name, _resolved())]
+        src, to_name = self._tiers[src_i].name, self._tiers[to_i].name
         with self._lock:
-            for i in range(src_i - 1, to_i - 1, -1):
-                name = self._tiers[i].name
-                done: Future[None] = Future()
-                self._mover.transfer(key, name, chain[::-1], done, promoted=True)
-                chain.append((name, done))
-            last, to_name = chain[-1][1], self._tiers[to_i].name
-            last.add_done_callback(
+            # ``to`` first, straight from the source: a restart waits for one read of the slow tier, not
+            # for a write and a read per tier in between. Those tiers are filled from ``to``'s copy after
+            # it (a memory tier's copy costs them no read of the source), or from the source if it failed.
+            top: Future[None] = Future()
+            self._mover.transfer(key, to_name, [(src, _resolved())], top, promoted=True)
+            for i in range(to_i + 1, src_i):
+                between: Future[None] = Future()
+                self._mover.transfer(
+                    key, self._tiers[i].name, [(to_name, top), (src, _resolved())], between, promoted=True
+                )
+                self._fills.append(between)
+            top.add_done_callback(
                 lambda f: out.set_exception(f.exception()) if f.exception() else out.set_result(to_name)  # type: ignore[arg-type]
             )
             self._promotions[info.step] = out
@@ -414,7 +422,7 @@ class Hierarchy:
         """Wait (until ``deadline``, a monotonic time) for every save, promotion and flush; True if all ended."""
         with self._lock:
             futs = [f for h in self._handles for f in (h.staged, *h.durable.values())]
-            futs += list(self._promotions.values()) + list(self._extra)
+            futs += list(self._promotions.values()) + list(self._extra) + list(self._fills)
         for f in futs:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
             try:
@@ -460,6 +468,7 @@ class Hierarchy:
             handles, self._handles = self._handles, []
             extra, self._extra = self._extra, []
             self._promotions = {s: f for s, f in self._promotions.items() if not f.done()}
+            self._fills = [f for f in self._fills if not f.done()]
         first: BaseException | None = None
         for h in handles:
             first = first or h._unobserved()

@@ -179,7 +179,9 @@ def test_prefetch_climbs_and_restore_reads_memory(chain_config: Callable[..., di
         assert steps_on(h, "pfs") == [1, 2, 3] and steps_on(h, "host") == [3]
         fut = h.prefetch(step=1)
         assert fut.result(timeout=60) == "host"
-        assert 1 in steps_on(h, "host") and 1 in steps_on(h, "ssd")
+        assert 1 in steps_on(h, "host")
+        h.wait()  # the ssd's copy is made from the host's, after it
+        assert 1 in steps_on(h, "ssd")
         assert torch.equal(h.restore(step=1)["w"], torch.full((4096,), 1.0))
         assert h.last_restore == (1, "host")
         assert h.prefetch(step=3).result(timeout=5) == "host"  # already there
@@ -187,6 +189,30 @@ def test_prefetch_climbs_and_restore_reads_memory(chain_config: Callable[..., di
         assert 2 not in steps_on(h, "host")
         with pytest.raises(Exception, match="not committed"):
             h.prefetch(step=99).result(timeout=5)
+
+
+def test_prefetch_reads_the_source_once_and_fills_the_tiers_between_from_the_top(
+    chain_config: Callable[..., dict[str, Any]],
+) -> None:
+    with Hierarchy.from_config(chain_config(keep={"host": 1, "ssd": 1})) as h:
+        for s in (1, 2):
+            h.save({"w": torch.full((4096,), float(s))}, step=s)
+        h.wait()
+    with Hierarchy.from_config(chain_config()) as h:  # a new process: host empty, step 1 only on pfs
+        assert [(c.step, c.tiers) for c in h.checkpoints()] == [(1, ("pfs",)), (2, ("ssd", "pfs"))]
+        reads: list[str] = []
+        for t in h.tiers:
+            t.reader = lambda key, blobs, _r=t.reader, _n=t.name: (reads.append(_n), _r(key, blobs))[1]  # type: ignore[method-assign]
+        gate = threading.Event()
+        ssd = h.tier("ssd")
+        ssd.reserve = lambda *a, _r=ssd.reserve: (gate.wait(30), _r(*a))[1]  # type: ignore[method-assign]
+        assert h.prefetch(step=1).result(timeout=60) == "host"  # the host's copy does not wait for the ssd's
+        assert steps_on(h, "host") == [1] and steps_on(h, "ssd") == [2]
+        gate.set()
+        h.wait()
+        assert steps_on(h, "ssd") == [1, 2]
+        assert reads == ["pfs", "host"]  # pfs read once (→ host), the ssd filled from host memory
+        assert torch.equal(h.restore(step=1, tier="ssd")["w"], torch.full((4096,), 1.0))
 
 
 def test_restore_from_lower_tier_promotes_when_asked(

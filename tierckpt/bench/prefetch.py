@@ -6,7 +6,7 @@ node) and either
 
 * ``direct``: initializes for T seconds (a sleep standing in for model construction, NCCL and data
   loader start-up), then restores (from pfs); or
-* ``prefetch``: calls ``h.prefetch()`` first (pfs → local → host in the background), initializes for
+* ``prefetch``: calls ``h.prefetch()`` first (pfs → host, then host → local, in the background), initializes for
   T seconds, then restores (from host once the prefetch is done; ``restore`` waits for it).
 
 Reported per T: the time from the end of initialization to the restored state, and the break-even T
@@ -45,7 +45,7 @@ FULL_FACTORS = (0.0, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0)
 
 
 def default_factors(quick: bool) -> tuple[float, ...]:
-    """Init times to try, as multiples of how long ``prefetch()`` (pfs → local → host) takes here."""
+    """Init times to try, as multiples of how long ``prefetch()`` (until the host holds the step) takes here."""
     return QUICK_FACTORS if quick else FULL_FACTORS
 
 
@@ -81,7 +81,9 @@ class PrefetchResult:
                 f"took {d:.3f} s after init (median)."]  # fmt: skip
         if self.prefetch_done_secs:
             pd = statistics.median(self.prefetch_done_secs)
-            out[-1] += f" In the restart process, prefetch() alone (pfs → local → host) took {pd:.3f} s (median)."
+            out[-1] += (
+                f" In the restart process, prefetch() alone (until the host held the step) took {pd:.3f} s (median)."
+            )
         return out
 
 
@@ -137,8 +139,9 @@ def _per_tier(rec: Recorder, wl: Workload, cfg: dict[str, Any], root: Path, repe
         for rep in range(repeats):
             make_cold([root / "pfs"], cold)
             with measure() as u:
-                h.prefetch(STEP).result()
+                h.prefetch(STEP).result()  # the host holds it; the local copy follows, from the host's
             prefetch_secs.append(u.wall_secs)
+            h.wait()
             rec.add(Sample("prefetch", "tierckpt:pfs->host", "prefetch", rep, wl.nbytes, u.wall_secs,
                            cpu_secs=u.cpu_secs, peak_extra_rss_bytes=u.peak_extra_rss_bytes))  # fmt: skip
             for tier in ("host", "local", "pfs"):

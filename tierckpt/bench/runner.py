@@ -270,7 +270,10 @@ def _tier_table(rec: Recorder) -> list[str]:
         rows.append(f"| {tier} ({cache}) | {med or 0:.2f} | {best or 0:.2f} | {ratio} |")
     pre = g("prefetch", "tierckpt:pfs->host", "prefetch", None, "gbps", "median")
     rows.append(f"| memcpy into new memory | {ref or 0:.2f} | - | 100 % |")
-    rows += ["", f"prefetch() pfs → local → host in the same process: {pre or 0:.2f} GB/s (median)."]
+    rows += [
+        "",
+        f"prefetch() until the host holds the step (pfs → host; local filled from host after) in the same process: {pre or 0:.2f} GB/s (median).",
+    ]
     return rows
 
 
