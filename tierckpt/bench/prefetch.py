@@ -40,7 +40,7 @@ from tierckpt.hierarchy import Hierarchy
 __all__ = ["PrefetchResult", "break_even", "child_main", "default_factors", "run_prefetch"]
 
 STEP = 1
-QUICK_FACTORS = (0.0, 1.0, 2.0, 3.0)
+QUICK_FACTORS = (0.0, 1.0, 3.0)
 FULL_FACTORS = (0.0, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0)
 
 
