@@ -89,13 +89,19 @@ def plan(lengths: Sequence[int], *, align: int, blob_bytes: int, small_align: in
     offsets: list[int] = []
     sizes: list[int] = []
     blob, end = 0, 0
-    big_mask = align - 1
+    big_mask, small_mask = align - 1, small_align - 1
+    lo, hi = small_align * PAD_RATIO, align * PAD_RATIO  # extent_align(), inlined: ~0.5 us per call saved
     for n in lengths:
         if n == 0:  # zero-size tensors take no bytes and never start a blob
             blobs.append(blob)
             offsets.append(end)
             continue
-        mask = extent_align(n, align, small_align) - 1
+        if n >= hi:
+            mask = big_mask
+        elif n < lo:
+            mask = small_mask
+        else:
+            mask = (1 << ((n // PAD_RATIO).bit_length() - 1)) - 1
         off = (end + mask) & ~mask
         if off + n > blob_bytes and end > 0:
             sizes.append((end + big_mask) & ~big_mask)
