@@ -1,7 +1,8 @@
 """Aligned host buffers, raw-pointer memoryviews and a reusable staging pool.
 
 ``torch.empty`` is only 64-byte aligned, which O_DIRECT refuses; :func:`aligned_empty` over-allocates
-and slices so ``data_ptr() % align == 0``. With CUDA present the memory is pinned (cudaHostAlloc), so
+and slices so ``data_ptr() % align == 0``. Buffers of 2 MiB or more are mapped with transparent huge
+pages (see :func:`_anonymous_map`). With CUDA present the memory is pinned (cudaHostAlloc), so
 device copies into it run asynchronously. Memory handed to the kernel is always described by
 :func:`ptr_mv` (a memoryview of a raw address that owns nothing), and the caller keeps the owning tensor
 alive until the I/O completes.
@@ -9,6 +10,7 @@ alive until the I/O completes.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import mmap
@@ -30,6 +32,8 @@ memmove = ctypes.memmove  # releases the GIL; single-threaded (no OpenMP barrier
 
 _MADV_POPULATE_WRITE = 23  # Linux 5.14+
 _PAGE = mmap.PAGESIZE
+_HUGE = 2 << 20  # a transparent huge page on x86-64 and arm64 (4 KiB base pages)
+_HUGEPAGE: int | None = getattr(mmap, "MADV_HUGEPAGE", None)
 _populate_ok = sys.platform.startswith("linux")  # cleared when the kernel says EINVAL
 if _populate_ok:
     _madvise = ctypes.CDLL(None, use_errno=True)["madvise"]  # a private function object: argtypes stay here
@@ -76,9 +80,30 @@ def aligned_empty(nbytes: int, align: int = 4096, *, pin: bool | None = None) ->
         pin: page-lock the memory (default: when CUDA is available).
     """
     pin = _pin_ok() if pin is None else pin
-    raw = torch.empty(nbytes + align, dtype=torch.uint8, pin_memory=pin)
+    if pin or nbytes < _HUGE:
+        raw = torch.empty(nbytes + align, dtype=torch.uint8, pin_memory=pin)
+    else:  # see _anonymous_map: big unpinned buffers get transparent huge pages
+        raw = torch.frombuffer(_anonymous_map(nbytes + (align if align > _PAGE else 0)), dtype=torch.uint8)
     off = (-raw.data_ptr()) % align
     return raw[off : off + nbytes]
+
+
+def _anonymous_map(nbytes: int) -> mmap.mmap:
+    """Private anonymous memory of ``nbytes``, advised to use transparent huge pages when that large.
+
+    An I/O buffer of 4 KiB pages is physically scattered, so the block layer splits an O_DIRECT request
+    at the device's segment limit (254 pages on virtio-blk: ~1 MiB), and each piece costs the device
+    (or the VM's host) a request. On this project's VMs, 16 MiB reads into 4 KiB-page buffers ran at
+    1.0-1.3 GB/s, into huge-page buffers at 3.5-4.2 GB/s, as fast as the raw read (docs/benchmarks.md).
+    Huge pages also fault in 512x fewer times. Where THP is off (``never``), the advice is a no-op.
+    The kernel maps anonymous regions of 2 MiB or more at a 2 MiB boundary (Linux 6.7+); elsewhere
+    only the aligned interior gets huge pages.
+    """
+    m = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if nbytes >= _HUGE and _HUGEPAGE is not None:
+        with contextlib.suppress(OSError):  # EINVAL: a kernel without THP
+            m.madvise(_HUGEPAGE)
+    return m
 
 
 class StagingPool:
@@ -133,7 +158,7 @@ class MappedBuffer:
 
     def __init__(self, nbytes: int) -> None:
         self.nbytes = nbytes
-        self._map = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        self._map = _anonymous_map(nbytes)
         self.addr = ctypes.addressof(ctypes.c_char.from_buffer(self._map))
 
     def tensor(self, offset: int, nbytes: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
