@@ -236,27 +236,35 @@ def match_state(
     assigns: list[tuple[Any, Any, Any]] = []
 
     def walk(dst: Any, src: Any, path: tuple[Any, ...]) -> None:
-        where = format_path(path, "target")
+        # key paths are formatted only for an error: a walk over 20,000 tensors must not pay for them
         if isinstance(dst, dict):
             if not isinstance(src, dict):
-                raise StateError(f"{where}: target is a dict, checkpoint has {type(src).__name__}")
+                raise StateError(
+                    f"{format_path(path, 'target')}: target is a dict, checkpoint has {type(src).__name__}"
+                )
             for k in dst:
                 if k not in src:
                     raise StateError(f"{format_path((*path, k), 'target')}: key is not in the checkpoint")
             for k, v in src.items():
-                if k in dst and (isinstance(dst[k], (dict, list, torch.Tensor))):
-                    walk(dst[k], v, (*path, k))
+                d = dst.get(k, None)
+                if isinstance(d, torch.Tensor) and isinstance(v, leaf) and d.shape == v.shape and d.dtype == v.dtype:
+                    copies.append((d, v))  # the common case, without a call
+                elif isinstance(d, (dict, list, torch.Tensor)):
+                    walk(d, v, (*path, k))
                 else:
                     assigns.append((dst, k, v))
         elif isinstance(dst, list):
             if not isinstance(src, list) or len(src) != len(dst):
-                raise StateError(f"{where}: target is a list of {len(dst)}, checkpoint has {_describe(src)}")
+                raise StateError(
+                    f"{format_path(path, 'target')}: target is a list of {len(dst)}, checkpoint has {_describe(src)}"
+                )
             for i, (d, s) in enumerate(zip(dst, src)):
                 if isinstance(d, (dict, list, torch.Tensor)):
                     walk(d, s, (*path, i))
                 else:
                     assigns.append((dst, i, s))
         elif isinstance(dst, torch.Tensor):
+            where = format_path(path, "target")
             if not isinstance(src, leaf):
                 raise StateError(f"{where}: target is a tensor, checkpoint has {type(src).__name__}")
             if dst.shape != src.shape or dst.dtype != src.dtype:
@@ -265,7 +273,9 @@ def match_state(
                 )
             copies.append((dst, src))
         else:
-            raise StateError(f"{where}: cannot restore into a {type(dst).__name__}; pass a dict or a list")
+            raise StateError(
+                f"{format_path(path, 'target')}: cannot restore into a {type(dst).__name__}; pass a dict or a list"
+            )
 
     walk(target, source, ())
     return copies, assigns

@@ -125,24 +125,25 @@ def _plan(
     """
     t = m.tensors
     leaves: dict[int, _Leaf] = {}
+    shapes, dtypes = t.shapes, {name: dtype_from_name(name) for name in set(t.dtypes)}
+    names = t.dtypes
 
     def leaf_at(i: int) -> _Leaf:
         x = leaves.get(i)
         if x is None:
-            x = leaves[i] = _Leaf(i, torch.Size(t.shapes[i]), dtype_from_name(t.dtypes[i]))
+            x = leaves[i] = _Leaf(i, torch.Size(shapes[i]), dtypes[names[i]])
         x.uses += 1
         return x
 
     source = rebuild(tier, key, m, leaf_at, allow_pickle=allow_pickle)  # type: ignore[arg-type]
     copies, assigns = match_state(target, source, leaf=_Leaf)
-    sinks: dict[int, list[torch.Tensor]] = {}
     for dst, src in copies:
-        sinks.setdefault(src.index, []).append(dst)  # type: ignore[attr-defined]
+        src.dsts.append(dst)  # type: ignore[attr-defined]
     made: dict[int, torch.Tensor] = {}  # fresh tensors: for assigned values and what cannot be streamed into
     later: list[tuple[torch.Tensor, torch.Tensor]] = []  # (target tensor, fresh tensor) after verification
     for i, x in leaves.items():
-        dsts = sinks.get(i, ())
-        if x.uses == 1 and len(dsts) == 1 and dsts[0].device.type == "cpu" and dsts[0].is_contiguous():
+        dsts = x.dsts
+        if x.uses == 1 and len(dsts) == 1 and dsts[0].is_cpu and dsts[0].is_contiguous():
             addrs[i] = dsts[0].data_ptr()
         else:
             made[i] = torch.empty(x.shape, dtype=x.dtype)  # not touched until the bytes arrive
@@ -154,10 +155,11 @@ def _plan(
 class _Leaf:
     """Tensor ``index`` of the manifest in the tree walked against the target (no memory behind it)."""
 
-    __slots__ = ("dtype", "index", "shape", "uses")
+    __slots__ = ("dsts", "dtype", "index", "shape", "uses")
 
     def __init__(self, index: int, shape: torch.Size, dtype: torch.dtype) -> None:
         self.index, self.shape, self.dtype, self.uses = index, shape, dtype, 0
+        self.dsts: list[torch.Tensor] = []  # the target tensors matched with it
 
 
 def _materialize(v: Any, made: dict[int, torch.Tensor]) -> Any:

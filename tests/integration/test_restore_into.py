@@ -154,6 +154,26 @@ def test_mismatched_target_is_refused_before_anything_changes(tmp_path: Path) ->
         assert all(not t.any() for _, t in tensors(target) if t.numel())
 
 
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (lambda t: t.__setitem__("step", torch.zeros(1)), r"target\['step'\]: target is a tensor, checkpoint has int"),
+        (lambda t: t["model"].__setitem__("mat", {}), r"target\['model'\]\['mat'\]: target is a dict, checkpoint has"),
+        (lambda t: t.__setitem__("model", [1]), r"target\['model'\]: target is a list of 1, checkpoint has dict"),
+        (lambda t: t["model"].__setitem__("extra", torch.zeros(1)), r"target\['model'\]\['extra'\]: key is not"),
+    ],
+)
+def test_target_structure_errors_name_the_key(tmp_path: Path, change: Any, message: str) -> None:
+    state = make_state()
+    with open_h(config(tmp_path, "ssd")) as h:
+        h.save(state, step=1).wait()
+        target = zeros_like(state)
+        change(target)
+        with pytest.raises(StateError, match=message):
+            h.restore(into=target)
+        assert all(not t.any() for _, t in tensors(target) if t.numel())
+
+
 def positions(h: Hierarchy, step: int) -> dict[str, tuple[str, int, str]]:
     """Where to flip a byte: (blob name, offset, key path of the tensor there)."""
     _, m = h.inspect(step)
