@@ -10,7 +10,8 @@ engine (QD 16). The slots are either plain anonymous memory (4 KiB pages) or the
 (:func:`tierckpt.io.buffers.aligned_empty`: ``MADV_HUGEPAGE`` from 2 MiB on), allocated for each
 measurement after the page cache is dropped (as a long-running process allocates its buffers from a
 fragmented free list) and faulted in before the timer. The same file is also written from each kind of
-buffer (O_DIRECT, 16 MiB writes, fsync). The order of the kinds alternates from repeat to repeat. docs/benchmarks.md, "Huge-page I/O buffers", says what it showed and why.
+buffer (O_DIRECT, 16 MiB writes, fsync). The order of the kinds alternates from repeat to repeat.
+docs/benchmarks.md, "Huge-page I/O buffers", says what it showed and why.
 """
 
 from __future__ import annotations
