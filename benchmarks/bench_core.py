@@ -11,8 +11,9 @@ Two workloads, each measured in the same run (operations interleaved per repeat,
 * ``small``: 20,000 tensors of 1-64 KiB (random sizes, mixed dtypes), ~650 MB.
 
 For each: tierckpt save to a hierarchy with only a ``local`` tier (returns after fsync + rename),
-tierckpt restore with a cold page cache, ``torch.save`` + fsync and ``torch.load(weights_only=True)``
-cold, and the raw limit: one aligned buffer of the same size written with O_DIRECT + posix_fallocate +
+tierckpt restore with a cold page cache (into new tensors; ``restore-into``: into a live state made by
+``torch.zeros_like``; ``restore-into-aligned``: into one whose tensors are page-aligned, which O_DIRECT
+can read straight into), ``torch.save`` + fsync and ``torch.load(weights_only=True)`` cold, and the raw limit: one aligned buffer of the same size written with O_DIRECT + posix_fallocate +
 fsync and read back with O_DIRECT. GB/s are state bytes (10^9 B) per second of wall time. fio, when
 installed, runs the same sizes as an outside reference. See docs/benchmarks.md.
 """
@@ -44,6 +45,7 @@ from tierckpt.bench.system import read_text as _read
 from tierckpt.bench.workloads import (
     LLM_FULL,
     LLM_QUICK,
+    like_state,
     make_llm_state,
     make_small_state,
     same_state,
@@ -64,6 +66,13 @@ TARGET_SAVE = 0.85
 TARGET_SAVE_SMALL = 0.75
 TARGET_RESTORE = 0.85
 TARGET_RESTORE_VS_TORCH = 1.2
+
+
+def _zeros_page_aligned(t: torch.Tensor) -> torch.Tensor:
+    """A zeroed tensor like ``t`` at a page-aligned address (as torch allocates with
+    ``THP_MEM_ALLOC_ENABLE=1`` from 2 MiB on), so that O_DIRECT may read straight into it."""
+    out = aligned_empty(max(1, t.numel() * t.element_size()), ALIGN, pin=False)[: t.numel() * t.element_size()]
+    return out.view(t.dtype).view(t.shape).zero_()
 
 
 # -- measurement ---------------------------------------------------------------------------------------
@@ -138,6 +147,16 @@ class Bench:
         self.record(wl, "restore-into", "tierckpt", nbytes, rep, t1 - t0, cold=cold)
         if check and not same_state(state, target):
             raise AssertionError(f"{wl}: tierckpt restore(into=) differs from the saved state")
+        target = self.live.get(wl + ":aligned")
+        if target is None:  # the same, with every tensor at a page-aligned address (docs/restore.md)
+            target = self.live[wl + ":aligned"] = like_state(state, _zeros_page_aligned)
+        cold = self.cold([self.scratch / "tier"])
+        t0 = time.perf_counter()
+        h.restore(step=step, into=target)
+        t1 = time.perf_counter()
+        self.record(wl, "restore-into-aligned", "tierckpt", nbytes, rep, t1 - t0, cold=cold)
+        if check and not same_state(state, target):
+            raise AssertionError(f"{wl}: tierckpt restore(into=) of a page-aligned target differs")
         h.tier("local").evict(tierckpt.CheckpointKey(step, h.rank))
 
     def run_torch(self, wl: str, state: Any, nbytes: int, rep: int, check: bool) -> None:
@@ -246,9 +265,9 @@ class Bench:
         lines[0] = lines[0].rsplit("  (", 1)[0]
         rows: list[dict[str, Any]] = []
         for wl in dict.fromkeys(w for w, _, _ in self.series):
-            for op in ("save", "restore", "restore-into"):
+            for op in ("save", "restore", "restore-into", "restore-into-aligned"):
                 tc = self.series.get((wl, op, "tierckpt"))
-                ref = "restore" if op == "restore-into" else op  # torch.load has no in-place mode
+                ref = "restore" if op.startswith("restore") else op  # torch.load has no in-place mode
                 tt = self.series.get((wl, ref, "torch"))
                 raw = self.raw_best(wl, ref)
                 if tc is None or tt is None or raw is None:

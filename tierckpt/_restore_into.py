@@ -37,6 +37,7 @@ __all__ = ["RestoreStaging", "restore_into"]
 _SLOTS = 12  # reads in flight or being copied out (the engine's queue depth caps those in flight)
 _SLOT_BYTES = 16 << 20
 _BLOCK_BYTES = 1 << 20  # copy-then-hash unit: the hash reads the bytes while they are still cached
+_DIRECT_MIN = 4 << 20  # a tensor body this large is read straight into its destination where alignment allows
 _ZEROS = bytes(4096)
 xxh3_64_intdigest = xxhash.xxh3_64_intdigest
 
@@ -101,6 +102,7 @@ def restore_into(
         try:
             stream.fill()  # the first reads are under way while the target is matched
             made, later, assigns = _plan(m, target, stream.addrs, allow_pickle=allow_pickle, tier=tier, key=key)
+            stream.read_direct()
             stream.run()
         finally:
             stream.close()
@@ -188,29 +190,82 @@ class _Stream:
         self.in_memory = all(b is not None and b.device.type == "cpu" for b in bufs)  # copy straight out
         self.bufs = bufs
         self.pool: StagingPool | None = None
-        self.todo: deque[tuple[int, int, int]] = deque()
-        self.inflight: deque[tuple[int, int, int, torch.Tensor, Future[int]]] = deque()
+        # reads to make, in blob order: (blob, offset, length, destination address or 0 for a staging slot)
+        self.todo: deque[tuple[int, int, int, int]] = deque()
+        self.inflight: deque[tuple[int, int, int, torch.Tensor | None, Future[int], int]] = deque()
+        self.piece = 0
+        self.direct_bytes = 0  # bytes read straight into their destination (no staging copy)
         if not self.in_memory:
             self.pool = pool()
-            piece = self.pool.slot_bytes // m.align * m.align
-            if not piece:
+            self.piece = self.pool.slot_bytes // m.align * m.align
+            if not self.piece:
                 raise ValueError(f"alignment {m.align} exceeds the restore staging slot ({self.pool.slot_bytes} bytes)")
-            self.todo.extend(
-                (bi, off, min(piece, b.size - off)) for bi, b in enumerate(m.blobs) for off in range(0, b.size, piece)
-            )
+            self.todo = deque(x for bi, b in enumerate(m.blobs) for x in self._pieces(bi, 0, b.size))
+
+    def _pieces(self, bi: int, start: int, stop: int, dest: int = 0) -> list[tuple[int, int, int, int]]:
+        """Reads of at most one slot each covering ``[start, stop)`` of blob ``bi`` (into ``dest`` if set)."""
+        p = self.piece
+        return [(bi, o, min(p, stop - o), dest + o - start if dest else 0) for o in range(start, stop, p)]
+
+    def read_direct(self) -> None:
+        """Once ``addrs`` is set: read the bodies of large tensors straight into their destinations.
+
+        A destination qualifies where the reader can read into any memory under an alignment that the
+        destination's address meets (O_DIRECT: ``statx`` DIO alignment; on NVMe often 4 bytes, so any
+        torch tensor; here 512, so page-aligned allocations such as torch's with
+        ``THP_MEM_ALLOC_ENABLE=1``). Its aligned body then skips the staging slot and the copy out of
+        it: only the hash reads those bytes again. Head and tail bytes (and everything else) are still
+        staged. Reads already submitted are left as they are.
+        """
+        if not self.todo:
+            return
+        t = self.m.tensors
+        blobs, offsets, lengths, addrs = t.blobs, t.offsets, t.lengths, self.addrs
+        bi0, resume = self.todo[0][0], self.todo[0][1]  # reading goes on from here (a piece boundary)
+        aligns: dict[int, tuple[int, int] | None] = {}
+        bodies: list[tuple[int, int, int, int]] = []  # (blob, start, stop, destination of start)
+        for i in self.order:
+            b, o, n = blobs[i], offsets[i], lengths[i]
+            if n < _DIRECT_MIN or (b, o + n) <= (bi0, resume) or b < bi0:
+                continue
+            if b not in aligns:
+                aligns[b] = self.reader.read_alignment(b)
+            al = aligns[b]
+            if al is None or (addrs[i] - o) % al[0]:
+                continue
+            a = max(al)
+            f0 = -(-(max(o, resume) if b == bi0 else o) // a) * a
+            f1 = f0 + (o + n - f0) // al[1] * al[1] if o + n > f0 else f0
+            if f1 - f0 >= _DIRECT_MIN:
+                bodies.append((b, f0, f1, addrs[i] + f0 - o))
+        if not bodies:
+            return
+        todo: list[tuple[int, int, int, int]] = []
+        k = 0
+        for bi in range(bi0, len(self.m.blobs)):
+            pos = resume if bi == bi0 else 0
+            while k < len(bodies) and bodies[k][0] == bi:
+                _, f0, f1, dest = bodies[k]
+                todo += self._pieces(bi, pos, f0) + self._pieces(bi, f0, f1, dest)
+                self.direct_bytes += f1 - f0
+                pos, k = f1, k + 1
+            todo += self._pieces(bi, pos, self.m.blobs[bi].size)
+        self.todo = deque(todo)
 
     def fill(self) -> None:
-        """Submit reads until every staging slot is in use (or nothing is left to read)."""
+        """Submit reads until ``pool.slots`` are in flight (or nothing is left to read)."""
         pool = self.pool
         while self.todo and len(self.inflight) < pool.slots:  # type: ignore[union-attr]
-            bi, off, n = self.todo.popleft()
-            slot = pool.acquire()  # type: ignore[union-attr]
+            bi, off, n, dest = self.todo.popleft()
+            slot = None if dest else pool.acquire()  # type: ignore[union-attr]
+            base = dest or slot.data_ptr()  # type: ignore[union-attr]
             try:
-                fut = self.reader.read(bi, off, slot.data_ptr(), n)
+                fut = self.reader.read(bi, off, base, n)
             except BaseException:
-                pool.release(slot)  # type: ignore[union-attr]
+                if slot is not None:
+                    pool.release(slot)  # type: ignore[union-attr]
                 raise
-            self.inflight.append((bi, off, n, slot, fut))
+            self.inflight.append((bi, off, n, slot, fut, base))
 
     def run(self) -> None:
         """Copy and verify every tensor's bytes to ``addrs``."""
@@ -221,16 +276,17 @@ class _Stream:
         else:
             while self.todo or self.inflight:
                 self.fill()
-                bi, off, n, slot, fut = self.inflight[0]
+                bi, off, n, slot, fut, base = self.inflight[0]
                 got = fut.result()
                 if got != n:
                     raise CorruptCheckpointError(
                         f"blob is truncated: read {got} of {n} bytes at offset {off}",
                         tier=self.tier.name, step=self.key.step, blob=self.m.blobs[bi].name,
                     )  # fmt: skip
-                self.consume(bi, off, n, slot.data_ptr())
+                self.consume(bi, off, n, base)
                 self.inflight.popleft()
-                self.pool.release(slot)  # type: ignore[union-attr]
+                if slot is not None:
+                    self.pool.release(slot)  # type: ignore[union-attr]
         if self.k != len(self.order):  # pragma: no cover - the manifest's validation rules this out
             raise CorruptCheckpointError("blobs end before the tensors do", tier=self.tier.name, step=self.key.step)
 
@@ -238,10 +294,11 @@ class _Stream:
         """Wait for the reads still in flight and give their slots back (never reuse a slot the engine
         may still be reading into)."""
         while self.inflight:
-            _, _, _, slot, fut = self.inflight.popleft()
+            _, _, _, slot, fut, _ = self.inflight.popleft()
             with contextlib.suppress(BaseException):
                 fut.exception()
-            self.pool.release(slot)  # type: ignore[union-attr]
+            if slot is not None:
+                self.pool.release(slot)  # type: ignore[union-attr]
 
     def consume(self, bi: int, p0: int, n: int, base: int) -> None:
         """Take bytes ``[p0, p0 + n)`` of blob ``bi``, found at address ``base``; pieces come in order.
@@ -277,10 +334,13 @@ class _Stream:
                 a, z = max(o, p0), min(end, p1)
                 if a == o:
                     self.hasher.reset()
-                for q in range(a, z, _BLOCK_BYTES):
-                    c = min(_BLOCK_BYTES, z - q)
-                    self.hasher.update(view[q - p0 : q - p0 + c])
-                    copy(addrs[i] + q - o, base + q - p0, c)
+                if addrs[i] - o == base - p0:  # read straight into the destination: hash only
+                    self.hasher.update(view[a - p0 : z - p0])
+                else:
+                    for q in range(a, z, _BLOCK_BYTES):
+                        c = min(_BLOCK_BYTES, z - q)
+                        self.hasher.update(view[q - p0 : q - p0 + c])
+                        copy(addrs[i] + q - o, base + q - p0, c)
                 cursor = z
                 if z < end:
                     return  # the tensor goes on in the next piece

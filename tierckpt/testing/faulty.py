@@ -137,5 +137,8 @@ class _FaultyReader(TierReader):
         err = self.tier._hit("read")
         return _failed(err) if err is not None else self.inner.read(blob, offset, addr, nbytes)
 
+    def read_alignment(self, blob: int) -> tuple[int, int] | None:
+        return self.inner.read_alignment(blob)
+
     def close(self) -> None:
         self.inner.close()

@@ -33,7 +33,7 @@ from tierckpt.config import TierConfig
 from tierckpt.errors import CheckpointNotFoundError, ConfigError, CorruptCheckpointError, TierFullError, TierIOError
 from tierckpt.format.manifest import BlobEntry
 from tierckpt.io.engine import IOEngine
-from tierckpt.io.fsutil import fsync_dir, probe_direct
+from tierckpt.io.fsutil import dio_alignment, fsync_dir, probe_direct
 from tierckpt.tiers.base import CheckpointKey, EngineSource, Tier, TierCapabilities, TierReader, TierWriter
 
 __all__ = ["FileTier"]
@@ -374,6 +374,12 @@ class _FileReader(TierReader):
     def read(self, blob: int, offset: int, addr: int, nbytes: int) -> Future[int]:
         fd = self._fd(blob)
         return self.tier.engine.pread(fd, addr, nbytes, offset, path=str(self.dir / self.blobs[blob].name))
+
+    def read_alignment(self, blob: int) -> tuple[int, int] | None:
+        if not self.tier.direct:
+            return 1, 1  # buffered reads go anywhere
+        mem, off = dio_alignment(self.dir / self.blobs[blob].name)  # 4096 each where statx cannot say
+        return max(mem, 1), max(off, 1)
 
     def close(self) -> None:
         with self._lock:

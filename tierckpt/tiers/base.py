@@ -109,7 +109,19 @@ class TierReader(ABC):
 
     @abstractmethod
     def read(self, blob: int, offset: int, addr: int, nbytes: int) -> Future[int]:
-        """Read into ``addr``; the result is the byte count (short only when the blob is truncated)."""
+        """Read into ``addr``; the result is the byte count (short only when the blob is truncated).
+
+        ``addr``, ``offset`` and ``nbytes`` are multiples of the checkpoint's alignment (callers read
+        into aligned staging buffers), or of :meth:`read_alignment` where that is not None.
+        """
+
+    def read_alignment(self, blob: int) -> tuple[int, int] | None:
+        """``(memory, offset)`` alignment under which :meth:`read` may target any memory (a caller's
+        tensor instead of a staging buffer); lengths must be multiples of the offset alignment.
+
+        None (the default): only reads into buffers aligned to the checkpoint's alignment are supported.
+        """
+        return None
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release file descriptors."""
