@@ -92,8 +92,9 @@ def restore_into(
     Raises:
         StateError: ``target`` does not match the checkpoint (nothing was changed), or pickled values.
         CorruptCheckpointError: a checksum or padding mismatch (names tier, blob and key). Tensors of
-            ``target`` streamed before the damaged one already hold the checkpoint's bytes then; no
-            value is assigned and no tensor outside the streamed ones is changed.
+            ``target`` streamed before the damaged one already hold the checkpoint's bytes then, and
+            so may large ones further on whose bodies were being read straight into them (the reads in
+            flight); no value is assigned and no other tensor is changed.
     """
     m = load_manifest(tier, key, allow_pickle=allow_pickle)
     reader = tier.reader(key, m.blobs)

@@ -103,6 +103,26 @@ class TierConformanceTests:
         r.close()
         assert torch.equal(out, blob[4096 : 3 * 4096])
 
+    def test_read_alignment_is_honoured(self, tier: Tier) -> None:
+        """Where ``read_alignment`` gives ``(memory, offset)``, reads at exactly that alignment work."""
+        blob = _blob(16 * 4096, 8)
+        _write(tier, CheckpointKey(1), [blob])
+        r = tier.reader(CheckpointKey(1), [BlobEntry("blob-00000.bin", blob.numel())])
+        try:
+            al = r.read_alignment(0)
+            if al is None:
+                pytest.skip("this tier reads into staging-aligned buffers only")
+            mem, off = al
+            assert mem >= 1 and off >= 1 and mem & (mem - 1) == 0 and off & (off - 1) == 0
+            base = aligned_empty(8 * 4096 + 8192)
+            shift = mem if mem < 4096 else 0  # an address aligned to ``mem`` and to nothing larger
+            addr = base.data_ptr() + shift
+            start, n = 3 * off, 4096 // off * off * 3 or off
+            assert r.read(0, start, addr, n).result() == n
+        finally:
+            r.close()
+        assert torch.equal(base[shift : shift + n], blob[start : start + n])
+
     def test_uncommitted_is_invisible_and_abort_leaves_nothing(self, tier: Tier) -> None:
         w = tier.reserve(CheckpointKey(3), [BlobEntry("blob-00000.bin", 4096)])
         assert tier.list_committed() == []

@@ -17,6 +17,8 @@ Read, by any thread or process::
     tier.list_committed()                 # keys of committed checkpoints, oldest first
     tier.read_manifest(key)               # the manifest's bytes
     r = tier.reader(key, blobs)           # then r.read(i, offset, addr, nbytes) -> Future[int]; r.close()
+    r.read_alignment(i)                   # optional: (memory, offset) alignment under which r.read may
+                                          # target any memory, e.g. a caller's tensor (None: staging only)
 
 Evict, by the hierarchy's retention: ``tier.evict(key)`` makes the checkpoint unlistable first (one
 rename), then frees it; ``tier.evict(key, free=False)`` leaves the freeing to the next
