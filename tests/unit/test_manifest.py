@@ -110,6 +110,36 @@ def test_v2_table_validation_names_the_problem(mutate, message: str) -> None:  #
         decode_manifest(reframe(p, version=2))
 
 
+def sample_1d() -> Manifest:
+    """Only 1-d tensors: the table's vectorized length check."""
+    return sample(
+        tensors=(TensorEntry("state['a']", "float32", (6,), 0, 0, 24, 1),
+                 TensorEntry("state['b']", "bfloat16", (0,), 0, 0, 0, 0),
+                 TensorEntry("state['c']", "int64", (1,), 0, 4096, 8, 2)),
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("mutate", "message"),
+    [
+        (lambda t: t.__setitem__("length", u64s(24, 0, 16)), "state\\['c'\\]: length 16 != 1 x 8"),
+        (lambda t: t.__setitem__("dims", u64s(6, 0, 1 << 62)), "state\\['c'\\]: length 8 != 4611686018427387904 x 8"),
+        (
+            lambda t: t.__setitem__("blob", struct.pack("<3I", 0, 0, 1 << 31)),
+            "state\\['c'\\]: blob 2147483648 does not",
+        ),
+        (lambda t: t.__setitem__("offset", u64s(0, 0, 4098)), "state\\['c'\\]: offset 4098 is not aligned"),
+    ],
+)
+def test_v2_table_validation_of_1d_tensors(mutate, message: str) -> None:  # type: ignore[no-untyped-def]
+    data = encode_manifest(sample_1d())
+    assert decode_manifest(data).tensors.shapes == [(6,), (0,), (1,)]
+    p = msgpack.unpackb(data[24 : 24 + struct.unpack_from("<Q", data, 16)[0]], raw=False)
+    mutate(p["tensors"])
+    with pytest.raises(CorruptCheckpointError, match=message):
+        decode_manifest(reframe(p, version=2))
+
+
 def test_v2_is_written_by_default_and_v1_stays_readable() -> None:
     m = sample()
     assert m.version == 2

@@ -223,9 +223,10 @@ def decode_table(d: Any, blob_sizes: Sequence[int]) -> TensorTable:
         i = next(i for i, k in enumerate(ndim) if k > MAX_DIMS)
         raise _bad(f"tensor {paths[i]}: bad shape (rank {ndim[i]})")
     dims = _unpacked("Q", _column(d, "dims", sum(ndim), 8))
-    blobs = _unpacked("I", _column(d, "blob", n, 4)).tolist()
-    offsets = _unpacked("Q", _column(d, "offset", n, 8)).tolist()
-    lengths = _unpacked("Q", _column(d, "length", n, 8)).tolist()
+    blobs_a = _unpacked("I", _column(d, "blob", n, 4))
+    offsets_a = _unpacked("Q", _column(d, "offset", n, 8))
+    lengths_a = _unpacked("Q", _column(d, "length", n, 8))
+    blobs, offsets, lengths = blobs_a.tolist(), offsets_a.tolist(), lengths_a.tolist()
     checksums = _unpacked("Q", _column(d, "checksum", n, 8)).tolist()
     if dims and max(dims) > _I64_MAX:
         raise _bad(f"a dimension {max(dims)} is too large")
@@ -245,12 +246,23 @@ def decode_table(d: Any, blob_sizes: Sequence[int]) -> TensorTable:
         numels = [math.prod(s) for s in shapes]
     isz = [DTYPES[s].itemsize for s in names]
     dtypes = [names[k] for k in dt_idx]
-    for i, (k, e, ln) in enumerate(zip(dt_idx, numels, lengths)):
-        if e * isz[k] != ln:
-            raise _bad(f"tensor {paths[i]}: length {ln} != {e} x {isz[k]} bytes")
+    cols = None
+    if n:  # the columns as tensors over the decoded arrays: no list-to-tensor conversion of 20,000 items
+        isz_t = torch.tensor(isz, dtype=torch.int64)[torch.frombuffer(bytearray(dt_idx), dtype=torch.uint8).long()]
+        len_t = torch.frombuffer(lengths_a, dtype=torch.int64)  # below 2**63, checked above
+        blob_t = torch.frombuffer(blobs_a, dtype=torch.int32).long() & 0xFFFFFFFF  # the column is unsigned
+        cols = (blob_t, torch.frombuffer(offsets_a, dtype=torch.int64), len_t, isz_t)
+    if n and min(ndim) == max(ndim) == 1 and max(dl) < 1 << 58:  # 1-d, and dims x itemsize cannot overflow
+        i = _first(torch.frombuffer(dims, dtype=torch.int64) * isz_t != len_t)
+        if i is not None:
+            raise _bad(f"tensor {paths[i]}: length {lengths[i]} != {numels[i]} x {isz[dt_idx[i]]} bytes")
+    else:
+        for i, (k, e, ln) in enumerate(zip(dt_idx, numels, lengths)):
+            if e * isz[k] != ln:
+                raise _bad(f"tensor {paths[i]}: length {ln} != {e} x {isz[k]} bytes")
 
     table = TensorTable(paths, dtypes, shapes, blobs, offsets, lengths, checksums)
-    check_extents(table, blob_sizes)
+    check_extents(table, blob_sizes, cols=cols)
     return table
 
 
@@ -259,11 +271,17 @@ def _first(mask: torch.Tensor) -> int | None:
     return int(hit[0, 0]) if len(hit) else None
 
 
-def check_extents(t: TensorTable, blob_sizes: Sequence[int]) -> None:
+def check_extents(
+    t: TensorTable,
+    blob_sizes: Sequence[int],
+    *,
+    cols: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+) -> None:
     """Vectorized checks of every non-empty extent: its blob exists, its offset suits its dtype, it lies
     inside the blob, and it overlaps no other extent of the blob. Records the table's on-disk order.
 
-    Offsets and lengths must already be known to be below 2**63.
+    Offsets and lengths must already be known to be below 2**63. ``cols``: the blob, offset, length and
+    itemsize of every tensor as int64 tensors, where the caller has them (else built from ``t``).
 
     Raises:
         CorruptCheckpointError: naming the first offending tensor.
@@ -271,11 +289,15 @@ def check_extents(t: TensorTable, blob_sizes: Sequence[int]) -> None:
     if not len(t):
         t._order = []
         return
-    sizes = {name: max(1, DTYPES[name].itemsize) for name in set(t.dtypes)}
-    itemsize = torch.tensor([sizes[d] for d in t.dtypes], dtype=torch.int64)
-    off = torch.tensor(t.offsets, dtype=torch.int64)
-    ln = torch.tensor(t.lengths, dtype=torch.int64)
-    blob = torch.tensor(t.blobs, dtype=torch.int64)
+    if cols is not None:
+        blob, off, ln, itemsize = cols
+        itemsize = itemsize.clamp(min=1)
+    else:
+        sizes = {name: max(1, DTYPES[name].itemsize) for name in set(t.dtypes)}
+        itemsize = torch.tensor([sizes[d] for d in t.dtypes], dtype=torch.int64)
+        off = torch.tensor(t.offsets, dtype=torch.int64)
+        ln = torch.tensor(t.lengths, dtype=torch.int64)
+        blob = torch.tensor(t.blobs, dtype=torch.int64)
     used = ln > 0
     nb = len(blob_sizes)
     i = _first(used & (blob >= nb))
