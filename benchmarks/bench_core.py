@@ -50,7 +50,6 @@ from tierckpt.bench.workloads import (
     make_small_state,
     same_state,
     state_bytes,
-    zeros_like_state,
 )
 from tierckpt.io.buffers import aligned_empty
 from tierckpt.io.engine import IOEngine, make_engine
@@ -137,26 +136,19 @@ class Bench:
         if check and not same_state(state, restored):
             raise AssertionError(f"{wl}: tierckpt restore differs from the saved state")
         del restored
-        target = self.live.get(wl)
-        if target is None:  # a live state to restore into: allocated and written, like a built model's
-            target = self.live[wl] = zeros_like_state(state)
-        cold = self.cold([self.scratch / "tier"])
-        t0 = time.perf_counter()
-        h.restore(step=step, into=target)
-        t1 = time.perf_counter()
-        self.record(wl, "restore-into", "tierckpt", nbytes, rep, t1 - t0, cold=cold)
-        if check and not same_state(state, target):
-            raise AssertionError(f"{wl}: tierckpt restore(into=) differs from the saved state")
-        target = self.live.get(wl + ":aligned")
-        if target is None:  # the same, with every tensor at a page-aligned address (docs/restore.md)
-            target = self.live[wl + ":aligned"] = like_state(state, _zeros_page_aligned)
-        cold = self.cold([self.scratch / "tier"])
-        t0 = time.perf_counter()
-        h.restore(step=step, into=target)
-        t1 = time.perf_counter()
-        self.record(wl, "restore-into-aligned", "tierckpt", nbytes, rep, t1 - t0, cold=cold)
-        if check and not same_state(state, target):
-            raise AssertionError(f"{wl}: tierckpt restore(into=) of a page-aligned target differs")
+        # live states to restore into: allocated and written, like a built model's; the second with every
+        # tensor at a page-aligned address, which O_DIRECT may read straight into (docs/restore.md)
+        for op, make in (("restore-into", torch.zeros_like), ("restore-into-aligned", _zeros_page_aligned)):
+            target = self.live.get(f"{wl}:{op}")
+            if target is None:
+                target = self.live[f"{wl}:{op}"] = like_state(state, make)
+            cold = self.cold([self.scratch / "tier"])
+            t0 = time.perf_counter()
+            h.restore(step=step, into=target)
+            t1 = time.perf_counter()
+            self.record(wl, op, "tierckpt", nbytes, rep, t1 - t0, cold=cold)
+            if check and not same_state(state, target):
+                raise AssertionError(f"{wl}: tierckpt {op} differs from the saved state")
         h.tier("local").evict(tierckpt.CheckpointKey(step, h.rank))
 
     def run_torch(self, wl: str, state: Any, nbytes: int, rep: int, check: bool) -> None:
