@@ -152,6 +152,11 @@ def _plan(
             made[i] = torch.empty(x.shape, dtype=x.dtype)  # not touched until the bytes arrive
             addrs[i] = made[i].data_ptr()
             later.extend((d, made[i]) for d in dsts)
+    if len(leaves) < len(t):  # tensors the tree never references (only a hand-made manifest has them):
+        for i, n in enumerate(t.lengths):  # verified into scratch memory and dropped, as restore() does
+            if n and i not in leaves:
+                made[i] = torch.empty(n, dtype=torch.uint8)
+                addrs[i] = made[i].data_ptr()
     return made, later, assigns
 
 

@@ -3,6 +3,7 @@ straight into the target's tensors (tierckpt._restore_into)."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import threading
@@ -13,9 +14,11 @@ from typing import Any
 import pytest
 import torch
 
-from tierckpt import CorruptCheckpointError, Hierarchy, StateError
+from tierckpt import CheckpointKey, CorruptCheckpointError, Hierarchy, StateError
 from tierckpt._restore_into import RestoreStaging
 from tierckpt.config import LayoutConfig
+from tierckpt.format.manifest import decode_manifest, encode_manifest
+from tierckpt.format.tree import flatten
 from tierckpt.tiers.gpu import GpuTier
 
 SLOT = 64 << 10  # small staging slots, so tensors span several reads and reads wrap the pool
@@ -172,6 +175,23 @@ def test_target_structure_errors_name_the_key(tmp_path: Path, change: Any, messa
         with pytest.raises(StateError, match=message):
             h.restore(into=target)
         assert all(not t.any() for _, t in tensors(target) if t.numel())
+
+
+@pytest.mark.parametrize("tier", ["ssd", "host"])
+def test_tensor_the_tree_does_not_reference_is_verified_and_dropped(tmp_path: Path, tier: str) -> None:
+    """A hand-made manifest whose tree leaves a tensor out: no write through an unset destination."""
+    with open_h(config(tmp_path, tier)) as h:
+        h.save({"a": torch.arange(1000.0), "b": torch.ones(50_000)}, step=1).wait()
+        t = h.tier(tier)
+        m = decode_manifest(t.read_manifest(CheckpointKey(1)))
+        forged = encode_manifest(dataclasses.replace(m, tree=flatten({"a": torch.zeros(1)}).tree))
+        if tier == "ssd":
+            (Path(t.path) / "step-000000000001" / "rank-00000" / "manifest").write_bytes(forged)  # type: ignore[attr-defined]
+        else:
+            t._held[CheckpointKey(1)].manifest = forged  # type: ignore[attr-defined]
+        target = {"a": torch.zeros(1000)}
+        assert h.restore(into=target) is target
+        assert torch.equal(target["a"], torch.arange(1000.0)) and list(target) == ["a"]
 
 
 def positions(h: Hierarchy, step: int) -> dict[str, tuple[str, int, str]]:
