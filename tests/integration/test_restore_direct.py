@@ -13,7 +13,12 @@ import torch
 import tierckpt._restore_into as ri
 import tierckpt.tiers._files as files
 from tierckpt import CorruptCheckpointError, Hierarchy
+from tierckpt.config import LayoutConfig
 from tierckpt.io.buffers import aligned_empty
+from tierckpt.io.engine import make_engine
+from tierckpt.testing import FaultyTier
+from tierckpt.tiers.local import LocalTier
+from tierckpt.tiers.pfs import PfsTier
 
 SLOT = 64 << 10  # 3 small slots: the first reads cover only the start of the first tensor
 
@@ -173,3 +178,25 @@ def test_blob_truncated_inside_a_direct_body(tmp_path: Path) -> None:
             f.truncate(pos // 4096 * 4096)
         with pytest.raises(CorruptCheckpointError, match="truncated"):
             h.restore(into=target_for(state))
+
+
+def test_read_error_inside_a_direct_body_falls_back_to_the_other_copy(tmp_path: Path, reads: list) -> None:
+    """A read that fails while a large tensor's body is read straight into the target: the restore
+    starts over from the next tier's copy and the target ends up complete."""
+    engine = make_engine("auto", queue_depth=8)
+    ssd = FaultyTier(LocalTier("ssd", tmp_path / "ssd", engine), fail={"read": OSError(5, "injected EIO")}, after=6)
+    state = make_state()
+    try:
+        with Hierarchy([ssd, PfsTier("pfs", tmp_path / "pfs", engine)], layout=LayoutConfig(blob_bytes=1 << 20)) as h:
+            h._in_place = ri.RestoreStaging(3, SLOT)
+            h.save(state, step=5).wait()
+            ssd.calls["read"] = 0
+            target = target_for(state)
+            reads.clear()
+            h.restore(into=target)
+            assert_same(state, target)
+            assert h.last_restore == (5, "pfs")
+            direct_on_ssd = sum(into(reads[:6], t) for _, t in tensors(target))
+            assert direct_on_ssd > 0  # the ssd read straight into the target before its read failed
+    finally:
+        engine.close()
