@@ -239,8 +239,9 @@ class _Stream:
             al = aligns[b]
             if al is None or (addrs[i] - o) % al[0]:
                 continue
-            a = max(al)
-            f0 = -(-(max(o, resume) if b == bi0 else o) // a) * a
+            # body [f0, f1): starts aligned for both the file offset and the address, ends on a
+            # multiple of the offset alignment; its head and tail stay in the staged reads
+            f0 = round_up(max(o, resume) if b == bi0 else o, max(al))
             f1 = f0 + (o + n - f0) // al[1] * al[1] if o + n > f0 else f0
             if f1 - f0 >= _DIRECT_MIN:
                 bodies.append((b, f0, f1, addrs[i] + f0 - o))
