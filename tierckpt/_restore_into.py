@@ -200,7 +200,6 @@ class _Stream:
         self.todo: deque[tuple[int, int, int, int]] = deque()
         self.inflight: deque[tuple[int, int, int, torch.Tensor | None, Future[int], int]] = deque()
         self.piece = 0
-        self.direct_bytes = 0  # bytes read straight into their destination (no staging copy)
         if not self.in_memory:
             self.pool = pool()
             self.piece = self.pool.slot_bytes // m.align * m.align
@@ -232,7 +231,7 @@ class _Stream:
         bodies: list[tuple[int, int, int, int]] = []  # (blob, start, stop, destination of start)
         for i in self.order:
             b, o, n = blobs[i], offsets[i], lengths[i]
-            if n < _DIRECT_MIN or (b, o + n) <= (bi0, resume) or b < bi0:
+            if n < _DIRECT_MIN or (b, o + n) <= (bi0, resume):  # too small, or wholly read already
                 continue
             if b not in aligns:
                 aligns[b] = self.reader.read_alignment(b)
@@ -254,7 +253,6 @@ class _Stream:
             while k < len(bodies) and bodies[k][0] == bi:
                 _, f0, f1, dest = bodies[k]
                 todo += self._pieces(bi, pos, f0) + self._pieces(bi, f0, f1, dest)
-                self.direct_bytes += f1 - f0
                 pos, k = f1, k + 1
             todo += self._pieces(bi, pos, self.m.blobs[bi].size)
         self.todo = deque(todo)
