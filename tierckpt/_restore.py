@@ -277,7 +277,10 @@ def match_state(
                 f"{format_path(path, 'target')}: cannot restore into a {type(dst).__name__}; pass a dict or a list"
             )
 
-    walk(target, source, ())
+    try:
+        walk(target, source, ())
+    finally:
+        walk = None  # type: ignore[assignment]  # it referred to itself: a cycle holding every pair until a GC pass
     return copies, assigns
 
 

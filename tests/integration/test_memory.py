@@ -98,3 +98,44 @@ def test_repeated_saves_do_not_grow_rss(tmp_path: Path, engine: str) -> None:
     overhead = r["after"] - r["built"]  # type: ignore[operator]
     assert overhead <= budget, f"saving cost {overhead / MiB:.0f} MiB over the state's peak: {r}"
     assert r["built"] - r["base"] >= state_bytes * 0.9  # type: ignore[operator]  # the state was really built
+
+
+@pytest.mark.parametrize("tiers", ["ssd", "host"])
+def test_save_and_restore_leave_no_reference_cycles(tmp_path: Path, tiers: str) -> None:
+    """Nothing a save or restore allocates outlives it in a reference cycle. Such garbage waits for a
+    GC pass: with 20,000 tensors the first one after a restore(into=) took 15-25 ms (on the caller's
+    next allocation), and cycles through a save's tensor list kept the caller's tensors alive."""
+    import gc
+
+    import torch
+
+    from tierckpt import Hierarchy
+
+    spec = (
+        {"name": "ssd", "kind": "local", "path": str(tmp_path)} if tiers == "ssd" else {"name": "host", "kind": "host"}
+    )
+    h = Hierarchy.from_config({"tiers": [spec], "io": {"chunk": "1MiB"}, "policy": {"keep": {tiers: 2}}})
+    state = {
+        "model": {f"w{i}": torch.full((i + 1, 3), float(i)) for i in range(40)},
+        "optim": {"step": 3, "betas": (0.9, 0.95), "groups": [{"lr": 1e-3, "params": [0, 1]}]},
+        "big": torch.arange(600_000, dtype=torch.float32),
+    }
+    target = {k: v for k, v in state.items()}
+    target["model"] = {k: torch.zeros_like(v) for k, v in state["model"].items()}
+    target["big"] = torch.zeros_like(state["big"])
+    with h:
+        h.save(state, step=1).wait()  # warm-up: engines, staging buffers, caches
+        h.restore(step=1, into=target)
+        h.restore(step=1)
+        gc.collect()
+        gc.disable()
+        try:
+            h.save(state, step=2).wait()
+            got = h.restore(step=2)
+            h.restore(step=2, into=target)
+            del got
+            found = gc.collect()
+        finally:
+            gc.enable()
+    assert found == 0, f"{found} objects were left in reference cycles"
+    assert torch.equal(target["big"], state["big"])

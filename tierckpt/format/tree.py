@@ -151,7 +151,10 @@ def flatten(state: Any, *, allow_pickle: bool = False) -> FlatState:
             tensors.append(TensorRef(path, t))
         return _tensor_ref(idx)
 
-    tree = pack(walk(state, "state"))
+    try:
+        tree = pack(walk(state, "state"))
+    finally:
+        walk = None  # type: ignore[assignment]  # it referred to itself: that cycle kept all it holds until a GC pass
     return FlatState(tree=tree, tensors=tuple(tensors), has_pickle=has_pickle)
 
 
@@ -209,3 +212,5 @@ def unflatten(
         raise
     except Exception as e:
         raise CorruptCheckpointError(f"tree: cannot decode: {e}") from e
+    finally:
+        unpack = None  # type: ignore[assignment]  # hook and unpack referred to each other: a cycle holding tensor_at
