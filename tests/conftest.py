@@ -42,3 +42,20 @@ def tmpfs(tmp_path: Path) -> Iterator[Path]:
         yield mnt
     finally:
         subprocess.run(["umount", "-l", str(mnt)], check=False, capture_output=True, timeout=30)
+
+
+@pytest.fixture(params=["native", "python"])
+def loops(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Each implementation of the per-tensor loops in turn: the C extension (skipped where it is not
+    built) and the pure-Python ones it replaces (tierckpt.io.native)."""
+    import tierckpt._restore
+    import tierckpt._restore_into
+    import tierckpt.io.native
+
+    if request.param == "native":
+        if tierckpt.io.native.native is None:
+            pytest.skip("tierckpt.io._native is not built here (or TIERCKPT_NATIVE=0)")
+    else:
+        for mod in (tierckpt._restore, tierckpt._restore_into, tierckpt.io.native):
+            monkeypatch.setattr(mod, "native", None)
+    return str(request.param)

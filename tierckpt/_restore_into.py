@@ -30,6 +30,7 @@ from tierckpt.errors import CorruptCheckpointError
 from tierckpt.format.layout import round_up
 from tierckpt.format.manifest import Manifest, dtype_from_name
 from tierckpt.io.buffers import StagingPool, memmove, ptr_mv
+from tierckpt.io.native import Records, all_zero, native, records
 from tierckpt.tiers.base import CheckpointKey, Tier, TierReader
 
 __all__ = ["RestoreStaging", "restore_into"]
@@ -191,6 +192,11 @@ class _Stream:
         self.addrs = [0] * len(m.tensors)  # destination of each tensor's bytes; set before run()
         self.order = m.tensors.order()
         self.k = 0  # position in order of the next tensor (or the one partly copied)
+        self.recs: Records | None = None  # for the native loop: built once ``addrs`` is set
+        self.blob_end: dict[int, int] = {}  # blob -> position in order after its last tensor
+        blobs = m.tensors.blobs
+        for pos, i in enumerate(self.order):
+            self.blob_end[blobs[i]] = pos + 1
         self.hasher = xxhash.xxh3_64()
         bufs = [reader.buffer(bi) for bi in range(len(m.blobs))]
         self.in_memory = all(b is not None and b.device.type == "cpu" for b in bufs)  # copy straight out
@@ -274,6 +280,9 @@ class _Stream:
 
     def run(self) -> None:
         """Copy and verify every tensor's bytes to ``addrs``."""
+        if native is not None:
+            t = self.m.tensors
+            self.recs = records(self.order, t.offsets, t.lengths, t.checksums, self.addrs)
         if self.in_memory:
             for bi, (b, buf) in enumerate(zip(self.m.blobs, self.bufs)):
                 if b.size:
@@ -318,8 +327,18 @@ class _Stream:
         p1, nk, k = p0 + n, len(order), self.k
         view = ptr_mv(base, n, writable=False)
         cursor = p0  # bytes before it are accounted for (tensor bytes copied, gap bytes checked)
+        recs, scatter = self.recs, native.scatter if native is not None else None
+        stop = self.blob_end.get(bi, k)
         try:
             while k < nk:
+                if recs is not None:  # whole small tensors of this piece: in C, without the GIL
+                    k, cursor, err, g0, g1 = scatter(recs.table, k, stop, base, p0, n, cursor, _BLOCK_BYTES)  # type: ignore[misc]
+                    if err == 1:
+                        self._mismatch(bi, order[k])
+                    elif err == 2:
+                        self._padding_error(bi, g0, g1)
+                    if k == nk:
+                        break
                 i = order[k]
                 o = offsets[i]
                 if blobs[i] != bi or o >= p1:
@@ -328,7 +347,7 @@ class _Stream:
                 if o > cursor:  # a gap (alignment padding): must be zero
                     g0, g1 = cursor - p0, o - p0
                     if g1 - g0 > nz or view[g0:g1].tobytes() != zeros[: g1 - g0]:
-                        self._check_zero(bi, view, g0, g1, p0)
+                        self._check_zero(bi, base, g0, g1, p0)
                 if o >= p0 and end <= p1 and end - o <= _BLOCK_BYTES:  # a whole small tensor
                     s0 = o - p0
                     if digest(view[s0 : s0 + end - o]) != sums[i]:
@@ -353,18 +372,19 @@ class _Stream:
                     self._mismatch(bi, i)
                 k += 1
             if cursor < p1:
-                self._check_zero(bi, view, cursor - p0, n, p0)
+                self._check_zero(bi, base, cursor - p0, n, p0)
         finally:
             self.k = k
 
-    def _check_zero(self, bi: int, view: memoryview, start: int, stop: int, base_off: int) -> None:
-        for p in range(start, stop, len(_ZEROS)):
-            q = min(stop, p + len(_ZEROS))
-            if view[p:q].tobytes() != _ZEROS[: q - p]:
-                raise CorruptCheckpointError(
-                    f"padding bytes [{base_off + start}, {base_off + stop}) are not zero",
-                    tier=self.tier.name, step=self.key.step, blob=self.m.blobs[bi].name,
-                )  # fmt: skip
+    def _check_zero(self, bi: int, base: int, start: int, stop: int, base_off: int) -> None:
+        if not all_zero(base + start, stop - start):
+            self._padding_error(bi, base_off + start, base_off + stop)
+
+    def _padding_error(self, bi: int, start: int, stop: int) -> None:
+        raise CorruptCheckpointError(
+            f"padding bytes [{start}, {stop}) are not zero",
+            tier=self.tier.name, step=self.key.step, blob=self.m.blobs[bi].name,
+        )  # fmt: skip
 
     def _mismatch(self, bi: int, i: int) -> None:
         raise CorruptCheckpointError(

@@ -195,7 +195,7 @@ POSITIONS = ["first-byte", "middle", "last-used-byte-blob0", "last-used-byte-las
 
 
 @pytest.mark.parametrize("position", POSITIONS)
-def test_flipped_byte_single_tier_is_corrupt(one: Hierarchy, position: str) -> None:
+def test_flipped_byte_single_tier_is_corrupt(one: Hierarchy, position: str, loops: str) -> None:
     one.save(small_state(), step=4).wait()
     _, m = one.inspect(4)
     assert len(m.blobs) >= 2
@@ -219,7 +219,7 @@ def test_flipped_byte_single_tier_is_corrupt(one: Hierarchy, position: str) -> N
 @pytest.mark.parametrize("position", POSITIONS)
 @pytest.mark.parametrize("bad", ["ssd", "pfs"])
 def test_flipped_byte_falls_back_to_the_other_tier(
-    two: Hierarchy, position: str, bad: str, caplog: pytest.LogCaptureFixture
+    two: Hierarchy, position: str, bad: str, caplog: pytest.LogCaptureFixture, loops: str
 ) -> None:
     state = small_state(1)
     two.save(state, step=4).wait()
@@ -248,7 +248,7 @@ def test_flipped_byte_falls_back_to_the_other_tier(
 
 
 @pytest.mark.parametrize("where", ["blob-tail-padding", "gap-between-tensors", "gap-last-byte"])
-def test_damage_in_padding_is_found(two: Hierarchy, where: str, caplog: pytest.LogCaptureFixture) -> None:
+def test_damage_in_padding_is_found(two: Hierarchy, where: str, caplog: pytest.LogCaptureFixture, loops: str) -> None:
     """Bytes outside every extent (alignment gaps, blob tail) must be zero (docs/format.md): a flipped one
     is damage too, reported with the blob, and the other tier's copy is used."""
     state = small_state(2)

@@ -98,7 +98,7 @@ def assert_same(a: dict[str, Any], b: dict[str, Any]) -> None:
 
 
 @pytest.mark.parametrize("engine", ["threads", "uring"])
-def test_large_aligned_targets_are_read_into_directly(tmp_path: Path, engine: str, reads: list) -> None:
+def test_large_aligned_targets_are_read_into_directly(tmp_path: Path, engine: str, reads: list, loops: str) -> None:
     state = make_state()
     with open_h(config(tmp_path, "ssd", engine=engine)) as h:
         h.save(state, step=1).wait()
@@ -149,7 +149,7 @@ def blob_position(h: Hierarchy, step: int, key: str, where: float) -> tuple[Path
     return p, t.offsets[i] + int(t.lengths[i] * where)
 
 
-def test_damage_inside_a_direct_body_is_named_and_the_other_copy_used(tmp_path: Path, reads: list) -> None:
+def test_damage_inside_a_direct_body_is_named_and_the_other_copy_used(tmp_path: Path, reads: list, loops: str) -> None:
     state = make_state()
     with open_h(config(tmp_path, "ssd", "pfs")) as h:
         h.save(state, step=2).wait()

@@ -110,7 +110,9 @@ def flip(h: Hierarchy, tier: str, step: int, blob: str, pos: int) -> None:
 
 @pytest.mark.parametrize("engine", ["threads", "uring"])
 @pytest.mark.parametrize("tier", ["host", "gpu", "ssd", "pfs"])
-def test_in_place_restore_is_bit_exact_and_keeps_the_target_memory(tmp_path: Path, engine: str, tier: str) -> None:
+def test_in_place_restore_is_bit_exact_and_keeps_the_target_memory(
+    tmp_path: Path, engine: str, tier: str, loops: str
+) -> None:
     state = make_state()
     with open_h(config(tmp_path, tier, engine=engine)) as h:
         h.save(state, step=1).wait()
@@ -128,7 +130,7 @@ def test_in_place_restore_is_bit_exact_and_keeps_the_target_memory(tmp_path: Pat
     assert h._in_place._pool is None  # released on close
 
 
-def test_targets_that_cannot_be_streamed_into(tmp_path: Path) -> None:
+def test_targets_that_cannot_be_streamed_into(tmp_path: Path, loops: str) -> None:
     """Non-contiguous targets, keys only the checkpoint has, a tensor saved under two keys, and one
     target tensor under two keys all end up holding the checkpoint's bytes."""
     shared = torch.arange(600, dtype=torch.float32)
@@ -210,7 +212,7 @@ def positions(h: Hierarchy, step: int) -> dict[str, tuple[str, int, str]]:
 
 @pytest.mark.parametrize("where", ["first", "middle-of-a-long-tensor", "last"])
 def test_flipped_byte_is_named_and_the_other_copy_is_used(
-    tmp_path: Path, where: str, caplog: pytest.LogCaptureFixture
+    tmp_path: Path, where: str, caplog: pytest.LogCaptureFixture, loops: str
 ) -> None:
     state = make_state(1)
     with open_h(config(tmp_path, "ssd", "pfs")) as h:
@@ -228,7 +230,7 @@ def test_flipped_byte_is_named_and_the_other_copy_is_used(
         assert h.last_restore == (3, "pfs")
 
 
-def test_damaged_padding_and_truncated_blob_are_found(tmp_path: Path) -> None:
+def test_damaged_padding_and_truncated_blob_are_found(tmp_path: Path, loops: str) -> None:
     state = make_state(2)
     with open_h(config(tmp_path, "ssd")) as h:
         h.save(state, step=4).wait()

@@ -91,7 +91,9 @@ def assert_same(a: object, b: object, path: str = "state") -> None:
 
 @pytest.mark.parametrize("engine", ["threads", "uring"])
 @pytest.mark.parametrize("tiers", [("ssd",), ("host", "ssd", "pfs")])
-def test_every_dtype_and_shape_round_trips_bit_exact(tmp_path: Path, engine: str, tiers: tuple[str, ...]) -> None:
+def test_every_dtype_and_shape_round_trips_bit_exact(
+    tmp_path: Path, engine: str, tiers: tuple[str, ...], loops: str
+) -> None:
     state = full_state()
     with Hierarchy.from_config(cfg(tmp_path, *tiers, io={"engine": engine, "chunk": "256KiB"},
                                    layout={"blob_size": "1MiB"})) as h:  # fmt: skip

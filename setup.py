@@ -1,0 +1,19 @@
+"""Build hook for the optional C extension; everything else is in pyproject.toml.
+
+``tierckpt.io._native`` runs the per-tensor loops of the data path without the GIL. It needs only a C
+compiler and Python's headers; where it cannot be built, the install goes on and tierckpt uses its
+pure-Python loops (same results, slower on many small tensors; see tierckpt/io/native.py).
+"""
+
+from setuptools import Extension, setup
+
+setup(
+    ext_modules=[
+        Extension(
+            "tierckpt.io._native",
+            ["tierckpt/io/_native.c"],
+            extra_compile_args=["-O2", "-std=c99"],
+            optional=True,
+        )
+    ]
+)
