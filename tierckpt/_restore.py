@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -227,56 +227,58 @@ def rebuild(
 
 
 def match_state(
-    target: Any, source: Any, *, leaf: type = torch.Tensor
-) -> tuple[list[tuple[torch.Tensor, Any]], list[tuple[Any, Any, Any]]]:
+    target: Any, source: Any, *, leaf: type[int], shapes: Sequence[tuple[int, ...]], dtypes: Sequence[torch.dtype]
+) -> tuple[list[tuple[torch.Tensor, int]], list[tuple[Any, Any, Any]]]:
     """Pair a checkpoint's state with ``target`` for an in-place restore; changes nothing.
 
-    ``source``'s tensors are objects of type ``leaf`` (anything with ``shape`` and ``dtype``).
-    Returns ``(copies, assigns)``: ``(target tensor, source leaf)`` pairs (same shape and dtype) and
+    ``source``'s tensors are manifest indices of type ``leaf`` (an ``int`` subclass, so that plain
+    ints stay apart): tensor ``i`` has shape ``shapes[i]`` and dtype ``dtypes[i]``.
+    Returns ``(copies, assigns)``: ``(target tensor, index)`` pairs (same shape and dtype) and
     ``(container, key, value)`` assignments for every other value (numbers, strings, tuples …, and
     keys only the checkpoint has).
 
     Raises:
         StateError: naming the key path of a missing key or a shape/dtype/type mismatch.
     """
-    copies: list[tuple[torch.Tensor, Any]] = []
+    copies: list[tuple[torch.Tensor, int]] = []
     assigns: list[tuple[Any, Any, Any]] = []
+    Tensor = torch.Tensor
 
     def walk(dst: Any, src: Any, path: tuple[Any, ...]) -> None:
         # key paths are formatted only for an error: a walk over 20,000 tensors must not pay for them
         if isinstance(dst, dict):
             if not isinstance(src, dict):
                 raise StateError(
-                    f"{format_path(path, 'target')}: target is a dict, checkpoint has {type(src).__name__}"
+                    f"{format_path(path, 'target')}: target is a dict, checkpoint has {_describe(src, leaf)}"
                 )
             for k in dst:
                 if k not in src:
                     raise StateError(f"{format_path((*path, k), 'target')}: key is not in the checkpoint")
             for k, v in src.items():
                 d = dst.get(k, None)
-                if isinstance(d, torch.Tensor) and isinstance(v, leaf) and d.shape == v.shape and d.dtype == v.dtype:
+                if type(v) is leaf and isinstance(d, Tensor) and d.shape == shapes[v] and d.dtype == dtypes[v]:
                     copies.append((d, v))  # the common case, without a call
-                elif isinstance(d, (dict, list, torch.Tensor)):
+                elif isinstance(d, (dict, list, Tensor)):
                     walk(d, v, (*path, k))
                 else:
                     assigns.append((dst, k, v))
         elif isinstance(dst, list):
             if not isinstance(src, list) or len(src) != len(dst):
                 raise StateError(
-                    f"{format_path(path, 'target')}: target is a list of {len(dst)}, checkpoint has {_describe(src)}"
+                    f"{format_path(path, 'target')}: target is a list of {len(dst)}, checkpoint has {_describe(src, leaf)}"
                 )
             for i, (d, s) in enumerate(zip(dst, src)):
-                if isinstance(d, (dict, list, torch.Tensor)):
+                if isinstance(d, (dict, list, Tensor)):
                     walk(d, s, (*path, i))
                 else:
                     assigns.append((dst, i, s))
-        elif isinstance(dst, torch.Tensor):
+        elif isinstance(dst, Tensor):
             where = format_path(path, "target")
-            if not isinstance(src, leaf):
-                raise StateError(f"{where}: target is a tensor, checkpoint has {type(src).__name__}")
-            if dst.shape != src.shape or dst.dtype != src.dtype:
+            if type(src) is not leaf:
+                raise StateError(f"{where}: target is a tensor, checkpoint has {_describe(src, leaf)}")
+            if dst.shape != shapes[src] or dst.dtype != dtypes[src]:
                 raise StateError(
-                    f"{where}: target is {dst.dtype} {tuple(dst.shape)}, checkpoint has {src.dtype} {tuple(src.shape)}"
+                    f"{where}: target is {dst.dtype} {tuple(dst.shape)}, checkpoint has {dtypes[src]} {tuple(shapes[src])}"
                 )
             copies.append((dst, src))
         else:
@@ -291,5 +293,7 @@ def match_state(
     return copies, assigns
 
 
-def _describe(v: Any) -> str:
+def _describe(v: Any, leaf: type) -> str:
+    if type(v) is leaf:
+        return "a tensor"
     return f"a list of {len(v)}" if isinstance(v, list) else type(v).__name__

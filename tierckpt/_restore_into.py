@@ -128,53 +128,54 @@ def _plan(
     after verification, and the ``(container, key, value)`` assignments.
     """
     t = m.tensors
-    leaves: dict[int, _Leaf] = {}
-    shapes, dtypes = t.shapes, {name: dtype_from_name(name) for name in set(t.dtypes)}
-    names = t.dtypes
+    n = len(t)
+    shapes, lengths = t.shapes, t.lengths
+    by_name = {name: dtype_from_name(name) for name in set(t.dtypes)}
+    dtypes = [by_name[name] for name in t.dtypes]
+    uses = [0] * n  # how often the tree references each tensor
 
-    def leaf_at(i: int) -> _Leaf:
-        x = leaves.get(i)
-        if x is None:
-            x = leaves[i] = _Leaf(i, torch.Size(shapes[i]), dtypes[names[i]])
-        x.uses += 1
-        return x
+    def ref(i: int) -> _Ref:
+        uses[i] += 1
+        return _Ref(i)
 
-    source = rebuild(tier, key, m, leaf_at, allow_pickle=allow_pickle)  # type: ignore[arg-type]
-    copies, assigns = match_state(target, source, leaf=_Leaf)
-    for dst, src in copies:
-        src.dsts.append(dst)  # type: ignore[attr-defined]
+    source = rebuild(tier, key, m, ref, allow_pickle=allow_pickle)  # type: ignore[arg-type]
+    copies, assigns = match_state(target, source, leaf=_Ref, shapes=shapes, dtypes=dtypes)
     made: dict[int, torch.Tensor] = {}  # fresh tensors: for assigned values and what cannot be streamed into
     later: list[tuple[torch.Tensor, torch.Tensor]] = []  # (target tensor, fresh tensor) after verification
-    for i, x in leaves.items():
-        dsts = x.dsts
-        if x.uses == 1 and len(dsts) == 1 and dsts[0].is_cpu and dsts[0].is_contiguous():
-            addrs[i] = dsts[0].data_ptr()
+    placed = bytearray(n)  # 1: streamed straight into a target tensor
+    for d, i in copies:
+        if uses[i] == 1 and d.is_cpu and d.is_contiguous():  # one reference, so one target tensor
+            addrs[i] = d.data_ptr()
+            placed[i] = 1
         else:
-            made[i] = torch.empty(x.shape, dtype=x.dtype)  # not touched until the bytes arrive
-            addrs[i] = made[i].data_ptr()
-            later.extend((d, made[i]) for d in dsts)
-    if len(leaves) < len(t):  # tensors the tree never references (only a hand-made manifest has them):
-        for i, n in enumerate(t.lengths):  # verified into scratch memory and dropped, as restore() does
-            if n and i not in leaves:
-                made[i] = torch.empty(n, dtype=torch.uint8)
-                addrs[i] = made[i].data_ptr()
+            f = made.get(i)
+            if f is None:
+                f = made[i] = torch.empty(shapes[i], dtype=dtypes[i])  # not touched until the bytes arrive
+                addrs[i] = f.data_ptr()
+            later.append((d, f))
+    for i in range(n):
+        if placed[i] or i in made:
+            continue
+        if uses[i]:  # only in assigned values (a tuple, a key only the checkpoint has)
+            f = made[i] = torch.empty(shapes[i], dtype=dtypes[i])
+        elif lengths[i]:  # never referenced (only a hand-made manifest): verified into scratch and dropped
+            f = made[i] = torch.empty(lengths[i], dtype=torch.uint8)
+        else:
+            continue
+        addrs[i] = f.data_ptr()
     return made, later, assigns
 
 
-class _Leaf:
-    """Tensor ``index`` of the manifest in the tree walked against the target (no memory behind it)."""
+class _Ref(int):
+    """Tensor ``int(self)`` of the manifest where the tree references it (no memory behind it)."""
 
-    __slots__ = ("dsts", "dtype", "index", "shape", "uses")
-
-    def __init__(self, index: int, shape: torch.Size, dtype: torch.dtype) -> None:
-        self.index, self.shape, self.dtype, self.uses = index, shape, dtype, 0
-        self.dsts: list[torch.Tensor] = []  # the target tensors matched with it
+    __slots__ = ()
 
 
 def _materialize(v: Any, made: dict[int, torch.Tensor]) -> Any:
-    """``v`` with every leaf replaced by its fresh tensor (containers rebuilt with their types)."""
-    if isinstance(v, _Leaf):
-        return made[v.index]
+    """``v`` with every tensor reference replaced by its fresh tensor (containers rebuilt with their types)."""
+    if type(v) is _Ref:
+        return made[v]
     if isinstance(v, dict):
         return type(v)((k, _materialize(x, made)) for k, x in v.items())
     if isinstance(v, (list, tuple)):
