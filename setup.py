@@ -12,7 +12,8 @@ setup(
         Extension(
             "tierckpt.io._native",
             ["tierckpt/io/_native.c"],
-            extra_compile_args=["-O2", "-std=c99"],
+            extra_compile_args=["-O2", "-std=c99", "-pthread"],
+            extra_link_args=["-pthread"],
             optional=True,
         )
     ]

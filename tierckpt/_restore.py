@@ -23,7 +23,7 @@ from tierckpt.errors import CorruptCheckpointError, StateError
 from tierckpt.format.manifest import Manifest, decode_manifest, dtype_from_name
 from tierckpt.format.tree import format_path, unflatten
 from tierckpt.io.buffers import MappedBuffer, ptr_mv
-from tierckpt.io.native import all_zero, native, records
+from tierckpt.io.native import THREADS, all_zero, native, records
 from tierckpt.tiers.base import CheckpointKey, Tier
 
 __all__ = ["load_manifest", "match_state", "read_checkpoint", "rebuild", "verify_checkpoint"]
@@ -134,7 +134,7 @@ def _verifier(tier: Tier, key: CheckpointKey, m: Manifest) -> Callable[[int, Map
         k, end = done[bi]
         k0, stop = k, span.get(bi, (0, 0))[1]
         if recs is not None:
-            k, end, err, g0, g1 = native.scatter(recs, k, stop, buf.addr, 0, upto, end, upto)  # type: ignore[union-attr]
+            k, end, err, g0, g1 = native.scatter(recs, k, stop, buf.addr, 0, upto, end, upto, THREADS)  # type: ignore[union-attr]
             if err == 1:
                 _mismatch(bi, order[k])
             elif err == 2:

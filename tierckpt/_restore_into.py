@@ -30,7 +30,7 @@ from tierckpt.errors import CorruptCheckpointError
 from tierckpt.format.layout import round_up
 from tierckpt.format.manifest import Manifest, dtype_from_name
 from tierckpt.io.buffers import StagingPool, memmove, ptr_mv
-from tierckpt.io.native import Records, all_zero, native, records
+from tierckpt.io.native import THREADS, Records, all_zero, native, records
 from tierckpt.tiers.base import CheckpointKey, Tier, TierReader
 
 __all__ = ["RestoreStaging", "restore_into"]
@@ -333,7 +333,7 @@ class _Stream:
         try:
             while k < nk:
                 if recs is not None:  # whole small tensors of this piece: in C, without the GIL
-                    k, cursor, err, g0, g1 = scatter(recs.table, k, stop, base, p0, n, cursor, _BLOCK_BYTES)  # type: ignore[misc]
+                    k, cursor, err, g0, g1 = scatter(recs.table, k, stop, base, p0, n, cursor, _BLOCK_BYTES, THREADS)  # type: ignore[misc]
                     if err == 1:
                         self._mismatch(bi, order[k])
                     elif err == 2:

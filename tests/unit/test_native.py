@@ -62,11 +62,20 @@ class Blob:
         n: int | None = None,
         cursor: int | None = None,
         max_len: int = U64,
+        threads: int = 1,
     ) -> tuple[int, int, int, int, int]:
         n = self.size - p0 if n is None else n
         stop = len(self.lengths) if stop is None else stop
         return native.scatter(
-            self.recs.table, k, stop, self.buf.data_ptr() + p0, p0, n, p0 if cursor is None else cursor, max_len
+            self.recs.table,
+            k,
+            stop,
+            self.buf.data_ptr() + p0,
+            p0,
+            n,
+            p0 if cursor is None else cursor,
+            max_len,
+            threads,
         )
 
     def copied(self, i: int) -> bool:
@@ -179,3 +188,33 @@ def test_loader_refuses_a_function_that_is_not_xxh3(
     assert any("strnlen" in r.getMessage() and "disagrees" in r.getMessage() for r in caplog.records)
     data = b"still xxh3" * 100
     assert native.digest(data) == xxhash.xxh3_64_intdigest(data)
+
+
+@needs_native
+@pytest.mark.parametrize("threads", [1, 2, 3, 8])
+@pytest.mark.parametrize("damage", [None, "early", "late", "both", "gap-at-middle"])
+def test_scatter_on_threads_reports_the_first_problem(threads: int, damage: str | None) -> None:
+    """A run of 2.5 MiB is split over the threads: results and errors are those of one thread (the
+    first problem in blob order); only tensors after a damaged one may differ (copied, verified)."""
+    n = 40
+    b = Blob([64 * 1024 + 8] * n, align=64)  # 8 bytes past 64 KiB: a zero gap before every tensor
+    if damage in ("early", "both"):
+        b.buf[b.offsets[3] + 5] ^= 1
+    if damage in ("late", "both"):
+        b.buf[b.offsets[n - 4] + 5] ^= 1
+    if damage == "gap-at-middle":
+        b.buf[b.offsets[n // 2] - 1] = 7
+    got = b.scatter(threads=threads)
+    if damage is None:
+        assert got == (n, b.offsets[-1] + b.lengths[-1], 0, 0, 0)
+        assert all(b.copied(i) for i in range(n))
+        return
+    if damage == "gap-at-middle":
+        gap = (b.offsets[n // 2 - 1] + b.lengths[0], b.offsets[n // 2])
+        assert got == (n // 2, gap[0], 2, *gap)
+        bad = n // 2
+    else:
+        bad = 3 if damage in ("early", "both") else n - 4
+        assert got[:3] == (bad, b.offsets[bad], 1)
+    assert all(b.copied(i) for i in range(bad))
+    assert not b.dsts[bad].any()

@@ -15,6 +15,7 @@
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <pthread.h>
 #include <stdint.h>
 #include <string.h>
 #if defined(__SSE2__)
@@ -142,47 +143,30 @@ static PyObject *is_zero(PyObject *self, PyObject *args) {
     return PyBool_FromLong(z);
 }
 
-PyDoc_STRVAR(
-    scatter_doc,
-    "scatter(recs, k, stop, base, p0, n, cursor, max_len) -> (k, cursor, err, a, b)\n--\n\n"
-    "Verify, and copy out, the tensors of a piece of a blob: bytes [p0, p0 + n) of the blob, found at\n"
-    "address ``base``. ``recs`` holds 4 uint64 per tensor (offset, length, checksum, destination), in\n"
-    "blob order. From record ``k`` on (not past ``stop``), for every tensor wholly inside the piece\n"
-    "and at most ``max_len`` bytes long: the bytes between ``cursor`` and its offset must be zero; its\n"
-    "checksum must match; then it is copied to its destination (if not 0 and not already there).\n"
-    "Stops at the first tensor that does not qualify. Returns the next record, the new cursor (the\n"
-    "blob offset up to which everything was checked) and ``err``: 0, 1 (checksum mismatch of record\n"
-    "``k``) or 2 (non-zero bytes in [a, b) of the blob).");
-
-static PyObject *scatter(PyObject *self, PyObject *args) {
-    Py_buffer recs;
+/* One run of the scatter loop: records [k, stop) of a piece [p0, p1) found at ``piece``. */
+typedef struct {
+    const rec_t *r;
     Py_ssize_t k, stop;
-    unsigned long long base, p0, n, cursor, max_len;
-    int err = 0;
-    uint64_t ga = 0, gb = 0;
-    if (!need_hash()) return NULL;
-    if (!PyArg_ParseTuple(args, "y*nnKKKKK", &recs, &k, &stop, &base, &p0, &n, &cursor, &max_len)) return NULL;
-    Py_ssize_t count = recs.len / (Py_ssize_t)sizeof(rec_t);
-    if (recs.len % (Py_ssize_t)sizeof(rec_t) || k < 0 || stop < k || stop > count || cursor < p0 ||
-        cursor > p0 + n) {
-        PyBuffer_Release(&recs);
-        PyErr_SetString(PyExc_ValueError, "scatter: bad record table or range");
-        return NULL;
-    }
-    const rec_t *r = (const rec_t *)recs.buf;
-    const uint64_t p1 = p0 + n;
-    const unsigned char *piece = (const unsigned char *)(uintptr_t)base;
-    Py_BEGIN_ALLOW_THREADS
-    for (; k < stop; k++) {
+    const unsigned char *piece;
+    uint64_t p0, p1, cursor, max_len;
+    int err;
+    uint64_t ga, gb;
+} job_t;
+
+static void run_job(job_t *j) {
+    const rec_t *r = j->r;
+    Py_ssize_t k = j->k;
+    uint64_t cursor = j->cursor;
+    for (; k < j->stop; k++) {
         const uint64_t o = r[k].off, len = r[k].len, e = o + len;
-        if (o < p0 || e > p1 || len > max_len) break;
-        if (o > cursor && !all_zero(piece + (cursor - p0), (size_t)(o - cursor))) {
-            err = 2, ga = cursor, gb = o;
+        if (o < j->p0 || e > j->p1 || len > j->max_len) break;
+        if (o > cursor && !all_zero(j->piece + (cursor - j->p0), (size_t)(o - cursor))) {
+            j->err = 2, j->ga = cursor, j->gb = o;
             break;
         }
-        const unsigned char *src = piece + (o - p0);
+        const unsigned char *src = j->piece + (o - j->p0);
         if (xxh3(src, (size_t)len) != r[k].sum) {
-            err = 1;
+            j->err = 1;
             cursor = o;
             break;
         }
@@ -190,9 +174,105 @@ static PyObject *scatter(PyObject *self, PyObject *args) {
         cursor = e;
     }
     copies_done();
+    j->k = k;
+    j->cursor = cursor;
+}
+
+static void *job_thread(void *arg) {
+    run_job((job_t *)arg);
+    return NULL;
+}
+
+#define MAX_THREADS 8
+#define SPLIT_MIN_BYTES (1u << 20) /* below this a thread costs more than it saves */
+
+/* Run ``j`` on up to ``threads`` threads: the records it would take (wholly inside the piece, at
+ * most max_len each) are cut into parts of about equal bytes, each started at the end of the one
+ * before. The result is that of the first part that failed, else that of the last part. */
+static void run_split(job_t *j, int threads) {
+    const rec_t *r = j->r;
+    Py_ssize_t e = j->k;
+    uint64_t total = 0;
+    while (e < j->stop && r[e].off >= j->p0 && r[e].off + r[e].len <= j->p1 && r[e].len <= j->max_len)
+        total += r[e++].len;
+    if (threads > MAX_THREADS) threads = MAX_THREADS;
+    if (threads > e - j->k) threads = (int)(e - j->k);
+    if (threads < 2 || total < SPLIT_MIN_BYTES) {
+        run_job(j);
+        return;
+    }
+    job_t parts[MAX_THREADS];
+    pthread_t tids[MAX_THREADS];
+    int started[MAX_THREADS] = {0};
+    Py_ssize_t k = j->k;
+    uint64_t acc = 0;
+    for (int t = 0; t < threads; t++) {
+        parts[t] = *j;
+        parts[t].k = k;
+        if (t > 0) parts[t].cursor = r[k - 1].off + r[k - 1].len;
+        uint64_t goal = total / (uint64_t)threads * (uint64_t)(t + 1);
+        Py_ssize_t stop = k;
+        if (t == threads - 1) {
+            stop = e;
+        } else {
+            while (stop < e && (acc < goal || stop == k)) acc += r[stop++].len;
+            if (stop == e) threads = t + 1; /* the rest went into this part */
+        }
+        parts[t].stop = stop;
+        k = stop;
+    }
+    for (int t = 1; t < threads; t++)
+        started[t] = pthread_create(&tids[t], NULL, job_thread, &parts[t]) == 0;
+    run_job(&parts[0]);
+    for (int t = 1; t < threads; t++) {
+        if (started[t])
+            pthread_join(tids[t], NULL);
+        else if (parts[t - 1].err == 0)
+            run_job(&parts[t]); /* no thread: run it here, in order */
+    }
+    int t = 0;
+    while (t < threads - 1 && parts[t].err == 0 && parts[t].k == parts[t].stop) t++;
+    /* parts[t] is the first that failed, or the last; a later part may have copied verified bytes */
+    j->k = parts[t].k, j->cursor = parts[t].cursor, j->err = parts[t].err, j->ga = parts[t].ga, j->gb = parts[t].gb;
+}
+
+PyDoc_STRVAR(
+    scatter_doc,
+    "scatter(recs, k, stop, base, p0, n, cursor, max_len, threads=1) -> (k, cursor, err, a, b)\n--\n\n"
+    "Verify, and copy out, the tensors of a piece of a blob: bytes [p0, p0 + n) of the blob, found at\n"
+    "address ``base``. ``recs`` holds 4 uint64 per tensor (offset, length, checksum, destination), in\n"
+    "blob order. From record ``k`` on (not past ``stop``), for every tensor wholly inside the piece\n"
+    "and at most ``max_len`` bytes long: the bytes between ``cursor`` and its offset must be zero; its\n"
+    "checksum must match; then it is copied to its destination (if not 0 and not already there).\n"
+    "Stops at the first tensor that does not qualify. Returns the next record, the new cursor (the\n"
+    "blob offset up to which everything was checked) and ``err``: 0, 1 (checksum mismatch of record\n"
+    "``k``) or 2 (non-zero bytes in [a, b) of the blob). With ``threads`` > 1, runs of at least 1 MiB\n"
+    "are split over that many threads; after an error, tensors after the failed one may then have\n"
+    "been copied too (with verified bytes).");
+
+static PyObject *scatter(PyObject *self, PyObject *args) {
+    Py_buffer recs;
+    Py_ssize_t k, stop;
+    unsigned long long base, p0, n, cursor, max_len;
+    int threads = 1;
+    if (!need_hash()) return NULL;
+    if (!PyArg_ParseTuple(args, "y*nnKKKKK|i", &recs, &k, &stop, &base, &p0, &n, &cursor, &max_len, &threads))
+        return NULL;
+    Py_ssize_t count = recs.len / (Py_ssize_t)sizeof(rec_t);
+    if (recs.len % (Py_ssize_t)sizeof(rec_t) || k < 0 || stop < k || stop > count || cursor < p0 ||
+        cursor > p0 + n) {
+        PyBuffer_Release(&recs);
+        PyErr_SetString(PyExc_ValueError, "scatter: bad record table or range");
+        return NULL;
+    }
+    job_t j = {(const rec_t *)recs.buf, k, stop, (const unsigned char *)(uintptr_t)base, p0, p0 + n, cursor,
+               max_len, 0, 0, 0};
+    Py_BEGIN_ALLOW_THREADS
+    run_split(&j, threads);
     Py_END_ALLOW_THREADS
     PyBuffer_Release(&recs);
-    return Py_BuildValue("nKiKK", k, cursor, err, (unsigned long long)ga, (unsigned long long)gb);
+    return Py_BuildValue("nKiKK", j.k, (unsigned long long)j.cursor, j.err, (unsigned long long)j.ga,
+                         (unsigned long long)j.gb);
 }
 
 static PyMethodDef methods[] = {
