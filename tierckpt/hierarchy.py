@@ -230,7 +230,7 @@ class Hierarchy:
             raise ValueError(f"step must be a non-negative int, got {step!r}")
         flat = flatten(state, allow_pickle=allow_pickle)
         srcs = [r.tensor for r in flat.tensors]
-        lengths = [t.numel() * t.element_size() for t in srcs]
+        lengths = [t.nbytes for t in srcs]
         blob_target = self.layout.blob_bytes or max(t.preferred_blob_bytes for t in self._tiers)
         layout = plan(lengths, align=self.align, blob_bytes=round_up(blob_target, self.align))
         blobs = tuple(BlobEntry(f"blob-{i:05d}.bin", s) for i, s in enumerate(layout.blob_sizes))

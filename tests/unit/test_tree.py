@@ -84,3 +84,26 @@ def test_malformed_tree_is_corrupt() -> None:
     flat = flatten({"a": torch.zeros(1)})
     with pytest.raises(CorruptCheckpointError, match="out of range"):
         unflatten(flat.tree, lambda i: torch.zeros(1), 0)
+
+
+def test_tensors_at_the_same_address_are_told_apart_by_what_they_are() -> None:
+    """Deduplication keys on the first element's address, then on the full identity: views of the
+    same bytes with another shape, dtype or conjugate bit stay separate tensors; the same tensor (a
+    conjugate one included) is stored once."""
+    w = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    z = torch.complex(torch.ones(3), torch.arange(3.0))
+    zc = z.conj()
+    state = {
+        "w": w, "rows2": w[:2], "flat": w.view(-1), "bits": w.view(torch.int32), "again": w,
+        "z": z, "zc": zc, "zc2": zc, "grad": torch.ones(2, requires_grad=True),
+    }  # fmt: skip
+    flat = flatten(state)
+    assert [r.path for r in flat.tensors] == [
+        "state['w']", "state['rows2']", "state['flat']", "state['bits']", "state['z']", "state['zc']", "state['grad']",
+    ]  # fmt: skip
+    back = round_trip(state)
+    assert back["again"] is back["w"] and back["zc2"] is back["zc"]
+    for k in ("w", "rows2", "flat", "bits", "z", "zc"):
+        assert torch.equal(back[k], state[k].resolve_conj()), k
+        assert back[k].dtype == state[k].dtype and back[k].shape == state[k].shape, k
+    assert not back["zc"].is_conj() and not back["grad"].requires_grad

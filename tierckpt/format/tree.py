@@ -71,6 +71,12 @@ def _tensor_ref(i: int) -> msgpack.ExtType:
     return _TENSOR_REFS[i]
 
 
+def _identity(t: torch.Tensor) -> tuple[Any, ...]:
+    """What makes two tensors at the same address the same tensor (a conjugate or negative view of
+    the same bytes is a different value)."""
+    return (t.device, t.dtype, t.storage_offset(), t.shape, t.stride(), t.is_conj(), t.is_neg())
+
+
 def flatten(state: Any, *, allow_pickle: bool = False) -> FlatState:
     """Walk ``state`` and split it into a msgpack tree and a list of tensors.
 
@@ -81,7 +87,8 @@ def flatten(state: Any, *, allow_pickle: bool = False) -> FlatState:
         StateError: naming the key path of a value that cannot be saved (unless ``allow_pickle``).
     """
     tensors: list[TensorRef] = []
-    seen: dict[tuple[Any, ...], int] = {}
+    originals: list[torch.Tensor] = []  # tensor i as found in the state (before detach / resolve)
+    seen: dict[int, int | dict[tuple[Any, ...], int]] = {}  # data_ptr -> index, or identity -> index
     has_pickle = False
     Tensor, strided = torch.Tensor, torch.strided
 
@@ -140,15 +147,27 @@ def flatten(state: Any, *, allow_pickle: bool = False) -> FlatState:
     def tensor_ref(t: torch.Tensor, path: str) -> msgpack.ExtType:
         if t.layout is not strided or t.is_quantized or t.is_meta or t.is_nested:
             raise StateError(f"{path}: cannot save a {t.layout} / quantized / meta / nested tensor")
+        # Deduplicate by the address of the first element; only tensors that share it (the same
+        # object twice, tied weights, views starting at the same byte) pay for the full identity.
+        p = t.data_ptr()
+        hit = seen.get(p)
+        if hit is not None:
+            if type(hit) is int:  # the second tensor at this address: key the first one by identity too
+                hit = seen[p] = {_identity(originals[hit]): hit}
+            ident = _identity(t)
+            idx = hit.get(ident)
+            if idx is not None:
+                return _tensor_ref(idx)
+            hit[ident] = len(tensors)
+        else:
+            seen[p] = len(tensors)
+        idx = len(tensors)
+        originals.append(t)
         if t.requires_grad:
             t = t.detach()
         if t.is_neg() or t.is_conj():
             t = t.resolve_conj().resolve_neg()
-        ident = (t.data_ptr(), t.device, t.dtype, t.storage_offset(), t.shape, t.stride())
-        idx = seen.get(ident)
-        if idx is None:
-            idx = seen[ident] = len(tensors)
-            tensors.append(TensorRef(path, t))
+        tensors.append(TensorRef(path, t))
         return _tensor_ref(idx)
 
     try:
