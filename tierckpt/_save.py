@@ -21,6 +21,7 @@ from tierckpt.format.layout import Layout
 from tierckpt.format.manifest import BlobEntry, Manifest, TensorTable, dtype_name, encode_manifest
 from tierckpt.format.tree import FlatState
 from tierckpt.io.buffers import StagingPool, memmove, ptr_mv
+from tierckpt.io.native import native, records
 from tierckpt.tiers.base import TierWriter
 
 __all__ = ["build_manifest", "contiguous_cpu", "pack_and_write"]
@@ -39,6 +40,11 @@ def _zero(view: memoryview, start: int, stop: int) -> None:
         view[start:stop] = _ZEROS[: stop - start]
     else:
         ctypes.memset(ctypes.addressof(ctypes.c_char.from_buffer(view, start)), 0, stop - start)
+
+
+def _source(t: torch.Tensor) -> int:
+    """The address the C loop may copy ``t``'s bytes from, or 0 (not a contiguous CPU tensor)."""
+    return t.data_ptr() if t.is_cpu and t.is_contiguous() and not (t.is_neg() or t.is_conj()) else 0
 
 
 def contiguous_cpu(t: torch.Tensor) -> torch.Tensor:
@@ -113,6 +119,16 @@ def pack_and_write(
     k, nk = 0, len(order)  # position in order
     src, held = 0, None  # address of the tensor being packed (0: none) and its CPU copy, kept alive
     hasher = xxhash.xxh3_64()
+    # The C loop packs (and hashes) runs of whole tensors straight from the caller's memory, without the
+    # GIL; a tensor that is not a contiguous CPU one (source 0), or larger than a block, is packed below.
+    recs, gather = None, native.gather if native is not None else None
+    blob_end: dict[int, int] = {}
+    done: list[tuple[int, int]] = []  # [k0, k1) ranges of order packed by the C loop
+    if gather is not None:
+        recs = records(order, e_off, e_len, checksums, [_source(r.tensor) for r in tensors])
+        for pos, i in enumerate(order):
+            blob_end[e_blob[i]] = pos + 1
+    max_len = (1 << 64) - 1 if defer else _BLOCK_BYTES
     try:
         for b, size in enumerate(layout.blob_sizes):
             primary = writers[mem].buffer(b) if mem is not None else None
@@ -136,6 +152,15 @@ def pack_and_write(
                     p1 = min(c1, p0 + piece_bytes)
                     cursor = p0
                     while k < nk:
+                        if recs is not None and not src:
+                            k0 = k
+                            k, cursor = gather(
+                                recs.table, k, blob_end.get(b, k), base + p0, p0, p1 - p0, cursor, max_len, not defer
+                            )  # type: ignore[misc]
+                            if k > k0:
+                                done.append((k0, k))
+                            if k == nk:
+                                break
                         i = order[k]
                         off = e_off[i]
                         if e_blob[i] != b or off >= p1:
@@ -171,12 +196,27 @@ def pack_and_write(
                         _zero(view, cursor - c0, p1 - c0)
                     submit(b, p0, base + p0, p1 - p0, futs)
                 del view
+        if recs is not None and not defer:
+            table = recs.table
+            for k0, k1 in done:
+                for pos in range(k0, k1):
+                    checksums[order[pos]] = table[4 * pos + 2]
         if on_staged is not None:
             on_staged()
         if defer:
             bases = [writers[mem].buffer(b).data_ptr() for b in range(len(layout.blob_sizes))]  # type: ignore[index, union-attr]
-            for i in order:
-                checksums[i] = xxh3_64_intdigest(ptr_mv(bases[e_blob[i]] + e_off[i], e_len[i], writable=False))
+            if recs is not None:  # one GIL-free call per blob
+                start = 0
+                for b, base in enumerate(bases):
+                    stop = blob_end.get(b, start)
+                    native.hash_into(recs.table, start, stop, base)  # type: ignore[union-attr]
+                    start = stop
+                table = recs.table
+                for pos, i in enumerate(order):
+                    checksums[i] = table[4 * pos + 2]
+            else:
+                for i in order:
+                    checksums[i] = xxh3_64_intdigest(ptr_mv(bases[e_blob[i]] + e_off[i], e_len[i], writable=False))
     finally:
         while inflight:
             drain_one()

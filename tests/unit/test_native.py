@@ -218,3 +218,27 @@ def test_scatter_on_threads_reports_the_first_problem(threads: int, damage: str 
         assert got[:3] == (bad, b.offsets[bad], 1)
     assert all(b.copied(i) for i in range(bad))
     assert not b.dsts[bad].any()
+
+
+@needs_native
+@pytest.mark.parametrize("hashed", [True, False])
+def test_gather_packs_zeroes_gaps_and_hashes(hashed: bool) -> None:
+    """gather is scatter's mirror: sources into a piece full of old bytes, gaps zeroed, checksums
+    stored (or left alone); it stops at a tensor without a source, too long, or leaving the piece."""
+    b = Blob([10, 3000, 70_000, 20, 5000], align=64)
+    srcs = [b.buf[o : o + n].clone() for o, n in zip(b.offsets, b.lengths)]
+    piece = torch.full((b.size,), 0xAB, dtype=torch.uint8)  # stale bytes everywhere
+    t = nat.records(range(5), b.offsets, b.lengths, [0] * 5, [s.data_ptr() for s in srcs]).table
+    t[4 * 3 + 3] = 0  # tensor 3 has no source (not contiguous, or on a device): the caller packs it
+    k, cursor = native.gather(t, 0, 5, piece.data_ptr(), 0, b.size, 0, U64, hashed)
+    assert (k, cursor) == (3, b.offsets[2] + 70_000)
+    assert torch.equal(piece[:cursor], b.buf[:cursor])  # tensors in, gaps zero
+    assert bool((piece[cursor:] == 0xAB).all())  # nothing past the stop touched
+    assert [t[4 * i + 2] for i in range(3)] == (b.sums[:3] if hashed else [0, 0, 0])
+    assert native.gather(t, 0, 5, piece.data_ptr(), 0, b.size, 0, 4096, hashed)[0] == 2  # too long
+    p1 = b.offsets[1] + 100  # a piece that ends inside tensor 1
+    assert native.gather(t, 0, 5, piece.data_ptr(), 0, p1, 0, U64, hashed) == (1, b.offsets[0] + 10)
+    with pytest.raises(ValueError):
+        native.gather(t, 0, 6, piece.data_ptr(), 0, b.size, 0, U64, hashed)
+    with pytest.raises(TypeError):
+        native.gather(bytes(t), 0, 5, piece.data_ptr(), 0, b.size, 0, U64, hashed)  # read-only table

@@ -275,11 +275,81 @@ static PyObject *scatter(PyObject *self, PyObject *args) {
                          (unsigned long long)j.gb);
 }
 
+PyDoc_STRVAR(
+    gather_doc,
+    "gather(recs, k, stop, base, p0, n, cursor, max_len, hash) -> (k, cursor)\n--\n\n"
+    "Pack tensors into a piece of a blob being written: bytes [p0, p0 + n) of the blob, at address\n"
+    "``base``. ``recs`` (writable) holds 4 uint64 per tensor (offset, length, checksum, source), in\n"
+    "blob order. From record ``k`` on (not past ``stop``), for every tensor wholly inside the piece,\n"
+    "at most ``max_len`` bytes long and with a source: zero the bytes between ``cursor`` and its\n"
+    "offset, copy it in from its source, and (if ``hash``) store its checksum in the record. Stops at\n"
+    "the first tensor that does not qualify. Returns the next record and the new cursor.");
+
+static PyObject *gather(PyObject *self, PyObject *args) {
+    Py_buffer recs;
+    Py_ssize_t k, stop;
+    unsigned long long base, p0, n, cursor, max_len;
+    int hash;
+    if (!need_hash()) return NULL;
+    if (!PyArg_ParseTuple(args, "w*nnKKKKKp", &recs, &k, &stop, &base, &p0, &n, &cursor, &max_len, &hash))
+        return NULL;
+    Py_ssize_t count = recs.len / (Py_ssize_t)sizeof(rec_t);
+    if (recs.len % (Py_ssize_t)sizeof(rec_t) || k < 0 || stop < k || stop > count || cursor < p0 ||
+        cursor > p0 + n) {
+        PyBuffer_Release(&recs);
+        PyErr_SetString(PyExc_ValueError, "gather: bad record table or range");
+        return NULL;
+    }
+    rec_t *r = (rec_t *)recs.buf;
+    const uint64_t p1 = p0 + n;
+    unsigned char *piece = (unsigned char *)(uintptr_t)base;
+    Py_BEGIN_ALLOW_THREADS
+    for (; k < stop; k++) {
+        const uint64_t o = r[k].off, len = r[k].len, e = o + len;
+        if (o < p0 || e > p1 || len > max_len || r[k].dst == 0) break;
+        if (o > cursor) memset(piece + (cursor - p0), 0, (size_t)(o - cursor));
+        memcpy(piece + (o - p0), (const void *)(uintptr_t)r[k].dst, (size_t)len);
+        if (hash) r[k].sum = xxh3(piece + (o - p0), (size_t)len);
+        cursor = e;
+    }
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&recs);
+    return Py_BuildValue("nK", k, (unsigned long long)cursor);
+}
+
+PyDoc_STRVAR(hash_into_doc,
+             "hash_into(recs, k, stop, base)\n--\n\n"
+             "Store in records [k, stop) of ``recs`` (writable) the checksum of each tensor's bytes, found\n"
+             "at ``base`` + its offset (GIL released).");
+
+static PyObject *hash_into(PyObject *self, PyObject *args) {
+    Py_buffer recs;
+    Py_ssize_t k, stop;
+    unsigned long long base;
+    if (!need_hash()) return NULL;
+    if (!PyArg_ParseTuple(args, "w*nnK", &recs, &k, &stop, &base)) return NULL;
+    Py_ssize_t count = recs.len / (Py_ssize_t)sizeof(rec_t);
+    if (recs.len % (Py_ssize_t)sizeof(rec_t) || k < 0 || stop < k || stop > count) {
+        PyBuffer_Release(&recs);
+        PyErr_SetString(PyExc_ValueError, "hash_into: bad record table or range");
+        return NULL;
+    }
+    rec_t *r = (rec_t *)recs.buf;
+    const unsigned char *b = (const unsigned char *)(uintptr_t)base;
+    Py_BEGIN_ALLOW_THREADS
+    for (; k < stop; k++) r[k].sum = xxh3(b + r[k].off, (size_t)r[k].len);
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&recs);
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
     {"set_hash", set_hash, METH_O, set_hash_doc},
     {"digest", digest, METH_VARARGS, digest_doc},
     {"is_zero", is_zero, METH_VARARGS, is_zero_doc},
     {"scatter", scatter, METH_VARARGS, scatter_doc},
+    {"gather", gather, METH_VARARGS, gather_doc},
+    {"hash_into", hash_into, METH_VARARGS, hash_into_doc},
     {NULL, NULL, 0, NULL},
 };
 

@@ -89,8 +89,8 @@ def all_zero(addr: int, nbytes: int) -> bool:
 
 
 class Records:
-    """The record table ``_native.scatter`` walks: offset, length, checksum and destination of each
-    tensor, in the order given (the order of the bytes on disk)."""
+    """The record table the C loops walk: offset, length, checksum and an address for each tensor (its
+    destination for ``scatter``, its source for ``gather``), in the order given (the order on disk)."""
 
     __slots__ = ("table",)
 
@@ -98,7 +98,7 @@ class Records:
         self.table = table
 
     def set_dst(self, k: int, addr: int) -> None:
-        """Set the destination of record ``k``."""
+        """Set the address (destination or source) of record ``k``."""
         self.table[4 * k + 3] = addr
 
 
