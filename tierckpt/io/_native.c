@@ -143,6 +143,19 @@ static PyObject *is_zero(PyObject *self, PyObject *args) {
     return PyBool_FromLong(z);
 }
 
+/* Check a record table and the range of a call on it; on failure release it and set ValueError. */
+static int valid(Py_buffer *recs, Py_ssize_t k, Py_ssize_t stop, uint64_t cursor, uint64_t p0, uint64_t n,
+                 const char *what) {
+    Py_ssize_t count = recs->len / (Py_ssize_t)sizeof(rec_t);
+    if (recs->len % (Py_ssize_t)sizeof(rec_t) || k < 0 || stop < k || stop > count || cursor < p0 ||
+        cursor > p0 + n) {
+        PyBuffer_Release(recs);
+        PyErr_Format(PyExc_ValueError, "%s: bad record table or range", what);
+        return 0;
+    }
+    return 1;
+}
+
 /* One run of the scatter loop: records [k, stop) of a piece [p0, p1) found at ``piece``. */
 typedef struct {
     const rec_t *r;
@@ -258,13 +271,7 @@ static PyObject *scatter(PyObject *self, PyObject *args) {
     if (!need_hash()) return NULL;
     if (!PyArg_ParseTuple(args, "y*nnKKKKK|i", &recs, &k, &stop, &base, &p0, &n, &cursor, &max_len, &threads))
         return NULL;
-    Py_ssize_t count = recs.len / (Py_ssize_t)sizeof(rec_t);
-    if (recs.len % (Py_ssize_t)sizeof(rec_t) || k < 0 || stop < k || stop > count || cursor < p0 ||
-        cursor > p0 + n) {
-        PyBuffer_Release(&recs);
-        PyErr_SetString(PyExc_ValueError, "scatter: bad record table or range");
-        return NULL;
-    }
+    if (!valid(&recs, k, stop, cursor, p0, n, "scatter")) return NULL;
     job_t j = {(const rec_t *)recs.buf, k, stop, (const unsigned char *)(uintptr_t)base, p0, p0 + n, cursor,
                max_len, 0, 0, 0};
     Py_BEGIN_ALLOW_THREADS
@@ -293,13 +300,7 @@ static PyObject *gather(PyObject *self, PyObject *args) {
     if (!need_hash()) return NULL;
     if (!PyArg_ParseTuple(args, "w*nnKKKKKp", &recs, &k, &stop, &base, &p0, &n, &cursor, &max_len, &hash))
         return NULL;
-    Py_ssize_t count = recs.len / (Py_ssize_t)sizeof(rec_t);
-    if (recs.len % (Py_ssize_t)sizeof(rec_t) || k < 0 || stop < k || stop > count || cursor < p0 ||
-        cursor > p0 + n) {
-        PyBuffer_Release(&recs);
-        PyErr_SetString(PyExc_ValueError, "gather: bad record table or range");
-        return NULL;
-    }
+    if (!valid(&recs, k, stop, cursor, p0, n, "gather")) return NULL;
     rec_t *r = (rec_t *)recs.buf;
     const uint64_t p1 = p0 + n;
     unsigned char *piece = (unsigned char *)(uintptr_t)base;
@@ -328,12 +329,7 @@ static PyObject *hash_into(PyObject *self, PyObject *args) {
     unsigned long long base;
     if (!need_hash()) return NULL;
     if (!PyArg_ParseTuple(args, "w*nnK", &recs, &k, &stop, &base)) return NULL;
-    Py_ssize_t count = recs.len / (Py_ssize_t)sizeof(rec_t);
-    if (recs.len % (Py_ssize_t)sizeof(rec_t) || k < 0 || stop < k || stop > count) {
-        PyBuffer_Release(&recs);
-        PyErr_SetString(PyExc_ValueError, "hash_into: bad record table or range");
-        return NULL;
-    }
+    if (!valid(&recs, k, stop, 0, 0, 0, "hash_into")) return NULL;
     rec_t *r = (rec_t *)recs.buf;
     const unsigned char *b = (const unsigned char *)(uintptr_t)base;
     Py_BEGIN_ALLOW_THREADS
