@@ -2,7 +2,9 @@
 
 On 20,000 tensors of 1-64 KiB the restoring thread spent ~10 us per tensor in the interpreter around a
 hash and a copy of ~3 us, and so ran at half the disk's speed (docs/benchmarks.md). ``_native.scatter``
-runs that loop (gap check, xxh3, copy) over a table of records in C, without the GIL.
+runs that loop (gap check, xxh3, copy out) over a table of records in C, without the GIL;
+``_native.gather`` is the save side (copy in, zero the gaps, xxh3), and ``_native.hash_into`` hashes
+a memory tier's packed blob.
 
 The checksum stays xxhash's: the extension calls ``XXH3_64bits`` through an address taken from the
 python-xxhash extension already loaded (it exports the symbol, with xxhash's CPU dispatch), else from
@@ -110,7 +112,7 @@ def records(
     checksums: Sequence[int],
     dsts: Sequence[int] | None = None,
 ) -> Records:
-    """Records of tensors ``order`` (indices into the columns), with destinations ``dsts[i]`` (or 0)."""
+    """Records of tensors ``order`` (indices into the columns), with addresses ``dsts[i]`` (or 0)."""
     n = len(order)
     t = array("Q", bytes(32 * n))
     t[0::4] = array("Q", [offsets[i] for i in order])
