@@ -21,6 +21,7 @@ import xxhash
 
 from tierckpt.errors import CorruptCheckpointError, StateError
 from tierckpt.format.manifest import Manifest, decode_manifest, dtype_from_name
+from tierckpt.format.table import blob_spans
 from tierckpt.format.tree import format_path, unflatten
 from tierckpt.io.buffers import MappedBuffer, ptr_mv
 from tierckpt.io.native import THREADS, all_zero, native, records
@@ -120,12 +121,7 @@ def _verifier(tier: Tier, key: CheckpointKey, m: Manifest) -> Callable[[int, Map
     t = m.tensors
     order = t.order()  # non-empty tensors by (blob, offset)
     blob_of, offsets, lengths, checksums = t.blobs, t.offsets, t.lengths, t.checksums
-    span: dict[int, tuple[int, int]] = {}  # blob -> [start, stop) of its tensors in order
-    start = 0
-    for stop in range(1, len(order) + 1):  # order is grouped by blob: cut it where the blob changes
-        if stop == len(order) or blob_of[order[stop]] != blob_of[order[start]]:
-            span[blob_of[order[start]]] = (start, stop)
-            start = stop
+    span = blob_spans(order, blob_of)
     done = [(span.get(bi, (0, 0))[0], 0) for bi in range(len(m.blobs))]  # per blob: next position, bytes checked
     digest, zeros, nz = xxhash.xxh3_64_intdigest, _ZEROS, len(_ZEROS)
     recs = records(order, offsets, lengths, checksums).table if native is not None else None

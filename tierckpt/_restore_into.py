@@ -29,6 +29,7 @@ from tierckpt._restore import load_manifest, match_state, rebuild
 from tierckpt.errors import CorruptCheckpointError
 from tierckpt.format.layout import round_up
 from tierckpt.format.manifest import Manifest, dtype_from_name
+from tierckpt.format.table import blob_spans
 from tierckpt.io.buffers import StagingPool, memmove, ptr_mv
 from tierckpt.io.native import THREADS, Records, all_zero, native, records
 from tierckpt.tiers.base import CheckpointKey, Tier, TierReader
@@ -194,10 +195,7 @@ class _Stream:
         self.order = m.tensors.order()
         self.k = 0  # position in order of the next tensor (or the one partly copied)
         self.recs: Records | None = None  # for the native loop: built once ``addrs`` is set
-        self.blob_end: dict[int, int] = {}  # blob -> position in order after its last tensor
-        blobs = m.tensors.blobs
-        for pos, i in enumerate(self.order):
-            self.blob_end[blobs[i]] = pos + 1
+        self.spans = blob_spans(self.order, m.tensors.blobs)
         self.hasher = xxhash.xxh3_64()
         bufs = [reader.buffer(bi) for bi in range(len(m.blobs))]
         self.in_memory = all(b is not None and b.device.type == "cpu" for b in bufs)  # copy straight out
@@ -329,7 +327,7 @@ class _Stream:
         view = ptr_mv(base, n, writable=False)
         cursor = p0  # bytes before it are accounted for (tensor bytes copied, gap bytes checked)
         recs, scatter = self.recs, native.scatter if native is not None else None
-        stop = self.blob_end.get(bi, k)
+        stop = self.spans.get(bi, (k, k))[1]
         try:
             while k < nk:
                 if recs is not None:  # whole small tensors of this piece: in C, without the GIL

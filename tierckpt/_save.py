@@ -19,6 +19,7 @@ import xxhash
 
 from tierckpt.format.layout import Layout
 from tierckpt.format.manifest import BlobEntry, Manifest, TensorTable, dtype_name, encode_manifest
+from tierckpt.format.table import blob_spans
 from tierckpt.format.tree import FlatState
 from tierckpt.io.buffers import StagingPool, memmove, ptr_mv
 from tierckpt.io.native import native, records
@@ -122,12 +123,11 @@ def pack_and_write(
     # The C loop packs (and hashes) runs of whole tensors straight from the caller's memory, without the
     # GIL; a tensor that is not a contiguous CPU one (source 0), or larger than a block, is packed below.
     recs, gather = None, native.gather if native is not None else None
-    blob_end: dict[int, int] = {}
+    spans: dict[int, tuple[int, int]] = {}
     done: list[tuple[int, int]] = []  # [k0, k1) ranges of order packed by the C loop
     if gather is not None:
         recs = records(order, e_off, e_len, checksums, [_source(r.tensor) for r in tensors])
-        for pos, i in enumerate(order):
-            blob_end[e_blob[i]] = pos + 1
+        spans = blob_spans(order, e_blob)
     max_len = (1 << 64) - 1 if defer else _BLOCK_BYTES
     try:
         for b, size in enumerate(layout.blob_sizes):
@@ -155,7 +155,15 @@ def pack_and_write(
                         if recs is not None and not src:
                             k0 = k
                             k, cursor = gather(
-                                recs.table, k, blob_end.get(b, k), base + p0, p0, p1 - p0, cursor, max_len, not defer
+                                recs.table,
+                                k,
+                                spans.get(b, (k, k))[1],
+                                base + p0,
+                                p0,
+                                p1 - p0,
+                                cursor,
+                                max_len,
+                                not defer,
                             )  # type: ignore[misc]
                             if k > k0:
                                 done.append((k0, k))
@@ -206,11 +214,8 @@ def pack_and_write(
         if defer:
             bases = [writers[mem].buffer(b).data_ptr() for b in range(len(layout.blob_sizes))]  # type: ignore[index, union-attr]
             if recs is not None:  # one GIL-free call per blob
-                start = 0
                 for b, base in enumerate(bases):
-                    stop = blob_end.get(b, start)
-                    native.hash_into(recs.table, start, stop, base)  # type: ignore[union-attr]
-                    start = stop
+                    native.hash_into(recs.table, *spans.get(b, (0, 0)), base)  # type: ignore[union-attr]
                 table = recs.table
                 for pos, i in enumerate(order):
                     checksums[i] = table[4 * pos + 2]

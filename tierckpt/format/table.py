@@ -25,7 +25,7 @@ import torch
 
 from tierckpt.errors import CorruptCheckpointError
 
-__all__ = ["DTYPES", "TensorEntry", "TensorTable", "check_extents", "decode_table", "encode_table"]
+__all__ = ["DTYPES", "TensorEntry", "TensorTable", "blob_spans", "check_extents", "decode_table", "encode_table"]
 
 MAX_DIMS = 64
 _LITTLE = sys.byteorder == "little"
@@ -146,6 +146,18 @@ class TensorTable(Sequence[TensorEntry]):
             ids.sort(key=blobs.__getitem__)  # stable: by blob, then offset
             self._order = ids
         return self._order
+
+
+def blob_spans(order: Sequence[int], blob_of: Sequence[int]) -> dict[int, tuple[int, int]]:
+    """Where each blob's tensors lie in ``order`` (tensor indices grouped by blob, as
+    :meth:`TensorTable.order` gives them): blob -> ``(start, stop)`` positions in ``order``."""
+    spans: dict[int, tuple[int, int]] = {}
+    start = 0
+    for stop in range(1, len(order) + 1):  # cut where the blob changes
+        if stop == len(order) or blob_of[order[stop]] != blob_of[order[start]]:
+            spans[blob_of[order[start]]] = (start, stop)
+            start = stop
+    return spans
 
 
 # -- version 2 codec -------------------------------------------------------------------------------------
