@@ -3,8 +3,7 @@
 Blobs are read in aligned chunks into fresh page-aligned buffers (O_DIRECT where the tier uses it),
 whose pages helper threads fault in just ahead of the reads; every tensor's checksum is verified, and
 its zero-copy view built, as soon as the chunk that completes it has arrived (while later reads are in
-flight). ``match_state`` pairs a restored state with a target for an in-place restore
-(``tierckpt._restore_into``).
+flight).
 """
 
 from __future__ import annotations
@@ -12,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -20,14 +19,14 @@ import torch
 import xxhash
 
 from tierckpt.errors import CorruptCheckpointError, StateError
-from tierckpt.format.manifest import Manifest, decode_manifest, dtype_from_name
+from tierckpt.format.manifest import Manifest, ManifestHead, decode_head, dtype_from_name
 from tierckpt.format.table import blob_spans
-from tierckpt.format.tree import format_path, unflatten
+from tierckpt.format.tree import unflatten
 from tierckpt.io.buffers import MappedBuffer, ptr_mv
 from tierckpt.io.native import THREADS, all_zero, native, records
 from tierckpt.tiers.base import CheckpointKey, Tier
 
-__all__ = ["load_manifest", "match_state", "read_checkpoint", "rebuild", "verify_checkpoint"]
+__all__ = ["load_head", "load_manifest", "load_rest", "read_checkpoint", "rebuild", "verify_checkpoint"]
 
 log = logging.getLogger(__name__)
 _PREFAULT_THREADS = max(1, min(4, os.cpu_count() or 1))
@@ -40,22 +39,40 @@ def load_manifest(tier: Tier, key: CheckpointKey, *, allow_pickle: bool = True) 
     Raises:
         StateError: the checkpoint holds pickled values and ``allow_pickle`` is False.
     """
+    return load_rest(tier, key, load_head(tier, key, allow_pickle=allow_pickle))
+
+
+def load_head(tier: Tier, key: CheckpointKey, *, allow_pickle: bool = True) -> ManifestHead:
+    """Read the manifest of ``key`` on ``tier`` and validate its head (what says which blobs to read);
+    :func:`load_rest` validates the rest.
+
+    Raises:
+        StateError: the checkpoint holds pickled values and ``allow_pickle`` is False.
+    """
     try:
-        m = decode_manifest(tier.read_manifest(key))
+        head = decode_head(tier.read_manifest(key))
     except CorruptCheckpointError as e:
         raise CorruptCheckpointError(str(e), tier=tier.name, step=key.step) from None
-    if (m.step, m.rank) != (key.step, key.rank):
+    if (head.step, head.rank) != (key.step, key.rank):
         raise CorruptCheckpointError(
-            f"manifest says step {m.step} rank {m.rank}, stored as step {key.step} rank {key.rank}",
+            f"manifest says step {head.step} rank {head.rank}, stored as step {key.step} rank {key.rank}",
             tier=tier.name,
             step=key.step,
         )
-    if m.has_pickle and not allow_pickle:
+    if head.has_pickle and not allow_pickle:
         raise StateError(
             f"step {key.step} on tier {tier.name!r} holds pickled values; pass allow_pickle=True "
             "to restore() only if you trust where it came from"
         )
-    return m
+    return head
+
+
+def load_rest(tier: Tier, key: CheckpointKey, head: ManifestHead) -> Manifest:
+    """The whole manifest of ``head`` (tensor table and tree validated; errors name the tier)."""
+    try:
+        return head.manifest()
+    except CorruptCheckpointError as e:
+        raise CorruptCheckpointError(str(e), tier=tier.name, step=key.step) from None
 
 
 def _read_blobs(
@@ -220,76 +237,3 @@ def rebuild(
         return unflatten(m.tree, tensor_at, len(m.tensors), allow_pickle=allow_pickle)
     except CorruptCheckpointError as e:
         raise CorruptCheckpointError(str(e), tier=tier.name, step=key.step) from None
-
-
-def match_state(
-    target: Any, source: Any, *, leaf: type[int], shapes: Sequence[tuple[int, ...]], dtypes: Sequence[torch.dtype]
-) -> tuple[list[tuple[torch.Tensor, int]], list[tuple[Any, Any, Any]]]:
-    """Pair a checkpoint's state with ``target`` for an in-place restore; changes nothing.
-
-    ``source``'s tensors are manifest indices of type ``leaf`` (an ``int`` subclass, so that plain
-    ints stay apart): tensor ``i`` has shape ``shapes[i]`` and dtype ``dtypes[i]``.
-    Returns ``(copies, assigns)``: ``(target tensor, index)`` pairs (same shape and dtype) and
-    ``(container, key, value)`` assignments for every other value (numbers, strings, tuples …, and
-    keys only the checkpoint has).
-
-    Raises:
-        StateError: naming the key path of a missing key or a shape/dtype/type mismatch.
-    """
-    copies: list[tuple[torch.Tensor, int]] = []
-    assigns: list[tuple[Any, Any, Any]] = []
-    Tensor = torch.Tensor
-
-    def walk(dst: Any, src: Any, path: tuple[Any, ...]) -> None:
-        # key paths are formatted only for an error: a walk over 20,000 tensors must not pay for them
-        if isinstance(dst, dict):
-            if not isinstance(src, dict):
-                raise StateError(
-                    f"{format_path(path, 'target')}: target is a dict, checkpoint has {_describe(src, leaf)}"
-                )
-            for k in dst:
-                if k not in src:
-                    raise StateError(f"{format_path((*path, k), 'target')}: key is not in the checkpoint")
-            for k, v in src.items():
-                d = dst.get(k, None)
-                if type(v) is leaf and isinstance(d, Tensor) and d.shape == shapes[v] and d.dtype == dtypes[v]:
-                    copies.append((d, v))  # the common case, without a call
-                elif isinstance(d, (dict, list, Tensor)):
-                    walk(d, v, (*path, k))
-                else:
-                    assigns.append((dst, k, v))
-        elif isinstance(dst, list):
-            if not isinstance(src, list) or len(src) != len(dst):
-                raise StateError(
-                    f"{format_path(path, 'target')}: target is a list of {len(dst)}, checkpoint has {_describe(src, leaf)}"
-                )
-            for i, (d, s) in enumerate(zip(dst, src)):
-                if isinstance(d, (dict, list, Tensor)):
-                    walk(d, s, (*path, i))
-                else:
-                    assigns.append((dst, i, s))
-        elif isinstance(dst, Tensor):
-            where = format_path(path, "target")
-            if type(src) is not leaf:
-                raise StateError(f"{where}: target is a tensor, checkpoint has {_describe(src, leaf)}")
-            if dst.shape != shapes[src] or dst.dtype != dtypes[src]:
-                raise StateError(
-                    f"{where}: target is {dst.dtype} {tuple(dst.shape)}, checkpoint has {dtypes[src]} {tuple(shapes[src])}"
-                )
-            copies.append((dst, src))
-        else:
-            raise StateError(
-                f"{format_path(path, 'target')}: cannot restore into a {type(dst).__name__}; pass a dict or a list"
-            )
-
-    try:
-        walk(target, source, ())
-    finally:
-        walk = None  # type: ignore[assignment]  # it referred to itself: a cycle holding every pair until a GC pass
-    return copies, assigns
-
-
-def _describe(v: Any, leaf: type) -> str:
-    if type(v) is leaf:
-        return "a tensor"
-    return f"a list of {len(v)}" if isinstance(v, list) else type(v).__name__

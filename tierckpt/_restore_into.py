@@ -25,10 +25,11 @@ from typing import Any
 import torch
 import xxhash
 
-from tierckpt._restore import load_manifest, match_state, rebuild
+from tierckpt._match import materialize, plan
+from tierckpt._restore import load_head, load_rest
 from tierckpt.errors import CorruptCheckpointError
 from tierckpt.format.layout import round_up
-from tierckpt.format.manifest import Manifest, dtype_from_name
+from tierckpt.format.manifest import Manifest, ManifestHead
 from tierckpt.format.table import blob_spans
 from tierckpt.io.buffers import StagingPool, memmove, ptr_mv
 from tierckpt.io.native import THREADS, Records, all_zero, native, records
@@ -38,6 +39,7 @@ __all__ = ["RestoreStaging", "restore_into"]
 
 _SLOTS = 12  # reads in flight or being copied out (the engine's queue depth caps those in flight)
 _SLOT_BYTES = 16 << 20
+_STEADY_READS = 2  # reads in flight once the target is matched (see restore_into)
 _BLOCK_BYTES = 1 << 20  # copy-then-hash unit: the hash reads the bytes while they are still cached
 _DIRECT_MIN = 4 << 20  # a tensor body this large is read straight into its destination where alignment allows
 _ZEROS = bytes(4096)
@@ -98,119 +100,72 @@ def restore_into(
             so may large ones further on whose bodies were being read straight into them (the reads in
             flight); no value is assigned and no other tensor is changed.
     """
-    m = load_manifest(tier, key, allow_pickle=allow_pickle)
-    reader = tier.reader(key, m.blobs)
+    head = load_head(tier, key, allow_pickle=allow_pickle)
+    reader = tier.reader(key, head.blobs)
     try:
-        stream = _Stream(tier, key, m, reader, lambda: pool(m.align))
+        stream = _Stream(tier, key, head, reader, lambda: pool(head.align))
         try:
-            stream.fill()  # the first reads are under way while the target is matched
-            made, later, assigns = _plan(m, target, stream.addrs, allow_pickle=allow_pickle, tier=tier, key=key)
+            # The first reads go into the staging slots while the rest of the manifest is validated and
+            # the target is matched: no byte read is looked at before both are done.
+            stream.fill()
+            m = load_rest(tier, key, head)
+            stream.attach(m)
+            todo = plan(m, target, stream.addrs, allow_pickle=allow_pickle, tier=tier, key=key)
             stream.read_direct()
+            stream.reads = _STEADY_READS if not tier.capabilities.shared else stream.reads
             stream.run()
         finally:
             stream.close()
     finally:
         reader.close()
     with torch.no_grad():
-        for dst, fresh in later:
+        for dst, fresh in todo.later:
             if dst.numel():
                 dst.copy_(fresh)
-    for container, k, v in assigns:
-        container[k] = _materialize(v, made)
+    for container, k, v in todo.assigns:
+        container[k] = materialize(v, todo.made)
     return target
-
-
-def _plan(
-    m: Manifest, target: Any, addrs: list[int], *, allow_pickle: bool, tier: Tier, key: CheckpointKey
-) -> tuple[dict[int, torch.Tensor], list[tuple[torch.Tensor, torch.Tensor]], list[tuple[Any, Any, Any]]]:
-    """Match ``target`` with the checkpoint and fill ``addrs`` (where each tensor's bytes go).
-
-    Returns the fresh tensors (by manifest index), the ``(target tensor, fresh tensor)`` copies to make
-    after verification, and the ``(container, key, value)`` assignments.
-    """
-    t = m.tensors
-    n = len(t)
-    shapes, lengths = t.shapes, t.lengths
-    by_name = {name: dtype_from_name(name) for name in set(t.dtypes)}
-    dtypes = [by_name[name] for name in t.dtypes]
-    uses = [0] * n  # how often the tree references each tensor
-
-    def ref(i: int) -> _Ref:
-        uses[i] += 1
-        return _Ref(i)
-
-    source = rebuild(tier, key, m, ref, allow_pickle=allow_pickle)  # type: ignore[arg-type]
-    copies, assigns = match_state(target, source, leaf=_Ref, shapes=shapes, dtypes=dtypes)
-    made: dict[int, torch.Tensor] = {}  # fresh tensors: for assigned values and what cannot be streamed into
-    later: list[tuple[torch.Tensor, torch.Tensor]] = []  # (target tensor, fresh tensor) after verification
-    placed = bytearray(n)  # 1: streamed straight into a target tensor
-    for d, i in copies:
-        if uses[i] == 1 and d.is_cpu and d.is_contiguous():  # one reference, so one target tensor
-            addrs[i] = d.data_ptr()
-            placed[i] = 1
-        else:
-            f = made.get(i)
-            if f is None:
-                f = made[i] = torch.empty(shapes[i], dtype=dtypes[i])  # not touched until the bytes arrive
-                addrs[i] = f.data_ptr()
-            later.append((d, f))
-    for i in range(n):
-        if placed[i] or i in made:
-            continue
-        if uses[i]:  # only in assigned values (a tuple, a key only the checkpoint has)
-            f = made[i] = torch.empty(shapes[i], dtype=dtypes[i])
-        elif lengths[i]:  # never referenced (only a hand-made manifest): verified into scratch and dropped
-            f = made[i] = torch.empty(lengths[i], dtype=torch.uint8)
-        else:
-            continue
-        addrs[i] = f.data_ptr()
-    return made, later, assigns
-
-
-class _Ref(int):
-    """Tensor ``int(self)`` of the manifest where the tree references it (no memory behind it)."""
-
-    __slots__ = ()
-
-
-def _materialize(v: Any, made: dict[int, torch.Tensor]) -> Any:
-    """``v`` with every tensor reference replaced by its fresh tensor (containers rebuilt with their types)."""
-    if type(v) is _Ref:
-        return made[v]
-    if isinstance(v, dict):
-        return type(v)((k, _materialize(x, made)) for k, x in v.items())
-    if isinstance(v, (list, tuple)):
-        return type(v)(_materialize(x, made) for x in v)
-    return v
 
 
 class _Stream:
     """Copies the blobs' bytes to each tensor's destination address, verifying as it goes."""
 
     def __init__(
-        self, tier: Tier, key: CheckpointKey, m: Manifest, reader: TierReader, pool: Callable[[], StagingPool]
+        self, tier: Tier, key: CheckpointKey, head: ManifestHead, reader: TierReader, pool: Callable[[], StagingPool]
     ) -> None:
-        self.tier, self.key, self.m, self.reader = tier, key, m, reader
-        self.addrs = [0] * len(m.tensors)  # destination of each tensor's bytes; set before run()
-        self.order = m.tensors.order()
+        self.tier, self.key, self.head, self.reader = tier, key, head, reader
         self.k = 0  # position in order of the next tensor (or the one partly copied)
         self.recs: Records | None = None  # for the native loop: built once ``addrs`` is set
-        self.spans = blob_spans(self.order, m.tensors.blobs)
         self.hasher = xxhash.xxh3_64()
-        bufs = [reader.buffer(bi) for bi in range(len(m.blobs))]
+        bufs = [reader.buffer(bi) for bi in range(len(head.blobs))]
         self.in_memory = all(b is not None and b.device.type == "cpu" for b in bufs)  # copy straight out
         self.bufs = bufs
         self.pool: StagingPool | None = None
         # reads to make, in blob order: (blob, offset, length, destination address or 0 for a staging slot)
         self.todo: deque[tuple[int, int, int, int]] = deque()
         self.inflight: deque[tuple[int, int, int, torch.Tensor | None, Future[int], int]] = deque()
+        self.lock = threading.RLock()  # todo, inflight, running: shared with the engine's thread
+        self.reads = 0  # reads allowed to run at once (set below, and by restore_into once matched)
+        self.running = 0  # reads submitted and not yet landed
+        self.closed = False
+        self.error: BaseException | None = None
         self.piece = 0
         if not self.in_memory:
             self.pool = pool()
-            self.piece = self.pool.slot_bytes // m.align * m.align
+            self.piece = self.pool.slot_bytes // head.align * head.align
             if not self.piece:
-                raise ValueError(f"alignment {m.align} exceeds the restore staging slot ({self.pool.slot_bytes} bytes)")
-            self.todo = deque(x for bi, b in enumerate(m.blobs) for x in self._pieces(bi, 0, b.size))
+                raise ValueError(
+                    f"alignment {head.align} exceeds the restore staging slot ({self.pool.slot_bytes} bytes)"
+                )
+            self.todo = deque(x for bi, b in enumerate(head.blobs) for x in self._pieces(bi, 0, b.size))
+            self.reads = self.pool.slots  # until the target is matched: fill every slot at once
+
+    def attach(self, m: Manifest) -> None:
+        """Take the validated manifest (of the head given at construction) before anything is consumed."""
+        self.m = m
+        self.addrs = [0] * len(m.tensors)  # destination of each tensor's bytes; set before run()
+        self.order = m.tensors.order()
+        self.spans = blob_spans(self.order, m.tensors.blobs)
 
     def _pieces(self, bi: int, start: int, stop: int, dest: int = 0) -> list[tuple[int, int, int, int]]:
         """Reads of at most one slot each covering ``[start, stop)`` of blob ``bi`` (into ``dest`` if set)."""
@@ -227,6 +182,10 @@ class _Stream:
         it: only the hash reads those bytes again. Head and tail bytes (and everything else) are still
         staged. Reads already submitted are left as they are.
         """
+        with self.lock:  # the engine's thread takes reads from ``todo`` as earlier ones land
+            self._read_direct()
+
+    def _read_direct(self) -> None:
         if not self.todo:
             return
         t = self.m.tensors
@@ -253,21 +212,34 @@ class _Stream:
             return
         todo: list[tuple[int, int, int, int]] = []
         k = 0
-        for bi in range(bi0, len(self.m.blobs)):
+        for bi in range(bi0, len(self.head.blobs)):
             pos = resume if bi == bi0 else 0
             while k < len(bodies) and bodies[k][0] == bi:
                 _, f0, f1, dest = bodies[k]
                 todo += self._pieces(bi, pos, f0) + self._pieces(bi, f0, f1, dest)
                 pos, k = f1, k + 1
-            todo += self._pieces(bi, pos, self.m.blobs[bi].size)
+            todo += self._pieces(bi, pos, self.head.blobs[bi].size)
         self.todo = deque(todo)
 
     def fill(self) -> None:
-        """Submit reads until ``pool.slots`` are in flight (or nothing is left to read)."""
+        """Submit reads while fewer than :attr:`reads` run and a slot is free (or nothing is left).
+
+        Each read that lands submits the next one from the engine's thread (:meth:`_landed`), so the
+        disk keeps reading while this thread is busy elsewhere (matching the target, copying out).
+        """
+        with self.lock:
+            self._submit()
+        if self.error is not None:
+            raise self.error
+
+    def _submit(self) -> None:  # with self.lock held
         pool = self.pool
-        while self.todo and len(self.inflight) < pool.slots:  # type: ignore[union-attr]
+        while (
+            self.todo and self.running < self.reads and len(self.inflight) < pool.slots  # type: ignore[union-attr]
+            and not self.closed and self.error is None
+        ):  # fmt: skip
             bi, off, n, dest = self.todo.popleft()
-            slot = None if dest else pool.acquire()  # type: ignore[union-attr]
+            slot = None if dest else pool.acquire()  # type: ignore[union-attr]  # never waits: one is free
             base = dest or slot.data_ptr()  # type: ignore[union-attr]
             try:
                 fut = self.reader.read(bi, off, base, n)
@@ -275,7 +247,18 @@ class _Stream:
                 if slot is not None:
                     pool.release(slot)  # type: ignore[union-attr]
                 raise
+            self.running += 1
             self.inflight.append((bi, off, n, slot, fut, base))
+            fut.add_done_callback(self._landed)  # runs at once, here, if the read is already done
+
+    def _landed(self, _fut: Future[int]) -> None:
+        """A read finished (engine's thread, or this one): submit the next; an error waits for :meth:`run`."""
+        with self.lock:
+            self.running -= 1
+            try:
+                self._submit()
+            except BaseException as e:  # raised again in the restoring thread
+                self.error = e
 
     def run(self) -> None:
         """Copy and verify every tensor's bytes to ``addrs``."""
@@ -283,29 +266,35 @@ class _Stream:
             t = self.m.tensors
             self.recs = records(self.order, t.offsets, t.lengths, t.checksums, self.addrs)
         if self.in_memory:
-            for bi, (b, buf) in enumerate(zip(self.m.blobs, self.bufs)):
+            for bi, (b, buf) in enumerate(zip(self.head.blobs, self.bufs)):
                 if b.size:
                     self.consume(bi, 0, b.size, buf.data_ptr())  # type: ignore[union-attr]
         else:
-            while self.todo or self.inflight:
+            while True:
                 self.fill()
-                bi, off, n, slot, fut, base = self.inflight[0]
+                with self.lock:
+                    if not self.inflight:
+                        break
+                    bi, off, n, slot, fut, base = self.inflight[0]
                 got = fut.result()
                 if got != n:
                     raise CorruptCheckpointError(
                         f"blob is truncated: read {got} of {n} bytes at offset {off}",
-                        tier=self.tier.name, step=self.key.step, blob=self.m.blobs[bi].name,
+                        tier=self.tier.name, step=self.key.step, blob=self.head.blobs[bi].name,
                     )  # fmt: skip
                 self.consume(bi, off, n, base)
-                self.inflight.popleft()
-                if slot is not None:
-                    self.pool.release(slot)  # type: ignore[union-attr]
+                with self.lock:
+                    self.inflight.popleft()
+                    if slot is not None:
+                        self.pool.release(slot)  # type: ignore[union-attr]
         if self.k != len(self.order):  # pragma: no cover - the manifest's validation rules this out
             raise CorruptCheckpointError("blobs end before the tensors do", tier=self.tier.name, step=self.key.step)
 
     def close(self) -> None:
         """Wait for the reads still in flight and give their slots back (never reuse a slot the engine
         may still be reading into)."""
+        with self.lock:
+            self.closed = True  # reads that land from now on submit nothing
         while self.inflight:
             _, _, _, slot, fut, _ = self.inflight.popleft()
             with contextlib.suppress(BaseException):
@@ -382,11 +371,11 @@ class _Stream:
     def _padding_error(self, bi: int, start: int, stop: int) -> None:
         raise CorruptCheckpointError(
             f"padding bytes [{start}, {stop}) are not zero",
-            tier=self.tier.name, step=self.key.step, blob=self.m.blobs[bi].name,
+            tier=self.tier.name, step=self.key.step, blob=self.head.blobs[bi].name,
         )  # fmt: skip
 
     def _mismatch(self, bi: int, i: int) -> None:
         raise CorruptCheckpointError(
-            "checksum mismatch", tier=self.tier.name, step=self.key.step, blob=self.m.blobs[bi].name,
+            "checksum mismatch", tier=self.tier.name, step=self.key.step, blob=self.head.blobs[bi].name,
             key=self.m.tensors.paths[i],
         )  # fmt: skip

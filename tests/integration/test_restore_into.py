@@ -286,3 +286,119 @@ def test_concurrent_in_place_restores_take_turns(tmp_path: Path) -> None:
         assert not errors
         for s, t in zip(states, targets):
             assert_same(s, t)
+
+
+def spy_reads(
+    h: Hierarchy, tier: str, monkeypatch: pytest.MonkeyPatch, fail_at: int | str | None = None
+) -> dict[str, Any]:
+    """Count the blob reads of ``tier``'s readers and how many run at once. Read number ``fail_at``
+    (or with ``"engine"``, the first one submitted outside the main thread) raises OSError instead."""
+    seen: dict[str, Any] = {"reads": 0, "running": 0, "most": 0, "most_after_plan": 0, "planned": False}
+    seen["fail_at"] = fail_at
+    lock = threading.Lock()
+    t = h.tier(tier)
+    make_reader = t.reader
+
+    def reader(*args: Any, **kwargs: Any) -> Any:
+        r = make_reader(*args, **kwargs)
+        read = r.read
+
+        def counted(*a: Any) -> Any:
+            with lock:
+                seen["reads"] += 1
+                off_main = threading.current_thread() is not threading.main_thread()
+                if seen["reads"] == seen["fail_at"] or (seen["fail_at"] == "engine" and off_main):
+                    raise OSError(5, "injected submission failure")
+                seen["running"] += 1
+                seen["most"] = max(seen["most"], seen["running"])
+                if seen["planned"]:
+                    seen["most_after_plan"] = max(seen["most_after_plan"], seen["running"])
+            fut = read(*a)
+
+            def landed(_: Any) -> None:
+                with lock:
+                    seen["running"] -= 1
+
+            fut.add_done_callback(landed)
+            return fut
+
+        r.read = counted
+        return r
+
+    monkeypatch.setattr(t, "reader", reader)
+    import tierckpt._restore_into as ri
+
+    plan = ri.plan
+
+    def planned(*a: Any, **k: Any) -> Any:
+        out = plan(*a, **k)
+        seen["planned"] = True
+        return out
+
+    monkeypatch.setattr(ri, "plan", planned)
+    return seen
+
+
+def test_reads_start_before_the_table_is_validated_and_a_bad_table_changes_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Blob reads go into the staging slots once the manifest's head (blob names, sizes) is valid; a
+    tensor table that then fails validation raises, leaves the target untouched and the slots free."""
+    state = make_state(3)
+    with open_h(config(tmp_path, "ssd"), slots=4) as h:
+        h.save(state, step=1).wait()
+        mpath = Path(h.tier("ssd").path) / "step-000000000001" / "rank-00000" / "manifest"  # type: ignore[attr-defined]
+        good = mpath.read_bytes()
+        m = decode_manifest(good)
+        t0 = m.tensors[0]
+        moved = t0._replace(offset=m.blobs[t0.blob].size)  # past the end of its blob
+        mpath.write_bytes(encode_manifest(dataclasses.replace(m, tensors=(moved, *m.tensors[1:]))))
+        seen = spy_reads(h, "ssd", monkeypatch)
+        target = zeros_like(state)
+        with pytest.raises(CorruptCheckpointError, match="exceeds blob size"):
+            h.restore(into=target)
+        assert seen["reads"] > 0 and seen["running"] == 0  # reads had started, and all have landed
+        assert all(not x.any() for _, x in tensors(target) if x.numel())
+        pool = h._in_place.pool(4096)
+        assert len(pool._free) == pool._allocated  # every slot given back
+        mpath.write_bytes(good)
+        assert_same(state, h.restore(into=target))
+
+
+def test_after_the_match_few_reads_run_at_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every slot is filled while the target is matched; then at most two reads run at once on a
+    node-local tier (so they land in order), however many slots are free."""
+    import tierckpt._restore_into as ri
+
+    state = make_state(4)
+    with open_h(config(tmp_path, "ssd"), slots=8) as h:
+        h.save(state, step=1).wait()
+        seen = spy_reads(h, "ssd", monkeypatch)
+        assert_same(state, h.restore(into=zeros_like(state)))
+        assert seen["reads"] > 8 and seen["running"] == 0
+        assert 1 <= seen["most_after_plan"] <= ri._STEADY_READS < seen["most"] <= 8
+
+
+@pytest.mark.parametrize("engine", ["threads", "uring"])
+@pytest.mark.parametrize("fail_at", [1, 2, 6, "engine"])
+def test_a_read_that_cannot_be_submitted_is_raised(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fail_at: int | str, engine: str
+) -> None:
+    """A failure to submit a read (in the restoring thread, or in the engine's thread as an earlier
+    read lands) is raised by restore(into=), after every read in flight has landed."""
+    state = make_state(5)
+    with open_h(config(tmp_path, "ssd", engine=engine), slots=2 if fail_at != "engine" else 8) as h:
+        h.save(state, step=1).wait()
+        seen = spy_reads(h, "ssd", monkeypatch, fail_at=fail_at)
+        for _ in range(20):  # "engine": until a read is submitted from the engine's thread
+            try:
+                h.restore(into=zeros_like(state))
+            except OSError as e:
+                assert "injected submission failure" in str(e)
+                break
+            assert fail_at == "engine"
+        else:
+            pytest.fail("no read was submitted from the engine's thread")
+        assert seen["running"] == 0
+        seen["reads"], seen["fail_at"] = 0, None
+        assert_same(state, h.restore(into=zeros_like(state)))

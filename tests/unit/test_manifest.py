@@ -199,3 +199,36 @@ def test_framing_errors() -> None:
     flipped[30] ^= 1
     with pytest.raises(CorruptCheckpointError, match="checksum"):
         decode_manifest(bytes(flipped))
+
+
+def test_extents_out_of_disk_order_are_sorted_and_checked() -> None:
+    """The table's rows need not be in disk order: order() sorts by (blob, offset), overlaps are found."""
+    from tierckpt.format.table import check_extents
+
+    def table(blobs: list[int], offsets: list[int]) -> TensorTable:
+        return TensorTable(["a", "b", "c"], ["uint8"] * 3, [(4,)] * 3, blobs, offsets, [4] * 3, [0] * 3)
+
+    t = table([0, 0, 0], [8, 0, 4])
+    check_extents(t, [12])
+    assert t.order() == [1, 2, 0]
+    t = table([1, 0, 0], [0, 4, 0])
+    check_extents(t, [8, 8])
+    assert t.order() == [2, 1, 0]
+    with pytest.raises(CorruptCheckpointError, match="extents of c and a overlap"):
+        check_extents(table([0, 0, 0], [6, 0, 4]), [12])
+
+
+def test_head_is_validated_before_the_table() -> None:
+    """decode_head checks framing and blobs alone; the table's problems surface in manifest()."""
+    from tierckpt.format.manifest import decode_head
+
+    p = payload(version=2)
+    p["tensors"]["offset"] = b"\x00" * 5  # a broken column
+    head = decode_head(reframe(p, version=2))
+    assert [b.name for b in head.blobs] == [b.name for b in sample().blobs]
+    with pytest.raises(CorruptCheckpointError, match="tensors.offset"):
+        head.manifest()
+    p = payload(version=2)
+    p["blobs"][0][0] = "../escape"
+    with pytest.raises(CorruptCheckpointError, match="not a plain file name"):
+        decode_head(reframe(p, version=2))

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 import re
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import msgpack
@@ -26,8 +26,10 @@ __all__ = [
     "READ_VERSIONS",
     "BlobEntry",
     "Manifest",
+    "ManifestHead",
     "TensorEntry",
     "TensorTable",
+    "decode_head",
     "decode_manifest",
     "dtype_from_name",
     "dtype_name",
@@ -156,6 +158,64 @@ def decode_manifest(data: bytes) -> Manifest:
     Raises:
         CorruptCheckpointError: saying what is wrong.
     """
+    return decode_head(data).manifest()
+
+
+@dataclass(frozen=True)
+class ManifestHead:
+    """The part of a manifest that says which blobs to read: validated by :func:`decode_head`, before
+    the tensor table and the tree are (:meth:`manifest`), so that a restore can start reading the
+    blobs into its own buffers while it validates the rest.
+    """
+
+    version: int
+    step: int
+    rank: int
+    world_size: int
+    align: int
+    blobs: tuple[BlobEntry, ...]
+    has_pickle: bool
+    _payload: dict[str, Any] = field(repr=False, compare=False)
+
+    def manifest(self) -> Manifest:
+        """Validate the tensor table and the tree, and return the whole manifest.
+
+        Raises:
+            CorruptCheckpointError: saying what is wrong.
+        """
+        d = self._payload
+        _want(isinstance(d["tree"], bytes), "tree is not bytes")
+        tree = d["tree"]
+        if d["tree_codec"] == "zstd":
+            try:
+                tree = zstandard.ZstdDecompressor().decompress(tree, max_output_size=MAX_PAYLOAD_BYTES)
+            except zstandard.ZstdError as e:
+                raise _bad(f"tree does not decompress: {e}") from e
+        else:
+            _want(d["tree_codec"] == "none", f"unknown tree codec {d['tree_codec']!r}")
+        sizes = [b.size for b in self.blobs]
+        tensors = decode_table(d["tensors"], sizes) if self.version == 2 else _decode_rows_v1(d["tensors"], sizes)
+        return Manifest(
+            step=self.step,
+            rank=self.rank,
+            world_size=self.world_size,
+            align=self.align,
+            blobs=self.blobs,
+            tensors=tensors,
+            tree=tree,
+            has_pickle=self.has_pickle,
+            version=self.version,
+        )
+
+
+def decode_head(data: bytes) -> ManifestHead:
+    """Check a manifest file's framing (magic, version, length, payload checksum) and its header fields
+    (step, rank, world size, alignment, blob names and sizes); the tensor table and the tree are
+    validated by :meth:`ManifestHead.manifest`.
+
+    Raises:
+        CorruptCheckpointError: saying what is wrong.
+    """
     _want(len(data) >= _HEADER.size + _TRAILER.size, f"file too short ({len(data)} bytes)")
     magic, version, flags, _reserved, n = _HEADER.unpack_from(data)
     _want(magic == MAGIC, f"bad magic {magic!r} (not a tierckpt manifest)")
@@ -166,7 +226,7 @@ def decode_manifest(data: bytes) -> Manifest:
     _want(flags == 0, f"unknown flags {flags:#x}")
     _want(n <= MAX_PAYLOAD_BYTES, f"payload length {n} is too large")
     _want(len(data) == _HEADER.size + n + _TRAILER.size, f"file is {len(data)} bytes, header says {n} + framing")
-    payload = data[_HEADER.size : _HEADER.size + n]
+    payload = memoryview(data)[_HEADER.size : _HEADER.size + n]
     (digest,) = _TRAILER.unpack_from(data, _HEADER.size + n)
     _want(xxhash.xxh3_64_intdigest(payload) == digest, "payload checksum mismatch")
     try:
@@ -184,16 +244,6 @@ def decode_manifest(data: bytes) -> Manifest:
     _want(_is_int(align, 1, 1 << 30) and align & (align - 1) == 0, f"align {align!r} is not a power of two")
     _want(d["checksum"] == "xxh3_64", f"unknown checksum algorithm {d['checksum']!r}")
     _want(type(d["has_pickle"]) is bool, "has_pickle is not a bool")
-    _want(isinstance(d["tree"], bytes), "tree is not bytes")
-    tree = d["tree"]
-    if d["tree_codec"] == "zstd":
-        try:
-            tree = zstandard.ZstdDecompressor().decompress(tree, max_output_size=MAX_PAYLOAD_BYTES)
-        except zstandard.ZstdError as e:
-            raise _bad(f"tree does not decompress: {e}") from e
-    else:
-        _want(d["tree_codec"] == "none", f"unknown tree codec {d['tree_codec']!r}")
-
     _want(isinstance(d["blobs"], list), "blobs is not a list")
     blobs = []
     for i, b in enumerate(d["blobs"]):
@@ -206,18 +256,15 @@ def decode_manifest(data: bytes) -> Manifest:
         _want(_is_int(size), f"blobs[{i}] size {size!r} is invalid")
         blobs.append(BlobEntry(name, size))
     _want(len({b.name for b in blobs}) == len(blobs), "blob names repeat")
-    sizes = [b.size for b in blobs]
-    tensors = decode_table(d["tensors"], sizes) if version == 2 else _decode_rows_v1(d["tensors"], sizes)
-    return Manifest(
+    return ManifestHead(
+        version=version,
         step=d["step"],
         rank=d["rank"],
         world_size=d["world_size"],
         align=align,
         blobs=tuple(blobs),
-        tensors=tensors,
-        tree=tree,
         has_pickle=d["has_pickle"],
-        version=version,
+        _payload=d,
     )
 
 

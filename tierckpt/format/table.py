@@ -219,7 +219,9 @@ def decode_table(d: Any, blob_sizes: Sequence[int]) -> TensorTable:
     if type(n) is not int or not 0 <= n < 1 << 32:
         raise _bad(f"tensors.count {n!r} is invalid")
     paths, names = d["path"], d["dtype_names"]
-    if not (isinstance(paths, list) and len(paths) == n and all(type(p) is str for p in paths)):
+    # Checks run as C-level calls over whole columns (set/map, bytes.translate, torch ops): a loop in
+    # Python over 20,000 entries costs milliseconds, and a restore waits for this table.
+    if not (isinstance(paths, list) and len(paths) == n and set(map(type, paths)) <= {str}):
         raise _bad(f"tensors.path is not a list of {n} strings")
     if not (isinstance(names, list) and len(names) <= 255 and all(type(s) is str for s in names)):
         raise _bad("tensors.dtype_names is not a list of strings")
@@ -228,43 +230,44 @@ def decode_table(d: Any, blob_sizes: Sequence[int]) -> TensorTable:
             raise _bad(f"unknown dtype {name!r}")
     dt_idx = _column(d, "dtype", n, 1)
     ndim = _column(d, "ndim", n, 1)
-    if n and max(dt_idx) >= len(names):
+    if dt_idx.translate(None, bytes(range(len(names)))):  # an index byte that is not a valid one
         i = next(i for i, k in enumerate(dt_idx) if k >= len(names))
         raise _bad(f"tensor {paths[i]}: dtype index {dt_idx[i]} out of range")
-    if n and max(ndim) > MAX_DIMS:
+    if ndim.translate(None, bytes(range(MAX_DIMS + 1))):
         i = next(i for i, k in enumerate(ndim) if k > MAX_DIMS)
         raise _bad(f"tensor {paths[i]}: bad shape (rank {ndim[i]})")
-    dims = _unpacked("Q", _column(d, "dims", sum(ndim), 8))
+    one_d = ndim.count(1) == n  # the common case of small states: vectorized below
+    dims = _unpacked("Q", _column(d, "dims", n if one_d else sum(ndim), 8))
     blobs_a = _unpacked("I", _column(d, "blob", n, 4))
     offsets_a = _unpacked("Q", _column(d, "offset", n, 8))
     lengths_a = _unpacked("Q", _column(d, "length", n, 8))
     blobs, offsets, lengths = blobs_a.tolist(), offsets_a.tolist(), lengths_a.tolist()
     checksums = _unpacked("Q", _column(d, "checksum", n, 8)).tolist()
-    if dims and max(dims) > _I64_MAX:
+    if dims and _above_i64(dims):
         raise _bad(f"a dimension {max(dims)} is too large")
-    for col, what in ((offsets, "offset"), (lengths, "length")):
-        if col and max(col) > _I64_MAX:
+    for col, arr, what in ((offsets, offsets_a, "offset"), (lengths, lengths_a, "length")):
+        if col and _above_i64(arr):
             i = col.index(max(col))
             raise _bad(f"tensor {paths[i]}: bad extent ({what} {col[i]})")
 
     # shapes, and length == prod(shape) x itemsize
     dl = dims.tolist()
-    if n and min(ndim) == max(ndim) == 1:
-        shapes: list[tuple[int, ...]] = [(k,) for k in dl]
+    if n and one_d:
+        shapes: list[tuple[int, ...]] = list(zip(dl))  # 1-tuples, built in C
         numels = dl
     else:
         it = iter(dl)
         shapes = [tuple(itertools.islice(it, k)) for k in ndim]
         numels = [math.prod(s) for s in shapes]
     isz = [DTYPES[s].itemsize for s in names]
-    dtypes = [names[k] for k in dt_idx]
+    dtypes = list(map(names.__getitem__, dt_idx))
     cols = None
     if n:  # the columns as tensors over the decoded arrays: no list-to-tensor conversion of 20,000 items
         isz_t = torch.tensor(isz, dtype=torch.int64)[torch.frombuffer(bytearray(dt_idx), dtype=torch.uint8).long()]
         len_t = torch.frombuffer(lengths_a, dtype=torch.int64)  # below 2**63, checked above
         blob_t = torch.frombuffer(blobs_a, dtype=torch.int32).long() & 0xFFFFFFFF  # the column is unsigned
         cols = (blob_t, torch.frombuffer(offsets_a, dtype=torch.int64), len_t, isz_t)
-    if n and min(ndim) == max(ndim) == 1 and max(dl) < 1 << 58:  # 1-d, and dims x itemsize cannot overflow
+    if n and one_d and max(dl) < 1 << 58:  # 1-d, and dims x itemsize cannot overflow
         i = _first(torch.frombuffer(dims, dtype=torch.int64) * isz_t != len_t)
         if i is not None:
             raise _bad(f"tensor {paths[i]}: length {lengths[i]} != {numels[i]} x {isz[dt_idx[i]]} bytes")
@@ -276,6 +279,11 @@ def decode_table(d: Any, blob_sizes: Sequence[int]) -> TensorTable:
     table = TensorTable(paths, dtypes, shapes, blobs, offsets, lengths, checksums)
     check_extents(table, blob_sizes, cols=cols)
     return table
+
+
+def _above_i64(a: array[int]) -> bool:
+    """Whether any value of a non-empty ``Q`` array is 2**63 or more (negative when read as int64)."""
+    return bool((torch.frombuffer(a, dtype=torch.int64) < 0).any())
 
 
 def _first(mask: torch.Tensor) -> int | None:
@@ -327,9 +335,11 @@ def check_extents(
         o, n = t.offsets[i], t.lengths[i]
         raise _bad(f"tensor {t.paths[i]}: extent [{o}, {o + n}) exceeds blob size {blob_sizes[t.blobs[i]]}")
     ids = used.nonzero().flatten()
-    ids = ids[torch.sort(off[ids], stable=True).indices]
-    ids = ids[torch.sort(blob[ids], stable=True).indices]
     b, o = blob[ids], off[ids]
+    if not bool(((b[1:] > b[:-1]) | ((b[1:] == b[:-1]) & (o[1:] >= o[:-1]))).all()):  # writers keep disk order
+        ids = ids[torch.sort(o, stable=True).indices]
+        ids = ids[torch.sort(blob[ids], stable=True).indices]
+        b, o = blob[ids], off[ids]
     clash = (b[1:] == b[:-1]) & (o[1:] < o[:-1] + ln[ids][:-1])
     k = _first(clash)
     if k is not None:
