@@ -402,3 +402,46 @@ def test_a_read_that_cannot_be_submitted_is_raised(
         assert seen["running"] == 0
         seen["reads"], seen["fail_at"] = 0, None
         assert_same(state, h.restore(into=zeros_like(state)))
+
+
+def test_ordered_dicts_tuples_and_a_tensor_in_both_restore_in_place(tmp_path: Path, loops: str) -> None:
+    """A module's state_dict (an OrderedDict) is matched key by key and streamed into; a tensor also
+    referenced from an assigned tuple gets the verified bytes in both places."""
+    from collections import OrderedDict
+
+    w, b = torch.randn(8, 4), torch.randn(4)
+    state = {"model": OrderedDict(w=w, b=b), "pair": (b, 3), "big": 1 << 70, "nested": [OrderedDict(x=w)]}
+    with open_h(config(tmp_path, "ssd")) as h:
+        h.save(state, step=1).wait()
+        tw = torch.zeros(8, 4)
+        target: dict[str, Any] = {"model": OrderedDict(w=tw, b=torch.zeros(4)), "pair": None, "big": 0}
+        target["nested"] = [OrderedDict(x=torch.zeros(8, 4))]
+        assert h.restore(into=target) is target
+        assert target["model"]["w"] is tw and torch.equal(tw, w) and torch.equal(target["model"]["b"], b)
+        assert torch.equal(target["nested"][0]["x"], w)
+        pair = target["pair"]
+        assert type(pair) is tuple and torch.equal(pair[0], b) and pair[1] == 3 and target["big"] == 1 << 70
+        with pytest.raises(StateError, match=r"target\['model'\]\['w'\]: target is torch.float32 \(4, 8\)"):
+            h.restore(into={**target, "model": OrderedDict(w=torch.zeros(4, 8), b=torch.zeros(4))})
+
+
+def test_a_bad_tensor_reference_in_the_tree_is_named(tmp_path: Path) -> None:
+    """A tree that references a tensor the table does not have is a corrupt checkpoint (naming the
+    tier), found before any byte of the target changes."""
+    import struct
+
+    import msgpack
+
+    state = {"a": torch.ones(5), "b": torch.ones(3)}
+    with open_h(config(tmp_path, "ssd")) as h:
+        h.save(state, step=1).wait()
+        mpath = Path(h.tier("ssd").path) / "step-000000000001" / "rank-00000" / "manifest"  # type: ignore[attr-defined]
+        m = decode_manifest(mpath.read_bytes())
+        for bad in (struct.pack(">I", 7), b"\x00\x01"):  # out of range; not 4 bytes
+            tree = msgpack.packb({"a": msgpack.ExtType(2, bad), "b": msgpack.ExtType(2, struct.pack(">I", 1))})
+            mpath.write_bytes(encode_manifest(dataclasses.replace(m, tree=tree)))
+            target = {"a": torch.zeros(5), "b": torch.zeros(3)}
+            with pytest.raises(CorruptCheckpointError, match="tensor reference") as ei:
+                h.restore(into=target)
+            assert ei.value.tier == "ssd"
+            assert not target["a"].any() and not target["b"].any()
