@@ -112,7 +112,8 @@ def restore_into(
             stream.attach(m)
             todo = plan(m, target, stream.addrs, allow_pickle=allow_pickle, tier=tier, key=key)
             stream.read_direct()
-            stream.reads = _STEADY_READS if not tier.capabilities.shared else stream.reads
+            if not tier.capabilities.shared:  # a striped shared file wants every slot reading
+                stream.reads = _STEADY_READS
             stream.run()
         finally:
             stream.close()
