@@ -11,24 +11,19 @@ few torch attribute reads and no call.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from tierckpt._restore import rebuild
+from tierckpt._restore import load_tree
 from tierckpt.errors import StateError
 from tierckpt.format.manifest import Manifest, dtype_from_name
-from tierckpt.format.tree import format_path
+from tierckpt.format.tree import Int, Opaque, check_ref, format_path
 from tierckpt.tiers.base import CheckpointKey, Tier
 
 __all__ = ["Plan", "materialize", "plan"]
-
-
-class Ref(int):
-    """Tensor ``int(self)`` of the manifest where the tree references it (no memory behind it)."""
-
-    __slots__ = ()
 
 
 @dataclass
@@ -38,43 +33,46 @@ class Plan:
     Attributes:
         made: fresh tensors by manifest index (for assigned values, and for what cannot be streamed into).
         later: ``(target tensor, fresh tensor)`` copies to make once everything is verified.
-        assigns: ``(container, key, value)`` assignments (values still hold :class:`Ref` leaves).
+        assigns: ``(container, key, value)`` assignments (values as the tree decoded them: pass them
+            through :func:`materialize`).
+        ref: the type of a tensor reference in ``assigns``' values.
     """
 
     made: dict[int, torch.Tensor]
     later: list[tuple[torch.Tensor, torch.Tensor]]
     assigns: list[tuple[Any, Any, Any]]
+    ref: type[int]
 
 
 def plan(m: Manifest, target: Any, addrs: list[int], *, allow_pickle: bool, tier: Tier, key: CheckpointKey) -> Plan:
     """Match ``target`` with the checkpoint and fill ``addrs`` (where each tensor's bytes go).
 
+    A checkpoint tensor is streamed straight into the target tensor it matches when it is referenced
+    once (a CPU, contiguous tensor of its shape and dtype); one referenced twice (tied weights, or a
+    tensor also inside an assigned tuple) goes to a fresh tensor that every user is copied or
+    assigned from once its checksum is verified.
+
     Raises:
         StateError: naming the key path of a missing key or a shape/dtype/type mismatch (or pickled
             values without ``allow_pickle``).
-        CorruptCheckpointError: the tree is malformed (names the tier).
+        CorruptCheckpointError: the tree is malformed or references a tensor the table lacks (names
+            the tier).
     """
     t = m.tensors
     n = len(t)
     shapes, lengths = t.shapes, t.lengths
     by_name = {name: dtype_from_name(name) for name in set(t.dtypes)}
     dtypes = [by_name[name] for name in t.dtypes]
-    uses = [0] * n  # how often the tree references each tensor
-
-    def ref(i: int) -> Ref:
-        uses[i] += 1
-        return Ref(i)
-
-    source = rebuild(tier, key, m, ref, allow_pickle=allow_pickle)  # type: ignore[arg-type]
-    slow: list[tuple[torch.Tensor, int]] = []  # target tensors that cannot take the bytes straight
+    source, R = load_tree(tier, key, m, allow_pickle=allow_pickle)
+    direct: list[torch.Tensor | None] = [None] * n  # the target tensor each tensor's bytes go straight into
+    slow: list[tuple[torch.Tensor, int]] = []  # target tensors that take the bytes from a fresh tensor
     assigns: list[tuple[Any, Any, Any]] = []
-    placed = bytearray(n)  # 1: streamed straight into a target tensor
     Tensor = torch.Tensor
 
     def place(d: torch.Tensor, i: int) -> None:
-        if uses[i] == 1 and d.is_cpu and d.is_contiguous():  # one reference, so one target tensor
+        if direct[i] is None and d.is_cpu and d.is_contiguous():
             addrs[i] = d.data_ptr()
-            placed[i] = 1
+            direct[i] = d
         else:
             slow.append((d, i))
 
@@ -82,37 +80,38 @@ def plan(m: Manifest, target: Any, addrs: list[int], *, allow_pickle: bool, tier
         # key paths are formatted only for an error: a walk over 20,000 tensors must not pay for them
         if isinstance(dst, dict):
             if not isinstance(src, dict):
-                raise StateError(f"{format_path(path, 'target')}: target is a dict, checkpoint has {_describe(src)}")
+                raise StateError(f"{format_path(path, 'target')}: target is a dict, checkpoint has {_describe(src, R)}")
             for k in dst:
                 if k not in src:
                     raise StateError(f"{format_path((*path, k), 'target')}: key is not in the checkpoint")
             for k, v in src.items():
                 d = dst.get(k, None)
-                if type(v) is Ref and type(d) is Tensor and d.dtype is dtypes[v] and d.shape == shapes[v]:
+                if type(v) is R and type(d) is Tensor and 0 <= v < n and d.dtype is dtypes[v] and d.shape == shapes[v]:
                     # the common case, inline: place(d, v)
-                    if uses[v] == 1 and d.is_cpu and d.is_contiguous():
+                    if direct[v] is None and d.is_cpu and d.is_contiguous():
                         addrs[v] = d.data_ptr()
-                        placed[v] = 1
+                        direct[v] = d
                     else:
                         slow.append((d, v))
-                elif isinstance(d, (dict, list, Tensor)):
+                elif _descend(d, v):
                     walk(d, v, (*path, k))
                 else:
                     assigns.append((dst, k, v))
         elif isinstance(dst, list):
             if not isinstance(src, list) or len(src) != len(dst):
                 raise StateError(
-                    f"{format_path(path, 'target')}: target is a list of {len(dst)}, checkpoint has {_describe(src)}"
+                    f"{format_path(path, 'target')}: target is a list of {len(dst)}, checkpoint has {_describe(src, R)}"
                 )
             for i, (d, s) in enumerate(zip(dst, src)):
-                if isinstance(d, (dict, list, Tensor)):
+                if _descend(d, s):
                     walk(d, s, (*path, i))
                 else:
                     assigns.append((dst, i, s))
         elif isinstance(dst, Tensor):
             where = format_path(path, "target")
-            if type(src) is not Ref:
-                raise StateError(f"{where}: target is a tensor, checkpoint has {_describe(src)}")
+            if type(src) is not R:
+                raise StateError(f"{where}: target is a tensor, checkpoint has {_describe(src, R)}")
+            check_ref(src, n, tier=tier.name, step=key.step)
             if dst.shape != shapes[src] or dst.dtype != dtypes[src]:
                 raise StateError(
                     f"{where}: target is {dst.dtype} {tuple(dst.shape)}, checkpoint has {dtypes[src]} {tuple(shapes[src])}"
@@ -128,6 +127,14 @@ def plan(m: Manifest, target: Any, addrs: list[int], *, allow_pickle: bool, tier
     finally:
         walk = place = None  # type: ignore[assignment]  # walk referred to itself: a cycle holding the target until a GC pass
 
+    in_assigns: set[int] = set()  # tensors referenced inside assigned values
+    for _, _, v in assigns:
+        _refs(v, R, in_assigns)
+    for i in in_assigns:
+        check_ref(i, n, tier=tier.name, step=key.step)
+    # a tensor referenced twice (two target tensors, or one and an assigned value) is not streamed into
+    shared = in_assigns.union(i for _, i in slow)
+    slow += [(d, i) for i in shared if (d := direct[i]) is not None]
     made: dict[int, torch.Tensor] = {}
     later: list[tuple[torch.Tensor, torch.Tensor]] = []
     for d, i in slow:
@@ -136,31 +143,64 @@ def plan(m: Manifest, target: Any, addrs: list[int], *, allow_pickle: bool, tier
             f = made[i] = torch.empty(shapes[i], dtype=dtypes[i])  # not touched until the bytes arrive
             addrs[i] = f.data_ptr()
         later.append((d, f))
-    for i in range(n):
-        if placed[i] or i in made:
-            continue
-        if uses[i]:  # only in assigned values (a tuple, a key only the checkpoint has)
-            f = made[i] = torch.empty(shapes[i], dtype=dtypes[i])
-        elif lengths[i]:  # never referenced (only a hand-made manifest): verified into scratch and dropped
-            f = made[i] = torch.empty(lengths[i], dtype=torch.uint8)
-        else:
-            continue
+    for i in in_assigns.difference(made):
+        f = made[i] = torch.empty(shapes[i], dtype=dtypes[i])
         addrs[i] = f.data_ptr()
-    return Plan(made, later, assigns)
+    for i in range(n):
+        if direct[i] is None and lengths[i] and i not in made:
+            # never referenced (only a hand-made manifest): verified into scratch and dropped
+            f = made[i] = torch.empty(lengths[i], dtype=torch.uint8)
+            addrs[i] = f.data_ptr()
+    return Plan(made, later, assigns, R)
 
 
-def materialize(v: Any, made: dict[int, torch.Tensor]) -> Any:
-    """``v`` with every tensor reference replaced by its fresh tensor (containers rebuilt with their types)."""
-    if type(v) is Ref:
+def materialize(v: Any, made: dict[int, torch.Tensor], ref: type[int]) -> Any:
+    """``v`` with every tensor reference (an instance of exactly ``ref``) replaced by its fresh
+    tensor, every :class:`~tierckpt.format.tree.Int` by its int and every
+    :class:`~tierckpt.format.tree.Opaque` by what it holds; containers are rebuilt with their types."""
+    tv = type(v)
+    if tv is ref:
         return made[v]
-    if isinstance(v, dict):
-        return type(v)((k, materialize(x, made)) for k, x in v.items())
-    if isinstance(v, (list, tuple)):
-        return type(v)(materialize(x, made) for x in v)
+    if tv is Int:
+        return int(v)
+    if tv is Opaque:
+        return v.value
+    if tv is dict:
+        return {k: materialize(x, made, ref) for k, x in v.items()}
+    if tv is list:
+        return [materialize(x, made, ref) for x in v]
+    if tv is tuple:
+        return tuple(materialize(x, made, ref) for x in v)
+    if tv is OrderedDict:
+        return OrderedDict((k, materialize(x, made, ref)) for k, x in v.items())
     return v
 
 
-def _describe(v: Any) -> str:
-    if type(v) is Ref:
+def _refs(v: Any, ref: type[int], out: set[int]) -> None:
+    """Add the tensor references inside the decoded value ``v`` to ``out``."""
+    tv = type(v)
+    if tv is ref:
+        out.add(v)
+    elif tv is dict or tv is OrderedDict:
+        for x in v.values():
+            _refs(x, ref, out)
+    elif tv is list or tv is tuple:
+        for x in v:
+            _refs(x, ref, out)
+
+
+def _descend(d: Any, s: Any) -> bool:
+    """Whether the walk goes into target value ``d`` with checkpoint value ``s`` (else ``s`` is
+    assigned): always for a tensor (which must match), for a dict or list unless ``s`` is a pickled
+    value (assigned whole: its contents are not tree values)."""
+    return isinstance(d, torch.Tensor) or (isinstance(d, (dict, list)) and type(s) is not Opaque)
+
+
+def _describe(v: Any, ref: type[int]) -> str:
+    if type(v) is ref:
         return "a tensor"
+    if type(v) is Opaque:
+        return "a pickled value"
+    if type(v) is Int:
+        return "int"
     return f"a list of {len(v)}" if isinstance(v, list) else type(v).__name__

@@ -21,12 +21,12 @@ import xxhash
 from tierckpt.errors import CorruptCheckpointError, StateError
 from tierckpt.format.manifest import Manifest, ManifestHead, decode_head, dtype_from_name
 from tierckpt.format.table import blob_spans
-from tierckpt.format.tree import unflatten
+from tierckpt.format.tree import decode_tree, resolve_tree
 from tierckpt.io.buffers import MappedBuffer, ptr_mv
 from tierckpt.io.native import THREADS, all_zero, native, records
 from tierckpt.tiers.base import CheckpointKey, Tier
 
-__all__ = ["load_head", "load_manifest", "load_rest", "read_checkpoint", "rebuild", "verify_checkpoint"]
+__all__ = ["load_head", "load_manifest", "load_rest", "load_tree", "read_checkpoint", "verify_checkpoint"]
 
 log = logging.getLogger(__name__)
 _PREFAULT_THREADS = max(1, min(4, os.cpu_count() or 1))
@@ -206,6 +206,7 @@ def read_checkpoint(tier: Tier, key: CheckpointKey, *, allow_pickle: bool = Fals
         StateError: the checkpoint holds pickled values and ``allow_pickle`` is False.
     """
     m = load_manifest(tier, key, allow_pickle=allow_pickle)
+    tree, ref = load_tree(tier, key, m, allow_pickle=allow_pickle)  # valid before a blob is opened
     cache: dict[int, torch.Tensor] = {}
     verify = _verifier(tier, key, m)
 
@@ -226,14 +227,15 @@ def read_checkpoint(tier: Tier, key: CheckpointKey, *, allow_pickle: bool = Fals
             got = cache[i] = torch.empty(shapes[i], dtype=dtypes[i])
         return got
 
-    return rebuild(tier, key, m, tensor_at, allow_pickle=allow_pickle), m
-
-
-def rebuild(
-    tier: Tier, key: CheckpointKey, m: Manifest, tensor_at: Callable[[int], torch.Tensor], *, allow_pickle: bool
-) -> Any:
-    """The nested state of manifest ``m`` with ``tensor_at(i)`` as tensor i (errors name the tier)."""
     try:
-        return unflatten(m.tree, tensor_at, len(m.tensors), allow_pickle=allow_pickle)
+        return resolve_tree(tree, ref, tensor_at, len(t)), m
+    except CorruptCheckpointError as e:
+        raise CorruptCheckpointError(str(e), tier=tier.name, step=key.step) from None
+
+
+def load_tree(tier: Tier, key: CheckpointKey, m: Manifest, *, allow_pickle: bool) -> tuple[Any, type[int]]:
+    """:func:`~tierckpt.format.tree.decode_tree` of manifest ``m`` (errors name the tier)."""
+    try:
+        return decode_tree(m.tree, len(m.tensors), m.version, allow_pickle=allow_pickle)
     except CorruptCheckpointError as e:
         raise CorruptCheckpointError(str(e), tier=tier.name, step=key.step) from None

@@ -124,7 +124,7 @@ def restore_into(
             if dst.numel():
                 dst.copy_(fresh)
     for container, k, v in todo.assigns:
-        container[k] = materialize(v, todo.made)
+        container[k] = materialize(v, todo.made, todo.ref)
     return target
 
 

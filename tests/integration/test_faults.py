@@ -28,7 +28,9 @@ from tierckpt import (
     TierckptError,
     TierIOError,
 )
+from tierckpt.bench.workloads import zeros_like_state
 from tierckpt.format.manifest import BlobEntry, Manifest, decode_manifest, encode_manifest
+from tierckpt.format.tree import flatten
 
 SCRATCH_PREFIXES = (".tmp-", ".old-", ".evict-")
 
@@ -404,16 +406,25 @@ def test_manifest_with_out_of_bounds_extent_is_refused(one: Hierarchy, monkeypat
         one.restore()
 
 
-def test_format_v1_checkpoint_is_still_restored(one: Hierarchy) -> None:
-    """A checkpoint whose manifest is format version 1 (row-per-tensor table) restores and verifies."""
+@pytest.mark.parametrize("version", [1, 2])
+def test_older_format_checkpoint_is_still_restored(one: Hierarchy, version: int) -> None:
+    """A checkpoint whose manifest is format version 1 (row-per-tensor table) or 2 (ext-2 tensor
+    references in the tree, ints as themselves) restores, into new tensors and in place, and verifies."""
     state = small_state(4)
+    state["meta"] = {"ids": [1, -2, 1 << 70], "pair": (5, state["model"]["tiny"]), 7: OrderedDict(a=0)}
     one.save(state, step=9).wait()
     mpath = rank_dir(one, "ssd", 9) / "manifest"
     m = decode_manifest(mpath.read_bytes())
-    assert m.version == 2
-    mpath.write_bytes(encode_manifest(dataclasses.replace(m, version=1)))
-    assert one.inspect(9)[1].version == 1
+    assert m.version == 3
+    old = flatten(state, version=version).tree
+    assert old != m.tree
+    mpath.write_bytes(encode_manifest(dataclasses.replace(m, version=version, tree=old)))
+    assert one.inspect(9)[1].version == version
     assert_same(state, one.restore(step=9))
+    target = {k: v for k, v in zeros_like_state(state).items() if k != "meta"}
+    target["meta"] = {"ids": None, "pair": None, 7: OrderedDict()}
+    assert one.restore(step=9, into=target) is target
+    assert_same(state, target)
     assert [err for _, _, err in one.verify(9)] == [None]
 
 

@@ -427,21 +427,46 @@ def test_ordered_dicts_tuples_and_a_tensor_in_both_restore_in_place(tmp_path: Pa
 
 def test_a_bad_tensor_reference_in_the_tree_is_named(tmp_path: Path) -> None:
     """A tree that references a tensor the table does not have is a corrupt checkpoint (naming the
-    tier), found before any byte of the target changes."""
+    tier), found before any byte of the target changes: plain-int references of format 3 (out of
+    range, negative, inside a value that is assigned) and ext-2 ones of format 2."""
     import struct
 
     import msgpack
 
     state = {"a": torch.ones(5), "b": torch.ones(3)}
+    ok = msgpack.ExtType(2, struct.pack(">I", 1))
+    trees = [
+        (3, {"a": 7, "b": 1}),
+        (3, {"a": -1, "b": 1}),
+        (3, {"a": 0, "b": 1, "extra": msgpack.ExtType(1, msgpack.packb([9]))}),
+        (3, {"a": msgpack.ExtType(2, struct.pack(">I", 0)), "b": 1}),
+        (2, {"a": msgpack.ExtType(2, struct.pack(">I", 7)), "b": ok}),
+        (2, {"a": msgpack.ExtType(2, b"\x00\x01"), "b": ok}),
+    ]
     with open_h(config(tmp_path, "ssd")) as h:
         h.save(state, step=1).wait()
         mpath = Path(h.tier("ssd").path) / "step-000000000001" / "rank-00000" / "manifest"  # type: ignore[attr-defined]
         m = decode_manifest(mpath.read_bytes())
-        for bad in (struct.pack(">I", 7), b"\x00\x01"):  # out of range; not 4 bytes
-            tree = msgpack.packb({"a": msgpack.ExtType(2, bad), "b": msgpack.ExtType(2, struct.pack(">I", 1))})
-            mpath.write_bytes(encode_manifest(dataclasses.replace(m, tree=tree)))
+        for version, tree in trees:
+            mpath.write_bytes(encode_manifest(dataclasses.replace(m, version=version, tree=msgpack.packb(tree))))
             target = {"a": torch.zeros(5), "b": torch.zeros(3)}
             with pytest.raises(CorruptCheckpointError, match="tensor reference") as ei:
                 h.restore(into=target)
-            assert ei.value.tier == "ssd"
+            assert ei.value.tier == "ssd", tree
             assert not target["a"].any() and not target["b"].any()
+            with pytest.raises(CorruptCheckpointError, match="tensor reference"):
+                h.restore()
+
+
+def test_a_pickled_value_is_assigned_whole(tmp_path: Path) -> None:
+    """A dict that had to be pickled (a tuple key) is one opaque value: assigned over the target's
+    dict, its ints never taken for tensor references."""
+    state = {"w": torch.arange(4.0), "odd": {(1, 2): 0, "n": [1, 0]}}
+    with open_h(config(tmp_path, "ssd")) as h:
+        h.save(state, step=1, allow_pickle=True).wait()
+        target = {"w": torch.zeros(4), "odd": {"n": None}}
+        assert h.restore(into=target, allow_pickle=True) is target
+        assert target["odd"] == {(1, 2): 0, "n": [1, 0]} and torch.equal(target["w"], state["w"])
+        h.save({"w": {(1,): 2}}, step=2, allow_pickle=True).wait()
+        with pytest.raises(StateError, match=r"target\['w'\]: target is a tensor, checkpoint has a pickled value"):
+            h.restore(step=2, into={"w": torch.zeros(4)}, allow_pickle=True)

@@ -37,8 +37,8 @@ __all__ = [
 ]
 
 MAGIC = b"TIERCKPT"
-FORMAT_VERSION = 2
-READ_VERSIONS = (1, 2)
+FORMAT_VERSION = 3
+READ_VERSIONS = (1, 2, 3)
 _HEADER = struct.Struct("<8sHHIQ")  # magic, version, flags, reserved, payload length
 _TRAILER = struct.Struct("<Q")  # xxh3_64 of the payload
 MAX_PAYLOAD_BYTES = 1 << 31
@@ -73,7 +73,8 @@ class Manifest:
 
     ``tensors`` may be given as any sequence of :class:`TensorEntry`; it is always held as a
     :class:`TensorTable`. ``version`` is the format version :func:`encode_manifest` writes (or the one
-    :func:`decode_manifest` read).
+    :func:`decode_manifest` read); ``tree`` is in that version's encoding
+    (:func:`~tierckpt.format.tree.flatten` with ``version=``).
     """
 
     step: int
@@ -103,7 +104,7 @@ def encode_manifest(m: Manifest) -> bytes:
     """Serialize deterministically in format ``m.version``: the same manifest always gives the same bytes.
 
     Raises:
-        ValueError: ``m.version`` is not a version this writer knows (1 or 2).
+        ValueError: ``m.version`` is not a version this writer knows (1, 2 or 3).
     """
     if m.version not in READ_VERSIONS:
         raise ValueError(f"cannot write format version {m.version} (this writer knows {READ_VERSIONS})")
@@ -149,7 +150,7 @@ def _is_int(v: Any, lo: int = 0, hi: int = (1 << 63) - 1) -> bool:
 
 
 def decode_manifest(data: bytes) -> Manifest:
-    """Parse and validate a manifest file's bytes (format version 1 or 2).
+    """Parse and validate a manifest file's bytes (format version 1, 2 or 3).
 
     Checks magic, version, payload length and checksum, every field's type, dtypes, that each extent's
     length matches dtype × shape and lies inside its blob, that extents do not overlap, and that blob
@@ -194,7 +195,7 @@ class ManifestHead:
         else:
             _want(d["tree_codec"] == "none", f"unknown tree codec {d['tree_codec']!r}")
         sizes = [b.size for b in self.blobs]
-        tensors = decode_table(d["tensors"], sizes) if self.version == 2 else _decode_rows_v1(d["tensors"], sizes)
+        tensors = decode_table(d["tensors"], sizes) if self.version >= 2 else _decode_rows_v1(d["tensors"], sizes)
         return Manifest(
             step=self.step,
             rank=self.rank,

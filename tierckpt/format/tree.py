@@ -1,20 +1,25 @@
 """Flatten a nested state into (tree bytes, tensors) and back. Pure: no I/O.
 
-The tree is msgpack. Plain values (None, bool, int, float, str, bytes, list, dict) are stored as
-themselves; everything msgpack cannot tell apart is an ext type (docs/format.md, "Tree"):
+The tree is msgpack (docs/format.md, "State tree"). Since format version 3 a tensor reference is a
+plain msgpack int (its index in the manifest's tensor table) and an int *value* is ext 5, so that
+decoding a tree of 20,000 tensors calls no Python per tensor; versions 1 and 2 wrote the reference
+as ext 2 and an int as itself. Other plain values (None, bool, float, str, bytes, list, dict) are
+themselves, and everything msgpack cannot tell apart is an ext type:
 
 ====  ==================  =========================================================
 code  Python value        payload
 ====  ==================  =========================================================
 1     tuple               msgpack array of the items
-2     tensor reference    u32 big-endian index into the manifest's tensor table
+2     tensor reference    versions 1-2 only: u32 big-endian index into the tensor table
 3     pickled value       pickle bytes (only with ``allow_pickle=True``)
 4     OrderedDict         msgpack array of ``[key, value]`` pairs
-5     int outside 64 bit  decimal ASCII
+5     int                 decimal ASCII (versions 1-2: only ints outside 64 bits)
 6     torch.dtype         name, e.g. ``bfloat16``
 7     torch.device        str(device), e.g. ``cuda:0``
 8     torch.Size          msgpack array of ints
 ====  ==================  =========================================================
+
+Dict keys are never tensor references: an int key is a plain msgpack int in every version.
 """
 
 from __future__ import annotations
@@ -30,10 +35,25 @@ import msgpack
 import torch
 
 from tierckpt.errors import CorruptCheckpointError, StateError
+from tierckpt.format.manifest import FORMAT_VERSION
 
-__all__ = ["FlatState", "TensorRef", "flatten", "format_path", "unflatten"]
+__all__ = [
+    "PLAIN_REFS",
+    "FlatState",
+    "Int",
+    "Opaque",
+    "Ref",
+    "TensorRef",
+    "check_ref",
+    "decode_tree",
+    "flatten",
+    "format_path",
+    "resolve_tree",
+    "unflatten",
+]
 
-EXT_TUPLE, EXT_TENSOR, EXT_PICKLE, EXT_ODICT, EXT_BIGINT, EXT_DTYPE, EXT_DEVICE, EXT_SIZE = range(1, 9)
+EXT_TUPLE, EXT_TENSOR, EXT_PICKLE, EXT_ODICT, EXT_INT, EXT_DTYPE, EXT_DEVICE, EXT_SIZE = range(1, 9)
+PLAIN_REFS = 3  #: the first format version whose tree references tensors with plain ints
 _I64_MIN, _U64_MAX = -(1 << 63), (1 << 64) - 1
 _PLAIN = (type(None), bool, int, float, str, bytes)
 _PLAIN_SMALL = frozenset((type(None), bool, float, str, bytes))  # stored as themselves, whatever the value
@@ -60,7 +80,34 @@ class FlatState:
     has_pickle: bool
 
 
+class Ref(int):
+    """Tensor ``int(self)`` of the manifest, as :func:`decode_tree` returns a version 1-2 reference."""
+
+    __slots__ = ()
+
+
+class Int(int):
+    """An int value of a version-3 tree, as :func:`decode_tree` returns it (a plain int there is a
+    tensor reference); ``int(v)`` is the value."""
+
+    __slots__ = ()
+
+
+class Opaque:
+    """An unpickled value, as :func:`decode_tree` returns it: a leaf, never walked into (its ints
+    are not tensor references, whatever the version)."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+
 _TENSOR_REFS: list[msgpack.ExtType] = []  # ext-2 references by index, built once (ExtType() costs ~1 us)
+
+
+_N_SMALL_INTS = 1024  # ext-5 ints built once: ids, counters and sizes are mostly small
+_SMALL_INTS = [msgpack.ExtType(EXT_INT, str(i).encode()) for i in range(_N_SMALL_INTS)]
 
 
 def _tensor_ref(i: int) -> msgpack.ExtType:
@@ -77,15 +124,21 @@ def _identity(t: torch.Tensor) -> tuple[Any, ...]:
     return (t.device, t.dtype, t.storage_offset(), t.shape, t.stride(), t.is_conj(), t.is_neg())
 
 
-def flatten(state: Any, *, allow_pickle: bool = False) -> FlatState:
+def flatten(state: Any, *, allow_pickle: bool = False, version: int = FORMAT_VERSION) -> FlatState:
     """Walk ``state`` and split it into a msgpack tree and a list of tensors.
 
     The same tensor object (or the same view of the same storage) referenced twice is stored once and
     restored as one tensor, so tied weights stay tied.
 
+    Args:
+        state: nested dicts, lists and tuples of tensors and plain values.
+        allow_pickle: pickle what is neither (else refuse it).
+        version: the format version whose tree encoding to write (1 and 2 share one).
+
     Raises:
         StateError: naming the key path of a value that cannot be saved (unless ``allow_pickle``).
     """
+    plain_refs = version >= PLAIN_REFS
     tensors: list[TensorRef] = []
     originals: list[torch.Tensor] = []  # tensor i as found in the state (before detach / resolve)
     seen: dict[int, int | dict[tuple[Any, ...], int]] = {}  # data_ptr -> index, or identity -> index
@@ -117,8 +170,8 @@ def flatten(state: Any, *, allow_pickle: bool = False) -> FlatState:
     def walk(v: Any, path: str) -> Any:
         tv = type(v)
         if tv in _PLAIN:
-            if tv is int and not _I64_MIN <= v <= _U64_MAX:
-                return msgpack.ExtType(EXT_BIGINT, str(v).encode())
+            if tv is int and (plain_refs or not _I64_MIN <= v <= _U64_MAX):
+                return _SMALL_INTS[v] if 0 <= v < _N_SMALL_INTS else msgpack.ExtType(EXT_INT, str(v).encode())
             return v
         if isinstance(v, Tensor):
             return tensor_ref(v, path)
@@ -144,7 +197,7 @@ def flatten(state: Any, *, allow_pickle: bool = False) -> FlatState:
             return msgpack.ExtType(EXT_SIZE, pack(list(v)))
         return pickled(v, path, f"a value of type {tv.__module__}.{tv.__qualname__}")
 
-    def tensor_ref(t: torch.Tensor, path: str) -> msgpack.ExtType:
+    def tensor_ref(t: torch.Tensor, path: str) -> int | msgpack.ExtType:
         if t.layout is not strided or t.is_quantized or t.is_meta or t.is_nested:
             raise StateError(f"{path}: cannot save a {t.layout} / quantized / meta / nested tensor")
         # Deduplicate by the address of the first element; only tensors that share it (the same
@@ -157,7 +210,7 @@ def flatten(state: Any, *, allow_pickle: bool = False) -> FlatState:
             ident = _identity(t)
             idx = hit.get(ident)
             if idx is not None:
-                return _tensor_ref(idx)
+                return idx if plain_refs else _tensor_ref(idx)
             hit[ident] = len(tensors)
         else:
             seen[p] = len(tensors)
@@ -168,7 +221,7 @@ def flatten(state: Any, *, allow_pickle: bool = False) -> FlatState:
         if t.is_neg() or t.is_conj():
             t = t.resolve_conj().resolve_neg()
         tensors.append(TensorRef(path, t))
-        return _tensor_ref(idx)
+        return idx if plain_refs else _tensor_ref(idx)
 
     try:
         tree = pack(walk(state, "state"))
@@ -183,28 +236,58 @@ def unflatten(
     n_tensors: int,
     *,
     allow_pickle: bool = False,
+    version: int = FORMAT_VERSION,
 ) -> Any:
     """Rebuild the nested state from a tree; ``tensor_at(i)`` returns tensor ``i`` of the manifest.
+
+    The same as :func:`resolve_tree` of :func:`decode_tree`.
+
+    Args:
+        tree: the tree's bytes.
+        tensor_at: tensor ``i`` of the manifest (called once per reference).
+        n_tensors: rows in the manifest's tensor table.
+        allow_pickle: accept pickled values.
+        version: the format version of the manifest the tree comes from.
 
     Raises:
         CorruptCheckpointError: the tree is malformed or references a tensor that does not exist.
         StateError: the tree holds pickled values and ``allow_pickle`` is False.
     """
+    value, ref = decode_tree(tree, n_tensors, version, allow_pickle=allow_pickle)
+    return resolve_tree(value, ref, tensor_at, n_tensors)
+
+
+def decode_tree(tree: bytes, n_tensors: int, version: int, *, allow_pickle: bool = False) -> tuple[Any, type[int]]:
+    """Decode a tree and leave its tensor references unresolved.
+
+    Returns:
+        ``(value, ref)``: the nested value, in which a tensor reference is an instance of exactly
+        ``ref``. For versions 1-2 that is :class:`Ref`, checked against ``n_tensors`` here. From
+        version 3 it is ``int``, which whoever walks the value checks with :func:`check_ref`, and an
+        int value is an :class:`Int`. Containers are dict, list, tuple and OrderedDict (exactly
+        those types: a torch.Size is a leaf); an unpickled value is an :class:`Opaque` leaf.
+
+    Raises:
+        CorruptCheckpointError: the tree is malformed (or a version 1-2 reference out of range).
+        StateError: the tree holds pickled values and ``allow_pickle`` is False.
+    """
+    plain_refs = version >= PLAIN_REFS
 
     def hook(code: int, data: bytes) -> Any:
         if code == EXT_TENSOR:
+            if plain_refs:
+                raise CorruptCheckpointError(f"tree: ext-2 tensor reference in a version-{version} tree")
             if len(data) != 4:
                 raise CorruptCheckpointError("tree: malformed tensor reference")
             (i,) = struct.unpack(">I", data)
-            if i >= n_tensors:
-                raise CorruptCheckpointError(f"tree: tensor reference {i} out of range (have {n_tensors})")
-            return tensor_at(i)
+            return Ref(check_ref(i, n_tensors))
+        if code == EXT_INT:
+            v = int(data.decode("ascii"))
+            return Int(v) if plain_refs else v
         if code == EXT_TUPLE:
             return tuple(unpack(data))
         if code == EXT_ODICT:
             return OrderedDict((k, v) for k, v in unpack(data))
-        if code == EXT_BIGINT:
-            return int(data.decode("ascii"))
         if code == EXT_DTYPE:
             dt = getattr(torch, data.decode("ascii"), None)
             if not isinstance(dt, torch.dtype):
@@ -219,17 +302,63 @@ def unflatten(
                 raise StateError(
                     "checkpoint holds pickled values; pass allow_pickle=True to restore() if you trust its source"
                 )
-            return pickle.loads(data)
+            return Opaque(pickle.loads(data))
         raise CorruptCheckpointError(f"tree: unknown ext type {code}")
 
     def unpack(data: bytes) -> Any:
         return msgpack.unpackb(data, raw=False, ext_hook=hook, strict_map_key=False, use_list=True)
 
     try:
-        return unpack(tree)
+        return unpack(tree), (int if plain_refs else Ref)
     except (StateError, CorruptCheckpointError):
         raise
     except Exception as e:
         raise CorruptCheckpointError(f"tree: cannot decode: {e}") from e
     finally:
-        unpack = None  # type: ignore[assignment]  # hook and unpack referred to each other: a cycle holding tensor_at
+        unpack = None  # type: ignore[assignment]  # hook and unpack referred to each other: a cycle
+
+
+def resolve_tree(value: Any, ref: type[int], tensor_at: Callable[[int], torch.Tensor], n_tensors: int) -> Any:
+    """``value`` (from :func:`decode_tree`) with each reference replaced by ``tensor_at(i)``, each
+    :class:`Int` by its int and each :class:`Opaque` by what it holds; containers are rebuilt with
+    their types.
+
+    Raises:
+        CorruptCheckpointError: a reference is out of range.
+    """
+
+    def resolve(v: Any) -> Any:
+        tv = type(v)
+        if tv is ref:
+            return tensor_at(check_ref(v, n_tensors))
+        if tv is Int:
+            return int(v)
+        if tv is dict:
+            return {k: resolve(x) for k, x in v.items()}
+        if tv is list:
+            return [resolve(x) for x in v]
+        if tv is tuple:
+            return tuple(resolve(x) for x in v)
+        if tv is OrderedDict:
+            return OrderedDict((k, resolve(x)) for k, x in v.items())
+        if tv is Opaque:
+            return v.value
+        return v  # None, bool, int (versions 1-2), float, str, bytes, torch.dtype / device / Size
+
+    try:
+        return resolve(value)
+    finally:
+        resolve = None  # type: ignore[assignment]  # it referred to itself: a cycle holding tensor_at
+
+
+def check_ref(i: int, n_tensors: int, *, tier: str | None = None, step: int | None = None) -> int:
+    """``i`` if it is a row of a tensor table of ``n_tensors`` rows.
+
+    Raises:
+        CorruptCheckpointError: it is not (naming ``tier`` and ``step`` when given).
+    """
+    if not 0 <= i < n_tensors:
+        raise CorruptCheckpointError(
+            f"tree: tensor reference {i} out of range (have {n_tensors})", tier=tier, step=step
+        )
+    return i
