@@ -146,6 +146,9 @@ def test_targets_that_cannot_be_streamed_into(tmp_path: Path, loops: str) -> Non
         a, b = torch.zeros(600), torch.zeros(600)  # two separate targets of one saved tensor
         h.restore(into={"t": torch.zeros(40, 70), "a": a, "b": b, "n": 0})
         assert torch.equal(a, shared) and torch.equal(b, shared)
+        strided, b = torch.zeros(1200)[::2], torch.zeros(600)  # the first cannot be streamed into, the second can
+        h.restore(into={"t": torch.zeros(40, 70), "a": strided, "b": b, "n": 0})
+        assert torch.equal(strided, shared) and torch.equal(b, shared)
 
 
 def test_mismatched_target_is_refused_before_anything_changes(tmp_path: Path) -> None:
