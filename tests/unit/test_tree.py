@@ -137,6 +137,11 @@ def test_version_3_references_out_of_range_are_corrupt(tree: object) -> None:
         unflatten(msgpack.packb(tree), lambda i: torch.zeros(1), 1)
 
 
+def test_unknown_version_is_refused() -> None:
+    with pytest.raises(ValueError, match="version 4"):
+        flatten({}, version=4)
+
+
 def test_version_3_refuses_ext_2_references() -> None:
     tree = msgpack.packb({"a": msgpack.ExtType(2, b"\x00\x00\x00\x00")})
     assert unflatten(tree, lambda i: torch.zeros(1), 1, version=2)["a"].shape == (1,)

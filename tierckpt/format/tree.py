@@ -35,7 +35,7 @@ import msgpack
 import torch
 
 from tierckpt.errors import CorruptCheckpointError, StateError
-from tierckpt.format.manifest import FORMAT_VERSION
+from tierckpt.format.manifest import FORMAT_VERSION, READ_VERSIONS
 
 __all__ = [
     "PLAIN_REFS",
@@ -137,7 +137,10 @@ def flatten(state: Any, *, allow_pickle: bool = False, version: int = FORMAT_VER
 
     Raises:
         StateError: naming the key path of a value that cannot be saved (unless ``allow_pickle``).
+        ValueError: ``version`` is not a format version this writer knows.
     """
+    if version not in READ_VERSIONS:
+        raise ValueError(f"cannot write format version {version} (this writer knows {READ_VERSIONS})")
     plain_refs = version >= PLAIN_REFS
     tensors: list[TensorRef] = []
     originals: list[torch.Tensor] = []  # tensor i as found in the state (before detach / resolve)
