@@ -23,7 +23,7 @@ from tierckpt.format.manifest import Manifest, dtype_from_name
 from tierckpt.format.tree import Int, Opaque, check_ref, format_path
 from tierckpt.tiers.base import CheckpointKey, Tier
 
-__all__ = ["Plan", "materialize", "plan"]
+__all__ = ["Plan", "plan"]
 
 
 @dataclass
@@ -34,7 +34,7 @@ class Plan:
         made: fresh tensors by manifest index (for assigned values, and for what cannot be streamed into).
         later: ``(target tensor, fresh tensor)`` copies to make once everything is verified.
         assigns: ``(container, key, value)`` assignments (values as the tree decoded them: pass them
-            through :func:`materialize`).
+            through :func:`~tierckpt.format.tree.resolve_tree` with ``made``).
         ref: the type of a tensor reference in ``assigns``' values.
     """
 
@@ -152,28 +152,6 @@ def plan(m: Manifest, target: Any, addrs: list[int], *, allow_pickle: bool, tier
             f = made[i] = torch.empty(lengths[i], dtype=torch.uint8)
             addrs[i] = f.data_ptr()
     return Plan(made, later, assigns, R)
-
-
-def materialize(v: Any, made: dict[int, torch.Tensor], ref: type[int]) -> Any:
-    """``v`` with every tensor reference (an instance of exactly ``ref``) replaced by its fresh
-    tensor, every :class:`~tierckpt.format.tree.Int` by its int and every
-    :class:`~tierckpt.format.tree.Opaque` by what it holds; containers are rebuilt with their types."""
-    tv = type(v)
-    if tv is ref:
-        return made[v]
-    if tv is Int:
-        return int(v)
-    if tv is Opaque:
-        return v.value
-    if tv is dict:
-        return {k: materialize(x, made, ref) for k, x in v.items()}
-    if tv is list:
-        return [materialize(x, made, ref) for x in v]
-    if tv is tuple:
-        return tuple(materialize(x, made, ref) for x in v)
-    if tv is OrderedDict:
-        return OrderedDict((k, materialize(x, made, ref)) for k, x in v.items())
-    return v
 
 
 def _refs(v: Any, ref: type[int], out: set[int]) -> None:

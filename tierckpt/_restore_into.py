@@ -25,12 +25,13 @@ from typing import Any
 import torch
 import xxhash
 
-from tierckpt._match import materialize, plan
+from tierckpt._match import plan
 from tierckpt._restore import load_head, load_rest
 from tierckpt.errors import CorruptCheckpointError
 from tierckpt.format.layout import round_up
 from tierckpt.format.manifest import Manifest, ManifestHead
 from tierckpt.format.table import blob_spans
+from tierckpt.format.tree import resolve_tree
 from tierckpt.io.buffers import StagingPool, memmove, ptr_mv
 from tierckpt.io.native import THREADS, Records, all_zero, native, records
 from tierckpt.tiers.base import CheckpointKey, Tier, TierReader
@@ -124,7 +125,7 @@ def restore_into(
             if dst.numel():
                 dst.copy_(fresh)
     for container, k, v in todo.assigns:
-        container[k] = materialize(v, todo.made, todo.ref)
+        container[k] = resolve_tree(v, todo.ref, todo.made.__getitem__, len(m.tensors))  # references checked by plan
     return target
 
 
