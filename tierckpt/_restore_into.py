@@ -38,7 +38,10 @@ from tierckpt.tiers.base import CheckpointKey, Tier, TierReader
 
 __all__ = ["RestoreStaging", "restore_into"]
 
-_SLOTS = 12  # reads in flight or being copied out (the engine's queue depth caps those in flight)
+# Reads in flight or being copied out (the engine's queue depth caps those in flight). Until the target
+# is matched every slot reads, so the slots must hold what the disk reads while the match runs: 16 x 16 MiB
+# (256 MiB, about 70 ms here) covers a 20,000-tensor match even with cold caches (docs/restore.md).
+_SLOTS = 16
 _SLOT_BYTES = 16 << 20
 _STEADY_READS = 2  # reads in flight once the target is matched (see restore_into)
 _BLOCK_BYTES = 1 << 20  # copy-then-hash unit: the hash reads the bytes while they are still cached

@@ -130,6 +130,18 @@ def test_in_place_restore_is_bit_exact_and_keeps_the_target_memory(
     assert h._in_place._pool is None  # released on close
 
 
+def test_a_small_checkpoint_takes_only_the_slots_it_reads_into(tmp_path: Path) -> None:
+    """The pool is sized for large checkpoints (16 x 16 MiB by default) but allocates a slot only when a
+    read needs one: a checkpoint of two pieces takes two slots, however many the pool may hold."""
+    state = {"a": torch.arange(SLOT // 8 + 100, dtype=torch.float64)}  # one blob, just over one slot
+    with open_h(config(tmp_path, "ssd"), slots=8) as h:
+        h.save(state, step=1).wait()
+        target = zeros_like(state)
+        h.restore(into=target)
+        assert torch.equal(target["a"], state["a"])
+        assert h._in_place._pool.allocated_bytes == 2 * SLOT
+
+
 def test_targets_that_cannot_be_streamed_into(tmp_path: Path, loops: str) -> None:
     """Non-contiguous targets, keys only the checkpoint has, a tensor saved under two keys, and one
     target tensor under two keys all end up holding the checkpoint's bytes."""
