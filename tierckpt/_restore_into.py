@@ -40,7 +40,7 @@ __all__ = ["RestoreStaging", "restore_into"]
 
 # Reads in flight or being copied out (the engine's queue depth caps those in flight). Until the target
 # is matched every slot reads, so the slots must hold what the disk reads while the match runs: 16 x 16 MiB
-# (256 MiB, about 70 ms here) covers a 20,000-tensor match even with cold caches (docs/restore.md).
+# (256 MiB, 70-80 ms here) covers a 20,000-tensor match even with cold caches (docs/restore.md).
 _SLOTS = 16
 _SLOT_BYTES = 16 << 20
 _STEADY_READS = 2  # reads in flight once the target is matched (see restore_into)
