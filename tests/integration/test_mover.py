@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -68,7 +69,12 @@ def test_save_returns_before_the_copy_and_blocking_waits(tmp_path: Path) -> None
         try:
             handle = h.save({"w": torch.ones(1 << 20)}, step=1)
             assert not handle.staged.done() and not handle.durable["ssd"].done()
-            states = h.checkpoints()[0].states
+            # the host tier's worker marks the step "writing" when it picks the job up, which may be
+            # a moment after save() returns: wait for that (bounded), then look
+            deadline = time.monotonic() + 30
+            while (states := h.checkpoints()[0].states)["host"] == "pending" and time.monotonic() < deadline:
+                time.sleep(0.005)
+            assert not handle.staged.done()
         finally:
             gate.set()
         assert states == {"host": "writing", "ssd": "pending"}
