@@ -41,7 +41,10 @@ def test_large_tree_is_compressed_transparently() -> None:
 
 
 def reframe(payload: dict, version: int = 1) -> bytes:
-    body = msgpack.packb(payload, use_bin_type=True)
+    return reframe_body(msgpack.packb(payload, use_bin_type=True), version)
+
+
+def reframe_body(body: bytes, version: int = 3) -> bytes:
     return (
         struct.pack("<8sHHIQ", b"TIERCKPT", version, 0, 0, len(body))
         + body
@@ -234,3 +237,52 @@ def test_head_is_validated_before_the_table() -> None:
     p["blobs"][0][0] = "../escape"
     with pytest.raises(CorruptCheckpointError, match="not a plain file name"):
         decode_head(reframe(p, version=2))
+
+
+def test_payload_shape_errors() -> None:
+    """The head's pass walks the payload map key by key (skipping the table and the tree): a key given
+    twice, a key missing, bytes after the map, a map cut short or no map at all are each refused."""
+    p = payload(version=3)
+    body = msgpack.packb(p, use_bin_type=True)
+    assert decode_manifest(reframe_body(body)).tensors.paths == sample().tensors.paths
+    missing = dict(p)
+    del missing["tree"]
+    nine = msgpack.packb(missing, use_bin_type=True)
+    assert nine[0] == 0x89
+    # ten entries with "step" twice and no tree (unpackb would have kept one "step" silently)
+    twice = b"\x8a" + nine[1:] + msgpack.packb("step") + msgpack.packb(5)
+    cases = [
+        (twice, "keys differ"),
+        (msgpack.packb(missing, use_bin_type=True), "keys differ"),
+        (body + b"\xc0", "1 bytes after the map"),
+        (body[:-1], "not msgpack"),
+        (msgpack.packb(list(p.values()), use_bin_type=True), "not msgpack"),
+        (b"\xc1" + body[1:], "not msgpack"),
+    ]
+    for bad, message in cases:
+        with pytest.raises(CorruptCheckpointError, match=message):
+            decode_manifest(reframe_body(bad))
+
+
+def test_head_leaves_the_table_and_tree_undecoded_until_asked() -> None:
+    """A broken tree (not msgpack bytes) does not stop the head; manifest() names it."""
+    from tierckpt.format.manifest import decode_head
+
+    p = payload(version=3)
+    p["tree"] = ["not", "bytes"]
+    head = decode_head(reframe_body(msgpack.packb(p, use_bin_type=True)))
+    assert head.step == 5
+    with pytest.raises(CorruptCheckpointError, match="tree is not bytes"):
+        head.manifest()
+    # bytes the head's pass only skips over: a path that is not UTF-8, a map key that is no string
+    p = payload(version=3)
+    body = msgpack.packb(p, use_bin_type=True)
+    path = msgpack.packb("state['a']")
+    assert body.count(path) == 1
+    head = decode_head(reframe_body(body.replace(path, path[:1] + b"\xff" + path[2:])))
+    with pytest.raises(CorruptCheckpointError, match="tensors is not msgpack"):
+        head.manifest()
+    p["tensors"][7] = 1
+    head = decode_head(reframe_body(msgpack.packb(p, use_bin_type=True)))
+    with pytest.raises(CorruptCheckpointError, match="tensors is not msgpack"):
+        head.manifest()
