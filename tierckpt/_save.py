@@ -11,7 +11,7 @@ from __future__ import annotations
 import ctypes
 import logging
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 
 import torch
@@ -20,9 +20,9 @@ import xxhash
 from tierckpt.format.layout import Layout
 from tierckpt.format.manifest import BlobEntry, Manifest, TensorTable, dtype_name, encode_manifest
 from tierckpt.format.table import blob_spans
-from tierckpt.format.tree import FlatState
+from tierckpt.format.tree import FlatState, TensorRef
 from tierckpt.io.buffers import StagingPool, memmove, ptr_mv
-from tierckpt.io.native import native, records
+from tierckpt.io.native import Records, native, records
 from tierckpt.tiers.base import TierWriter
 
 __all__ = ["build_manifest", "contiguous_cpu", "pack_and_write"]
@@ -46,6 +46,23 @@ def _zero(view: memoryview, start: int, stop: int) -> None:
 def _source(t: torch.Tensor) -> int:
     """The address the C loop may copy ``t``'s bytes from, or 0 (not a contiguous CPU tensor)."""
     return t.data_ptr() if t.is_cpu and t.is_contiguous() and not (t.is_neg() or t.is_conj()) else 0
+
+
+def _fill_sources(
+    recs: Records, tensors: Sequence[TensorRef], order: list[int], e_blob: list[int], e_off: list[int],
+    k: int, blob: int, stop: int,
+) -> int:  # fmt: skip
+    """Set the source address of the records from position ``k`` up to the first tensor at or past
+    offset ``stop`` of ``blob``; returns that position."""
+    table, n = recs.table, len(order)
+    while k < n:
+        i = order[k]
+        b = e_blob[i]
+        if b > blob or (b == blob and e_off[i] >= stop):
+            break
+        table[4 * k + 3] = _source(tensors[i].tensor)
+        k += 1
+    return k
 
 
 def contiguous_cpu(t: torch.Tensor) -> torch.Tensor:
@@ -125,8 +142,11 @@ def pack_and_write(
     recs, gather = None, native.gather if native is not None else None
     spans: dict[int, tuple[int, int]] = {}
     done: list[tuple[int, int]] = []  # [k0, k1) ranges of order packed by the C loop
+    filled = 0  # positions of order whose source address recs holds: set piece by piece, just ahead of
+    # the C loop, so the first write does not wait for a pass over every tensor (~1-2 us each, 20-40 ms
+    # for 20,000 tensors) and the rest of that pass runs while the disk writes
     if gather is not None:
-        recs = records(order, e_off, e_len, checksums, [_source(r.tensor) for r in tensors])
+        recs = records(order, e_off, e_len, checksums)
         spans = blob_spans(order, e_blob)
     max_len = (1 << 64) - 1 if defer else _BLOCK_BYTES
     try:
@@ -153,6 +173,8 @@ def pack_and_write(
                     cursor = p0
                     while k < nk:
                         if recs is not None and not src:
+                            if filled < nk:
+                                filled = _fill_sources(recs, tensors, order, e_blob, e_off, filled, b, p1)
                             k0 = k
                             k, cursor = gather(
                                 recs.table,

@@ -8,6 +8,7 @@ import logging
 import threading
 from collections import OrderedDict
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -183,6 +184,39 @@ def test_native_and_python_loops_write_the_same_bytes(
     assert got["native"][0] == got["python"][0]
     assert len(got["native"][1]) == len(got["python"][1]) > 1
     assert got["native"][1] == got["python"][1]
+
+
+def test_the_first_write_does_not_wait_for_every_source_address(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The C packing loop's source addresses are looked up piece by piece, just ahead of it: the first
+    write goes out after the first piece's tensors, and each tensor is looked up once."""
+    import tierckpt._save
+    import tierckpt.io.native
+    import tierckpt.tiers._files
+
+    if tierckpt.io.native.native is None:
+        pytest.skip("tierckpt.io._native is not built here")
+    state = {f"t{i}": rand((1024 + i % 7,), torch.float32, i) for i in range(2000)}  # ~8 MB
+    looked, at_first_write = [0], []
+    source, write = tierckpt._save._source, tierckpt.tiers._files._FileWriter.write
+
+    def counted(t: torch.Tensor) -> int:
+        looked[0] += 1
+        return source(t)
+
+    def first(self: Any, *a: Any) -> Any:
+        if not at_first_write:
+            at_first_write.append(looked[0])
+        return write(self, *a)
+
+    monkeypatch.setattr(tierckpt._save, "_source", counted)
+    monkeypatch.setattr(tierckpt.tiers._files._FileWriter, "write", first)
+    with Hierarchy.from_config(cfg(tmp_path, "ssd", io={"chunk": "1MiB"})) as h:
+        h.save(state, step=1).wait()
+        assert looked[0] == len(state)
+        assert 0 < at_first_write[0] < len(state) // 10, at_first_write
+        assert_same(state, h.restore())
 
 
 def test_retention_and_records(tmp_path: Path) -> None:
