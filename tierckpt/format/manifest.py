@@ -194,8 +194,6 @@ class ManifestHead:
                 tree = zstandard.ZstdDecompressor().decompress(tree, max_output_size=MAX_PAYLOAD_BYTES)
             except zstandard.ZstdError as e:
                 raise _bad(f"tree does not decompress: {e}") from e
-        else:
-            _want(d["tree_codec"] == "none", f"unknown tree codec {d['tree_codec']!r}")
         sizes = [b.size for b in self.blobs]
         rows = _unpack_span(self._spans["tensors"], "tensors")
         tensors = decode_table(rows, sizes) if self.version >= 2 else _decode_rows_v1(rows, sizes)
@@ -243,6 +241,7 @@ def decode_head(data: bytes) -> ManifestHead:
     align = d["align"]
     _want(_is_int(align, 1, 1 << 30) and align & (align - 1) == 0, f"align {align!r} is not a power of two")
     _want(d["checksum"] == "xxh3_64", f"unknown checksum algorithm {d['checksum']!r}")
+    _want(d["tree_codec"] in ("none", "zstd"), f"unknown tree codec {d['tree_codec']!r}")
     _want(type(d["has_pickle"]) is bool, "has_pickle is not a bool")
     _want(isinstance(d["blobs"], list), "blobs is not a list")
     blobs = []

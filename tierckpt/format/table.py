@@ -29,7 +29,6 @@ __all__ = ["DTYPES", "TensorEntry", "TensorTable", "blob_spans", "check_extents"
 
 MAX_DIMS = 64
 _LITTLE = sys.byteorder == "little"
-_I64_MAX = (1 << 63) - 1
 TABLE_KEYS = ("count", "path", "dtype_names", "dtype", "ndim", "dims", "blob", "offset", "length", "checksum")
 
 
