@@ -80,6 +80,7 @@ def pack_and_write(
     pool: Callable[[], StagingPool],
     chunk_bytes: int,
     on_staged: Callable[[], None] | None = None,
+    on_packed: Callable[[list[int]], None] | None = None,
 ) -> list[int]:
     """Pack every tensor, hand each chunk to every writer, wait for the writes; return the checksums.
 
@@ -91,7 +92,9 @@ def pack_and_write(
     gap next to almost every one of 20,000 small tensors).
 
     A writer whose write fails is recorded in ``failed`` (first error) and gets no further chunks; the
-    others go on. ``on_staged`` runs once every tensor byte has been copied out of the caller's state.
+    others go on. ``on_staged`` runs once every tensor byte has been copied out of the caller's state;
+    ``on_packed(checksums)`` once every checksum is known too, before the writes still in flight are
+    waited for (the manifest is built then, while the disk writes the last chunks).
     """
     tensors, e_blob, e_off, e_len = flat.tensors, layout.blobs, layout.offsets, layout.lengths
     checksums = [_EMPTY_DIGEST] * len(tensors)
@@ -244,6 +247,8 @@ def pack_and_write(
             else:
                 for i in order:
                     checksums[i] = xxh3_64_intdigest(ptr_mv(bases[e_blob[i]] + e_off[i], e_len[i], writable=False))
+        if on_packed is not None:
+            on_packed(checksums)
     finally:
         while inflight:
             drain_one()

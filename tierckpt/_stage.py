@@ -57,19 +57,24 @@ def make_stage_job(
                 pool = mover.workers[tier.name].pool
                 on_staged = lambda: handle.staged.set_result(None)  # noqa: E731
                 packer = getattr(tier, "pack", None)  # a tier that snapshots itself (gpu: device copies)
+                srcs = [r.tensor for r in flat.tensors]
+                manifest = b""
+
+                def encode(checksums: list[int]) -> None:
+                    nonlocal manifest
+                    manifest = build_manifest(
+                        flat, srcs, layout, blobs, checksums, step=key.step, rank=key.rank,
+                        world_size=world_size, align=align,
+                    )  # fmt: skip
+
                 if packer is not None:
-                    checksums = packer(writer, flat, layout, pool, on_staged)
-                else:
-                    checksums = pack_and_write(
-                        flat, layout, {tier.name: writer}, failed, pool, pool().slot_bytes, on_staged
+                    encode(packer(writer, flat, layout, pool, on_staged))
+                else:  # the manifest is encoded while the last chunks are still being written
+                    pack_and_write(
+                        flat, layout, {tier.name: writer}, failed, pool, pool().slot_bytes, on_staged, encode
                     )
                 if failed:
                     raise failed[tier.name]
-                srcs = [r.tensor for r in flat.tensors]
-                manifest = build_manifest(
-                    flat, srcs, layout, blobs, checksums, step=key.step, rank=key.rank,
-                    world_size=world_size, align=align,
-                )  # fmt: skip
                 writer.commit(manifest)
         except BaseException as e:
             if writer is not None:

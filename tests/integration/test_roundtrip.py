@@ -7,6 +7,7 @@ import filecmp
 import logging
 import threading
 from collections import OrderedDict
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -216,6 +217,77 @@ def test_the_first_write_does_not_wait_for_every_source_address(
         h.save(state, step=1).wait()
         assert looked[0] == len(state)
         assert 0 < at_first_write[0] < len(state) // 10, at_first_write
+        assert_same(state, h.restore())
+
+
+def test_the_manifest_is_encoded_while_the_last_writes_are_in_flight(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Once every chunk is packed, the save encodes the manifest before it waits for the writes still in
+    flight. Here no write completes until the manifest is built: a save that encoded it only after the
+    writes would wait out the 10 s below and fail."""
+    import tierckpt._stage
+    import tierckpt.tiers._files
+
+    state = {f"t{i}": rand((1024 + i % 7,), torch.float32, i) for i in range(2000)}  # ~8 MB: 2 chunks, 6 slots
+    built, held = threading.Event(), []
+    build, write = tierckpt._stage.build_manifest, tierckpt.tiers._files._FileWriter.write
+
+    def building(*a: Any, **k: Any) -> bytes:
+        out = build(*a, **k)
+        built.set()
+        return out
+
+    def held_write(self: Any, *a: Any) -> Future[int]:
+        outer: Future[int] = Future()
+        held.append((write(self, *a), outer))
+        return outer
+
+    def release() -> None:
+        ok = built.wait(10)
+        for inner, outer in list(held):
+            if ok:
+                outer.set_result(inner.result())
+            else:
+                outer.set_exception(TimeoutError("the manifest was not built while the writes were in flight"))
+
+    monkeypatch.setattr(tierckpt._stage, "build_manifest", building)
+    monkeypatch.setattr(tierckpt.tiers._files._FileWriter, "write", held_write)
+    releaser = threading.Thread(target=release)
+    releaser.start()
+    try:
+        with Hierarchy.from_config(cfg(tmp_path, "ssd", io={"chunk": "4MiB"})) as h:
+            h.save(state, step=1).wait()
+            releaser.join()
+            assert built.is_set() and len(held) > 2
+            monkeypatch.undo()
+            assert_same(state, h.restore())
+            assert h.verify() == [(1, "ssd", None)]
+    finally:
+        built.set()
+        releaser.join()
+
+
+def test_a_manifest_that_cannot_be_built_fails_the_save(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An error while the manifest is encoded (with writes in flight) fails the save and leaves nothing
+    behind; the previous checkpoint still restores."""
+    import tierckpt._stage
+
+    state = {f"t{i}": rand((4096,), torch.float32, i) for i in range(600)}
+    with Hierarchy.from_config(cfg(tmp_path, "ssd", io={"chunk": "1MiB"})) as h:
+        h.save(state, step=1).wait()
+
+        def broken(*a: Any, **k: Any) -> bytes:
+            raise RuntimeError("cannot encode")
+
+        monkeypatch.setattr(tierckpt._stage, "build_manifest", broken)
+        with pytest.raises(RuntimeError, match="cannot encode"):
+            h.save(state, step=2).wait()
+        monkeypatch.undo()
+        assert [c.step for c in h.checkpoints() if c.tiers] == [1]
+        assert sorted(p.name for p in (tmp_path / "ssd").iterdir()) == ["step-000000000001"]
         assert_same(state, h.restore())
 
 
