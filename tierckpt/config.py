@@ -6,7 +6,7 @@ Schema (docs/config.md has every key)::
       - {name: host, kind: host, capacity: 2GiB}
       - {name: ssd,  kind: local, path: /scratch/ckpt, capacity: 100GiB}
       - {name: pfs,  kind: pfs,   path: /lustre/me/ckpt, io: {queue_depth: 32}}
-    io: {engine: auto, direct: true, queue_depth: 16, chunk: 64MiB}
+    io: {engine: auto, direct: true, queue_depth: 16, chunk: 32MiB}
     layout: {align: 4KiB, blob_size: 1GiB}
     policy:
       keep: {host: 1, ssd: 2}
@@ -101,7 +101,7 @@ class IOConfig:
     engine: str = "auto"
     direct: bool = True
     queue_depth: int = 16
-    chunk_bytes: int = 64 << 20
+    chunk_bytes: int = 32 << 20
 
 
 @dataclass(frozen=True)

@@ -47,7 +47,11 @@ from tierckpt.tiers.base import CheckpointKey, Tier
 __all__ = ["STATES", "CheckpointInfo", "Hierarchy", "SaveHandle"]
 
 log = logging.getLogger(__name__)
-_STAGING_SLOTS = 3
+# A save's staging pool: 6 slots of one io chunk (32 MiB by default, 192 MiB in all). A virtual disk
+# here completes a whole queue of writes at once, so the packer must have slots free to fill while
+# a full queue is in flight; 3 slots of 64 MiB (the same memory) left the disk idle while they were
+# refilled (docs/benchmarks.md, "Six staging slots").
+_STAGING_SLOTS = 6
 
 
 def _resolved(value: Any = None) -> Future[Any]:

@@ -1,5 +1,5 @@
 """Repeated saves do not grow memory: 20 saves of the same ~1 GiB state raise the process's peak RSS by
-no more than the staging buffers (3 x io chunk) plus a small tolerance.
+no more than the staging buffers (6 x io chunk) plus a small tolerance.
 
 Peak RSS (``ru_maxrss``) is per process and only ever grows, so each measurement runs in a fresh child
 process (forked from a small interpreter, see CHILD): it builds the state, saves once (the warm-up allocates the staging pool and the engine),
@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 
 MiB = 1 << 20
-CHUNK = 64 * MiB
-STAGING_SLOTS = 3  # tierckpt.hierarchy._STAGING_SLOTS
+CHUNK = 32 * MiB
+STAGING_SLOTS = 6  # tierckpt.hierarchy._STAGING_SLOTS
 TOLERANCE = 64 * MiB
 SAVES = 20
 
@@ -42,7 +42,7 @@ CHILD = textwrap.dedent(
     torch.set_num_threads(1)
     h = Hierarchy.from_config({
         "tiers": [{"name": "ssd", "kind": "local", "path": root + "/ssd"}],
-        "io": {"chunk": "64MiB", "engine": engine},
+        "io": {"chunk": "32MiB", "engine": engine},
         "policy": {"keep": {"ssd": 1}},
     })
     base = peak()

@@ -123,7 +123,7 @@ class FileTier(Tier):
         engine: IOEngine,
         *,
         direct: bool = True,
-        chunk_bytes: int = 64 << 20,
+        chunk_bytes: int = 32 << 20,
         capacity_bytes: int | None = None,
         blob_bytes: int | None = None,
     ) -> None:

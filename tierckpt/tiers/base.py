@@ -142,7 +142,7 @@ class Tier(ABC):
     kind: str = "abstract"
     capabilities: TierCapabilities
     preferred_blob_bytes: int = 256 << 20
-    chunk_bytes: int = 64 << 20
+    chunk_bytes: int = 32 << 20
     on_full: str = "wait"
 
     def __init__(self, name: str) -> None:
