@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -16,6 +17,8 @@ from typing import Any
 from tierckpt.config import format_size
 from tierckpt.errors import CheckpointNotFoundError, TierckptError
 from tierckpt.hierarchy import Hierarchy
+
+_EXIT_PIPE = 128 + 13  # as a shell reports a process that SIGPIPE ended
 
 __all__ = ["main"]
 
@@ -126,6 +129,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     try:
         return int(args.func(args))
+    except BrokenPipeError:  # `tierckpt inspect ... | head`: the reader left; no traceback, no claim of success
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # so that the interpreter's final flush does not fail again
+        return _EXIT_PIPE
     except CheckpointNotFoundError as e:
         print(f"tierckpt: {e}", file=sys.stderr)
         return 1 if args.command == "verify" else 2

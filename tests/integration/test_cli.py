@@ -72,6 +72,23 @@ def test_errors_exit_2_with_a_message(tmp_path: Path, config: Path, capsys: pyte
     assert "step 99 is not committed" in capsys.readouterr().err
 
 
+def test_a_reader_that_leaves_early_gets_no_traceback(tmp_path: Path) -> None:
+    """``tierckpt inspect CONFIG | head``: the pipe closes before the output ends. The command stops
+    quietly with status 141 (as if SIGPIPE had ended it), not 0 and not with a traceback."""
+    yml = tmp_path / "h.yaml"
+    yml.write_text("tiers:\n  - {name: ssd, kind: local, path: ssd}\n")
+    with Hierarchy.from_yaml(yml) as h:  # ~300 KB of inspect output: more than a pipe holds
+        h.save({f"layer{i:05d}": torch.zeros(2) for i in range(5000)}, step=1).wait()
+    p = subprocess.Popen([sys.executable, "-m", "tierckpt.cli", "inspect", str(yml)],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
+    assert p.stdout is not None and p.stderr is not None
+    assert p.stdout.read(100).startswith(b"step 1")
+    p.stdout.close()
+    err = p.stderr.read().decode()
+    assert p.wait(timeout=60) == 141, err
+    assert "Traceback" not in err and "BrokenPipe" not in err, err
+
+
 def test_console_script_entry_point(config: Path) -> None:
     out = subprocess.run([sys.executable, "-m", "tierckpt.cli", "ls", str(config), "--json"],
                          capture_output=True, text=True, check=True)  # fmt: skip
