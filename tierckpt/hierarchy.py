@@ -233,10 +233,8 @@ class Hierarchy:
         if type(step) is not int or step < 0:
             raise ValueError(f"step must be a non-negative int, got {step!r}")
         flat = flatten(state, allow_pickle=allow_pickle)
-        srcs = [r.tensor for r in flat.tensors]
-        lengths = [t.nbytes for t in srcs]
         blob_target = self.layout.blob_bytes or max(t.preferred_blob_bytes for t in self._tiers)
-        layout = plan(lengths, align=self.align, blob_bytes=round_up(blob_target, self.align))
+        layout = plan(flat.nbytes, align=self.align, blob_bytes=round_up(blob_target, self.align))
         blobs = tuple(BlobEntry(f"blob-{i:05d}.bin", s) for i, s in enumerate(layout.blob_sizes))
         key = CheckpointKey(step, self.rank)
         with self._lock:

@@ -47,6 +47,15 @@ def test_tensors_are_referenced_and_shared_ones_deduplicated() -> None:
     assert back["a"] is back["b"][0]  # tied weights stay tied
 
 
+def test_flatten_gives_each_stored_tensor_its_byte_size() -> None:
+    base = torch.arange(24, dtype=torch.float64).reshape(4, 6)
+    state = {"a": base, "b": base.t()[1:3], "e": torch.empty(0, 5), "z": torch.tensor(7, dtype=torch.int8),
+             "c": torch.ones(3, dtype=torch.complex64).conj(), "again": base, "g": torch.ones(2, requires_grad=True)}  # fmt: skip
+    flat = flatten(state)
+    assert len(flat.nbytes) == len(flat.tensors) == 6  # "again" is stored once
+    assert list(flat.nbytes) == [r.tensor.nbytes for r in flat.tensors] == [192, 64, 0, 1, 24, 8]
+
+
 def test_refusals_name_the_key_path() -> None:
     state = {"optim": {"param_groups": [{"lr": 1.0, "betas_fn": lambda: 0}]}}
     with pytest.raises(StateError, match=r"state\['optim'\]\['param_groups'\]\[0\]\['betas_fn'\]"):
