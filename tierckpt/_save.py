@@ -17,6 +17,7 @@ from concurrent.futures import Future
 import torch
 import xxhash
 
+from tierckpt.errors import StateError
 from tierckpt.format.layout import Layout
 from tierckpt.format.manifest import BlobEntry, Manifest, TensorTable, dtype_name, encode_manifest
 from tierckpt.format.table import blob_spans
@@ -48,19 +49,30 @@ def _source(t: torch.Tensor) -> int:
     return t.data_ptr() if t.is_cpu and t.is_contiguous() and not (t.is_neg() or t.is_conj()) else 0
 
 
+def _resized(ref: TensorRef, nbytes: int, planned: int) -> StateError:
+    return StateError(
+        f"{ref.path} holds {nbytes} bytes now but {planned} when it was saved: a tensor of the state was "
+        "replaced or resized before the save copied it (wait for handle.staged before changing the state)"
+    )
+
+
 def _fill_sources(
     recs: Records, tensors: Sequence[TensorRef], order: list[int], e_blob: list[int], e_off: list[int],
-    k: int, blob: int, stop: int,
+    e_len: list[int], k: int, blob: int, stop: int,
 ) -> int:  # fmt: skip
     """Set the source address of the records from position ``k`` up to the first tensor at or past
-    offset ``stop`` of ``blob``; returns that position."""
+    offset ``stop`` of ``blob``; returns that position. A tensor whose size is no longer the one the
+    layout was planned with raises (its bytes would be read past their end)."""
     table, n = recs.table, len(order)
     while k < n:
         i = order[k]
         b = e_blob[i]
         if b > blob or (b == blob and e_off[i] >= stop):
             break
-        table[4 * k + 3] = _source(tensors[i].tensor)
+        t = tensors[i].tensor
+        if t.nbytes != e_len[i]:
+            raise _resized(tensors[i], t.nbytes, e_len[i])
+        table[4 * k + 3] = _source(t)
         k += 1
     return k
 
@@ -177,7 +189,7 @@ def pack_and_write(
                     while k < nk:
                         if recs is not None and not src:
                             if filled < nk:
-                                filled = _fill_sources(recs, tensors, order, e_blob, e_off, filled, b, p1)
+                                filled = _fill_sources(recs, tensors, order, e_blob, e_off, e_len, filled, b, p1)
                             k0 = k
                             k, cursor = gather(
                                 recs.table,
@@ -204,6 +216,8 @@ def pack_and_write(
                             _zero(view, cursor - c0, a - c0)
                         if not src:
                             held = contiguous_cpu(tensors[i].tensor)
+                            if held.nbytes != e_len[i]:
+                                raise _resized(tensors[i], held.nbytes, e_len[i])
                             src = held.data_ptr()
                             if a == off and z == end and (defer or z - a <= _BLOCK_BYTES):  # whole tensor
                                 memmove(base + a, src, z - a)

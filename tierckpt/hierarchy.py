@@ -217,7 +217,9 @@ class Hierarchy:
         The state is checked and flattened before this returns: a value that is not a tensor or a plain
         value raises :class:`StateError` naming its key path (unless ``allow_pickle``), and nothing is
         written. The copy itself runs in the background; **do not modify the state's tensors in place
-        before** ``handle.staged`` **resolves** (e.g. wait on it right before ``optimizer.step()``).
+        before** ``handle.staged`` **resolves** (e.g. wait on it right before ``optimizer.step()``). A tensor
+        replaced by one of another size meanwhile (``t.data = ...``) fails this save with
+        :class:`StateError` naming its key, rather than have its bytes read past their end.
         Copies to the lower tiers follow in the background, in order, as the demotion policy says.
 
         A failure on one tier does not stop the others; it is raised by ``handle.wait()`` (and by

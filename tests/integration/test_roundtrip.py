@@ -268,9 +268,7 @@ def test_the_manifest_is_encoded_while_the_last_writes_are_in_flight(
         releaser.join()
 
 
-def test_a_manifest_that_cannot_be_built_fails_the_save(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_a_manifest_that_cannot_be_built_fails_the_save(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """An error while the manifest is encoded (with writes in flight) fails the save and leaves nothing
     behind; the previous checkpoint still restores."""
     import tierckpt._stage
@@ -289,6 +287,41 @@ def test_a_manifest_that_cannot_be_built_fails_the_save(
         assert [c.step for c in h.checkpoints() if c.tiers] == [1]
         assert sorted(p.name for p in (tmp_path / "ssd").iterdir()) == ["step-000000000001"]
         assert_same(state, h.restore())
+
+
+@pytest.mark.parametrize("how", ["smaller", "larger"])
+def test_a_tensor_resized_before_the_save_copies_it_fails_that_save_cleanly(
+    tmp_path: Path, loops: str, how: str
+) -> None:
+    """A tensor replaced (``t.data = ...``) after save() returned and before the save packed it: its bytes
+    would be read past their end. The save fails naming the key, leaves nothing on disk, and the
+    previous checkpoint still restores."""
+    from tierckpt.io import make_engine
+
+    gate, eng = threading.Event(), make_engine("threads", 2)
+    ssd = FaultyTier(LocalTier("ssd", tmp_path / "ssd", eng), gates={"reserve": gate})
+    state = {
+        "a": rand((1000,), torch.float32, 1),
+        "b": {"w": rand((64, 64), torch.float32, 2)},
+        "c": rand((8,), torch.int64, 3),
+    }
+    before = {"a": state["a"].clone(), "b": {"w": state["b"]["w"].clone()}, "c": state["c"].clone()}
+    try:
+        with Hierarchy([ssd]) as h:
+            gate.set()
+            h.save(state, step=1).wait()
+            gate.clear()
+            handle = h.save(state, step=2)  # held before the copy
+            state["b"]["w"].data = torch.zeros(2) if how == "smaller" else torch.zeros(64, 65)
+            gate.set()
+            with pytest.raises(StateError, match=r"state\['b'\]\['w'\] holds \d+ bytes now but 16384"):
+                handle.wait()
+            h.wait()  # raised once, to the handle that waited for it
+            assert [c.step for c in h.checkpoints() if c.tiers] == [1]
+            assert sorted(p.name for p in (tmp_path / "ssd").iterdir()) == ["step-000000000001"]
+            assert_same(before, h.restore())
+    finally:
+        eng.close()
 
 
 def test_retention_and_records(tmp_path: Path) -> None:
