@@ -191,9 +191,19 @@ def _verifier(tier: Tier, key: CheckpointKey, m: Manifest) -> Callable[[int, Map
     return verify
 
 
+def _no_tensor(i: int) -> Any:
+    return None
+
+
 def verify_checkpoint(tier: Tier, key: CheckpointKey) -> Manifest:
-    """Re-read every blob of ``key`` on ``tier`` and check every checksum; raise on the first problem."""
+    """Re-read every blob of ``key`` on ``tier`` and check every checksum, after the whole manifest and the
+    state tree (what ``restore()`` would check before it reads); raise on the first problem."""
     m = load_manifest(tier, key)
+    try:  # the tree as restore() reads it: decoded and every reference in range, no pickle ever loaded
+        value, ref = decode_tree(m.tree, len(m.tensors), m.version, allow_pickle=True, unpickle=False)
+        resolve_tree(value, ref, _no_tensor, len(m.tensors))
+    except CorruptCheckpointError as e:
+        raise CorruptCheckpointError(str(e), tier=tier.name, step=key.step) from None
     _read_blobs(tier, key, m, _verifier(tier, key, m))
     return m
 

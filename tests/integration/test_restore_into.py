@@ -471,6 +471,32 @@ def test_a_bad_tensor_reference_in_the_tree_is_named(tmp_path: Path) -> None:
             assert not target["a"].any() and not target["b"].any()
             with pytest.raises(CorruptCheckpointError, match="tensor reference"):
                 h.restore()
+            [(step, tier, err)] = h.verify()  # verify checks what restore() checks
+            assert (step, tier) == (1, "ssd") and isinstance(err, CorruptCheckpointError), tree
+            assert "tensor reference" in str(err) and err.tier == "ssd"
+
+
+class _Boom:
+    """Unpickling it would run code: it leaves a mark."""
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_mark, (1,))
+
+
+_BOOMED: list[int] = []
+
+
+def _mark(x: int) -> None:
+    _BOOMED.append(x)
+
+
+def test_verify_checks_a_pickled_value_without_loading_it(tmp_path: Path) -> None:
+    with open_h(config(tmp_path, "ssd")) as h:
+        h.save({"w": torch.ones(3), "odd": _Boom()}, step=1, allow_pickle=True).wait()
+        assert h.verify() == [(1, "ssd", None)]
+        assert _BOOMED == []  # nothing was unpickled
+        h.restore(allow_pickle=True)
+        assert _BOOMED == [1]
 
 
 def test_a_pickled_value_is_assigned_whole(tmp_path: Path) -> None:

@@ -265,8 +265,13 @@ def unflatten(
     return resolve_tree(value, ref, tensor_at, n_tensors)
 
 
-def decode_tree(tree: bytes, n_tensors: int, version: int, *, allow_pickle: bool = False) -> tuple[Any, type[int]]:
+def decode_tree(
+    tree: bytes, n_tensors: int, version: int, *, allow_pickle: bool = False, unpickle: bool = True
+) -> tuple[Any, type[int]]:
     """Decode a tree and leave its tensor references unresolved.
+
+    With ``allow_pickle`` and not ``unpickle``, a pickled value becomes an :class:`Opaque` holding its
+    pickle bytes, never loaded (to check a tree's structure without running code from it).
 
     Returns:
         ``(value, ref)``: the nested value, in which a tensor reference is an instance of exactly
@@ -310,7 +315,7 @@ def decode_tree(tree: bytes, n_tensors: int, version: int, *, allow_pickle: bool
                 raise StateError(
                     "checkpoint holds pickled values; pass allow_pickle=True to restore() if you trust its source"
                 )
-            return Opaque(pickle.loads(data))
+            return Opaque(pickle.loads(data) if unpickle else bytes(data))
         raise CorruptCheckpointError(f"tree: unknown ext type {code}")
 
     def unpack(data: bytes) -> Any:
