@@ -473,13 +473,11 @@ class Hierarchy:
             extra, self._extra = self._extra, []
             self._promotions = {s: f for s, f in self._promotions.items() if not f.done()}
             self._fills = [f for f in self._fills if not f.done()]
-        first: BaseException | None = None
-        for h in handles:
-            first = first or h._unobserved()
-        for f in extra:
-            first = first or f.exception()
-        if first is not None:
-            raise first
+        failures = [e for e in [*(h._unobserved() for h in handles), *(f.exception() for f in extra)] if e is not None]
+        if len(failures) > 1:  # each was logged when it happened; all stay in checkpoints()
+            log.error("%d failures nobody waited for; raising the first (see h.checkpoints())", len(failures))
+        if failures:
+            raise failures[0]
 
     def install_sigterm_handler(self, deadline: float = 60.0, signals: Sequence[int] = (signal.SIGTERM,)) -> None:
         """On SIGTERM (preemption), flush within ``deadline`` seconds, then let the signal do what it did
