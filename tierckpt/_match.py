@@ -12,6 +12,7 @@ few torch attribute reads and no call.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -65,16 +66,17 @@ def plan(m: Manifest, target: Any, addrs: list[int], *, allow_pickle: bool, tier
     dtypes = [by_name[name] for name in t.dtypes]
     source, R = load_tree(tier, key, m, allow_pickle=allow_pickle)
     direct: list[torch.Tensor | None] = [None] * n  # the target tensor each tensor's bytes go straight into
-    slow: list[tuple[torch.Tensor, int]] = []  # target tensors that take the bytes from a fresh tensor
+    slow: list[tuple[torch.Tensor, int, tuple[Any, ...]]] = []  # target tensors (and their key paths) that take
+    # the bytes from a fresh tensor
     assigns: list[tuple[Any, Any, Any]] = []
     Tensor = torch.Tensor
 
-    def place(d: torch.Tensor, i: int) -> None:
+    def place(d: torch.Tensor, i: int, path: tuple[Any, ...]) -> None:
         if direct[i] is None and d.is_cpu and d.is_contiguous():
             addrs[i] = d.data_ptr()
             direct[i] = d
         else:
-            slow.append((d, i))
+            slow.append((d, i, path))
 
     def walk(dst: Any, src: Any, path: tuple[Any, ...]) -> None:
         # key paths are formatted only for an error: a walk over 20,000 tensors must not pay for them
@@ -92,7 +94,7 @@ def plan(m: Manifest, target: Any, addrs: list[int], *, allow_pickle: bool, tier
                         addrs[v] = d.data_ptr()
                         direct[v] = d
                     else:
-                        slow.append((d, v))
+                        slow.append((d, v, (*path, k)))
                 elif _descend(d, v):
                     walk(d, v, (*path, k))
                 else:
@@ -116,7 +118,7 @@ def plan(m: Manifest, target: Any, addrs: list[int], *, allow_pickle: bool, tier
                 raise StateError(
                     f"{where}: target is {dst.dtype} {tuple(dst.shape)}, checkpoint has {dtypes[src]} {tuple(shapes[src])}"
                 )
-            place(dst, src)
+            place(dst, src, path)
         else:
             raise StateError(
                 f"{format_path(path, 'target')}: cannot restore into a {type(dst).__name__}; pass a dict or a list"
@@ -133,11 +135,15 @@ def plan(m: Manifest, target: Any, addrs: list[int], *, allow_pickle: bool, tier
     for i in in_assigns:
         check_ref(i, n, tier=tier.name, step=key.step)
     # a tensor referenced twice (two target tensors, or one and an assigned value) is not streamed into
-    shared = in_assigns.union(i for _, i in slow)
-    slow += [(d, i) for i in shared if (d := direct[i]) is not None]
+    for d, _, p in slow:  # the few that are not plain CPU memory: copy_() must be able to fill them later
+        why = _unwritable(d)
+        if why is not None:
+            raise StateError(f"{format_path(p, 'target')}: cannot restore into {why}")
+    shared = in_assigns.union(i for _, i, _ in slow)
+    slow += [(d, i, ()) for i in shared if (d := direct[i]) is not None]
     made: dict[int, torch.Tensor] = {}
     later: list[tuple[torch.Tensor, torch.Tensor]] = []
-    for d, i in slow:
+    for d, i, _ in slow:
         f = made.get(i)
         if f is None:
             f = made[i] = torch.empty(shapes[i], dtype=dtypes[i])  # not touched until the bytes arrive
@@ -152,6 +158,30 @@ def plan(m: Manifest, target: Any, addrs: list[int], *, allow_pickle: bool, tier
             f = made[i] = torch.empty(lengths[i], dtype=torch.uint8)
             addrs[i] = f.data_ptr()
     return Plan(made, later, assigns, R)
+
+
+def _unwritable(d: torch.Tensor) -> str | None:
+    """Why ``copy_()`` cannot fill target tensor ``d`` with a checkpoint's values, or None."""
+    if d.layout is not torch.strided:
+        return f"a {d.layout} tensor"
+    if d.is_meta:
+        return "a meta tensor (it has no memory to fill)"
+    if d.numel() and _may_overlap(d.shape, d.stride()):
+        return "a tensor whose elements may share memory (an expanded or as_strided view)"
+    return None
+
+
+def _may_overlap(shape: Sequence[int], stride: Sequence[int]) -> bool:
+    """False when no two elements of a strided view can share memory: taken by increasing stride, each
+    dimension's stride exceeds the farthest offset the dimensions before it reach (a sufficient test:
+    it holds for every slice, transpose and permutation of a dense tensor; an expanded dimension,
+    stride 0, fails it)."""
+    reach = 0
+    for st, n in sorted((st, n) for st, n in zip(stride, shape) if n > 1):
+        if st <= reach:
+            return True
+        reach += st * (n - 1)
+    return False
 
 
 def _refs(v: Any, ref: type[int], out: set[int]) -> None:

@@ -126,6 +126,7 @@ class Tracker:
         self._errors: dict[int, dict[str, BaseException]] = {}
         self._pins: Counter[tuple[int, str]] = Counter()
         self._promoted: set[tuple[int, str]] = set()
+        self._latest: set[tuple[int, str]] = set()  # the copies of the newest save (in time)
         self._wanted: dict[int, set[str]] = {}
 
     def plan(self, step: int, tiers: Iterable[str]) -> None:
@@ -187,10 +188,17 @@ class Tracker:
         with self.changed:
             self._promoted = {(s, t) for s, t in self._promoted if t != tier or s >= below}
 
-    def protected(self) -> set[tuple[int, str]]:
-        """Copies retention must not evict now: pinned by a transfer, or freshly promoted."""
+    def saved(self, step: int, tiers: Iterable[str]) -> None:
+        """``step`` is the newest save (in time): retention keeps its copies even where its number is
+        below the ``keep`` window (a job that went back to an older step keeps what it saves)."""
         with self.changed:
-            return set(self._pins) | self._promoted
+            self._latest = {(step, t) for t in tiers}
+
+    def protected(self) -> set[tuple[int, str]]:
+        """Copies retention must not evict now: pinned by a transfer, freshly promoted, or of the newest
+        save."""
+        with self.changed:
+            return set(self._pins) | self._promoted | self._latest
 
     def pinned_on(self, tier: str) -> set[int]:
         with self.changed:

@@ -47,6 +47,15 @@ from tierckpt.tiers.base import CheckpointKey, Tier
 __all__ = ["STATES", "CheckpointInfo", "Hierarchy", "SaveHandle"]
 
 log = logging.getLogger(__name__)
+MAX_STEP = 10**12 - 1  #: file tiers name a step with 12 decimal digits (docs/format.md)
+MAX_RANK = 10**5  #: ... and a rank with 5
+
+
+def _check_step(step: object) -> None:
+    if type(step) is not int or not 0 <= step <= MAX_STEP:
+        raise ValueError(f"step must be an int in [0, {MAX_STEP}], got {step!r}")
+
+
 # A save's staging pool: 6 slots of one io chunk (32 MiB by default, 192 MiB in all). A virtual disk
 # here completes a whole queue of writes at once, so the packer must have slots free to fill while
 # a full queue is in flight; 3 slots of 64 MiB (the same memory) left the disk idle while they were
@@ -128,6 +137,19 @@ class Hierarchy:
         self.world_size = dw if world_size is None else world_size
         if not 0 <= self.rank < self.world_size:
             raise ConfigError(f"rank: {self.rank} is not in [0, {self.world_size})")
+        if self.rank >= MAX_RANK:
+            raise ConfigError(f"rank: {self.rank}: a file tier names ranks with 5 digits (at most {MAX_RANK - 1})")
+        seen: dict[str, int] = {}
+        for i, t in enumerate(tiers):  # two tiers in one directory would evict each other's copies
+            path = getattr(t, "path", None)
+            if path is None:
+                continue
+            real = os.path.realpath(path)
+            if real in seen:
+                raise ConfigError(
+                    f"tiers[{i}].path: {path} is the directory of tiers[{seen[real]}] ({names[seen[real]]!r})"
+                )
+            seen[real] = i
         self.retention: dict[str, RetentionPolicy] = {
             n: KeepLatest(self.policy.keep[n]) if n in self.policy.keep else KeepAll() for n in names
         }
@@ -143,6 +165,8 @@ class Hierarchy:
         now = _clock()
         self._cadence = {n: [0, now] for n in names[1:]}  # saves since the last one sent, when it was sent
         self._handles: list[SaveHandle] = []
+        self._newest: int | None = None  # newest step committed or saved (found at the first save)
+        self._warned_order = False
         self._promotions: dict[int, Future[str]] = {}
         self._extra: list[Future[None]] = []  # on-close demotions
         self._fills: list[Future[None]] = []  # prefetch copies into the tiers below its target (logged on failure)
@@ -198,6 +222,28 @@ class Hierarchy:
         return StagingPool(_STAGING_SLOTS, round_up(chunk, self.align), self.align)
 
     # -- save ---------------------------------------------------------------------------------------------
+    def _check_order(self, step: int) -> None:
+        """Warn once when a save's step is older than one already committed: ``restore()`` without a
+        step still picks the newer one (a job that went back to an older step should remove the steps
+        it abandoned, or restore by step)."""
+        if self._newest is None:
+            self._newest = max((c.step for c in self.checkpoints() if c.tiers), default=-1)
+        if step < self._newest and not self._warned_order:
+            self._warned_order = True
+            log.warning(
+                "saving step %d, older than step %d already saved: restore() without a step picks step %d; "
+                "keep: windows count steps by number (this save is kept until a later save replaces it)",
+                step, self._newest, self._newest,
+            )  # fmt: skip
+        self._newest = max(self._newest, step)
+
+    def _holds(self, tier: Tier, key: CheckpointKey) -> bool:
+        try:
+            return tier.holds(key)
+        except Exception as e:  # an unreachable tier holds nothing this save can replace
+            log.warning("tier %r: cannot tell whether it holds step %d: %s", tier.name, key.step, e)
+            return False
+
     def _destinations(self) -> list[str]:
         """The top tier, and each lower tier whose demotion rule is due for this save."""
         now = _clock()
@@ -232,8 +278,7 @@ class Hierarchy:
             blocking: return only when every tier this save goes to has committed it or failed.
         """
         self._check_open()
-        if type(step) is not int or step < 0:
-            raise ValueError(f"step must be a non-negative int, got {step!r}")
+        _check_step(step)
         flat = flatten(state, allow_pickle=allow_pickle)
         blob_target = self.layout.blob_bytes or max(t.preferred_blob_bytes for t in self._tiers)
         layout = plan(flat.nbytes, align=self.align, blob_bytes=round_up(blob_target, self.align))
@@ -241,10 +286,18 @@ class Hierarchy:
         key = CheckpointKey(step, self.rank)
         with self._lock:
             dests = self._destinations()
+            # A step saved again replaces its older copies on every tier that holds one, due or not: a
+            # tier left with the old bytes would restore them later, as if they were this save's.
+            older = [t.name for t in self._tiers[1:] if t.name not in dests and self._holds(t, key)]
+            if older:
+                log.info("step %d is saved again: its older copies on %s are replaced too", step, older)
+                dests = [t.name for t in self._tiers if t.name in dests or t.name in older]
+            self._check_order(step)
             handle = SaveHandle(step, dests)
             self._handles = [h for h in self._handles if not h.done() or set(h.errors()) - h._observed]
             self._handles.append(handle)
             self._tracker.plan(step, dests)
+            self._tracker.saved(step, dests)
 
             def stage_into(name: str) -> Callable[[], None]:
                 return make_stage_job(
@@ -319,6 +372,8 @@ class Hierarchy:
         return merge_states(self._tiers, self._tracker, self.rank)
 
     def _locate(self, step: int | None, tier: str | None = None) -> CheckpointInfo:
+        if step is not None:
+            _check_step(step)
         infos = [i for i in self.checkpoints() if i.tiers]
         if tier is not None:
             self.tier(tier)

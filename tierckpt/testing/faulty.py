@@ -73,6 +73,9 @@ class FaultyTier(Tier):
         self._check("list_committed")
         return self.inner.list_committed()
 
+    def holds(self, key: CheckpointKey) -> bool:
+        return self.inner.holds(key)
+
     def read_manifest(self, key: CheckpointKey) -> bytes:
         self._check("read_manifest")
         return self.inner.read_manifest(key)

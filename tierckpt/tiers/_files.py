@@ -24,6 +24,7 @@ import re
 import secrets
 import shutil
 import socket
+import stat
 import threading
 from collections.abc import Sequence
 from concurrent.futures import Future
@@ -133,8 +134,10 @@ class FileTier(Tier):
             self.path.mkdir(parents=True, exist_ok=True)
         except OSError as e:
             raise _io_error(name, f"cannot create directory {self.path}", e) from None
-        if not os.access(self.path, os.W_OK | os.X_OK):
-            raise TierIOError(errno.EACCES, f"tier {name!r}: directory {self.path} is not writable", str(self.path))
+        if not os.access(self.path, os.R_OK | os.W_OK | os.X_OK):
+            raise TierIOError(
+                errno.EACCES, f"tier {name!r}: directory {self.path} is not readable and writable", str(self.path)
+            )
         self.engine = engine
         can_direct, align = probe_direct(self.path)
         self.direct = direct and can_direct
@@ -150,6 +153,7 @@ class FileTier(Tier):
         )
         self._lock = threading.Lock()
         self._evicted: list[Path] = []  # renamed away by evict(free=False), deleted by reclaim()
+        self._junk: set[Path] = set()  # rank-like entries that are not checkpoints (warned about once)
         self._sweep()
 
     def _fs_alignment(self) -> int:
@@ -195,12 +199,19 @@ class FileTier(Tier):
             return sorted(self.path / n for n in os.listdir(self.path) if _STEP_RE.match(n))
         except FileNotFoundError:
             return []
+        except OSError as e:
+            raise _io_error(self.name, f"cannot list {self.path}", e) from None
 
     def _rank_dir(self, key: CheckpointKey) -> Path:
         return self.path / step_dir_name(key.step) / rank_dir_name(key.rank)
 
     # -- contract -------------------------------------------------------------------------------------
     def list_committed(self) -> list[CheckpointKey]:
+        """Every ``step-…/rank-…`` directory that holds a ``manifest`` file (a commit renames a directory
+        into place only after its manifest is durable). Anything else with such a name (an empty
+        directory, a file, a copy missing its manifest) is not a checkpoint: it is skipped, with one
+        warning, so that it never counts toward ``keep`` (which would evict good copies) nor hides
+        the newest good step."""
         out = []
         for step in self._step_dirs():
             s = int(_STEP_RE.match(step.name).group(1))  # type: ignore[union-attr]
@@ -208,8 +219,26 @@ class FileTier(Tier):
                 names = os.listdir(step)
             except OSError:
                 continue
-            out.extend(CheckpointKey(s, int(m.group(1))) for n in names if (m := _RANK_RE.match(n)))
+            for n in names:
+                m = _RANK_RE.match(n)
+                if m is None:
+                    continue
+                try:
+                    ok = stat.S_ISREG(os.stat(step / n / MANIFEST_NAME).st_mode)
+                except OSError:
+                    ok = False
+                if ok:
+                    out.append(CheckpointKey(s, int(m.group(1))))
+                elif (step / n) not in self._junk:
+                    self._junk.add(step / n)
+                    log.warning("tier %r: %s holds no manifest file: not a checkpoint, skipped", self.name, step / n)
         return sorted(out)
+
+    def holds(self, key: CheckpointKey) -> bool:
+        try:
+            return stat.S_ISREG(os.stat(self._rank_dir(key) / MANIFEST_NAME).st_mode)
+        except OSError:
+            return False
 
     def used_bytes(self) -> int:
         total = 0

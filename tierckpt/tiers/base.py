@@ -161,6 +161,11 @@ class Tier(ABC):
     def list_committed(self) -> list[CheckpointKey]:
         """Committed checkpoints on this tier, sorted by (step, rank)."""
 
+    def holds(self, key: CheckpointKey) -> bool:
+        """Whether ``key`` is committed here (a cheaper question than :meth:`list_committed` where a
+        tier can answer it alone, as file tiers do with one ``stat``)."""
+        return key in self.list_committed()
+
     @abstractmethod
     def read_manifest(self, key: CheckpointKey) -> bytes:
         """The manifest bytes; CheckpointNotFoundError if ``key`` is not committed here."""
