@@ -33,6 +33,11 @@ _PREFAULT_THREADS = max(1, min(4, os.cpu_count() or 1))
 _ZEROS = bytes(4096)
 
 
+def _located(e: CorruptCheckpointError, tier: Tier, key: CheckpointKey) -> CorruptCheckpointError:
+    """``e`` naming ``tier`` and the step (as it is, if it names a tier already)."""
+    return e if e.tier is not None else CorruptCheckpointError(str(e), tier=tier.name, step=key.step)
+
+
 def load_manifest(tier: Tier, key: CheckpointKey, *, allow_pickle: bool = True) -> Manifest:
     """Read and validate the manifest of ``key`` on ``tier``.
 
@@ -52,7 +57,7 @@ def load_head(tier: Tier, key: CheckpointKey, *, allow_pickle: bool = True) -> M
     try:
         head = decode_head(tier.read_manifest(key))
     except CorruptCheckpointError as e:
-        raise CorruptCheckpointError(str(e), tier=tier.name, step=key.step) from None
+        raise _located(e, tier, key) from None
     if (head.step, head.rank) != (key.step, key.rank):
         raise CorruptCheckpointError(
             f"manifest says step {head.step} rank {head.rank}, stored as step {key.step} rank {key.rank}",
@@ -72,7 +77,7 @@ def load_rest(tier: Tier, key: CheckpointKey, head: ManifestHead) -> Manifest:
     try:
         return head.manifest()
     except CorruptCheckpointError as e:
-        raise CorruptCheckpointError(str(e), tier=tier.name, step=key.step) from None
+        raise _located(e, tier, key) from None
 
 
 def _read_blobs(
@@ -203,7 +208,7 @@ def verify_checkpoint(tier: Tier, key: CheckpointKey) -> Manifest:
         value, ref = decode_tree(m.tree, len(m.tensors), m.version, allow_pickle=True, unpickle=False)
         resolve_tree(value, ref, _no_tensor, len(m.tensors))
     except CorruptCheckpointError as e:
-        raise CorruptCheckpointError(str(e), tier=tier.name, step=key.step) from None
+        raise _located(e, tier, key) from None
     _read_blobs(tier, key, m, _verifier(tier, key, m))
     return m
 
@@ -240,7 +245,7 @@ def read_checkpoint(tier: Tier, key: CheckpointKey, *, allow_pickle: bool = Fals
     try:
         return resolve_tree(tree, ref, tensor_at, len(t)), m
     except CorruptCheckpointError as e:
-        raise CorruptCheckpointError(str(e), tier=tier.name, step=key.step) from None
+        raise _located(e, tier, key) from None
 
 
 def load_tree(tier: Tier, key: CheckpointKey, m: Manifest, *, allow_pickle: bool) -> tuple[Any, type[int]]:
@@ -248,4 +253,4 @@ def load_tree(tier: Tier, key: CheckpointKey, m: Manifest, *, allow_pickle: bool
     try:
         return decode_tree(m.tree, len(m.tensors), m.version, allow_pickle=allow_pickle)
     except CorruptCheckpointError as e:
-        raise CorruptCheckpointError(str(e), tier=tier.name, step=key.step) from None
+        raise _located(e, tier, key) from None

@@ -75,7 +75,7 @@ def _cmd_verify(args: argparse.Namespace) -> int:
         bad = [r for r in results if r[2] is not None]
         if args.json:
             print(json.dumps({
-                "ok": not bad,
+                "ok": bool(results) and not bad,
                 "copies": [{"step": s, "tier": t, "ok": e is None, "error": None if e is None else str(e)}
                            for s, t, e in results],
             }))  # fmt: skip
@@ -85,8 +85,9 @@ def _cmd_verify(args: argparse.Namespace) -> int:
             print(
                 f"{len(results) - len(bad)} of {len(results)} copies verified"
                 + (f", {len(bad)} damaged" if bad else "")
+                + ("" if results else ": no checkpoint found (is the config's path right?)")
             )
-    return 1 if bad else 0
+    return 1 if bad or not results else 0  # a verify that checked nothing proves nothing
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:

@@ -150,3 +150,18 @@ def test_a_tier_directory_that_cannot_be_listed_is_named(
         assert any("tier 'ssd'" in r.getMessage() and "cannot list" in r.getMessage() for r in caplog.records)
         with pytest.raises(TierIOError, match=r"tier 'ssd': cannot list .*ssd: Permission denied"):
             Hierarchy.from_config(cfg(tmp_path, "ssd"))
+
+
+def test_a_corrupt_copy_is_named_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from tierckpt import CorruptCheckpointError
+
+    with Hierarchy.from_config(cfg(tmp_path, "ssd")) as h:
+        h.save({"w": torch.ones(2)}, step=3).wait()
+
+        def gone(key: Any) -> bytes:
+            raise CorruptCheckpointError("manifest is missing", tier="ssd", step=3)
+
+        monkeypatch.setattr(h.tier("ssd"), "read_manifest", gone)
+        with pytest.raises(CorruptCheckpointError) as ei:
+            h.restore()
+        assert str(ei.value) == "manifest is missing [tier=ssd, step=3]"

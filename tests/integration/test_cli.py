@@ -89,6 +89,16 @@ def test_a_reader_that_leaves_early_gets_no_traceback(tmp_path: Path) -> None:
     assert "Traceback" not in err and "BrokenPipe" not in err, err
 
 
+def test_verify_with_nothing_to_check_fails(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A mistyped path gives an empty tier: verify must not pass having checked nothing."""
+    yml = tmp_path / "h.yaml"
+    yml.write_text("tiers:\n  - {name: ssd, kind: local, path: typo}\n")
+    assert main(["verify", str(yml)]) == 1
+    assert "0 of 0 copies verified: no checkpoint found" in capsys.readouterr().out
+    rc, out = run_json(capsys, "verify", str(yml))
+    assert rc == 1 and out == {"ok": False, "copies": []}
+
+
 def test_console_script_entry_point(config: Path) -> None:
     out = subprocess.run([sys.executable, "-m", "tierckpt.cli", "ls", str(config), "--json"],
                          capture_output=True, text=True, check=True)  # fmt: skip
