@@ -218,7 +218,9 @@ class Hierarchy:
         return self._tiers[self._index[name]]
 
     def _staging(self, tier: Tier) -> StagingPool:
-        chunk = self.io.chunk_bytes if tier is self._tiers[0] else tier.chunk_bytes
+        # a file tier's own chunk (the hierarchy's io block with that tier's overrides); memory tiers
+        # take no io settings, so theirs is the hierarchy's
+        chunk = tier.chunk_bytes if tier.capabilities.device == "file" else self.io.chunk_bytes
         return StagingPool(_STAGING_SLOTS, round_up(chunk, self.align), self.align)
 
     # -- save ---------------------------------------------------------------------------------------------

@@ -324,6 +324,16 @@ def test_a_tensor_resized_before_the_save_copies_it_fails_that_save_cleanly(
         eng.close()
 
 
+def test_a_file_tier_stages_through_buffers_of_its_own_io_chunk(tmp_path: Path) -> None:
+    config = cfg(tmp_path, "ssd", "pfs", io={"chunk": "16MiB"})
+    config["tiers"][0]["io"] = {"chunk": "8MiB"}
+    with Hierarchy.from_config(config) as h:
+        assert h._staging(h.tier("ssd")).slot_bytes == 8 << 20  # the top tier too
+        assert h._staging(h.tier("pfs")).slot_bytes == 16 << 20
+    with Hierarchy.from_config(cfg(tmp_path, "host", "ssd", io={"chunk": "4MiB"})) as h:
+        assert h._staging(h.tier("host")).slot_bytes == 4 << 20
+
+
 def test_retention_and_records(tmp_path: Path) -> None:
     with Hierarchy.from_config(cfg(tmp_path, "host", "ssd", "pfs", policy={"keep": {"host": 1, "ssd": 2}})) as h:
         for step in range(1, 6):

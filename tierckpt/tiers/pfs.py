@@ -1,9 +1,9 @@
 """``pfs`` tier: a shared directory on a parallel file system (Lustre, GPFS, BeeGFS, CephFS, NFS).
 
 Differences from ``local``, all about metadata load and stripes: blobs are larger (1 GiB by default), so
-each rank creates few files (file count is load on the metadata server), and I/O is aligned to the file
-system's preferred block (``st_blksize``: the stripe size on Lustre, the block size on GPFS), so every
-write covers whole stripes.
+each rank creates few files (file count is load on the metadata server), and I/O is aligned to the
+larger of the file system's block size and the directory's preferred I/O size (``st_blksize``, which
+parallel file systems may set to their stripe or block size), so writes cover whole blocks.
 """
 
 from __future__ import annotations
@@ -25,8 +25,10 @@ class PfsTier(FileTier):
     preferred_blob_bytes = 1 << 30
 
     def _fs_alignment(self) -> int:
+        """The larger of the file system's block size (``statvfs``) and the directory's preferred I/O
+        size (``st_blksize``, which Lustre and GPFS set from the stripe or block size)."""
         try:
-            blksize = os.statvfs(self.path).f_bsize
+            blksize = max(os.statvfs(self.path).f_bsize, os.stat(self.path).st_blksize)
         except OSError:
             return 4096
         if blksize <= 4096 or blksize & (blksize - 1) or blksize > _MAX_ALIGN:
