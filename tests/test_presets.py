@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tierckpt import Hierarchy
+from tierckpt import ConfigError, Hierarchy
 from tierckpt.config import load_config, parse_config
 from tierckpt.tiers.host import HostTier
 
@@ -22,9 +22,16 @@ def test_presets_exist() -> None:
 
 
 @pytest.mark.parametrize("path", TIER_PRESETS, ids=lambda p: p.name)
-def test_tier_preset_loads(path: Path) -> None:
+def test_tier_preset_loads(path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("USER", "tester")  # the dgx presets put their directories under $USER
     cfg = load_config(path)
     assert cfg.tiers and all(t.path is None or t.path.is_absolute() for t in cfg.tiers)
+
+
+def test_a_preset_path_with_an_unset_variable_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("USER", raising=False)
+    with pytest.raises(ConfigError, match=r"dgx-lustre.yaml: tiers\[1\].path: \$USER is not set"):
+        load_config(ROOT / "tiers" / "dgx-lustre.yaml")
 
 
 @pytest.mark.parametrize("path", POLICY_PRESETS, ids=lambda p: p.name)

@@ -18,13 +18,13 @@ from __future__ import annotations
 
 import os
 import re
+import reprlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-import yaml
-
+from tierckpt._yaml import YAMLFileError, load_yaml
 from tierckpt.errors import ConfigError
 
 __all__ = [
@@ -54,29 +54,61 @@ _UNITS = {
     "g": 1 << 30, "gib": 1 << 30, "gb": 1000**3,
     "t": 1 << 40, "tib": 1 << 40, "tb": 1000**4,
 }  # fmt: skip
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
-_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+_MAX_SIZE = (1 << 63) - 1
+# ASCII only: \d and \s would also take Unicode digits (and int() would read them)
+_SIZE_RE = re.compile(r"\s*([0-9]+)(?:\.([0-9]+))?\s*([A-Za-z]*)\s*", re.ASCII)
+_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")  # used with fullmatch: "ssd\n" is no name
+_ENV_RE = re.compile(r"\$(\w+|\{[^}]*\})", re.ASCII)  # what os.path.expandvars replaces
+
+
+class _Repr(reprlib.Repr):
+    def repr_int(self, x: int, level: int) -> str:
+        # repr() refuses an int of over 4300 digits (and 0x<5000 hex digits> is valid YAML)
+        return super().repr_int(x, level) if x.bit_length() <= 128 else f"<an integer of {x.bit_length()} bits>"
+
+
+_REPR = _Repr()
+_REPR.maxlevel, _REPR.maxstring, _REPR.maxlong, _REPR.maxother = 3, 40, 40, 40
+
+
+def _short(value: Any) -> str:
+    """``repr(value)`` for an error message, bounded: YAML aliases make a 200-byte file hold a list
+    whose full repr is gigabytes, and a bad size may be 5000 digits long."""
+    return _REPR.repr(value)
 
 
 def parse_size(value: Any, key: str) -> int:
     """Parse ``64GiB``, ``100 MB``, ``4096`` or an int into bytes.
 
+    A fraction (``1.5GiB``) must come to a whole number of bytes; the arithmetic is exact.
+
     Raises:
-        ConfigError: naming ``key`` when the value is not a non-negative size.
+        ConfigError: naming ``key`` when the value is not a size from 0 to 2**63 - 1 bytes.
     """
     if isinstance(value, bool):
-        raise ConfigError(f"{key}: expected a size like '64GiB', got {value!r}")
+        raise ConfigError(f"{key}: expected a size like '64GiB', got {_short(value)}")
     if isinstance(value, int):
         if value < 0:
-            raise ConfigError(f"{key}: expected a non-negative size, got {value}")
+            raise ConfigError(f"{key}: expected a non-negative size, got {_short(value)}")
+        if value > _MAX_SIZE:
+            raise ConfigError(f"{key}: expected a size below 8EiB (2**63 bytes), got {_short(value)}")
         return value
-    if isinstance(value, str):
-        m = _SIZE_RE.match(value)
-        if m and m.group(2).lower() in _UNITS:
-            n = float(m.group(1)) * _UNITS[m.group(2).lower()]
-            if n == int(n):
-                return int(n)
-    raise ConfigError(f"{key}: expected a size like '64GiB', got {value!r}")
+    m = _SIZE_RE.fullmatch(value) if isinstance(value, str) else None
+    if m is None or m.group(3).lower() not in _UNITS:
+        raise ConfigError(f"{key}: expected a size like '64GiB', got {_short(value)}")
+    whole, frac = m.group(1).lstrip("0"), (m.group(2) or "").rstrip("0")
+    # Bound the digits before int() (which refuses over 4300): 20 whole digits exceed 2**63, and a
+    # fraction of more than 40 digits (2**-40 has 40) never makes whole bytes with any unit.
+    if len(whole) > 19:
+        raise ConfigError(f"{key}: expected a size below 8EiB (2**63 bytes), got {_short(value)}")
+    n, rest = 0, 1
+    if len(frac) <= 40:
+        n, rest = divmod(int(whole + frac or "0") * _UNITS[m.group(3).lower()], 10 ** len(frac))
+    if rest:
+        raise ConfigError(f"{key}: expected a whole number of bytes, got {_short(value)}")
+    if n > _MAX_SIZE:
+        raise ConfigError(f"{key}: expected a size below 8EiB (2**63 bytes), got {_short(value)}")
+    return n
 
 
 def format_size(n: int) -> str:
@@ -186,7 +218,7 @@ class HierarchyConfig:
 
 def _check_keys(d: Any, key: str, allowed: set[str], required: set[str] = frozenset()) -> Mapping[str, Any]:  # type: ignore[assignment]
     if not isinstance(d, Mapping):
-        raise ConfigError(f"{key}: expected a mapping, got {type(d).__name__} {d!r}")
+        raise ConfigError(f"{key}: expected a mapping, got {type(d).__name__} {_short(d)}")
     for k in d:
         if k not in allowed:
             raise ConfigError(f"{key}.{k}: unknown key (allowed: {', '.join(sorted(allowed))})")
@@ -198,7 +230,7 @@ def _check_keys(d: Any, key: str, allowed: set[str], required: set[str] = frozen
 
 def _int(v: Any, key: str, lo: int, hi: int) -> int:
     if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
-        raise ConfigError(f"{key}: expected an integer in [{lo}, {hi}], got {v!r}")
+        raise ConfigError(f"{key}: expected an integer in [{lo}, {hi}], got {_short(v)}")
     return v
 
 
@@ -207,18 +239,20 @@ def _parse_io(d: Any, key: str, base: IOConfig) -> IOConfig:
     out = base
     if "engine" in d:
         if d["engine"] not in ENGINES:
-            raise ConfigError(f"{key}.engine: expected one of {', '.join(ENGINES)}, got {d['engine']!r}")
+            raise ConfigError(f"{key}.engine: expected one of {', '.join(ENGINES)}, got {_short(d['engine'])}")
         out = replace(out, engine=d["engine"])
     if "direct" in d:
         if not isinstance(d["direct"], bool):
-            raise ConfigError(f"{key}.direct: expected true or false, got {d['direct']!r}")
+            raise ConfigError(f"{key}.direct: expected true or false, got {_short(d['direct'])}")
         out = replace(out, direct=d["direct"])
     if "queue_depth" in d:
         out = replace(out, queue_depth=_int(d["queue_depth"], f"{key}.queue_depth", 1, 1024))
     if "chunk" in d:
         chunk = parse_size(d["chunk"], f"{key}.chunk")
         if chunk < 4096 or chunk % 4096 or chunk > 1 << 30:
-            raise ConfigError(f"{key}.chunk: expected a multiple of 4KiB between 4KiB and 1GiB, got {d['chunk']!r}")
+            raise ConfigError(
+                f"{key}.chunk: expected a multiple of 4KiB between 4KiB and 1GiB, got {_short(d['chunk'])}"
+            )
         out = replace(out, chunk_bytes=chunk)
     return out
 
@@ -237,7 +271,7 @@ def parse_config(data: Any, base_dir: str | os.PathLike[str] | None = None) -> H
     d = _check_keys(data, "config", {"tiers", "io", "layout", "policy"}, {"tiers"})
     io = IOConfig(engine=os.environ.get(ENV_ENGINE, "auto"))
     if io.engine not in ENGINES:
-        raise ConfigError(f"${ENV_ENGINE}: expected one of {', '.join(ENGINES)}, got {io.engine!r}")
+        raise ConfigError(f"${ENV_ENGINE}: expected one of {', '.join(ENGINES)}, got {_short(io.engine)}")
     if "io" in d:
         io = _parse_io(d["io"], "io", io)
     layout = LayoutConfig()
@@ -246,37 +280,44 @@ def parse_config(data: Any, base_dir: str | os.PathLike[str] | None = None) -> H
         if "align" in ld:
             align = parse_size(ld["align"], "layout.align")
             if align < 512 or align & (align - 1) or align > 1 << 24:
-                raise ConfigError(f"layout.align: expected a power of two between 512B and 16MiB, got {ld['align']!r}")
+                raise ConfigError(
+                    f"layout.align: expected a power of two between 512B and 16MiB, got {_short(ld['align'])}"
+                )
             layout = replace(layout, align_bytes=align)
         if "blob_size" in ld:
             layout = replace(layout, blob_bytes=_blob_size(ld["blob_size"], "layout.blob_size"))
     tiers_raw = d["tiers"]
     if not isinstance(tiers_raw, list) or not tiers_raw:
-        raise ConfigError(f"tiers: expected a non-empty list of tier entries, got {tiers_raw!r}")
+        raise ConfigError(f"tiers: expected a non-empty list of tier entries, got {_short(tiers_raw)}")
     base = Path(base_dir) if base_dir is not None else Path.cwd()
     tiers: list[TierConfig] = []
     for i, t in enumerate(tiers_raw):
         key = f"tiers[{i}]"
         t = _check_keys(t, key, {"name", "kind", "path", "capacity", "blob_size", "io", "on_full"}, {"name", "kind"})
         name, kind = t["name"], t["kind"]
-        if not isinstance(name, str) or not _NAME_RE.match(name):
-            raise ConfigError(f"{key}.name: expected a name of letters, digits, '_', '-', '.', got {name!r}")
+        if not isinstance(name, str) or not _NAME_RE.fullmatch(name):
+            raise ConfigError(f"{key}.name: expected a name of letters, digits, '_', '-', '.', got {_short(name)}")
         if any(x.name == name for x in tiers):
-            raise ConfigError(f"{key}.name: tier name {name!r} is used twice")
+            raise ConfigError(f"{key}.name: tier name {_short(name)} is used twice")
         if not isinstance(kind, str) or not kind:
-            raise ConfigError(f"{key}.kind: expected a tier kind such as 'host', 'local' or 'pfs', got {kind!r}")
+            raise ConfigError(f"{key}.kind: expected a tier kind such as 'host', 'local' or 'pfs', got {_short(kind)}")
         path = None
         if "path" in t:
             if not isinstance(t["path"], str) or not t["path"]:
-                raise ConfigError(f"{key}.path: expected a directory path, got {t['path']!r}")
-            p = Path(os.path.expandvars(os.path.expanduser(t["path"])))
+                raise ConfigError(f"{key}.path: expected a directory path, got {_short(t['path'])}")
+            p = _expand_path(t["path"], f"{key}.path")
             path = p if p.is_absolute() else (base / p).resolve()
+        capacity = None
+        if "capacity" in t:
+            capacity = parse_size(t["capacity"], f"{key}.capacity")
+            if capacity == 0:
+                raise ConfigError(f"{key}.capacity: expected a positive size, got {_short(t['capacity'])}")
         tiers.append(
             TierConfig(
                 name=name,
                 kind=kind,
                 path=path,
-                capacity_bytes=parse_size(t["capacity"], f"{key}.capacity") if "capacity" in t else None,
+                capacity_bytes=capacity,
                 blob_bytes=_blob_size(t["blob_size"], f"{key}.blob_size") if "blob_size" in t else None,
                 io=_parse_io(t["io"], f"{key}.io", io) if "io" in t else io,
                 on_full=_choice(t.get("on_full", "wait"), f"{key}.on_full", ON_FULL),
@@ -289,29 +330,47 @@ def parse_config(data: Any, base_dir: str | os.PathLike[str] | None = None) -> H
     return HierarchyConfig(tiers=tuple(tiers), io=io, layout=layout, policy=policy)
 
 
+def _expand_path(value: str, key: str) -> Path:
+    """Expand a leading ``~`` / ``~user``, then ``$VAR`` and ``${VAR}``, as a shell would.
+
+    Raises:
+        ConfigError: naming ``key`` and the variable when one is not set or is empty (``$SCRATCH/ckpt``
+            would otherwise name a directory ``$SCRATCH``, or ``/ckpt``).
+    """
+    head, sep, tail = value.partition("/") if value.startswith("~") else ("", "", value)
+
+    def var(m: re.Match[str]) -> str:
+        got = os.environ.get(m.group(1)[1:-1] if m.group(1).startswith("{") else m.group(1))
+        if not got:
+            raise ConfigError(f"{key}: {m.group(0)} is {'empty' if got == '' else 'not set'}")
+        return got
+
+    return Path(os.path.expanduser(head) + sep + _ENV_RE.sub(var, tail))
+
+
 def _policy_mapping(value: Any, base: Path) -> Mapping[str, Any]:
     """``policy:`` is a mapping, or the path of a YAML preset (e.g. ``policies/keep-last-2.yaml``)."""
     if isinstance(value, str):
-        p = Path(os.path.expandvars(os.path.expanduser(value)))
+        p = _expand_path(value, "policy")
         p = p if p.is_absolute() else base / p
         try:
-            value = yaml.safe_load(p.read_text())
+            value = load_yaml(p)
         except OSError as e:
             raise ConfigError(f"policy: cannot read policy preset {p}: {e.strerror or e}") from e
-        except yaml.YAMLError as e:
-            raise ConfigError(f"policy: {p} is not valid YAML: {e}") from e
+        except YAMLFileError as e:
+            raise ConfigError(f"policy: {p}: {e}") from e
     return _check_keys(value, "policy", {"keep", "demote", "promote"})
 
 
 def _choice(v: Any, key: str, choices: tuple[str, ...]) -> str:
     if v not in choices:
-        raise ConfigError(f"{key}: expected one of {', '.join(choices)}, got {v!r}")
+        raise ConfigError(f"{key}: expected one of {', '.join(choices)}, got {_short(v)}")
     return v  # type: ignore[no-any-return]
 
 
 def _bool(v: Any, key: str) -> bool:
     if not isinstance(v, bool):
-        raise ConfigError(f"{key}: expected true or false, got {v!r}")
+        raise ConfigError(f"{key}: expected true or false, got {_short(v)}")
     return v
 
 
@@ -334,12 +393,12 @@ def parse_policy(data: Any, tiers: list[str]) -> PolicyConfig:
             key = f"policy.demote.{name}"
             if name == tiers[0]:
                 raise ConfigError(
-                    f"{key}: {name!r} is the top tier, which receives every save; demotion rules are for the tiers below it"
+                    f"{key}: {_short(name)} is the top tier, which receives every save; demotion rules are for the tiers below it"
                 )
             rule = _check_keys(rule, key, {"every", "every_secs", "on_close"})
             secs = rule.get("every_secs")
             if secs is not None and (isinstance(secs, bool) or not isinstance(secs, (int, float)) or not secs > 0):
-                raise ConfigError(f"{key}.every_secs: expected a positive number of seconds, got {secs!r}")
+                raise ConfigError(f"{key}.every_secs: expected a positive number of seconds, got {_short(secs)}")
             demote[name] = DemoteConfig(
                 every=_int(rule["every"], f"{key}.every", 1, 1 << 31) if "every" in rule else None,
                 every_secs=float(secs) if secs is not None else None,
@@ -355,7 +414,7 @@ def parse_policy(data: Any, tiers: list[str]) -> PolicyConfig:
 def _blob_size(v: Any, key: str) -> int:
     n = parse_size(v, key)
     if n < 1 << 20:
-        raise ConfigError(f"{key}: expected at least 1MiB, got {v!r}")
+        raise ConfigError(f"{key}: expected at least 1MiB, got {_short(v)}")
     return n
 
 
@@ -363,17 +422,16 @@ def load_config(path: str | os.PathLike[str]) -> HierarchyConfig:
     """Read a YAML file and validate it; relative tier paths resolve against the file's folder.
 
     Raises:
-        ConfigError: the file is missing, is not YAML, or holds an invalid config.
+        ConfigError: the file is missing, is not UTF-8 YAML (or repeats a key in a mapping, or nests
+            deeper than 100), or holds an invalid config.
     """
     p = Path(path)
     try:
-        text = p.read_text()
+        data = load_yaml(p)
     except OSError as e:
         raise ConfigError(f"{p}: cannot read config: {e.strerror or e}") from e
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as e:
-        raise ConfigError(f"{p}: not valid YAML: {e}") from e
+    except YAMLFileError as e:
+        raise ConfigError(f"{p}: {e}") from e
     try:
         return parse_config(data, base_dir=p.resolve().parent)
     except ConfigError as e:

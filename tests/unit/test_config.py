@@ -16,10 +16,29 @@ def with_(**kw: object) -> dict:
 
 @pytest.mark.parametrize(
     ("value", "expected"),
-    [("64GiB", 64 << 30), ("100 MB", 100_000_000), (4096, 4096), ("4k", 4096), ("1.5GiB", 3 << 29), ("0", 0)],
-)
+    [("64GiB", 64 << 30), ("100 MB", 100_000_000), (4096, 4096), ("4k", 4096), ("1.5GiB", 3 << 29), ("0", 0),
+     (" 2 TB\n", 2 * 10**12), ("0.25KiB", 256), ("9007199254740993", 2**53 + 1), (str(2**63 - 1), 2**63 - 1),
+     (2**63 - 1, 2**63 - 1), ("0" * 30 + "1.5000000000k", 1536)],
+)  # fmt: skip
 def test_sizes(value: object, expected: int) -> None:
     assert parse_size(value, "k") == expected
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [pytest.param("9" * 400, "expected a size below 8EiB", id="400-digits"), pytest.param("9" * 320 + "GiB", "below 8EiB", id="320-digits-GiB"),
+     pytest.param("9" * 5000, "below 8EiB", id="5000-digits"), (str(2**63), "below 8EiB"), ("8EiB", "like '64GiB'"),
+     (2**63, "below 8EiB"), pytest.param(16**5000, "below 8EiB .* got <an integer of 20001 bits>", id="int-2**20000"),
+     ("8388608TiB", "below 8EiB"), ("1.000000000000000001GiB", "expected a whole number of bytes"),
+     pytest.param("1." + "1" * 5000 + "GiB", "whole number of bytes", id="5000-decimals"), ("0.5", "whole number of bytes"),
+     ("\u0661\u0662", "like '64GiB'"), ("\uff16\uff14GiB", "like '64GiB'"), ("64\u00a0GiB", "like '64GiB'"),
+     ("-1k", "like '64GiB'"), (-1, "non-negative"), (1.5, "like '64GiB'")],
+)  # fmt: skip
+def test_bad_sizes_name_the_key(value: object, message: str) -> None:
+    """Exact integer arithmetic, ASCII digits only, at most 2**63 - 1 bytes, and a short message."""
+    with pytest.raises(ConfigError, match=r"^tiers\[1\]\.capacity: .*" + message) as e:
+        parse_size(value, "tiers[1].capacity")
+    assert len(str(e.value)) < 200
 
 
 def test_format_size_round_trips() -> None:
@@ -61,6 +80,9 @@ def test_format_size_round_trips() -> None:
         (with_(policy={"promote": {"eager": True}}), r"policy\.promote\.eager: unknown key"),
         (with_(policy={"evict": {}}), r"policy\.evict: unknown key"),
         ({"tiers": [{"name": "h", "kind": "host", "on_full": "drop"}]}, r"tiers\[0\]\.on_full: expected one of wait, fail"),
+        ({"tiers": [{"name": "ssd\n", "kind": "host"}]}, r"tiers\[0\]\.name: expected a name"),
+        ({"tiers": [{"name": "h", "kind": "host", "capacity": 0}]}, r"tiers\[0\]\.capacity: expected a positive size, got 0$"),
+        ({"tiers": [{"name": "h", "kind": "host", "capacity": "0GiB"}]}, r"tiers\[0\]\.capacity: expected a positive size, got '0GiB'"),
     ],
 )  # fmt: skip
 def test_errors_name_the_key(cfg: object, message: str) -> None:
@@ -131,3 +153,71 @@ def test_policy_keys_reach_the_hierarchy(tmp_path: Path) -> None:
 
         assert h.demotion["ssd"].rule == AnyOf((Every(2), EverySecs(30.0))) and not h.demotion["ssd"].on_close
         assert h.demotion["pfs"].rule == Never() and h.demotion["pfs"].on_close
+
+
+def test_unreadable_files_name_the_file(tmp_path: Path) -> None:
+    """Not UTF-8, nested past any real config, or an int Python will not parse: a ConfigError, not a crash."""
+    (tmp_path / "latin1.yaml").write_bytes(b"tiers: [{name: h\xe9, kind: host}]\n")
+    with pytest.raises(ConfigError, match=r"latin1\.yaml: not valid UTF-8"):
+        load_config(tmp_path / "latin1.yaml")
+    (tmp_path / "deep.yaml").write_text("tiers: " + "[" * 5000)
+    with pytest.raises(ConfigError, match=r"deep\.yaml: line 1: nested more than 100 levels deep"):
+        load_config(tmp_path / "deep.yaml")
+    (tmp_path / "huge.yaml").write_text("tiers: [{name: h, kind: host, capacity: " + "9" * 5000 + "}]\n")
+    with pytest.raises(ConfigError, match=r"huge\.yaml: not valid YAML"):
+        load_config(tmp_path / "huge.yaml")
+    (tmp_path / "preset.yaml").write_bytes(b"keep: {h\xff: 1}\n")
+    (tmp_path / "h.yaml").write_text("tiers: [{name: h, kind: host}]\npolicy: preset.yaml\n")
+    with pytest.raises(ConfigError, match=r"h\.yaml: policy: .*preset\.yaml: not valid UTF-8"):
+        load_config(tmp_path / "h.yaml")
+
+
+def test_duplicate_keys_name_file_line_and_key(tmp_path: Path) -> None:
+    cases = {
+        "twice.yaml": ("tiers: [{name: h, kind: host}]\ntiers: [{name: s, kind: host}]\n", "line 2: duplicate key 'tiers'"),
+        "flow.yaml": ("tiers:\n  - {name: a, kind: host, kind: local}\n", "line 2: duplicate key 'kind'"),
+        "block.yaml": ("tiers:\n  - name: a\n    kind: host\n    name: b\n", "line 4: duplicate key 'name'"),
+    }  # fmt: skip
+    for name, (text, message) in cases.items():
+        (tmp_path / name).write_text(text)
+        with pytest.raises(ConfigError, match=rf"{name}: {message}"):
+            load_config(tmp_path / name)
+    (tmp_path / "preset.yaml").write_text("keep: {h: 1}\nkeep: {h: 2}\n")
+    with pytest.raises(ConfigError, match=r"^policy: .*preset\.yaml: line 2: duplicate key 'keep'"):
+        parse_config({"tiers": [{"name": "h", "kind": "host"}], "policy": "preset.yaml"}, base_dir=tmp_path)
+    # a key given again over a merge (<<), at any depth of merges, is an override, as with yaml.safe_load
+    (tmp_path / "merge.yaml").write_text(
+        "tiers:\n  - &a {name: a, kind: host}\n  - &b {<<: *a, name: b, kind: local, path: /x}\n  - {<<: *b, name: c}\n"
+    )
+    assert [(t.name, t.kind) for t in load_config(tmp_path / "merge.yaml").tiers] == [
+        ("a", "host"),
+        ("b", "local"),
+        ("c", "local"),
+    ]
+
+
+def test_unset_path_variables_are_errors(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``$NOT_SET/ckpt`` would create a directory named ``$NOT_SET``; an empty one would mean ``/ckpt``."""
+    monkeypatch.delenv("NOT_SET_SCRATCH", raising=False)
+    monkeypatch.setenv("EMPTY_SCRATCH", "")
+    monkeypatch.setenv("SCRATCH_DIR", str(tmp_path))
+    for path, message in [
+        ("$NOT_SET_SCRATCH/ckpt", r"tiers\[1\]\.path: \$NOT_SET_SCRATCH is not set"),
+        ("/a/${NOT_SET_SCRATCH}/ckpt", r"tiers\[1\]\.path: \$\{NOT_SET_SCRATCH\} is not set"),
+        ("$EMPTY_SCRATCH/ckpt", r"tiers\[1\]\.path: \$EMPTY_SCRATCH is empty"),
+    ]:
+        with pytest.raises(ConfigError, match=message):
+            parse_config({"tiers": [BASE["tiers"][0], {"name": "ssd", "kind": "local", "path": path}]})
+    ssd = parse_config({"tiers": [{"name": "ssd", "kind": "local", "path": "${SCRATCH_DIR}/a/$SCRATCH_DIR"}]}).tiers[0]
+    assert ssd.path == Path(f"{tmp_path}/a/{tmp_path}")
+    with pytest.raises(ConfigError, match=r"^policy: \$NOT_SET_SCRATCH is not set"):
+        parse_config(with_(policy="$NOT_SET_SCRATCH/keep.yaml"), base_dir=tmp_path)
+
+
+def test_error_messages_stay_short(tmp_path: Path) -> None:
+    """YAML aliases make a 300-byte file hold a list whose full repr is megabytes (10**9 at depth 9)."""
+    chain = ["&a0 [x, x, x, x, x, x, x, x, x, x]"] + [f"&a{i} [{', '.join([f'*a{i - 1}'] * 10)}]" for i in range(1, 6)]
+    (tmp_path / "laughs.yaml").write_text(f"tiers: [[{', '.join(chain)}]]\n")
+    with pytest.raises(ConfigError, match=r"laughs\.yaml: tiers\[0\]: expected a mapping, got list") as e:
+        load_config(tmp_path / "laughs.yaml")
+    assert len(str(e.value)) < 2000
