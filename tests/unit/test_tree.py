@@ -167,3 +167,92 @@ def test_pickled_values_are_leaves(version: int) -> None:
     value, _ = decode_tree(flat.tree, 1, version, allow_pickle=True)
     assert type(value["odd"]) is Opaque
     assert round_trip(state, allow_pickle=True, version=version)["odd"] == {(1, 2): 0, "n": [0, 0]}
+
+
+@pytest.mark.parametrize("version", [2, 3])
+def test_int_keys_outside_64_bits_are_refused_or_pickled(version: int) -> None:
+    """msgpack stores a dict key in 64 bits: a bigger int key is refused naming the dict (not a raw
+    OverflowError), or pickled with the dict, like any other key it cannot store."""
+    with pytest.raises(StateError, match=r"^state\['a'\]: cannot save a dict with an int key 1180591620717411303424 "):
+        flatten({"a": {2**70: 1}}, version=version)
+    with pytest.raises(StateError, match=r"^state: cannot save a dict with an int key -18446744073709551616"):
+        flatten({-(2**64): 1}, version=version)
+    with pytest.raises(StateError, match=r"^state\['o'\]: "):
+        flatten({"o": OrderedDict([(2**64, 1)])}, version=version)
+    state = {"a": {2**70: 1, "x": torch.ones(2)}, "edge": {2**64 - 1: "u64", -(2**63): "i64"}}
+    flat = flatten(state, allow_pickle=True, version=version)
+    value, _ = decode_tree(flat.tree, 1, version, allow_pickle=True, unpickle=False)
+    assert type(value["a"]) is Opaque and type(value["edge"]) is dict  # in-range keys stay plain
+    back = round_trip(state, allow_pickle=True, version=version)
+    assert back["a"][2**70] == 1 and torch.equal(back["a"]["x"], state["a"]["x"]) and back["edge"] == state["edge"]
+
+
+@pytest.mark.parametrize("allow_pickle", [False, True])
+def test_str_that_is_not_utf8_is_refused_naming_its_path(allow_pickle: bool) -> None:
+    """A lone surrogate cannot be encoded: refused (pickle or not) naming where, not a raw UnicodeEncodeError."""
+    cases = [
+        ({"a": ["ok", "\ud800"]}, r"state\['a'\]\[1\]: cannot save a str that is not valid UTF-8"),
+        ({"a": {"b": {"\udfff": 1}}}, r"state\['a'\]\['b'\]: cannot save the dict key '\\udfff'"),
+        ({"t": (1, ("x\ud800",))}, r"state\['t'\]\[1\]\[0\]: cannot save a str"),
+        ({"o": OrderedDict([("\ud800", 1)])}, r"state\['o'\]: cannot save the dict key"),
+        ({"o": OrderedDict([("k", [b"", "\ud800"])])}, r"state\['o'\]\['k'\]\[1\]: cannot save a str"),
+        ("\ud800", r"state: cannot save a str"),
+    ]
+    for state, match in cases:
+        with pytest.raises(StateError, match="^" + match):
+            flatten(state, allow_pickle=allow_pickle)
+    assert round_trip({"s": "\U0001f600 ok"}) == {"s": "\U0001f600 ok"}  # a surrogate pair's character is fine
+
+
+@pytest.mark.parametrize("allow_pickle", [False, True])
+def test_cycles_and_deep_nesting_are_refused_naming_a_path(allow_pickle: bool) -> None:
+    """A state that holds itself, or is nested past the stack, is refused naming where (not a raw
+    RecursionError); a cycle is named where a container refers to one of its ancestors."""
+    loop: list = []
+    loop.append(loop)
+    with pytest.raises(StateError, match=r"^state\['l'\]\[0\]: refers to a container that holds it \(a cycle\)"):
+        flatten({"a": 1, "l": loop}, allow_pickle=allow_pickle)
+    d: dict = {"n": 1}
+    d["sub"] = [0, (d,)]
+    with pytest.raises(StateError, match=r"^state\['x'\]\['sub'\]\[1\]\[0\]: refers to a container"):
+        flatten({"x": d}, allow_pickle=allow_pickle)
+    deep = node = {}  # type: ignore[var-annotated]
+    for _ in range(5000):
+        node["k"] = node = {}
+    with pytest.raises(StateError, match=r"^state\['d'\]\['k'\]\['k'\].*: the state is nested too deep to save"):
+        flatten({"d": deep}, allow_pickle=allow_pickle)
+    shared = [1]
+    assert round_trip({"a": shared, "b": [shared, shared]}) == {"a": [1], "b": [[1], [1]]}  # shared is no cycle
+
+
+def test_distinct_zero_size_tensors_stay_distinct() -> None:
+    """Empty tensors share address 0, so they are deduplicated by object only: two distinct ones stay
+    two, the same one twice stays one, and an empty view is never merged with another."""
+    e = torch.empty(0)
+    w = torch.arange(6.0)
+    state = {"a": torch.empty(0), "b": torch.empty(0), "e": e, "e2": e, "w": w, "v1": w[:0], "v2": w[:0], "w2": w}
+    flat = flatten(state)
+    assert [r.path for r in flat.tensors] == [
+        "state['a']", "state['b']", "state['e']", "state['w']", "state['v1']", "state['v2']",
+    ]  # fmt: skip
+    back = round_trip(state)
+    assert back["a"] is not back["b"] and back["a"] is not back["e"]
+    assert back["e"] is back["e2"] and back["w"] is back["w2"] and back["v1"] is not back["v2"]
+    assert back["a"].shape == (0,) and torch.equal(back["w"], w)
+
+
+@pytest.mark.filterwarnings("ignore:.*(quantized|Sparse CSR).*:UserWarning")
+def test_tensor_refusals_say_what_is_wrong() -> None:
+    nested = torch.nested.nested_tensor([torch.ones(2), torch.ones(3)], layout=torch.jagged)
+    quantized = torch.quantize_per_tensor(torch.ones(2), 0.1, 0, torch.qint8)
+    cases = [
+        (torch.eye(3).to_sparse(), r"a sparse tensor \(layout torch.sparse_coo"),
+        (torch.eye(3).to_sparse_csr(), r"a sparse tensor \(layout torch.sparse_csr"),
+        (quantized, r"a quantized tensor \(torch.qint8"),
+        (torch.empty(2, device="meta"), r"a meta tensor"),
+        (nested, r"a nested tensor"),
+    ]
+    for t, match in cases:
+        for allow_pickle in (False, True):
+            with pytest.raises(StateError, match=r"^state\['m'\]\[0\]: cannot save " + match):
+                flatten({"m": [t]}, allow_pickle=allow_pickle)

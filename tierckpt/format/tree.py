@@ -26,8 +26,9 @@ from __future__ import annotations
 
 import pickle
 import struct
+import sys
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -127,19 +128,129 @@ def _identity(t: torch.Tensor) -> tuple[Any, ...]:
     return (t.device, t.dtype, t.storage_offset(), t.shape, t.stride(), t.is_conj(), t.is_neg())
 
 
+def _tensor_problem(t: torch.Tensor) -> str:
+    """What makes ``t`` a tensor :func:`flatten` cannot store (asked only once the fast check failed)."""
+    if t.is_nested:
+        return "a nested tensor (store its components, e.g. list(t.unbind()))"
+    if t.layout is not torch.strided:
+        kind = "sparse" if "sparse" in str(t.layout) else "non-strided"
+        return f"a {kind} tensor (layout {t.layout}; store t.to_dense())"
+    if t.is_quantized:
+        return f"a quantized tensor ({t.dtype}; store t.dequantize() or its int_repr())"
+    if t.is_meta:
+        return "a meta tensor (it holds no data)"
+    return f"a tensor of layout {t.layout}"  # not reached: the fast check passes everything else
+
+
+def _key_ok(k: Any) -> bool:
+    """Whether the walk keeps ``k`` as a dict key (else it pickles or refuses the whole dict)."""
+    return type(k) is str or (type(k) is int and _I64_MIN <= k <= _U64_MAX)
+
+
+def _children(v: Any) -> Iterator[tuple[Any, Any]] | None:
+    """The ``(key, child)`` pairs :func:`flatten` walks into from ``v``, in its order; None for a leaf.
+    A dict's pairs stop at the first key for which the walk pickles or refuses the whole dict."""
+    tv = type(v)
+    if tv is list or tv is tuple:
+        return enumerate(v)
+    if tv is dict or tv is OrderedDict:
+        return _dict_children(v)
+    return None
+
+
+def _dict_children(d: dict[Any, Any]) -> Iterator[tuple[Any, Any]]:
+    for k, x in d.items():
+        if not _key_ok(k):
+            return
+        yield k, x
+
+
+def _not_utf8(s: str) -> UnicodeEncodeError | None:
+    try:
+        s.encode()
+    except UnicodeEncodeError as e:
+        return e
+    return None
+
+
+def _diagnose(state: Any, failure: str) -> StateError:
+    """Why :func:`flatten` failed, found slowly after the fact, as a :class:`StateError` naming the path.
+
+    ``failure`` is ``"utf8"`` (msgpack could not encode a str: find the first str value or dict key
+    that is not valid UTF-8) or ``"depth"`` (the walk ran out of stack: find the first container that
+    holds one of its ancestors, else name the deepest nesting). Walks in the walk's order and only
+    where it descends, with a stack of its own (so never too deep itself).
+    """
+    utf8 = failure == "utf8"
+    if utf8 and type(state) is str and (e := _not_utf8(state)) is not None:
+        return StateError(f"state: cannot save a str that is not valid UTF-8 ({e})")
+    top = _children(state)
+    if top is None:
+        return StateError(f"state: cannot save it ({failure})")
+    limit = sys.getrecursionlimit()
+    keys: list[Any] = []  # key path of the container on top of ``stack``
+    ids = [id(state)]  # ids of the containers on the path, root first
+    on_path = {id(state)}
+    deepest: tuple[Any, ...] = ()
+    stack = [top]
+    while stack:
+        for k, x in stack[-1]:
+            if utf8:
+                if type(k) is str and (e := _not_utf8(k)) is not None:
+                    return StateError(
+                        f"{format_path(tuple(keys))}: cannot save the dict key {k!r}: not valid UTF-8 ({e})"
+                    )
+                if type(x) is str and (e := _not_utf8(x)) is not None:
+                    return StateError(f"{format_path((*keys, k))}: cannot save a str that is not valid UTF-8 ({e})")
+            it = _children(x)
+            if it is None:
+                continue
+            if id(x) in on_path:
+                if utf8:
+                    continue
+                return StateError(
+                    f"{format_path((*keys, k))}: refers to a container that holds it (a cycle); "
+                    "tierckpt saves trees of values"
+                )
+            keys.append(k)
+            ids.append(id(x))
+            on_path.add(id(x))
+            stack.append(it)
+            if len(keys) > len(deepest):
+                deepest = tuple(keys)
+                if len(deepest) > limit:
+                    stack.clear()
+            break
+        else:
+            stack.pop()
+            on_path.discard(ids.pop())
+            if keys:
+                keys.pop()
+    if utf8 or not deepest:
+        return StateError(f"state: cannot save it ({failure})")  # not reached: the walk failed somewhere
+    shown = format_path(deepest[:8]) + ("..." if len(deepest) > 8 else "")
+    levels = f"over {limit}" if len(deepest) > limit else str(len(deepest))
+    return StateError(f"{shown}: the state is nested too deep to save ({levels} levels of containers)")
+
+
 def flatten(state: Any, *, allow_pickle: bool = False, version: int = FORMAT_VERSION) -> FlatState:
     """Walk ``state`` and split it into a msgpack tree and a list of tensors.
 
     The same tensor object (or the same view of the same storage) referenced twice is stored once and
-    restored as one tensor, so tied weights stay tied.
+    restored as one tensor, so tied weights stay tied. Zero-size tensors are told apart by object only
+    (all of them may share address 0): the same one twice is stored once, two distinct ones twice.
 
     Args:
         state: nested dicts, lists and tuples of tensors and plain values.
-        allow_pickle: pickle what is neither (else refuse it).
+        allow_pickle: pickle what is neither (else refuse it), and dicts with keys other than str and
+            64-bit ints. Still refused whatever ``allow_pickle`` says: a str (value or key) that is not
+            valid UTF-8 (a lone surrogate), a container that holds itself (a cycle), nesting too deep
+            to walk, and tensors that are sparse, quantized, meta or nested.
         version: the format version whose tree encoding to write (1 and 2 share one).
 
     Raises:
-        StateError: naming the key path of a value that cannot be saved (unless ``allow_pickle``).
+        StateError: naming the key path of a value that cannot be saved (unless ``allow_pickle``
+            pickles it). Nothing has been written.
         ValueError: ``version`` is not a format version this writer knows.
     """
     if version not in READ_VERSIONS:
@@ -190,7 +301,9 @@ def flatten(state: Any, *, allow_pickle: bool = False, version: int = FORMAT_VER
             items = []
             for k, x in v.items():
                 tk = type(k)
-                if tk is not str and tk is not int:
+                if tk is not str and (tk is not int or not _I64_MIN <= k <= _U64_MAX):
+                    if tk is int:
+                        return pickled(v, path, f"a dict with an int key {k} (outside 64 bits)")
                     return pickled(v, path, f"a dict with a {tk.__name__} key {k!r}")
                 items.append((k, x if type(x) in _PLAIN_SMALL else walk(x, f"{path}[{k!r}]")))
             if tv is dict:
@@ -206,15 +319,18 @@ def flatten(state: Any, *, allow_pickle: bool = False, version: int = FORMAT_VER
 
     def tensor_ref(t: torch.Tensor, path: str) -> int | msgpack.ExtType:
         if t.layout is not strided or t.is_quantized or t.is_meta or t.is_nested:
-            raise StateError(f"{path}: cannot save a {t.layout} / quantized / meta / nested tensor")
+            raise StateError(f"{path}: cannot save {_tensor_problem(t)}")
         # Deduplicate by the address of the first element; only tensors that share it (the same
         # object twice, tied weights, views starting at the same byte) pay for the full identity.
+        # A zero-size tensor owns no byte at its address (empty ones all sit at 0), so it is keyed
+        # by the object alone: ``originals`` keeps each alive, so its id is not reused meanwhile.
         p = t.data_ptr()
         hit = seen.get(p)
         if hit is not None:
             if type(hit) is int:  # the second tensor at this address: key the first one by identity too
-                hit = seen[p] = {_identity(originals[hit]): hit}
-            ident = _identity(t)
+                first = originals[hit]
+                hit = seen[p] = {(id(first),) if first.numel() == 0 else _identity(first): hit}
+            ident = (id(t),) if t.numel() == 0 else _identity(t)
             idx = hit.get(ident)
             if idx is not None:
                 return idx if plain_refs else _tensor_ref(idx)
@@ -231,10 +347,24 @@ def flatten(state: Any, *, allow_pickle: bool = False, version: int = FORMAT_VER
         nbytes.append(t.nbytes)
         return idx if plain_refs else _tensor_ref(idx)
 
+    # What msgpack or the stack refuses (a str that is not UTF-8, a cycle, deep nesting) is caught here
+    # and only then diagnosed by a slow walk, so the common path pays nothing for it. The diagnosis runs
+    # outside the except clauses so that the error does not hold the failed walk's frames.
+    failed = ""
     try:
         tree = pack(walk(state, "state"))
+    except UnicodeEncodeError:
+        failed = "utf8"
+    except RecursionError:
+        failed = "depth"
+    except ValueError as e:
+        if "recursion limit" not in str(e):  # msgpack's own nesting limit
+            raise
+        failed = "depth"
     finally:
         walk = None  # type: ignore[assignment]  # it referred to itself: that cycle kept all it holds until a GC pass
+    if failed:
+        raise _diagnose(state, failed)
     return FlatState(tree=tree, tensors=tuple(tensors), has_pickle=has_pickle, nbytes=tuple(nbytes))
 
 
