@@ -19,6 +19,7 @@ from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
+from tierckpt._checks import check_policy_names, check_rank, check_step, check_tiers
 from tierckpt._mover import Mover
 from tierckpt._records import STATES, CheckpointInfo, SaveHandle, Tracker, merge_states
 from tierckpt._restore import load_manifest, read_checkpoint, verify_checkpoint
@@ -34,7 +35,7 @@ from tierckpt.config import (
     parse_config,
     parse_policy,
 )
-from tierckpt.errors import CheckpointNotFoundError, ConfigError, CorruptCheckpointError, StateError
+from tierckpt.errors import CheckpointNotFoundError, CorruptCheckpointError, StateError
 from tierckpt.format.layout import plan, round_up
 from tierckpt.format.manifest import BlobEntry, Manifest
 from tierckpt.format.tree import flatten
@@ -47,15 +48,6 @@ from tierckpt.tiers.base import CheckpointKey, Tier
 __all__ = ["STATES", "CheckpointInfo", "Hierarchy", "SaveHandle"]
 
 log = logging.getLogger(__name__)
-MAX_STEP = 10**12 - 1  #: file tiers name a step with 12 decimal digits (docs/format.md)
-MAX_RANK = 10**5  #: ... and a rank with 5
-
-
-def _check_step(step: object) -> None:
-    if type(step) is not int or not 0 <= step <= MAX_STEP:
-        raise ValueError(f"step must be an int in [0, {MAX_STEP}], got {step!r}")
-
-
 # A save's staging pool: 6 slots of one io chunk (32 MiB by default, 192 MiB in all). A virtual disk
 # here completes a whole queue of writes at once, so the packer must have slots free to fill while
 # a full queue is in flight; 3 slots of 64 MiB (the same memory) left the disk idle while they were
@@ -112,22 +104,11 @@ class Hierarchy:
         demotion: Mapping[str, Demotion] | None = None,
         _engines: Engines | None = None,
     ) -> None:
-        if not tiers:
-            raise ConfigError("tiers: a hierarchy needs at least one tier")
-        names = [t.name for t in tiers]
-        if len(set(names)) != len(names):
-            raise ConfigError(f"tiers: names must be unique, got {names}")
+        names = check_tiers(tiers)
         if isinstance(policy, Mapping):
             policy = parse_policy(policy, names)
         self.policy = policy or PolicyConfig()
-        for section, keys in (("keep", self.policy.keep), ("demote", self.policy.demote)):
-            for name in keys:
-                if name not in names:
-                    raise ConfigError(f"policy.{section}.{name}: no tier of that name (tiers: {', '.join(names)})")
-        for arg, given in (("retention", retention or {}), ("demotion", demotion or {})):
-            for name in given:
-                if name not in names or (arg == "demotion" and name == names[0]):
-                    raise ConfigError(f"{arg}: {name!r} is not a tier below the top one (tiers: {', '.join(names)})")
+        check_policy_names(names, self.policy, retention or {}, demotion or {})
         self._tiers = tuple(tiers)
         self._index = {n: i for i, n in enumerate(names)}
         self.io = io or IOConfig()
@@ -135,21 +116,7 @@ class Hierarchy:
         dr, dw = dist_rank()
         self.rank = dr if rank is None else rank
         self.world_size = dw if world_size is None else world_size
-        if not 0 <= self.rank < self.world_size:
-            raise ConfigError(f"rank: {self.rank} is not in [0, {self.world_size})")
-        if self.rank >= MAX_RANK:
-            raise ConfigError(f"rank: {self.rank}: a file tier names ranks with 5 digits (at most {MAX_RANK - 1})")
-        seen: dict[str, int] = {}
-        for i, t in enumerate(tiers):  # two tiers in one directory would evict each other's copies
-            path = getattr(t, "path", None)
-            if path is None:
-                continue
-            real = os.path.realpath(path)
-            if real in seen:
-                raise ConfigError(
-                    f"tiers[{i}].path: {path} is the directory of tiers[{seen[real]}] ({names[seen[real]]!r})"
-                )
-            seen[real] = i
+        check_rank(self.rank, self.world_size)
         self.retention: dict[str, RetentionPolicy] = {
             n: KeepLatest(self.policy.keep[n]) if n in self.policy.keep else KeepAll() for n in names
         }
@@ -280,7 +247,7 @@ class Hierarchy:
             blocking: return only when every tier this save goes to has committed it or failed.
         """
         self._check_open()
-        _check_step(step)
+        check_step(step)
         flat = flatten(state, allow_pickle=allow_pickle)
         blob_target = self.layout.blob_bytes or max(t.preferred_blob_bytes for t in self._tiers)
         layout = plan(flat.nbytes, align=self.align, blob_bytes=round_up(blob_target, self.align))
@@ -375,7 +342,7 @@ class Hierarchy:
 
     def _locate(self, step: int | None, tier: str | None = None) -> CheckpointInfo:
         if step is not None:
-            _check_step(step)
+            check_step(step)
         infos = [i for i in self.checkpoints() if i.tiers]
         if tier is not None:
             self.tier(tier)

@@ -1,0 +1,74 @@
+"""What a hierarchy checks of its arguments before it builds anything: tier names and directories,
+the names its policies use, its rank, and the steps it is asked for."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from tierckpt.config import PolicyConfig
+from tierckpt.errors import ConfigError
+from tierckpt.tiers.base import Tier
+
+__all__ = ["MAX_RANK", "MAX_STEP", "check_policy_names", "check_rank", "check_step", "check_tiers"]
+
+MAX_STEP = 10**12 - 1  #: file tiers name a step with 12 decimal digits (docs/format.md)
+MAX_RANK = 10**5  #: ... and a rank with 5
+
+
+def check_step(step: object) -> None:
+    """Raises ValueError unless ``step`` is an int a checkpoint can have (bools and floats are not)."""
+    if type(step) is not int or not 0 <= step <= MAX_STEP:
+        raise ValueError(f"step must be an int in [0, {MAX_STEP}], got {step!r}")
+
+
+def check_tiers(tiers: Sequence[Tier]) -> list[str]:
+    """The tiers' names, once checked: at least one tier, unique names, no two tiers in one directory
+    (each one's retention would evict the other's copies).
+
+    Raises:
+        ConfigError: naming what is wrong.
+    """
+    if not tiers:
+        raise ConfigError("tiers: a hierarchy needs at least one tier")
+    names = [t.name for t in tiers]
+    if len(set(names)) != len(names):
+        raise ConfigError(f"tiers: names must be unique, got {names}")
+    seen: dict[str, int] = {}
+    for i, t in enumerate(tiers):
+        path = getattr(t, "path", None)
+        if path is None:
+            continue
+        real = os.path.realpath(path)
+        if real in seen:
+            j = seen[real]
+            raise ConfigError(f"tiers[{i}].path: {path} is the directory of tiers[{j}] ({names[j]!r})")
+        seen[real] = i
+    return names
+
+
+def check_policy_names(
+    names: list[str], policy: PolicyConfig, retention: Mapping[str, Any], demotion: Mapping[str, Any]
+) -> None:
+    """Every tier a policy names exists (and a demotion rule is for a tier below the top one).
+
+    Raises:
+        ConfigError: naming the key.
+    """
+    for section, keys in (("keep", policy.keep), ("demote", policy.demote)):
+        for name in keys:
+            if name not in names:
+                raise ConfigError(f"policy.{section}.{name}: no tier of that name (tiers: {', '.join(names)})")
+    for arg, given in (("retention", retention), ("demotion", demotion)):
+        for name in given:
+            if name not in names or (arg == "demotion" and name == names[0]):
+                raise ConfigError(f"{arg}: {name!r} is not a tier below the top one (tiers: {', '.join(names)})")
+
+
+def check_rank(rank: int, world_size: int) -> None:
+    """Raises ConfigError unless ``0 <= rank < world_size`` and the rank fits a rank directory's name."""
+    if not 0 <= rank < world_size:
+        raise ConfigError(f"rank: {rank} is not in [0, {world_size})")
+    if rank >= MAX_RANK:
+        raise ConfigError(f"rank: {rank}: a file tier names ranks with 5 digits (at most {MAX_RANK - 1})")
