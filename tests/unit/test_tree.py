@@ -225,6 +225,28 @@ def test_cycles_and_deep_nesting_are_refused_naming_a_path(allow_pickle: bool) -
     assert round_trip({"a": shared, "b": [shared, shared]}) == {"a": [1], "b": [[1], [1]]}  # shared is no cycle
 
 
+def test_nesting_is_bounded_so_that_what_saves_restores() -> None:
+    """Up to MAX_NESTING containers deep a state round-trips; deeper is refused when saved (it used to
+    save from about 490 to 511 levels, then fail to restore with a RecursionError)."""
+    from tierckpt.format.tree import MAX_NESTING
+
+    def nested(levels: int) -> dict:
+        top = node = {}  # type: ignore[var-annotated]
+        for _ in range(levels - 1):
+            node["k"] = node = {}
+        node["w"] = torch.arange(3.0)
+        return top
+
+    back = round_trip({"d": nested(MAX_NESTING - 1)})
+    node = back["d"]
+    while "k" in node:
+        node = node["k"]
+    assert torch.equal(node["w"], torch.arange(3.0))
+    for levels in (MAX_NESTING, 500):
+        with pytest.raises(StateError, match=rf"nested too deep to save \(more than {MAX_NESTING} levels"):
+            flatten({"d": nested(levels)})
+
+
 def test_distinct_zero_size_tensors_stay_distinct() -> None:
     """Empty tensors share address 0, so they are deduplicated by object only: two distinct ones stay
     two, the same one twice stays one, and an empty view is never merged with another."""

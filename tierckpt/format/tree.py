@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import pickle
 import struct
-import sys
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -58,6 +57,13 @@ PLAIN_REFS = 3  #: the first format version whose tree references tensors with p
 _I64_MIN, _U64_MAX = -(1 << 63), (1 << 64) - 1
 _PLAIN = (type(None), bool, int, float, str, bytes)
 _PLAIN_SMALL = frozenset((type(None), bool, float, str, bytes))  # stored as themselves, whatever the value
+#: Containers (dict, list, tuple) nested deeper than this are refused: msgpack stops at 511, and
+#: rebuilding the state takes two Python frames per level (the default limit is 1000 in all).
+MAX_NESTING = 256
+
+
+class _TooDeep(Exception):
+    """The walk went past :data:`MAX_NESTING` (caught by :func:`flatten`, which finds out why)."""
 
 
 def format_path(path: tuple[Any, ...], root: str = "state") -> str:
@@ -187,7 +193,7 @@ def _diagnose(state: Any, failure: str) -> StateError:
     top = _children(state)
     if top is None:
         return StateError(f"state: cannot save it ({failure})")
-    limit = sys.getrecursionlimit()
+    limit = MAX_NESTING
     keys: list[Any] = []  # key path of the container on top of ``stack``
     ids = [id(state)]  # ids of the containers on the path, root first
     on_path = {id(state)}
@@ -218,7 +224,7 @@ def _diagnose(state: Any, failure: str) -> StateError:
             stack.append(it)
             if len(keys) > len(deepest):
                 deepest = tuple(keys)
-                if len(deepest) > limit:
+                if len(deepest) >= limit:
                     stack.clear()
             break
         else:
@@ -229,7 +235,7 @@ def _diagnose(state: Any, failure: str) -> StateError:
     if utf8 or not deepest:
         return StateError(f"state: cannot save it ({failure})")  # not reached: the walk failed somewhere
     shown = format_path(deepest[:8]) + ("..." if len(deepest) > 8 else "")
-    levels = f"over {limit}" if len(deepest) > limit else str(len(deepest))
+    levels = f"more than {limit}" if len(deepest) >= limit else str(len(deepest))
     return StateError(f"{shown}: the state is nested too deep to save ({levels} levels of containers)")
 
 
@@ -259,6 +265,7 @@ def flatten(state: Any, *, allow_pickle: bool = False, version: int = FORMAT_VER
     tensors: list[TensorRef] = []
     originals: list[torch.Tensor] = []  # tensor i as found in the state (before detach / resolve)
     nbytes: list[int] = []
+    depth = 0  # containers open on the walk's path
     seen: dict[int, int | dict[tuple[Any, ...], int]] = {}  # data_ptr -> index, or identity -> index
     has_pickle = False
     Tensor, strided = torch.Tensor, torch.strided
@@ -293,22 +300,14 @@ def flatten(state: Any, *, allow_pickle: bool = False, version: int = FORMAT_VER
             return v
         if isinstance(v, Tensor):
             return tensor_ref(v, path)
-        if tv is list:
-            return [x if type(x) in _PLAIN_SMALL else walk(x, f"{path}[{i}]") for i, x in enumerate(v)]
-        if tv is tuple:
-            return msgpack.ExtType(EXT_TUPLE, pack([walk(x, f"{path}[{i}]") for i, x in enumerate(v)]))
-        if tv is dict or tv is OrderedDict:
-            items = []
-            for k, x in v.items():
-                tk = type(k)
-                if tk is not str and (tk is not int or not _I64_MIN <= k <= _U64_MAX):
-                    if tk is int:
-                        return pickled(v, path, f"a dict with an int key {k} (outside 64 bits)")
-                    return pickled(v, path, f"a dict with a {tk.__name__} key {k!r}")
-                items.append((k, x if type(x) in _PLAIN_SMALL else walk(x, f"{path}[{k!r}]")))
-            if tv is dict:
-                return dict(items)
-            return msgpack.ExtType(EXT_ODICT, pack([list(kv) for kv in items]))
+        if tv is list or tv is tuple or tv is dict or tv is OrderedDict:
+            nonlocal depth
+            if depth >= MAX_NESTING:
+                raise _TooDeep  # a cycle, or a state that a restore could not rebuild: _diagnose says which
+            depth += 1
+            out = container(v, tv, path)
+            depth -= 1
+            return out
         if tv is torch.dtype:
             return msgpack.ExtType(EXT_DTYPE, str(v).removeprefix("torch.").encode())
         if tv is torch.device:
@@ -316,6 +315,23 @@ def flatten(state: Any, *, allow_pickle: bool = False, version: int = FORMAT_VER
         if tv is torch.Size:
             return msgpack.ExtType(EXT_SIZE, pack(list(v)))
         return pickled(v, path, f"a value of type {tv.__module__}.{tv.__qualname__}")
+
+    def container(v: Any, tv: type, path: str) -> Any:
+        if tv is list:
+            return [x if type(x) in _PLAIN_SMALL else walk(x, f"{path}[{i}]") for i, x in enumerate(v)]
+        if tv is tuple:
+            return msgpack.ExtType(EXT_TUPLE, pack([walk(x, f"{path}[{i}]") for i, x in enumerate(v)]))
+        items = []
+        for k, x in v.items():
+            tk = type(k)
+            if tk is not str and (tk is not int or not _I64_MIN <= k <= _U64_MAX):
+                if tk is int:
+                    return pickled(v, path, f"a dict with an int key {k} (outside 64 bits)")
+                return pickled(v, path, f"a dict with a {tk.__name__} key {k!r}")
+            items.append((k, x if type(x) in _PLAIN_SMALL else walk(x, f"{path}[{k!r}]")))
+        if tv is dict:
+            return dict(items)
+        return msgpack.ExtType(EXT_ODICT, pack([list(kv) for kv in items]))
 
     def tensor_ref(t: torch.Tensor, path: str) -> int | msgpack.ExtType:
         if t.layout is not strided or t.is_quantized or t.is_meta or t.is_nested:
@@ -355,7 +371,7 @@ def flatten(state: Any, *, allow_pickle: bool = False, version: int = FORMAT_VER
         tree = pack(walk(state, "state"))
     except UnicodeEncodeError:
         failed = "utf8"
-    except RecursionError:
+    except (RecursionError, _TooDeep):
         failed = "depth"
     except ValueError as e:
         if "recursion limit" not in str(e):  # msgpack's own nesting limit
