@@ -27,7 +27,7 @@ from __future__ import annotations
 import pickle
 import struct
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -35,6 +35,7 @@ import msgpack
 import torch
 
 from tierckpt.errors import CorruptCheckpointError, StateError
+from tierckpt.format._diagnose import diagnose, format_path, tensor_problem
 from tierckpt.format.manifest import FORMAT_VERSION, READ_VERSIONS
 
 __all__ = [
@@ -64,11 +65,6 @@ MAX_NESTING = 256
 
 class _TooDeep(Exception):
     """The walk went past :data:`MAX_NESTING` (caught by :func:`flatten`, which finds out why)."""
-
-
-def format_path(path: tuple[Any, ...], root: str = "state") -> str:
-    """``('optim', 'param_groups', 0)`` → ``state['optim']['param_groups'][0]``."""
-    return root + "".join(f"[{p!r}]" for p in path)
 
 
 class TensorRef(NamedTuple):
@@ -132,111 +128,6 @@ def _identity(t: torch.Tensor) -> tuple[Any, ...]:
     """What makes two tensors at the same address the same tensor (a conjugate or negative view of
     the same bytes is a different value)."""
     return (t.device, t.dtype, t.storage_offset(), t.shape, t.stride(), t.is_conj(), t.is_neg())
-
-
-def _tensor_problem(t: torch.Tensor) -> str:
-    """What makes ``t`` a tensor :func:`flatten` cannot store (asked only once the fast check failed)."""
-    if t.is_nested:
-        return "a nested tensor (store its components, e.g. list(t.unbind()))"
-    if t.layout is not torch.strided:
-        kind = "sparse" if "sparse" in str(t.layout) else "non-strided"
-        return f"a {kind} tensor (layout {t.layout}; store t.to_dense())"
-    if t.is_quantized:
-        return f"a quantized tensor ({t.dtype}; store t.dequantize() or its int_repr())"
-    if t.is_meta:
-        return "a meta tensor (it holds no data)"
-    return f"a tensor of layout {t.layout}"  # not reached: the fast check passes everything else
-
-
-def _key_ok(k: Any) -> bool:
-    """Whether the walk keeps ``k`` as a dict key (else it pickles or refuses the whole dict)."""
-    return type(k) is str or (type(k) is int and _I64_MIN <= k <= _U64_MAX)
-
-
-def _children(v: Any) -> Iterator[tuple[Any, Any]] | None:
-    """The ``(key, child)`` pairs :func:`flatten` walks into from ``v``, in its order; None for a leaf.
-    A dict's pairs stop at the first key for which the walk pickles or refuses the whole dict."""
-    tv = type(v)
-    if tv is list or tv is tuple:
-        return enumerate(v)
-    if tv is dict or tv is OrderedDict:
-        return _dict_children(v)
-    return None
-
-
-def _dict_children(d: dict[Any, Any]) -> Iterator[tuple[Any, Any]]:
-    for k, x in d.items():
-        if not _key_ok(k):
-            return
-        yield k, x
-
-
-def _not_utf8(s: str) -> UnicodeEncodeError | None:
-    try:
-        s.encode()
-    except UnicodeEncodeError as e:
-        return e
-    return None
-
-
-def _diagnose(state: Any, failure: str) -> StateError:
-    """Why :func:`flatten` failed, found slowly after the fact, as a :class:`StateError` naming the path.
-
-    ``failure`` is ``"utf8"`` (msgpack could not encode a str: find the first str value or dict key
-    that is not valid UTF-8) or ``"depth"`` (the walk ran out of stack: find the first container that
-    holds one of its ancestors, else name the deepest nesting). Walks in the walk's order and only
-    where it descends, with a stack of its own (so never too deep itself).
-    """
-    utf8 = failure == "utf8"
-    if utf8 and type(state) is str and (e := _not_utf8(state)) is not None:
-        return StateError(f"state: cannot save a str that is not valid UTF-8 ({e})")
-    top = _children(state)
-    if top is None:
-        return StateError(f"state: cannot save it ({failure})")
-    limit = MAX_NESTING
-    keys: list[Any] = []  # key path of the container on top of ``stack``
-    ids = [id(state)]  # ids of the containers on the path, root first
-    on_path = {id(state)}
-    deepest: tuple[Any, ...] = ()
-    stack = [top]
-    while stack:
-        for k, x in stack[-1]:
-            if utf8:
-                if type(k) is str and (e := _not_utf8(k)) is not None:
-                    return StateError(
-                        f"{format_path(tuple(keys))}: cannot save the dict key {k!r}: not valid UTF-8 ({e})"
-                    )
-                if type(x) is str and (e := _not_utf8(x)) is not None:
-                    return StateError(f"{format_path((*keys, k))}: cannot save a str that is not valid UTF-8 ({e})")
-            it = _children(x)
-            if it is None:
-                continue
-            if id(x) in on_path:
-                if utf8:
-                    continue
-                return StateError(
-                    f"{format_path((*keys, k))}: refers to a container that holds it (a cycle); "
-                    "tierckpt saves trees of values"
-                )
-            keys.append(k)
-            ids.append(id(x))
-            on_path.add(id(x))
-            stack.append(it)
-            if len(keys) > len(deepest):
-                deepest = tuple(keys)
-                if len(deepest) >= limit:
-                    stack.clear()
-            break
-        else:
-            stack.pop()
-            on_path.discard(ids.pop())
-            if keys:
-                keys.pop()
-    if utf8 or not deepest:
-        return StateError(f"state: cannot save it ({failure})")  # not reached: the walk failed somewhere
-    shown = format_path(deepest[:8]) + ("..." if len(deepest) > 8 else "")
-    levels = f"more than {limit}" if len(deepest) >= limit else str(len(deepest))
-    return StateError(f"{shown}: the state is nested too deep to save ({levels} levels of containers)")
 
 
 def flatten(state: Any, *, allow_pickle: bool = False, version: int = FORMAT_VERSION) -> FlatState:
@@ -335,7 +226,7 @@ def flatten(state: Any, *, allow_pickle: bool = False, version: int = FORMAT_VER
 
     def tensor_ref(t: torch.Tensor, path: str) -> int | msgpack.ExtType:
         if t.layout is not strided or t.is_quantized or t.is_meta or t.is_nested:
-            raise StateError(f"{path}: cannot save {_tensor_problem(t)}")
+            raise StateError(f"{path}: cannot save {tensor_problem(t)}")
         # Deduplicate by the address of the first element; only tensors that share it (the same
         # object twice, tied weights, views starting at the same byte) pay for the full identity.
         # A zero-size tensor owns no byte at its address (empty ones all sit at 0), so it is keyed
@@ -380,7 +271,7 @@ def flatten(state: Any, *, allow_pickle: bool = False, version: int = FORMAT_VER
     finally:
         walk = None  # type: ignore[assignment]  # it referred to itself: that cycle kept all it holds until a GC pass
     if failed:
-        raise _diagnose(state, failed)
+        raise diagnose(state, failed, MAX_NESTING)
     return FlatState(tree=tree, tensors=tuple(tensors), has_pickle=has_pickle, nbytes=tuple(nbytes))
 
 
