@@ -24,7 +24,8 @@ __all__ = ["main"]
 
 
 def _open(args: argparse.Namespace) -> Hierarchy:
-    return Hierarchy.from_yaml(args.config)
+    # these commands only look: no directory made for a mistyped path, no copy on close
+    return Hierarchy.from_yaml(args.config, readonly=True)
 
 
 def _cmd_ls(args: argparse.Namespace) -> int:

@@ -163,6 +163,8 @@ class TierConfig:
         on_full: when the tier is full and nothing can be evicted yet: ``wait`` for the background
             mover to free room (backpressure), or ``fail`` the save at once.
         key: where the entry came from (``tiers[1]``), for error messages.
+        readonly: opened by a tool that only reads (``tierckpt ls``): a file tier's directory must
+            exist, and nothing is created, swept or written.
     """
 
     name: str
@@ -173,6 +175,7 @@ class TierConfig:
     io: IOConfig = field(default_factory=IOConfig)
     on_full: str = "wait"
     key: str = "tiers[?]"
+    readonly: bool = False
 
 
 @dataclass(frozen=True)

@@ -11,20 +11,20 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
-from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import replace
 from typing import Any
 
 from tierckpt._checks import check_policy_names, check_rank, check_step, check_tiers
+from tierckpt._lifecycle import Lifecycle, resolved
 from tierckpt._mover import Mover
 from tierckpt._records import STATES, CheckpointInfo, SaveHandle, Tracker, merge_states
 from tierckpt._restore import load_manifest, read_checkpoint, verify_checkpoint
 from tierckpt._restore_into import RestoreStaging
-from tierckpt._runtime import Engines, dist_rank, gc_paused, install_flush_handler
+from tierckpt._runtime import Engines, dist_rank, gc_paused
 from tierckpt._stage import make_stage_job
 from tierckpt.config import (
     HierarchyConfig,
@@ -55,18 +55,12 @@ log = logging.getLogger(__name__)
 _STAGING_SLOTS = 6
 
 
-def _resolved(value: Any = None) -> Future[Any]:
-    f: Future[Any] = Future()
-    f.set_result(value)
-    return f
-
-
 def _clock() -> float:
     """The clock demotion cadences read (a function so that tests can move time forward)."""
     return time.monotonic()
 
 
-class Hierarchy:
+class Hierarchy(Lifecycle):
     """A chain of storage tiers, fastest first, and the policy that decides what each keeps.
 
     ``save`` packs the state once into a few large aligned blobs in the top tier and returns at once;
@@ -83,6 +77,8 @@ class Hierarchy:
         world_size: number of ranks (default: torch.distributed's, else 1).
         retention: per tier name, a retention policy object; overrides ``policy.keep`` for that tier.
         demotion: per tier name, a :class:`~tierckpt.policies.Demotion`; overrides ``policy.demote``.
+        readonly: only look: :meth:`save` and :meth:`prefetch` raise, :meth:`close` copies nothing,
+            a restore promotes nothing (see :meth:`from_config` for what it means to file tiers).
 
     Example:
         >>> with Hierarchy.from_yaml("tiers/local.yaml") as h:   # doctest: +SKIP
@@ -102,9 +98,11 @@ class Hierarchy:
         world_size: int | None = None,
         retention: Mapping[str, RetentionPolicy] | None = None,
         demotion: Mapping[str, Demotion] | None = None,
+        readonly: bool = False,
         _engines: Engines | None = None,
     ) -> None:
         names = check_tiers(tiers)
+        self.readonly = readonly
         if isinstance(policy, Mapping):
             policy = parse_policy(policy, names)
         self.policy = policy or PolicyConfig()
@@ -145,14 +143,27 @@ class Hierarchy:
     # -- construction -----------------------------------------------------------------------------------
     @classmethod
     def from_config(
-        cls, config: HierarchyConfig | Mapping[str, Any], base_dir: str | os.PathLike[str] | None = None
+        cls,
+        config: HierarchyConfig | Mapping[str, Any],
+        base_dir: str | os.PathLike[str] | None = None,
+        *,
+        readonly: bool = False,
     ) -> Hierarchy:
         """Build from a validated :class:`HierarchyConfig` or a mapping with the YAML schema.
+
+        Args:
+            config: the hierarchy's settings.
+            base_dir: what a mapping's relative paths are relative to (default: the current directory).
+            readonly: for tools that only look (``tierckpt ls``): every file tier's directory must exist
+                and nothing is created or written: no scratch sweep, no ``on_close`` copies at
+                :meth:`close`, no promotion; :meth:`save` and :meth:`prefetch` raise.
 
         Raises:
             ConfigError: naming the bad key.
         """
         cfg = config if isinstance(config, HierarchyConfig) else parse_config(config, base_dir)
+        if readonly:
+            cfg = replace(cfg, tiers=tuple(replace(t, readonly=True) for t in cfg.tiers))
         engines = Engines()
         tiers: list[Tier] = []
         try:
@@ -161,7 +172,7 @@ class Hierarchy:
                 tier = klass.from_config(t, engines)
                 tier.on_full = t.on_full
                 tiers.append(tier)
-            return cls(tiers, policy=cfg.policy, io=cfg.io, layout=cfg.layout, _engines=engines)
+            return cls(tiers, policy=cfg.policy, io=cfg.io, layout=cfg.layout, readonly=readonly, _engines=engines)
         except BaseException:
             for t in tiers:
                 t.close()
@@ -169,9 +180,10 @@ class Hierarchy:
             raise
 
     @classmethod
-    def from_yaml(cls, path: str | os.PathLike[str]) -> Hierarchy:
-        """Build from a YAML file; relative tier paths are relative to the file."""
-        return cls.from_config(load_config(path))
+    def from_yaml(cls, path: str | os.PathLike[str], *, readonly: bool = False) -> Hierarchy:
+        """Build from a YAML file; relative tier paths are relative to the file (``readonly``: as for
+        :meth:`from_config`)."""
+        return cls.from_config(load_config(path), readonly=readonly)
 
     @property
     def tiers(self) -> tuple[Tier, ...]:
@@ -246,7 +258,7 @@ class Hierarchy:
             allow_pickle: pickle values that are neither tensors nor plain values.
             blocking: return only when every tier this save goes to has committed it or failed.
         """
-        self._check_open()
+        self._check_writable("save")
         check_step(step)
         flat = flatten(state, allow_pickle=allow_pickle)
         blob_target = self.layout.blob_bytes or max(t.preferred_blob_bytes for t in self._tiers)
@@ -300,7 +312,7 @@ class Hierarchy:
             is already there or higher). It holds :class:`CheckpointNotFoundError` when there is no such
             step, or the copy's error.
         """
-        self._check_open()
+        self._check_writable("prefetch")
         if to is not None:
             self.tier(to)
         to_i = self._index[to] if to is not None else 0
@@ -321,11 +333,11 @@ class Hierarchy:
             # for a write and a read per tier in between. Those tiers are filled from ``to``'s copy after
             # it (a memory tier's copy costs them no read of the source), or from the source if it failed.
             top: Future[None] = Future()
-            self._mover.transfer(key, to_name, [(src, _resolved())], top, promoted=True)
+            self._mover.transfer(key, to_name, [(src, resolved())], top, promoted=True)
             for i in range(to_i + 1, src_i):
                 between: Future[None] = Future()
                 self._mover.transfer(
-                    key, self._tiers[i].name, [(to_name, top), (src, _resolved())], between, promoted=True
+                    key, self._tiers[i].name, [(to_name, top), (src, resolved())], between, promoted=True
                 )
                 self._fills.append(between)
             top.add_done_callback(
@@ -421,7 +433,7 @@ class Hierarchy:
             if first is not None:
                 log.warning("restored step %d from tier %r instead", info.step, name)
             self.last_restore = (info.step, name)
-            if tier is None and self.policy.promote_on_restore and self._index[name] > 0:
+            if tier is None and self.policy.promote_on_restore and self._index[name] > 0 and not self.readonly:
                 self.prefetch(info.step)
             return state
         assert first is not None
@@ -446,94 +458,3 @@ class Hierarchy:
         return out
 
     # -- lifecycle ---------------------------------------------------------------------------------------
-    def _settle(self, deadline: float | None) -> bool:
-        """Wait (until ``deadline``, a monotonic time) for every save, promotion and flush; True if all ended."""
-        with self._lock:
-            futs = [f for h in self._handles for f in (h.staged, *h.durable.values())]
-            futs += list(self._promotions.values()) + list(self._extra) + list(self._fills)
-        for f in futs:
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            try:
-                f.exception(left)
-            except FutureTimeout:
-                return False
-        return True
-
-    def flush(self, timeout: float | None = None) -> bool:
-        """Finish what the policy wants durable: every pending copy, then the newest checkpoint to each
-        tier with ``on_close: true``. Returns False if ``timeout`` seconds passed first.
-
-        ``close()`` calls it without a timeout; the SIGTERM handler with its deadline.
-        """
-        deadline = None if timeout is None else time.monotonic() + timeout
-        if not self._settle(deadline):
-            return False
-        wanted = [t.name for t in self._tiers[1:] if self.demotion.get(t.name, Demotion()).on_close]
-        infos = [i for i in self.checkpoints() if i.tiers]
-        if wanted and infos:
-            newest = infos[-1]
-            key = CheckpointKey(newest.step, self.rank)
-            with self._lock:
-                for name in wanted:
-                    if name in newest.tiers:
-                        continue
-                    above = [n for n in newest.tiers if self._index[n] < self._index[name]][::-1]
-                    if not above:
-                        log.warning("flush: step %d is only below tier %r; not sent up", newest.step, name)
-                        continue
-                    log.info("flush: sending step %d to tier %r", newest.step, name)
-                    done: Future[None] = Future()
-                    self._mover.transfer(key, name, [(n, _resolved()) for n in above], done)
-                    self._extra.append(done)
-        return self._settle(deadline)
-
-    def wait(self) -> None:
-        """Wait for every save, prefetch and flush; raise the first failure nobody has seen yet: of a tier
-        whose outcome was never waited for through the save's handle, or of an ``on_close`` flush (each
-        failure is raised once; prefetch failures stay in the future ``prefetch`` returned)."""
-        self._settle(None)
-        with self._lock:
-            handles, self._handles = self._handles, []
-            extra, self._extra = self._extra, []
-            self._promotions = {s: f for s, f in self._promotions.items() if not f.done()}
-            self._fills = [f for f in self._fills if not f.done()]
-        failures = [e for e in [*(h._unobserved() for h in handles), *(f.exception() for f in extra)] if e is not None]
-        if len(failures) > 1:  # each was logged when it happened; all stay in checkpoints()
-            log.error("%d failures nobody waited for; raising the first (see h.checkpoints())", len(failures))
-        if failures:
-            raise failures[0]
-
-    def install_sigterm_handler(self, deadline: float = 60.0, signals: Sequence[int] = (signal.SIGTERM,)) -> None:
-        """On SIGTERM (preemption), flush within ``deadline`` seconds, then let the signal do what it did
-        before (the default: terminate). Call from the main thread.
-
-        Raises:
-            ValueError: not called from the main thread (Python only runs signal handlers there).
-        """
-        install_flush_handler(lambda: self._closed or self.flush(deadline), deadline, signals)
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise RuntimeError("the hierarchy is closed")
-
-    def close(self) -> None:
-        """Flush (pending copies and ``on_close`` demotions), release tiers and engines; raise unobserved
-        save failures."""
-        if self._closed:
-            return
-        try:
-            self.flush()
-            self.wait()
-        finally:
-            self._closed = True
-            self._mover.close()
-            self._in_place.release()
-            for t in self._tiers:
-                t.close()
-            self._engines.close()
-
-    def __enter__(self) -> Hierarchy:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tierckpt import Hierarchy
+from tierckpt import Hierarchy, TierckptError
 from tierckpt.cli import main
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -90,13 +90,42 @@ def test_a_reader_that_leaves_early_gets_no_traceback(tmp_path: Path) -> None:
 
 
 def test_verify_with_nothing_to_check_fails(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """A mistyped path gives an empty tier: verify must not pass having checked nothing."""
+    """A path to an empty directory (a mistyped one that exists): verify must not pass having checked
+    nothing. (One that does not exist is an error: see test_commands_only_look.)"""
     yml = tmp_path / "h.yaml"
     yml.write_text("tiers:\n  - {name: ssd, kind: local, path: typo}\n")
+    (tmp_path / "typo").mkdir()
     assert main(["verify", str(yml)]) == 1
     assert "0 of 0 copies verified: no checkpoint found" in capsys.readouterr().out
     rc, out = run_json(capsys, "verify", str(yml))
     assert rc == 1 and out == {"ok": False, "copies": []}
+
+
+def test_commands_only_look(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """ls, inspect and verify open the hierarchy read-only: a newest step that an on_close tier lacks is
+    not copied there when they close, and a missing directory is an error, not a new directory."""
+    yml = tmp_path / "h.yaml"
+    yml.write_text(
+        "tiers:\n  - {name: ssd, kind: local, path: ssd}\n  - {name: pfs, kind: pfs, path: pfs}\n"
+        "policy: {demote: {pfs: {every: 1000, on_close: true}}}\n"
+    )
+    h = Hierarchy.from_yaml(yml)
+    h.save({"w": torch.ones(3)}, step=1).wait()
+    h._mover.close()  # as if the process died before close(): pfs never got step 1
+    for cmd in ("ls", "inspect", "verify"):
+        assert main([cmd, str(yml)]) == 0, capsys.readouterr()
+        assert not list((tmp_path / "pfs").iterdir()), cmd
+    typo = tmp_path / "typo.yaml"
+    typo.write_text("tiers:\n  - {name: ssd, kind: local, path: no-such-dir}\n")
+    assert main(["ls", str(typo)]) == 2
+    assert "tier 'ssd': directory" in capsys.readouterr().err and not (tmp_path / "no-such-dir").exists()
+    with Hierarchy.from_yaml(yml, readonly=True) as ro:
+        with pytest.raises(TierckptError, match="cannot save: the hierarchy was opened read-only"):
+            ro.save({"w": torch.ones(3)}, step=2)
+        with pytest.raises(TierckptError, match="cannot prefetch"):
+            ro.prefetch()
+        assert torch.equal(ro.restore()["w"], torch.ones(3))
+    assert not list((tmp_path / "pfs").iterdir())
 
 
 def test_console_script_entry_point(config: Path) -> None:

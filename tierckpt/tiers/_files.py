@@ -127,17 +127,23 @@ class FileTier(Tier):
         chunk_bytes: int = 32 << 20,
         capacity_bytes: int | None = None,
         blob_bytes: int | None = None,
+        readonly: bool = False,
     ) -> None:
         super().__init__(name)
         self.path = Path(path)
-        try:
-            self.path.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            raise _io_error(name, f"cannot create directory {self.path}", e) from None
-        if not os.access(self.path, os.R_OK | os.W_OK | os.X_OK):
-            raise TierIOError(
-                errno.EACCES, f"tier {name!r}: directory {self.path} is not readable and writable", str(self.path)
-            )
+        self.readonly = readonly
+        if readonly:  # a tool that only reads: a missing directory is a mistake, not one to create
+            if not self.path.is_dir():
+                raise TierIOError(errno.ENOENT, f"tier {name!r}: directory {self.path} does not exist", str(self.path))
+        else:
+            try:
+                self.path.mkdir(parents=True, exist_ok=True)
+            except OSError as e:
+                raise _io_error(name, f"cannot create directory {self.path}", e) from None
+        need = os.R_OK | os.X_OK if readonly else os.R_OK | os.W_OK | os.X_OK
+        if not os.access(self.path, need):
+            what = "readable" if readonly else "readable and writable"
+            raise TierIOError(errno.EACCES, f"tier {name!r}: directory {self.path} is not {what}", str(self.path))
         self.engine = engine
         can_direct, align = probe_direct(self.path)
         self.direct = direct and can_direct
@@ -154,7 +160,8 @@ class FileTier(Tier):
         self._lock = threading.Lock()
         self._evicted: list[Path] = []  # renamed away by evict(free=False), deleted by reclaim()
         self._junk: set[Path] = set()  # rank-like entries that are not checkpoints (warned about once)
-        self._sweep()
+        if not readonly:
+            self._sweep()
 
     def _fs_alignment(self) -> int:
         """Extra alignment the file system asks for (the PFS tier returns the stripe size)."""
@@ -172,6 +179,7 @@ class FileTier(Tier):
             chunk_bytes=cfg.io.chunk_bytes,
             capacity_bytes=cfg.capacity_bytes,
             blob_bytes=cfg.blob_bytes,
+            readonly=cfg.readonly,
         )
 
     def describe(self) -> str:
