@@ -382,7 +382,7 @@ class Mover:
     # -- room -------------------------------------------------------------------------------------------
     def _committed(self, tier: Tier) -> list[int]:
         try:
-            return [k.step for k in tier.list_committed() if k.rank == self.rank]
+            return [k.step for k in tier.list_committed(self.rank)]
         except OSError as e:
             log.warning("tier %r cannot list its checkpoints: %s", tier.name, e)
             return []

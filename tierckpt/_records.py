@@ -226,7 +226,7 @@ def merge_states(tiers: Sequence[Tier], tracker: Tracker, rank: int) -> list[Che
     committed: dict[int, list[str]] = {}
     for t in tiers:
         try:
-            keys = t.list_committed()
+            keys = t.list_committed(rank)
         except OSError as e:
             log.warning("tier %r cannot list its checkpoints: %s", t.name, e)
             continue

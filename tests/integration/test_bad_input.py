@@ -165,3 +165,37 @@ def test_a_corrupt_copy_is_named_once(tmp_path: Path, monkeypatch: pytest.Monkey
         with pytest.raises(CorruptCheckpointError) as ei:
             h.restore()
         assert str(ei.value) == "manifest is missing [tier=ssd, step=3]"
+
+
+def test_a_rank_lists_its_own_copies_without_looking_at_other_ranks(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Checking each copy's manifest costs a stat; on a shared tier a rank must not pay it for every
+    other rank's copies (1,000 ranks x 100 steps would be 100,000 metadata calls per listing)."""
+    from tierckpt.io import make_engine
+    from tierckpt.tiers.pfs import PfsTier
+
+    eng = make_engine("threads", 2)
+
+    def open_rank(rank: int) -> Hierarchy:
+        return Hierarchy([PfsTier("pfs", tmp_path / "pfs", eng)], rank=rank, world_size=2)
+
+    try:
+        for rank in (0, 1):
+            with open_rank(rank) as h:
+                for step in (1, 2):
+                    h.save({"w": torch.full((2,), float(rank))}, step=step).wait()
+        real, looked = os.stat, []
+
+        def counting(p: Any, *a: Any, **k: Any) -> os.stat_result:
+            looked.append(str(p))
+            return real(p, *a, **k)
+
+        with open_rank(1) as h:
+            monkeypatch.setattr(os, "stat", counting)
+            assert [c.step for c in h.checkpoints()] == [1, 2]
+            assert h.restore()["w"][0] == 1.0
+            monkeypatch.undo()
+        assert looked and not [p for p in looked if "rank-00000" in p]
+    finally:
+        eng.close()

@@ -192,7 +192,7 @@ class Tierckpt(Peer):
     def discard(self, rep: int) -> None:
         assert self.h is not None
         for t in self.h.tiers:
-            if CheckpointKey(rep, self.h.rank) in t.list_committed():
+            if t.holds(CheckpointKey(rep, self.h.rank)):
                 t.evict(CheckpointKey(rep, self.h.rank))
 
     def close(self) -> None:

@@ -151,6 +151,9 @@ class TierConformanceTests:
         assert tier.list_committed() == sorted(keys)
         tier.evict(CheckpointKey(5, 1))
         assert tier.list_committed() == [CheckpointKey(5, 0), CheckpointKey(10, 0), CheckpointKey(10, 1)]
+        assert tier.list_committed(rank=1) == [CheckpointKey(10, 1)]
+        assert tier.list_committed(rank=0) == [CheckpointKey(5, 0), CheckpointKey(10, 0)]
+        assert tier.holds(CheckpointKey(10, 1)) and not tier.holds(CheckpointKey(5, 1))
         assert tier.read_manifest(CheckpointKey(5, 0)) == b"m0"
 
     def test_evict(self, tier: Tier) -> None:

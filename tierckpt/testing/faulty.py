@@ -69,9 +69,9 @@ class FaultyTier(Tier):
         self._check("reserve")
         return _FaultyWriter(self, self.inner.reserve(key, blobs))
 
-    def list_committed(self) -> list[CheckpointKey]:
+    def list_committed(self, rank: int | None = None) -> list[CheckpointKey]:
         self._check("list_committed")
-        return self.inner.list_committed()
+        return self.inner.list_committed(rank)
 
     def holds(self, key: CheckpointKey) -> bool:
         return self.inner.holds(key)

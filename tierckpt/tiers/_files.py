@@ -214,12 +214,13 @@ class FileTier(Tier):
         return self.path / step_dir_name(key.step) / rank_dir_name(key.rank)
 
     # -- contract -------------------------------------------------------------------------------------
-    def list_committed(self) -> list[CheckpointKey]:
-        """Every ``step-…/rank-…`` directory that holds a ``manifest`` file (a commit renames a directory
-        into place only after its manifest is durable). Anything else with such a name (an empty
-        directory, a file, a copy missing its manifest) is not a checkpoint: it is skipped, with one
-        warning, so that it never counts toward ``keep`` (which would evict good copies) nor hides
-        the newest good step."""
+    def list_committed(self, rank: int | None = None) -> list[CheckpointKey]:
+        """Every ``step-…/rank-…`` directory (of ``rank``, if given) that holds a ``manifest`` file (a
+        commit renames a directory into place only after its manifest is durable). Anything else with
+        such a name (an empty directory, a file, a copy missing its manifest) is not a checkpoint: it
+        is skipped, with one warning, so that it never counts toward ``keep`` (which would evict good
+        copies) nor hides the newest good step. That takes one ``stat`` per copy listed: pass
+        ``rank`` on a shared tier, so that a rank does not look at every other rank's copies."""
         out = []
         for step in self._step_dirs():
             s = int(_STEP_RE.match(step.name).group(1))  # type: ignore[union-attr]
@@ -229,24 +230,25 @@ class FileTier(Tier):
                 continue
             for n in names:
                 m = _RANK_RE.match(n)
-                if m is None:
-                    continue
-                try:
-                    ok = stat.S_ISREG(os.stat(step / n / MANIFEST_NAME).st_mode)
-                except OSError:
-                    ok = False
-                if ok:
-                    out.append(CheckpointKey(s, int(m.group(1))))
-                elif (step / n) not in self._junk:
-                    self._junk.add(step / n)
-                    log.warning("tier %r: %s holds no manifest file: not a checkpoint, skipped", self.name, step / n)
+                if m is not None and (rank is None or int(m.group(1)) == rank):
+                    key = CheckpointKey(s, int(m.group(1)))
+                    if self._has_manifest(step / n):
+                        out.append(key)
         return sorted(out)
 
-    def holds(self, key: CheckpointKey) -> bool:
+    def _has_manifest(self, rank_dir: Path) -> bool:
         try:
-            return stat.S_ISREG(os.stat(self._rank_dir(key) / MANIFEST_NAME).st_mode)
+            if stat.S_ISREG(os.stat(rank_dir / MANIFEST_NAME).st_mode):
+                return True
         except OSError:
-            return False
+            pass
+        if rank_dir not in self._junk and os.path.lexists(rank_dir):
+            self._junk.add(rank_dir)
+            log.warning("tier %r: %s holds no manifest file: not a checkpoint, skipped", self.name, rank_dir)
+        return False
+
+    def holds(self, key: CheckpointKey) -> bool:
+        return self._has_manifest(self._rank_dir(key))
 
     def used_bytes(self) -> int:
         total = 0

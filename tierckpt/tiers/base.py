@@ -14,7 +14,8 @@ Write, by the hierarchy's saving thread::
 
 Read, by any thread or process::
 
-    tier.list_committed()                 # keys of committed checkpoints, oldest first
+    tier.list_committed(rank=None)        # keys of committed checkpoints, oldest first (one rank's)
+    tier.holds(key)                       # whether one key is committed (default: from list_committed)
     tier.read_manifest(key)               # the manifest's bytes
     r = tier.reader(key, blobs)           # then r.read(i, offset, addr, nbytes) -> Future[int]; r.close()
     r.read_alignment(i)                   # optional: (memory, offset) alignment under which r.read may
@@ -158,13 +159,14 @@ class Tier(ABC):
         """Take room for a checkpoint with these blobs; raise TierFullError when there is none."""
 
     @abstractmethod
-    def list_committed(self) -> list[CheckpointKey]:
-        """Committed checkpoints on this tier, sorted by (step, rank)."""
+    def list_committed(self, rank: int | None = None) -> list[CheckpointKey]:
+        """Committed checkpoints on this tier, sorted by (step, rank); only ``rank``'s when given (a
+        shared tier then need not look at every rank's copies)."""
 
     def holds(self, key: CheckpointKey) -> bool:
         """Whether ``key`` is committed here (a cheaper question than :meth:`list_committed` where a
         tier can answer it alone, as file tiers do with one ``stat``)."""
-        return key in self.list_committed()
+        return key in self.list_committed(key.rank)
 
     @abstractmethod
     def read_manifest(self, key: CheckpointKey) -> bytes:

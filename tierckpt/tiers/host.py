@@ -122,9 +122,13 @@ class HostTier(Tier):
             else:
                 self._free.extend(bufs)
 
-    def list_committed(self) -> list[CheckpointKey]:
+    def list_committed(self, rank: int | None = None) -> list[CheckpointKey]:
         with self._lock:
-            return sorted(self._held)
+            return sorted(k for k in self._held if rank is None or k.rank == rank)
+
+    def holds(self, key: CheckpointKey) -> bool:
+        with self._lock:
+            return key in self._held
 
     def _get(self, key: CheckpointKey) -> _Held:
         with self._lock:
