@@ -207,16 +207,22 @@ class Hierarchy(Lifecycle):
         """Warn once when a save's step is older than one already committed: ``restore()`` without a
         step still picks the newer one (a job that went back to an older step should remove the steps
         it abandoned, or restore by step)."""
-        if self._newest is None:
-            self._newest = max((c.step for c in self.checkpoints() if c.tiers), default=-1)
-        if step < self._newest and not self._warned_order:
+        newest = self._newest_step()
+        if step < newest and not self._warned_order:
             self._warned_order = True
             log.warning(
                 "saving step %d, older than step %d already saved: restore() without a step picks step %d; "
                 "keep: windows count steps by number (this save is kept until a later save replaces it)",
-                step, self._newest, self._newest,
+                step, newest, newest,
             )  # fmt: skip
-        self._newest = max(self._newest, step)
+        self._newest = max(newest, step)
+
+    def _newest_step(self) -> int:
+        """The newest step committed anywhere or saved by this hierarchy (-1: none); the tiers are listed
+        once, at the first save, and the saves keep it up to date after that."""
+        if self._newest is None:
+            self._newest = max((c.step for c in self.checkpoints() if c.tiers), default=-1)
+        return self._newest
 
     def _holds(self, tier: Tier, key: CheckpointKey) -> bool:
         try:
@@ -268,11 +274,14 @@ class Hierarchy(Lifecycle):
         with self._lock:
             dests = self._destinations()
             # A step saved again replaces its older copies on every tier that holds one, due or not: a
-            # tier left with the old bytes would restore them later, as if they were this save's.
-            older = [t.name for t in self._tiers[1:] if t.name not in dests and self._holds(t, key)]
-            if older:
-                log.info("step %d is saved again: its older copies on %s are replaced too", step, older)
-                dests = [t.name for t in self._tiers if t.name in dests or t.name in older]
+            # tier left with the old bytes would restore them later, as if they were this save's. Only
+            # a step no newer than one seen before can be held anywhere: a new step asks no tier (a
+            # save must not wait for a slow shared tier).
+            if step <= self._newest_step():
+                older = [t.name for t in self._tiers[1:] if t.name not in dests and self._holds(t, key)]
+                if older:
+                    log.info("step %d is saved again: its older copies on %s are replaced too", step, older)
+                    dests = [t.name for t in self._tiers if t.name in dests or t.name in older]
             self._check_order(step)
             handle = SaveHandle(step, dests)
             self._handles = [h for h in self._handles if not h.done() or set(h.errors()) - h._observed]

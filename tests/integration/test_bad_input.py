@@ -71,9 +71,14 @@ def test_steps_and_ranks_the_format_cannot_name_are_refused(tmp_path: Path) -> N
 def test_a_step_saved_again_replaces_its_older_copies_on_tiers_it_would_skip(tmp_path: Path) -> None:
     config = cfg(tmp_path, "host", "ssd", policy={"keep": {"host": 1}, "demote": {"ssd": {"every": 2}}})
     with Hierarchy.from_config(config) as h:
+        asked: list[int] = []
+        holds = h.tier("ssd").holds
+        h.tier("ssd").holds = lambda key: asked.append(key.step) or holds(key)  # type: ignore[method-assign]
         h.save({"v": "s1"}, step=1, blocking=True)  # host
         h.save({"v": "A"}, step=2, blocking=True)  # host and ssd (every 2nd save)
+        assert asked == []  # a new step asks no tier whether it holds it
         h.save({"v": "B"}, step=2, blocking=True)  # not due for ssd, but ssd holds step 2: replaced
+        assert asked == [2]
         h.save({"v": "s3"}, step=3, blocking=True)  # host keeps 1: step 2 is left on ssd only
         assert h.restore(step=2) == {"v": "B"} and h.last_restore == (2, "ssd")
         assert h.verify(step=2) == [(2, "ssd", None)]
