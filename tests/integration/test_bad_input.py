@@ -204,3 +204,17 @@ def test_a_rank_lists_its_own_copies_without_looking_at_other_ranks(
         assert looked and not [p for p in looked if "rank-00000" in p]
     finally:
         eng.close()
+
+
+def test_a_blob_replaced_by_a_directory_is_named(tmp_path: Path) -> None:
+    from tierckpt import CorruptCheckpointError
+
+    with Hierarchy.from_config(cfg(tmp_path, "ssd", "pfs")) as h:
+        h.save({"w": torch.arange(4.0)}, step=1).wait()
+        blob = tmp_path / "ssd" / "step-000000000001" / "rank-00000" / "blob-00000.bin"
+        blob.unlink()
+        blob.mkdir()
+        assert torch.equal(h.restore()["w"], torch.arange(4.0)) and h.last_restore == (1, "pfs")
+        [(_, _, err), (_, _, ok)] = h.verify()
+        assert isinstance(err, CorruptCheckpointError) and ok is None
+        assert "blob-00000.bin is not a regular file" in str(err) and err.tier == "ssd"

@@ -96,6 +96,13 @@ def _write_file(path: Path, data: bytes) -> None:
         os.close(fd)
 
 
+def _is_file(p: Path) -> bool:
+    try:
+        return stat.S_ISREG(os.stat(p).st_mode)
+    except OSError:
+        return True  # cannot tell: let the caller report the error it got
+
+
 def _io_error(tier: str, what: str, e: OSError) -> TierIOError:
     err = TierIOError(e.errno, f"tier {tier!r}: {what}: {e.strerror or e}", e.filename)
     err.__cause__ = e
@@ -406,9 +413,19 @@ class _FileReader(TierReader):
                         f"blob file {p} is missing", tier=self.tier.name, blob=self.blobs[blob].name
                     ) from None
                 except OSError as e:
+                    if not _is_file(p):  # e.g. a directory in its place: O_DIRECT refuses it with EINVAL
+                        raise self._not_a_file(blob, p) from None
                     raise _io_error(self.tier.name, f"cannot open {p}", e) from None
+                if not stat.S_ISREG(os.fstat(fd).st_mode):  # without O_DIRECT a directory opens
+                    os.close(fd)
+                    raise self._not_a_file(blob, p)
                 self._fds[blob] = fd
             return fd
+
+    def _not_a_file(self, blob: int, p: Path) -> CorruptCheckpointError:
+        return CorruptCheckpointError(
+            f"blob {p} is not a regular file", tier=self.tier.name, blob=self.blobs[blob].name
+        )
 
     def read(self, blob: int, offset: int, addr: int, nbytes: int) -> Future[int]:
         fd = self._fd(blob)
