@@ -13,7 +13,7 @@ from tierckpt.errors import StateError
 
 __all__ = ["diagnose", "format_path", "tensor_problem"]
 
-_I64_MIN, _U64_MAX = -(1 << 63), (1 << 64) - 1
+_I64_MIN, _U64_MAX = -(1 << 63), (1 << 64) - 1  # the ints a msgpack int holds (tree.py uses them too)
 
 
 def format_path(path: tuple[Any, ...], root: str = "state") -> str:

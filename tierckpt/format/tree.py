@@ -35,7 +35,7 @@ import msgpack
 import torch
 
 from tierckpt.errors import CorruptCheckpointError, StateError
-from tierckpt.format._diagnose import diagnose, format_path, tensor_problem
+from tierckpt.format._diagnose import _I64_MIN, _U64_MAX, diagnose, format_path, tensor_problem
 from tierckpt.format.manifest import FORMAT_VERSION, READ_VERSIONS
 
 __all__ = [
@@ -55,7 +55,6 @@ __all__ = [
 
 EXT_TUPLE, EXT_TENSOR, EXT_PICKLE, EXT_ODICT, EXT_INT, EXT_DTYPE, EXT_DEVICE, EXT_SIZE = range(1, 9)
 PLAIN_REFS = 3  #: the first format version whose tree references tensors with plain ints
-_I64_MIN, _U64_MAX = -(1 << 63), (1 << 64) - 1
 _PLAIN = (type(None), bool, int, float, str, bytes)
 _PLAIN_SMALL = frozenset((type(None), bool, float, str, bytes))  # stored as themselves, whatever the value
 #: Containers (dict, list, tuple) nested deeper than this are refused: msgpack stops at 511, and
@@ -194,7 +193,7 @@ def flatten(state: Any, *, allow_pickle: bool = False, version: int = FORMAT_VER
         if tv is list or tv is tuple or tv is dict or tv is OrderedDict:
             nonlocal depth
             if depth >= MAX_NESTING:
-                raise _TooDeep  # a cycle, or a state that a restore could not rebuild: _diagnose says which
+                raise _TooDeep  # a cycle, or a state that a restore could not rebuild: diagnose() says which
             depth += 1
             out = container(v, tv, path)
             depth -= 1

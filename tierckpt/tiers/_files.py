@@ -96,11 +96,12 @@ def _write_file(path: Path, data: bytes) -> None:
         os.close(fd)
 
 
-def _is_file(p: Path) -> bool:
+def _is_file(p: Path, unknown: bool) -> bool:
+    """Whether ``p`` is a regular file (``unknown`` when it cannot be stat-ed)."""
     try:
         return stat.S_ISREG(os.stat(p).st_mode)
     except OSError:
-        return True  # cannot tell: let the caller report the error it got
+        return unknown
 
 
 def _io_error(tier: str, what: str, e: OSError) -> TierIOError:
@@ -138,7 +139,6 @@ class FileTier(Tier):
     ) -> None:
         super().__init__(name)
         self.path = Path(path)
-        self.readonly = readonly
         if readonly:  # a tool that only reads: a missing directory is a mistake, not one to create
             if not self.path.is_dir():
                 raise TierIOError(errno.ENOENT, f"tier {name!r}: directory {self.path} does not exist", str(self.path))
@@ -237,18 +237,14 @@ class FileTier(Tier):
                 continue
             for n in names:
                 m = _RANK_RE.match(n)
-                if m is not None and (rank is None or int(m.group(1)) == rank):
-                    key = CheckpointKey(s, int(m.group(1)))
-                    if self._has_manifest(step / n):
-                        out.append(key)
+                r = int(m.group(1)) if m is not None else -1
+                if m is not None and (rank is None or r == rank) and self._has_manifest(step / n):
+                    out.append(CheckpointKey(s, r))
         return sorted(out)
 
     def _has_manifest(self, rank_dir: Path) -> bool:
-        try:
-            if stat.S_ISREG(os.stat(rank_dir / MANIFEST_NAME).st_mode):
-                return True
-        except OSError:
-            pass
+        if _is_file(rank_dir / MANIFEST_NAME, unknown=False):
+            return True
         if rank_dir not in self._junk and os.path.lexists(rank_dir):
             self._junk.add(rank_dir)
             log.warning("tier %r: %s holds no manifest file: not a checkpoint, skipped", self.name, rank_dir)
@@ -413,7 +409,7 @@ class _FileReader(TierReader):
                         f"blob file {p} is missing", tier=self.tier.name, blob=self.blobs[blob].name
                     ) from None
                 except OSError as e:
-                    if not _is_file(p):  # e.g. a directory in its place: O_DIRECT refuses it with EINVAL
+                    if not _is_file(p, unknown=True):  # e.g. a directory in its place: O_DIRECT refuses it with EINVAL
                         raise self._not_a_file(blob, p) from None
                     raise _io_error(self.tier.name, f"cannot open {p}", e) from None
                 if not stat.S_ISREG(os.fstat(fd).st_mode):  # without O_DIRECT a directory opens
