@@ -11,10 +11,13 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from tierckpt.errors import TierFullError
+from tierckpt.policies.retention import Held
+
 if TYPE_CHECKING:
     from tierckpt.tiers.base import Tier
 
-__all__ = ["STATES", "CheckpointInfo", "SaveHandle", "Tracker", "merge_states"]
+__all__ = ["STATES", "CheckpointInfo", "HeldCopies", "SaveHandle", "Tracker", "merge_states"]
 
 log = logging.getLogger("tierckpt.hierarchy")
 
@@ -130,22 +133,24 @@ class Tracker:
         self._wanted: dict[int, set[str]] = {}
 
     def plan(self, step: int, tiers: Iterable[str]) -> None:
-        """A save or promotion of ``step`` will go to ``tiers``: they become ``pending`` and wanted."""
+        """A save or promotion of ``step`` will go to ``tiers``: they become ``pending``; for a step saved by
+        this hierarchy (see :meth:`saved`) they also become wanted."""
         with self.changed:
             st = self._states.setdefault(step, {})
             for t in tiers:
                 st[t] = "pending"
                 self._errors.get(step, {}).pop(t, None)
-                self._wanted.setdefault(step, set()).add(t)
+                if step in self._wanted:
+                    self._wanted[step].add(t)
             self.changed.notify_all()
 
     def set(self, step: int, tier: str, state: str, error: BaseException | None = None) -> None:
-        """Record a state; ``failed`` also records ``error`` and drops the tier from the step's wanted set."""
+        """Record a state; ``failed`` also records ``error``. A failed tier stays wanted: retention holds the
+        step's last copy until that tier has the step or a newer one (:func:`~tierckpt.policies.plan_retention`)."""
         with self.changed:
             self._states.setdefault(step, {})[tier] = state
             if state == "failed":
                 self._errors.setdefault(step, {})[tier] = error or RuntimeError("failed")
-                self._wanted.get(step, set()).discard(tier)
             self.changed.notify_all()
 
     def forget(self, step: int, tier: str) -> None:
@@ -164,6 +169,7 @@ class Tracker:
             return {s: dict(d) for s, d in self._errors.items()}
 
     def wanted(self) -> dict[int, set[str]]:
+        """Per step saved by this hierarchy, the tiers the policy sent it to (failed ones included)."""
         with self.changed:
             return {s: set(d) for s, d in self._wanted.items()}
 
@@ -190,9 +196,12 @@ class Tracker:
 
     def saved(self, step: int, tiers: Iterable[str]) -> None:
         """``step`` is the newest save (in time): retention keeps its copies even where its number is
-        below the ``keep`` window (a job that went back to an older step keeps what it saves)."""
+        below the ``keep`` window (a job that went back to an older step keeps what it saves). ``tiers``
+        become the step's wanted tiers (a step saved again is wanted where this save sends it)."""
         with self.changed:
-            self._latest = {(step, t) for t in tiers}
+            names = set(tiers)
+            self._latest = {(step, t) for t in names}
+            self._wanted[step] = names
 
     def protected(self) -> set[tuple[int, str]]:
         """Copies retention must not evict now: pinned by a transfer, freshly promoted, or of the newest
@@ -218,6 +227,58 @@ class Tracker:
                 self._states.pop(s, None)
                 self._errors.pop(s, None)
                 self._wanted.pop(s, None)
+
+
+class HeldCopies:
+    """The copies retention keeps beyond their tier's window (:func:`~tierckpt.policies.plan_retention`),
+    and why: each newly held copy is logged once (a warning when a copy of its step failed, naming the
+    tier and the error), each release at INFO; a full tier's error names the held copies that fill it.
+    Updated under the mover's eviction lock."""
+
+    def __init__(self, tracker: Tracker) -> None:
+        self._tracker = tracker
+        self._held: dict[tuple[int, str], Held] = {}
+
+    def on(self, tier: str) -> list[int]:
+        """The steps held on ``tier``, oldest first."""
+        return sorted(s for s, t in dict(self._held) if t == tier)
+
+    def why(self, h: Held) -> str:
+        """Why ``h`` is held: each tier that lacks the step, and its copy's error if it failed."""
+        errors = self._tracker.errors().get(h.step, {})
+        return "; ".join(
+            f"tier {d!r} has no copy of step {h.step} or newer"
+            + (f" (its copy failed: {errors[d]})" if d in errors else " (its copy has not arrived)")
+            for d in h.missing
+        )
+
+    def update(self, held: Sequence[Held]) -> None:
+        """The copies held now (a new retention plan's)."""
+        now = {(h.step, h.tier): h for h in held}
+        errors = self._tracker.errors()
+        for k, h in now.items():
+            if k in self._held:
+                continue
+            failed = any(d in errors.get(h.step, {}) for d in h.missing)
+            log.log(
+                logging.WARNING if failed else logging.INFO,
+                "retention: step %d is held on tier %r beyond its keep window: %s",
+                h.step, h.tier, self.why(h),
+            )  # fmt: skip
+        for step, tier in sorted(self._held.keys() - now.keys()):
+            log.info("retention: step %d is no longer held on tier %r", step, tier)
+        self._held = now
+
+    def explain_full(self, tier: str, full: TierFullError) -> TierFullError:
+        """``full``, or when held copies fill ``tier``, an error that also names them and why."""
+        steps = self.on(tier)
+        h = self._held.get((steps[-1], tier)) if steps else None
+        if h is None:
+            return full
+        return TierFullError(
+            f"{full}; it holds steps {steps} beyond its keep window because {self.why(h)} (a held copy is "
+            "the last copy of its step: it is freed once that tier holds the step or a newer one)"
+        )
 
 
 def merge_states(tiers: Sequence[Tier], tracker: Tracker, rank: int) -> list[CheckpointInfo]:

@@ -6,7 +6,17 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-__all__ = ["KeepAll", "KeepLatest", "RetentionPolicy", "capacity_victims", "plan_evictions"]
+__all__ = [
+    "Held",
+    "KeepAll",
+    "KeepLatest",
+    "RetentionPlan",
+    "RetentionPolicy",
+    "capacity_victims",
+    "missing_tiers",
+    "plan_evictions",
+    "plan_retention",
+]
 
 
 class RetentionPolicy(Protocol):
@@ -40,49 +50,101 @@ class KeepLatest:
         return ordered[: max(0, len(ordered) - self.k)]
 
 
+@dataclass(frozen=True)
+class Held:
+    """A copy retention would evict but keeps, because its step is not yet safely where the policy wants it.
+
+    Attributes:
+        step: the step.
+        tier: the tier whose window would evict the copy (the slowest tier holding the step).
+        missing: the tiers the policy wants the step on that hold neither it nor a newer step.
+    """
+
+    step: int
+    tier: str
+    missing: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class RetentionPlan:
+    """What retention does now.
+
+    Attributes:
+        evict: copies to evict, as (tier, step), in order.
+        held: copies kept beyond their tier's window (see :func:`plan_retention`).
+    """
+
+    evict: list[tuple[str, int]]
+    held: list[Held]
+
+
+def missing_tiers(step: int, want: Collection[str], committed: Mapping[str, Sequence[int]]) -> tuple[str, ...]:
+    """The tiers of ``want`` that hold neither ``step`` nor a newer step (in ``committed`` order; a tier
+    ``committed`` does not list holds nothing)."""
+    names = [*committed, *sorted(set(want) - set(committed))]
+    return tuple(d for d in names if d in want and not any(s >= step for s in committed.get(d, ())))
+
+
+def plan_retention(
+    committed: Mapping[str, Sequence[int]],
+    retention: Mapping[str, RetentionPolicy],
+    wanted: Mapping[int, Collection[str]],
+    protected: Collection[tuple[int, str]] = (),
+) -> RetentionPlan:
+    """Which copies retention evicts now, and which it holds beyond their window.
+
+    Every tier's retention names its candidates. A step is *safe* when every tier the policy wants it on
+    (``wanted[step]``) has committed it or a newer step. A candidate is kept when
+
+    * it is ``protected`` (``(step, tier)``: a pending transfer still reads it, or it was just promoted,
+      or it is the newest save), or
+    * its step is not safe and this is the step's copy on the slowest tier that holds it (it is *held*):
+      a failed or unfinished copy to another tier never costs the step. The other copies of the step
+      follow their own windows.
+
+    A step missing from ``wanted`` (saved by an earlier process: nobody knows where it was sent) is
+    wanted on every tier below the slowest one holding it.
+
+    Args:
+        committed: per tier, fastest first, the steps committed there.
+        retention: per tier, its policy (tiers without one keep everything).
+        wanted: per step, the tiers the policy sent it to (failed copies included).
+        protected: copies that must stay for now.
+    """
+    protected = set(protected)
+    order = list(committed)
+    slowest: dict[int, str] = {}
+    for tier in order:
+        for s in committed[tier]:
+            slowest[s] = tier
+    evict: list[tuple[str, int]] = []
+    held: list[Held] = []
+    for tier in order:
+        policy = retention.get(tier)
+        if policy is None:
+            continue
+        for s in policy.to_evict(committed[tier]):
+            if (s, tier) in protected:
+                continue
+            want = wanted.get(s)
+            if want is None:
+                want = order[order.index(slowest[s]) + 1 :]
+            missing = missing_tiers(s, set(want) - {tier}, committed)
+            if missing and slowest[s] == tier:
+                held.append(Held(s, tier, missing))
+                continue
+            evict.append((tier, s))
+    return RetentionPlan(evict, held)
+
+
 def plan_evictions(
     committed: Mapping[str, Sequence[int]],
     retention: Mapping[str, RetentionPolicy],
     wanted: Mapping[int, Collection[str]],
     protected: Collection[tuple[int, str]] = (),
 ) -> list[tuple[str, int]]:
-    """Which copies retention evicts now, as (tier, step), in order.
-
-    Every tier's retention names its candidates; a candidate is skipped when
-
-    * it is ``protected`` (``(step, tier)``: a pending transfer still reads it, or it was just promoted), or
-    * it is the last copy of its step and another tier that the step was sent to would keep it (the step
-      is in ``wanted[step]`` for that tier and inside that tier's window): a failed or unfinished
-      demotion never costs the only copy of a checkpoint another rule keeps.
-
-    Args:
-        committed: per tier, the steps committed there.
-        retention: per tier, its policy (tiers without one keep everything).
-        wanted: per step, the tiers the policy sends it to.
-        protected: copies that must stay for now.
-    """
-    protected = set(protected)
-    copies: dict[int, set[str]] = {}
-    for tier, steps in committed.items():
-        for s in steps:
-            copies.setdefault(s, set()).add(tier)
-    out: list[tuple[str, int]] = []
-    for tier, steps in committed.items():
-        policy = retention.get(tier)
-        if policy is None:
-            continue
-        for s in policy.to_evict(steps):
-            if (s, tier) in protected:
-                continue
-            if not copies[s] - {tier} and any(
-                other != tier
-                and (other not in retention or s not in retention[other].to_evict([*committed.get(other, ()), s]))
-                for other in wanted.get(s, ())
-            ):
-                continue
-            copies[s].discard(tier)
-            out.append((tier, s))
-    return out
+    """The copies :func:`plan_retention` evicts, as (tier, step), in order."""
+    return plan_retention(committed, retention, wanted, protected).evict
 
 
 def capacity_victims(
