@@ -138,9 +138,9 @@ def test_a_step_of_an_earlier_process_is_wanted_below_its_slowest_copy() -> None
 
 
 def test_missing_tiers() -> None:
-    committed = {"host": [5], "ssd": [3], "pfs": []}
-    assert missing_tiers(4, {"host", "ssd", "pfs", "gone"}, committed) == ("ssd", "pfs", "gone")
-    assert missing_tiers(3, {"ssd"}, committed) == ()
+    newest = {"host": 5, "ssd": 3, "pfs": -1}
+    assert missing_tiers(4, {"host", "ssd", "pfs", "gone"}, newest) == ("ssd", "pfs", "gone")
+    assert missing_tiers(3, {"ssd"}, newest) == ()
 
 
 def test_plan_evictions_with_two_copies_drops_each_by_its_own_rule() -> None:

@@ -78,11 +78,16 @@ class RetentionPlan:
     held: list[Held]
 
 
-def missing_tiers(step: int, want: Collection[str], committed: Mapping[str, Sequence[int]]) -> tuple[str, ...]:
-    """The tiers of ``want`` that hold neither ``step`` nor a newer step (in ``committed`` order; a tier
-    ``committed`` does not list holds nothing)."""
-    names = [*committed, *sorted(set(want) - set(committed))]
-    return tuple(d for d in names if d in want and not any(s >= step for s in committed.get(d, ())))
+def missing_tiers(step: int, want: Collection[str], newest: Mapping[str, int]) -> tuple[str, ...]:
+    """The tiers of ``want`` that hold neither ``step`` nor a newer step.
+
+    Args:
+        step: the step.
+        want: the tiers the policy wants it on.
+        newest: per tier, fastest first, the newest step committed there (-1 or absent: none).
+    """
+    names = [*newest, *sorted(set(want) - set(newest))]
+    return tuple(d for d in names if d in want and newest.get(d, -1) < step)
 
 
 def plan_retention(
@@ -113,6 +118,7 @@ def plan_retention(
     """
     protected = set(protected)
     order = list(committed)
+    newest = {t: max(committed[t], default=-1) for t in order}
     slowest: dict[int, str] = {}
     for tier in order:
         for s in committed[tier]:
@@ -129,7 +135,7 @@ def plan_retention(
             want = wanted.get(s)
             if want is None:
                 want = order[order.index(slowest[s]) + 1 :]
-            missing = missing_tiers(s, set(want) - {tier}, committed)
+            missing = missing_tiers(s, set(want) - {tier}, newest)
             if missing and slowest[s] == tier:
                 held.append(Held(s, tier, missing))
                 continue
