@@ -232,7 +232,7 @@ class Tracker:
 class HeldCopies:
     """The copies retention keeps beyond their tier's window (:func:`~tierckpt.policies.plan_retention`),
     and why: each newly held copy is logged once (a warning when a copy of its step failed, naming the
-    tier and the error), each release at INFO; a full tier's error names the held copies that fill it.
+    tier and the error, or when the step was saved by an earlier process), each release at INFO; a full tier's error names the held copies that fill it.
     Updated under the mover's eviction lock."""
 
     def __init__(self, tracker: Tracker) -> None:
@@ -244,26 +244,35 @@ class HeldCopies:
         return sorted(s for s, t in dict(self._held) if t == tier)
 
     def why(self, h: Held) -> str:
-        """Why ``h`` is held: each tier that lacks the step, and its copy's error if it failed."""
+        """Why ``h`` is held: each tier that lacks the step, and what became of its copy there."""
+        return self._why(h)[0]
+
+    def _why(self, h: Held) -> tuple[str, bool]:
+        """The reason, and whether it deserves a warning (a copy failed, or nobody knows where the step
+        went) rather than INFO (a copy still on its way)."""
         errors = self._tracker.errors().get(h.step, {})
-        return "; ".join(
-            f"tier {d!r} has no copy of step {h.step} or newer"
-            + (f" (its copy failed: {errors[d]})" if d in errors else " (its copy has not arrived)")
-            for d in h.missing
-        )
+        known = h.step in self._tracker.wanted()
+        parts, warn = [], False
+        for d in h.missing:
+            if d in errors:
+                what, warn = f"its copy failed: {errors[d]}", True
+            elif not known:
+                what, warn = "the step was saved before this process started", True
+            else:
+                what = "its copy has not arrived yet"
+            parts.append(f"tier {d!r} has no copy of step {h.step} or newer ({what})")
+        return "; ".join(parts), warn
 
     def update(self, held: Sequence[Held]) -> None:
         """The copies held now (a new retention plan's)."""
         now = {(h.step, h.tier): h for h in held}
-        errors = self._tracker.errors()
         for k, h in now.items():
             if k in self._held:
                 continue
-            failed = any(d in errors.get(h.step, {}) for d in h.missing)
+            why, warn = self._why(h)
             log.log(
-                logging.WARNING if failed else logging.INFO,
-                "retention: step %d is held on tier %r beyond its keep window: %s",
-                h.step, h.tier, self.why(h),
+                logging.WARNING if warn else logging.INFO,
+                "retention: step %d is held on tier %r beyond its keep window: %s", h.step, h.tier, why,
             )  # fmt: skip
         for step, tier in sorted(self._held.keys() - now.keys()):
             log.info("retention: step %d is no longer held on tier %r", step, tier)
@@ -277,7 +286,7 @@ class HeldCopies:
             return full
         return TierFullError(
             f"{full}; it holds steps {steps} beyond its keep window because {self.why(h)} (a held copy is "
-            "the last copy of its step: it is freed once that tier holds the step or a newer one)"
+            "freed once that tier holds its step or a newer one)"
         )
 
 

@@ -175,7 +175,7 @@ def test_held_copies_fill_a_host_tier(tmp_path: Path, on_full: str) -> None:
         assert restorable(h, 5) and restorable(h, 6)
 
 
-def test_a_restarted_job_holds_what_an_earlier_process_left(tmp_path: Path) -> None:
+def test_a_restarted_job_holds_what_an_earlier_process_left(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     """A new process does not know where an earlier one sent its steps: a step whose slowest copy is
     above a tier holding neither it nor a newer step is held (steps 1..4 left by the first hierarchy on
     the ssd while the pfs failed), until a newer step reaches the pfs."""
@@ -185,9 +185,13 @@ def test_a_restarted_job_holds_what_an_earlier_process_left(tmp_path: Path) -> N
         save_while_pfs_fails(h, range(1, 5), errno.EIO)
     h, pfs = three_tiers(tmp_path)
     pfs.fail = {"write": EIO}
+    caplog.clear()
     with h:
         save_while_pfs_fails(h, range(5, 7), errno.EIO)
         assert where(h) == {"host": [6], "ssd": list(range(1, 7))}
+        warned = held_warnings(caplog)
+        assert held_steps(warned) == [1, 2, 3, 4]
+        assert all("saved before this process started" in w for w in warned), warned
         pfs.fail = {}
         h.save(state(7), step=7).wait()
         assert where(h) == {"host": [7], "ssd": [6, 7], "pfs": [7]}
