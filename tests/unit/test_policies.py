@@ -110,8 +110,6 @@ def test_an_unfinished_or_failed_copy_holds_the_only_copy() -> None:
     assert plan_evictions(committed, {"host": KeepLatest(1), "ssd": KeepLatest(1)}, wanted) == [("host", 1)]
     # A step that was never sent anywhere else is evicted by the tier's own window.
     assert plan_evictions({"host": [1, 2], "ssd": []}, {"host": KeepLatest(1)}, {1: {"host"}}) == [("host", 1)]
-    # A tier that could not be listed (absent) holds nothing.
-    assert plan_evictions({"host": [1, 2]}, {"host": KeepLatest(1)}, wanted) == []
 
 
 def test_the_held_copy_is_the_slowest_one() -> None:
@@ -126,6 +124,15 @@ def test_the_held_copy_is_the_slowest_one() -> None:
     # The host's window is wider: the ssd copies are held all the same (a host copy dies with the process).
     plan = plan_retention(committed, {"host": KeepLatest(3), "ssd": KeepLatest(1)}, wanted)
     assert plan == RetentionPlan([], [Held(1, "ssd", ("pfs",)), Held(2, "ssd", ("pfs",))])
+
+
+def test_a_failed_copy_above_the_slowest_one_holds_nothing() -> None:
+    # The ssd fails for every step, the pfs has them all: the pfs window applies as usual (its copy is the
+    # safer one), and the host copies go (the pfs holds them).
+    wanted = {s: {"host", "ssd", "pfs"} for s in (1, 2, 3)}
+    committed = {"host": [1, 2, 3], "ssd": [], "pfs": [1, 2, 3]}
+    keep = {"host": KeepLatest(1), "ssd": KeepLatest(2), "pfs": KeepLatest(2)}
+    assert plan_retention(committed, keep, wanted) == RetentionPlan([("host", 1), ("host", 2), ("pfs", 1)], [])
 
 
 def test_a_step_of_an_earlier_process_is_wanted_below_its_slowest_copy() -> None:

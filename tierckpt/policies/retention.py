@@ -98,17 +98,18 @@ def plan_retention(
 ) -> RetentionPlan:
     """Which copies retention evicts now, and which it holds beyond their window.
 
-    Every tier's retention names its candidates. A step is *safe* when every tier the policy wants it on
-    (``wanted[step]``) has committed it or a newer step. A candidate is kept when
+    Every tier's retention names its candidates. A step is *safe* when every tier below its slowest copy
+    that the policy sent it to (``wanted[step]``) has committed it or a newer step. A candidate is kept
+    when
 
     * it is ``protected`` (``(step, tier)``: a pending transfer still reads it, or it was just promoted,
       or it is the newest save), or
-    * its step is not safe and this is the step's copy on the slowest tier that holds it (it is *held*):
-      a failed or unfinished copy to another tier never costs the step. The other copies of the step
-      follow their own windows.
+    * its step is not safe and this is the step's slowest copy (it is *held*): a failed or unfinished
+      copy to a lower tier never costs the step. The other copies of the step follow their own windows,
+      and a failed copy to a tier above the slowest copy holds nothing (the slower copy is the safer one).
 
     A step missing from ``wanted`` (saved by an earlier process: nobody knows where it was sent) is
-    wanted on every tier below the slowest one holding it.
+    wanted on every tier below its slowest copy.
 
     Args:
         committed: per tier, fastest first, the steps committed there.
@@ -132,13 +133,12 @@ def plan_retention(
         for s in policy.to_evict(committed[tier]):
             if (s, tier) in protected:
                 continue
-            want = wanted.get(s)
-            if want is None:
-                want = order[order.index(slowest[s]) + 1 :]
-            missing = missing_tiers(s, set(want) - {tier}, newest)
-            if missing and slowest[s] == tier:
-                held.append(Held(s, tier, missing))
-                continue
+            if slowest[s] == tier:
+                below = order[order.index(tier) + 1 :]
+                missing = missing_tiers(s, set(wanted.get(s, below)) & set(below), newest)
+                if missing:
+                    held.append(Held(s, tier, missing))
+                    continue
             evict.append((tier, s))
     return RetentionPlan(evict, held)
 
