@@ -146,7 +146,7 @@ class Tracker:
 
     def set(self, step: int, tier: str, state: str, error: BaseException | None = None) -> None:
         """Record a state; ``failed`` also records ``error``. A failed tier stays wanted: retention holds the
-        step's last copy until that tier has the step or a newer one (:func:`~tierckpt.policies.plan_retention`)."""
+        step's slowest copy until that tier has the step or a newer one (see ``plan_retention``)."""
         with self.changed:
             self._states.setdefault(step, {})[tier] = state
             if state == "failed":
@@ -231,13 +231,15 @@ class Tracker:
 
 class HeldCopies:
     """The copies retention keeps beyond their tier's window (:func:`~tierckpt.policies.plan_retention`),
-    and why: each newly held copy is logged once (a warning when a copy of its step failed, naming the
-    tier and the error, or when the step was saved by an earlier process), each release at INFO; a full tier's error names the held copies that fill it.
-    Updated under the mover's eviction lock."""
+    and why. Each held copy is logged once: a warning when a copy of its step failed (naming the tier and
+    the error) or when the step was saved by an earlier process, INFO while its copy is only on its way
+    (and a warning after all if that copy then fails); each release at INFO. A full tier's error names
+    the held copies that fill it. Updated under the mover's eviction lock."""
 
     def __init__(self, tracker: Tracker) -> None:
         self._tracker = tracker
         self._held: dict[tuple[int, str], Held] = {}
+        self._warned: set[tuple[int, str]] = set()
 
     def on(self, tier: str) -> list[int]:
         """The steps held on ``tier``, oldest first."""
@@ -267,9 +269,13 @@ class HeldCopies:
         """The copies held now (a new retention plan's)."""
         now = {(h.step, h.tier): h for h in held}
         for k, h in now.items():
-            if k in self._held:
+            if k in self._warned:
                 continue
             why, warn = self._why(h)
+            if k in self._held and not warn:
+                continue
+            if warn:
+                self._warned.add(k)
             log.log(
                 logging.WARNING if warn else logging.INFO,
                 "retention: step %d is held on tier %r beyond its keep window: %s", h.step, h.tier, why,
@@ -277,6 +283,7 @@ class HeldCopies:
         for step, tier in sorted(self._held.keys() - now.keys()):
             log.info("retention: step %d is no longer held on tier %r", step, tier)
         self._held = now
+        self._warned &= now.keys()
 
     def explain_full(self, tier: str, full: TierFullError) -> TierFullError:
         """``full``, or when held copies fill ``tier``, an error that also names them and why."""

@@ -1,9 +1,10 @@
 """A failed lower copy never costs a step (docs/policies.md, "What eviction never does").
 
-Retention holds a step's slowest copy beyond its tier's ``keep`` window until every tier the policy sent
-the step to has committed it or a newer step; one warning per held copy names the failing tier and its
-error; once the tier works again, the next copy that reaches it releases the backlog down to ``keep``.
-Checked with an EIO-raising pfs, a real ENOSPC tmpfs (the shared ``tmpfs`` fixture, filled by a ballast file), a host tier with a capacity, and across a restart.
+Retention holds a step's slowest copy beyond its tier's ``keep`` window until every lower tier the policy
+sent the step to has committed it or a newer step; one warning per held copy names the failing tier and
+its error; once the tier works again, the next copy that reaches it releases the backlog down to ``keep``.
+Checked with an EIO-raising pfs, a real ENOSPC (the shared ``tmpfs`` fixture filled by a ballast file),
+a host and an ssd with a capacity, and across a restart.
 """
 
 from __future__ import annotations
@@ -18,7 +19,9 @@ import pytest
 import torch
 
 from tierckpt import Hierarchy, TierFullError
+from tierckpt._records import HeldCopies, Tracker
 from tierckpt.io.engine import make_engine
+from tierckpt.policies import Held
 from tierckpt.testing import FaultyTier
 from tierckpt.tiers.base import Tier
 from tierckpt.tiers.host import HostTier
@@ -210,3 +213,31 @@ def test_a_full_tier_never_gives_up_a_held_copy(tmp_path: Path) -> None:
         assert where(h) == {"host": [1, 2, 3], "ssd": [1, 2, 3]}
         save_while_pfs_fails(h, range(4, 5), errno.EIO)
         assert where(h) == {"host": [1, 2, 3, 4], "ssd": [1, 2, 4]}
+
+
+def test_each_held_copy_is_logged_once_and_a_late_failure_escalates(caplog: pytest.LogCaptureFixture) -> None:
+    """Held while its pfs copy is on the way: INFO, once. That copy fails: one warning. Released: INFO."""
+    caplog.set_level(logging.INFO, logger="tierckpt")
+    tracker = Tracker()
+    tracker.saved(1, ["ssd", "pfs"])
+    held = HeldCopies(tracker)
+    copy = Held(1, "ssd", ("pfs",))
+
+    def logged() -> list[tuple[int, str]]:
+        out = [(r.levelno, r.getMessage()) for r in caplog.records]
+        caplog.clear()
+        return out
+
+    held.update([copy])
+    held.update([copy])
+    assert logged() == [(logging.INFO, "retention: step 1 is held on tier 'ssd' beyond its keep window: tier 'pfs' "
+                         "has no copy of step 1 or newer (its copy has not arrived yet)")]  # fmt: skip
+    tracker.set(1, "pfs", "failed", EIO)
+    held.update([copy])
+    held.update([copy])
+    assert [(lv, "injected EIO" in m) for lv, m in logged()] == [(logging.WARNING, True)]
+    full = held.explain_full("ssd", TierFullError("tier 'ssd' is full"))
+    assert "steps [1]" in str(full) and "injected EIO" in str(full)
+    assert held.explain_full("host", e := TierFullError("tier 'host' is full")) is e
+    held.update([])
+    assert logged() == [(logging.INFO, "retention: step 1 is no longer held on tier 'ssd'")]
