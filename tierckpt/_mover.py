@@ -25,11 +25,11 @@ from typing import Any, TypeVar
 
 import torch
 
-from tierckpt._records import Tracker
+from tierckpt._records import HeldCopies, Tracker
 from tierckpt.errors import CorruptCheckpointError, TierckptError, TierFullError
 from tierckpt.format.manifest import BlobEntry
 from tierckpt.io.buffers import StagingPool, memmove
-from tierckpt.policies.retention import RetentionPolicy, capacity_victims, plan_evictions
+from tierckpt.policies.retention import RetentionPolicy, capacity_victims, plan_retention
 from tierckpt.tiers.base import CheckpointKey, Tier, TierReader, TierWriter
 from tierckpt.tiers.gpu import device_copy
 
@@ -261,6 +261,7 @@ class Mover:
         self.workers = {t.name: Worker(t.name, lambda t=t: staging(t)) for t in tiers}
         self._evict_lock = threading.Lock()
         self._full_logged: set[str] = set()
+        self.held = HeldCopies(tracker)  # copies retention keeps beyond their window, and why
 
     # -- jobs -------------------------------------------------------------------------------------------
     def run_commit(
@@ -389,17 +390,18 @@ class Mover:
 
     def reserve(self, tier: Tier, key: CheckpointKey, blobs: Sequence[BlobEntry]) -> TierWriter:
         """Reserve room on ``tier``. When it is full: evict its oldest copies that another tier holds
-        (never a pinned one); if none can go yet but a transfer still pins copies on it, wait for it
+        (never a pinned or held one); if none can go yet but a transfer still pins copies on it, wait for it
         (``on_full: wait``, backpressure) or fail (``on_full: fail``)."""
         while True:
             try:
                 return tier.reserve(key, blobs)
-            except TierFullError:
+            except TierFullError as full:
                 self.apply_retention()
                 elsewhere = {s for t in self.tiers.values() if t is not tier for s in self._committed(t)}
                 protected = self.tracker.pinned_on(tier.name) | {
                     s for s, t in self.tracker.protected() if t == tier.name
                 }
+                protected |= set(self.held.on(tier.name))  # the slowest copy of a step not yet safe
                 victims = capacity_victims(self._committed(tier), elsewhere, protected, exclude=key.step)
                 if victims:
                     log.info("tier %r is full: evicting step %d (another tier holds it)", tier.name, victims[0])
@@ -408,7 +410,10 @@ class Mover:
                 with self.tracker.changed:
                     waiting_on = self.tracker.pinned_on(tier.name) - {key.step}
                     if tier.on_full != "wait" or not waiting_on:
-                        raise
+                        explained = self.held.explain_full(tier.name, full)
+                        if explained is full:
+                            raise
+                        raise explained from full
                     if tier.name not in self._full_logged:
                         self._full_logged.add(tier.name)
                         log.info(
@@ -433,13 +438,14 @@ class Mover:
         frees their space with ``Tier.reclaim()``."""
         with self._evict_lock:
             committed = {name: self._committed(t) for name, t in self.tiers.items()}
-            plan = plan_evictions(committed, self.retention, self.tracker.wanted(), self.tracker.protected())
-            for name, step in plan:
+            plan = plan_retention(committed, self.retention, self.tracker.wanted(), self.tracker.protected())
+            self.held.update(plan.held)
+            for name, step in plan.evict:
                 log.debug("retention: evicting step %d from tier %r", step, name)
                 self._evict(self.tiers[name], step, free=free)
-            gone = set(plan)
+            gone = set(plan.evict)
             self.tracker.prune({s for n, steps in committed.items() for s in steps if (n, s) not in gone})
-            return {name for name, _ in plan}
+            return {name for name, _ in plan.evict}
 
     def close(self, timeout: float | None = None) -> None:
         for w in self.workers.values():

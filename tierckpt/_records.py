@@ -11,10 +11,13 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from tierckpt.errors import TierFullError
+from tierckpt.policies.retention import Held
+
 if TYPE_CHECKING:
     from tierckpt.tiers.base import Tier
 
-__all__ = ["STATES", "CheckpointInfo", "SaveHandle", "Tracker", "merge_states"]
+__all__ = ["STATES", "CheckpointInfo", "HeldCopies", "SaveHandle", "Tracker", "merge_states"]
 
 log = logging.getLogger("tierckpt.hierarchy")
 
@@ -130,22 +133,24 @@ class Tracker:
         self._wanted: dict[int, set[str]] = {}
 
     def plan(self, step: int, tiers: Iterable[str]) -> None:
-        """A save or promotion of ``step`` will go to ``tiers``: they become ``pending`` and wanted."""
+        """A save or promotion of ``step`` will go to ``tiers``: they become ``pending``; for a step saved by
+        this hierarchy (see :meth:`saved`) they also become wanted."""
         with self.changed:
             st = self._states.setdefault(step, {})
             for t in tiers:
                 st[t] = "pending"
                 self._errors.get(step, {}).pop(t, None)
-                self._wanted.setdefault(step, set()).add(t)
+                if step in self._wanted:
+                    self._wanted[step].add(t)
             self.changed.notify_all()
 
     def set(self, step: int, tier: str, state: str, error: BaseException | None = None) -> None:
-        """Record a state; ``failed`` also records ``error`` and drops the tier from the step's wanted set."""
+        """Record a state; ``failed`` also records ``error``. A failed tier stays wanted: retention holds the
+        step's slowest copy until that tier has the step or a newer one (see ``plan_retention``)."""
         with self.changed:
             self._states.setdefault(step, {})[tier] = state
             if state == "failed":
                 self._errors.setdefault(step, {})[tier] = error or RuntimeError("failed")
-                self._wanted.get(step, set()).discard(tier)
             self.changed.notify_all()
 
     def forget(self, step: int, tier: str) -> None:
@@ -164,6 +169,7 @@ class Tracker:
             return {s: dict(d) for s, d in self._errors.items()}
 
     def wanted(self) -> dict[int, set[str]]:
+        """Per step saved by this hierarchy, the tiers the policy sent it to (failed ones included)."""
         with self.changed:
             return {s: set(d) for s, d in self._wanted.items()}
 
@@ -190,9 +196,12 @@ class Tracker:
 
     def saved(self, step: int, tiers: Iterable[str]) -> None:
         """``step`` is the newest save (in time): retention keeps its copies even where its number is
-        below the ``keep`` window (a job that went back to an older step keeps what it saves)."""
+        below the ``keep`` window (a job that went back to an older step keeps what it saves). ``tiers``
+        become the step's wanted tiers (a step saved again is wanted where this save sends it)."""
         with self.changed:
-            self._latest = {(step, t) for t in tiers}
+            names = set(tiers)
+            self._latest = {(step, t) for t in names}
+            self._wanted[step] = names
 
     def protected(self) -> set[tuple[int, str]]:
         """Copies retention must not evict now: pinned by a transfer, freshly promoted, or of the newest
@@ -218,6 +227,74 @@ class Tracker:
                 self._states.pop(s, None)
                 self._errors.pop(s, None)
                 self._wanted.pop(s, None)
+
+
+class HeldCopies:
+    """The copies retention keeps beyond their tier's window (:func:`~tierckpt.policies.plan_retention`),
+    and why. Each held copy is logged once: a warning when a copy of its step failed (naming the tier and
+    the error) or when the step was saved by an earlier process, INFO while its copy is only on its way
+    (and a warning after all if that copy then fails); each release at INFO. A full tier's error names
+    the held copies that fill it. Updated under the mover's eviction lock."""
+
+    def __init__(self, tracker: Tracker) -> None:
+        self._tracker = tracker
+        self._held: dict[tuple[int, str], Held] = {}
+        self._warned: set[tuple[int, str]] = set()
+
+    def on(self, tier: str) -> list[int]:
+        """The steps held on ``tier``, oldest first."""
+        return sorted(s for s, t in dict(self._held) if t == tier)
+
+    def why(self, h: Held) -> str:
+        """Why ``h`` is held: each tier that lacks the step, and what became of its copy there."""
+        return self._why(h)[0]
+
+    def _why(self, h: Held) -> tuple[str, bool]:
+        """The reason, and whether it deserves a warning (a copy failed, or nobody knows where the step
+        went) rather than INFO (a copy still on its way)."""
+        errors = self._tracker.errors().get(h.step, {})
+        known = h.step in self._tracker.wanted()
+        parts, warn = [], False
+        for d in h.missing:
+            if d in errors:
+                what, warn = f"its copy failed: {errors[d]}", True
+            elif not known:
+                what, warn = "the step was saved before this process started", True
+            else:
+                what = "its copy has not arrived yet"
+            parts.append(f"tier {d!r} has no copy of step {h.step} or newer ({what})")
+        return "; ".join(parts), warn
+
+    def update(self, held: Sequence[Held]) -> None:
+        """The copies held now (a new retention plan's)."""
+        now = {(h.step, h.tier): h for h in held}
+        for k, h in now.items():
+            if k in self._warned:
+                continue
+            why, warn = self._why(h)
+            if k in self._held and not warn:
+                continue
+            if warn:
+                self._warned.add(k)
+            log.log(
+                logging.WARNING if warn else logging.INFO,
+                "retention: step %d is held on tier %r beyond its keep window: %s", h.step, h.tier, why,
+            )  # fmt: skip
+        for step, tier in sorted(self._held.keys() - now.keys()):
+            log.info("retention: step %d is no longer held on tier %r", step, tier)
+        self._held = now
+        self._warned &= now.keys()
+
+    def explain_full(self, tier: str, full: TierFullError) -> TierFullError:
+        """``full``, or when held copies fill ``tier``, an error that also names them and why."""
+        steps = self.on(tier)
+        h = self._held.get((steps[-1], tier)) if steps else None
+        if h is None:
+            return full
+        return TierFullError(
+            f"{full}; it holds steps {steps} beyond its keep window because {self.why(h)} (a held copy is "
+            "freed once that tier holds its step or a newer one)"
+        )
 
 
 def merge_states(tiers: Sequence[Tier], tracker: Tracker, rank: int) -> list[CheckpointInfo]:

@@ -10,11 +10,15 @@ from tierckpt.policies import (
     Demotion,
     Every,
     EverySecs,
+    Held,
     KeepAll,
     KeepLatest,
     Never,
+    RetentionPlan,
     capacity_victims,
+    missing_tiers,
     plan_evictions,
+    plan_retention,
 )
 
 
@@ -80,16 +84,70 @@ def test_plan_evictions_never_drops_a_pinned_or_promoted_copy() -> None:
     assert plan == [("host", 1)]  # step 2 is still being copied down (or was just promoted)
 
 
-def test_plan_evictions_keeps_the_last_copy_another_rule_wants() -> None:
-    # Step 1 failed to reach the ssd (keep all): the host copy is the only one; the ssd rule keeps step
-    # 1, so the host must not evict it even though its own window is full.
-    committed = {"host": [1, 2], "ssd": [2]}
+def test_a_failed_lower_copy_holds_the_last_copy_until_a_newer_step_is_there() -> None:
+    # The case: pfs copies of steps 1..10 failed, ssd keeps 2. Every step stays on the ssd.
+    keep = {"host": KeepLatest(1), "ssd": KeepLatest(2)}
+    wanted = {s: {"host", "ssd", "pfs"} for s in range(1, 12)}
+    committed: dict[str, list[int]] = {"host": [10], "ssd": list(range(1, 11)), "pfs": []}
+    plan = plan_retention(committed, keep, wanted)
+    assert plan.evict == []
+    assert plan.held == [Held(s, "ssd", ("pfs",)) for s in range(1, 9)]
+    # The pfs recovers: step 11 reaches it, and the backlog is released down to the window.
+    committed = {"host": [10, 11], "ssd": list(range(1, 12)), "pfs": [11]}
+    plan = plan_retention(committed, keep, wanted)
+    assert plan.evict == [("host", 10), *(("ssd", s) for s in range(1, 10))]
+    assert plan.held == []
+
+
+def test_an_unfinished_or_failed_copy_holds_the_only_copy() -> None:
+    committed = {"host": [1, 2], "ssd": []}
     wanted = {1: {"host", "ssd"}, 2: {"host", "ssd"}}
-    assert plan_evictions(committed, {"host": KeepLatest(1)}, wanted) == []
-    # If the ssd would not keep step 1 either (keep 1, it holds 2), the host may let it go.
+    plan = plan_retention(committed, {"host": KeepLatest(1)}, wanted)
+    assert plan == RetentionPlan(evict=[], held=[Held(1, "host", ("ssd",))])
+    # A newer step committed on the ssd makes step 1 safe (whatever the ssd's own window).
+    committed = {"host": [1, 2], "ssd": [2]}
+    assert plan_evictions(committed, {"host": KeepLatest(1)}, wanted) == [("host", 1)]
     assert plan_evictions(committed, {"host": KeepLatest(1), "ssd": KeepLatest(1)}, wanted) == [("host", 1)]
     # A step that was never sent anywhere else is evicted by the tier's own window.
-    assert plan_evictions(committed, {"host": KeepLatest(1)}, {1: {"host"}}) == [("host", 1)]
+    assert plan_evictions({"host": [1, 2], "ssd": []}, {"host": KeepLatest(1)}, {1: {"host"}}) == [("host", 1)]
+
+
+def test_the_held_copy_is_the_slowest_one() -> None:
+    wanted = {s: {"host", "ssd", "pfs"} for s in (1, 2, 3)}
+    committed = {"host": [1, 2, 3], "ssd": [1, 2, 3], "pfs": []}
+    plan = plan_retention(committed, {"host": KeepLatest(1), "ssd": KeepLatest(1)}, wanted)
+    assert plan.evict == [("host", 1), ("host", 2)]  # the ssd copies stay: they survive the process
+    assert plan.held == [Held(1, "ssd", ("pfs",)), Held(2, "ssd", ("pfs",))]
+    # The ssd's window is wider than the host's: the host copies go, nothing is held.
+    plan = plan_retention(committed, {"host": KeepLatest(1), "ssd": KeepLatest(3)}, wanted)
+    assert plan == RetentionPlan([("host", 1), ("host", 2)], [])
+    # The host's window is wider: the ssd copies are held all the same (a host copy dies with the process).
+    plan = plan_retention(committed, {"host": KeepLatest(3), "ssd": KeepLatest(1)}, wanted)
+    assert plan == RetentionPlan([], [Held(1, "ssd", ("pfs",)), Held(2, "ssd", ("pfs",))])
+
+
+def test_a_failed_copy_above_the_slowest_one_holds_nothing() -> None:
+    # The ssd fails for every step, the pfs has them all: the pfs window applies as usual (its copy is the
+    # safer one), and the host copies go (the pfs holds them).
+    wanted = {s: {"host", "ssd", "pfs"} for s in (1, 2, 3)}
+    committed = {"host": [1, 2, 3], "ssd": [], "pfs": [1, 2, 3]}
+    keep = {"host": KeepLatest(1), "ssd": KeepLatest(2), "pfs": KeepLatest(2)}
+    assert plan_retention(committed, keep, wanted) == RetentionPlan([("host", 1), ("host", 2), ("pfs", 1)], [])
+
+
+def test_a_step_of_an_earlier_process_is_wanted_below_its_slowest_copy() -> None:
+    # Nobody knows where steps 1 and 2 were sent: they are wanted on the pfs, below the ssd.
+    keep = {"ssd": KeepLatest(1)}
+    plan = plan_retention({"ssd": [1, 2, 3], "pfs": []}, keep, {3: {"ssd"}})
+    assert plan.held == [Held(1, "ssd", ("pfs",)), Held(2, "ssd", ("pfs",))]
+    assert plan_evictions({"ssd": [1, 2, 3], "pfs": [2]}, keep, {3: {"ssd"}}) == [("ssd", 1), ("ssd", 2)]
+    assert plan_evictions({"pfs": [1, 2, 3]}, {"pfs": KeepLatest(1)}, {}) == [("pfs", 1), ("pfs", 2)]
+
+
+def test_missing_tiers() -> None:
+    newest = {"host": 5, "ssd": 3, "pfs": -1}
+    assert missing_tiers(4, {"host", "ssd", "pfs", "gone"}, newest) == ("ssd", "pfs", "gone")
+    assert missing_tiers(3, {"ssd"}, newest) == ()
 
 
 def test_plan_evictions_with_two_copies_drops_each_by_its_own_rule() -> None:

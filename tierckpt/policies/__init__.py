@@ -6,7 +6,17 @@
 """
 
 from tierckpt.policies.demotion import AnyOf, Cadence, Demotion, DemotionRule, Every, EverySecs, Never
-from tierckpt.policies.retention import KeepAll, KeepLatest, RetentionPolicy, capacity_victims, plan_evictions
+from tierckpt.policies.retention import (
+    Held,
+    KeepAll,
+    KeepLatest,
+    RetentionPlan,
+    RetentionPolicy,
+    capacity_victims,
+    missing_tiers,
+    plan_evictions,
+    plan_retention,
+)
 
 __all__ = [
     "AnyOf",
@@ -15,10 +25,14 @@ __all__ = [
     "DemotionRule",
     "Every",
     "EverySecs",
+    "Held",
     "KeepAll",
     "KeepLatest",
     "Never",
+    "RetentionPlan",
     "RetentionPolicy",
     "capacity_victims",
+    "missing_tiers",
     "plan_evictions",
+    "plan_retention",
 ]
