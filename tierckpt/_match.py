@@ -227,8 +227,9 @@ def _check_keys(
     """Raise one :class:`StateError` listing ``problems`` and (with ``strict``) the unmatched keys, at most
     :data:`_SHOWN` of them (the rest counted); without ``strict``, log the unmatched keys as a warning."""
     n_keys = len(only_target) + len(only_source)
-    keys = [f"{format_path(p, 'target')}: key is not in the checkpoint" for p in only_target[:_SHOWN]]
-    keys += [f"{format_path(p, 'target')}: key is only in the checkpoint" for p in only_source[: _SHOWN - len(keys)]]
+    n_source = min(len(only_source), max(_SHOWN // 2, _SHOWN - len(only_target)))  # both sides get room
+    keys = [f"{format_path(p, 'target')}: key is not in the checkpoint" for p in only_target[: _SHOWN - n_source]]
+    keys += [f"{format_path(p, 'target')}: key is only in the checkpoint" for p in only_source[:n_source]]
     if not strict and n_keys:
         log.warning(
             "restore(into=, strict=False) of step %d: %d key(s) only in the target were left as they are, "
@@ -239,14 +240,14 @@ def _check_keys(
     if not total:
         return
     shown = (problems + keys if strict else problems)[:_SHOWN]
-    lines = shown + ([f"... and {total - len(shown)} more"] if total > len(shown) else [])
+    hint = ""
     if strict and n_keys:
-        lines.append(
-            f"({len(only_target)} key(s) not in the checkpoint, {len(only_source)} only in it; strict=False leaves "
-            "keys only in the target as they are and adds those only in the checkpoint to the target)"
-        )
-    if len(lines) == 1:
-        raise StateError(lines[0])
+        hint = "strict=False leaves keys only in the target as they are and adds those only in the checkpoint to the target"
+    if total == 1:
+        raise StateError(shown[0] + (f" ({hint})" if hint else ""))
+    lines = shown + ([f"... and {total - len(shown)} more"] if total > len(shown) else [])
+    if hint:
+        lines.append(f"({len(only_target)} key(s) not in the checkpoint, {len(only_source)} only in it; {hint})")
     raise StateError(f"target does not match step {step}'s checkpoint in {total} place(s):\n  " + "\n  ".join(lines))
 
 

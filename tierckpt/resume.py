@@ -52,14 +52,15 @@ class TrainState:
             position), or a ``torch.Generator``. The names are the top-level keys of the saved state.
 
     Raises:
-        StateError: a part has neither interface, or a part is named ``"rng"`` while ``rng`` is set.
+        StateError: no part, a part with neither interface, or ``rng`` not a bool (no part can be
+            named ``"rng"``).
     """
 
     def __init__(self, *, rng: bool = True, **parts: Any) -> None:
         if not parts:
             raise StateError("TrainState needs at least one part, e.g. TrainState(model=model, optim=opt)")
-        if rng and RNG in parts:
-            raise StateError(f"part name {RNG!r} is taken by the RNG states; rename the part or pass rng=False")
+        if type(rng) is not bool:
+            raise StateError(f"rng= takes True or False (got {_what(rng)}): the name 'rng' is the RNG states' own")
         for name, part in parts.items():
             if not isinstance(part, torch.Generator) and not (
                 callable(getattr(part, "state_dict", None)) and callable(getattr(part, "load_state_dict", None))
