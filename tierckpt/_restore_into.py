@@ -9,7 +9,8 @@ copied into the target's tensors while the next chunks are being read, so the di
 rate, sets the speed (docs/restore.md).
 
 What cannot be streamed into (a tensor on another device, a non-contiguous tensor, a key only the
-checkpoint has, or one manifest tensor that two target tensors share) gets a fresh CPU tensor, which
+checkpoint has with ``strict=False``, a value the target leaves to the checkpoint such as ``None``, or
+one manifest tensor that two target tensors share) gets a fresh CPU tensor, which
 is copied or assigned into the target once every checksum has been verified.
 """
 
