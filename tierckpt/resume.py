@@ -221,13 +221,15 @@ def _check_rng(state: Any) -> tuple[dict[str, Any], torch.Tensor, dict[str, Any]
     if not isinstance(state, dict) or "python" not in state or "torch" not in state:
         raise bad("", f"expected a dict with 'python' and 'torch', got {_what(state)}")
     py, cpu = state["python"], state["torch"]
-    if not (isinstance(py, dict) and isinstance(py.get("state"), torch.Tensor) and py["state"].dim() == 1):
-        raise bad("['python']", f"expected {{'version', 'state' (a 1-d tensor), 'gauss_next'}}, got {_what(py)}")
+    if not (isinstance(py, dict) and isinstance(py.get("state"), torch.Tensor) and py["state"].shape == (625,)):
+        raise bad("['python']", f"expected {{'version', 'state' (625 ints), 'gauss_next'}}, got {_what(py)}")
     if not (isinstance(cpu, torch.Tensor) and cpu.dtype == torch.uint8):
         raise bad("['torch']", f"expected a uint8 tensor, got {_what(cpu)}")
     npy = state.get("numpy")
-    if npy is not None and not (isinstance(npy, dict) and isinstance(npy.get("keys"), torch.Tensor)):
-        raise bad("['numpy']", f"expected a dict with 'keys' (a tensor), got {_what(npy)}")
+    if npy is not None and not (
+        isinstance(npy, dict) and isinstance(npy.get("keys"), torch.Tensor) and npy["keys"].shape == (624,)
+    ):
+        raise bad("['numpy']", f"expected a dict with 'keys' (624 ints), got {_what(npy)}")
     cuda = state.get("cuda", {})
     if not isinstance(cuda, dict) or not all(
         type(d) is int and isinstance(s, torch.Tensor) and s.dtype == torch.uint8 for d, s in cuda.items()

@@ -172,6 +172,8 @@ def test_malformed_rng_state_is_refused_before_anything_changes() -> None:
         ({"torch": good["torch"]}, r"rng state: expected a dict with 'python' and 'torch'"),
         ({**good, "torch": good["torch"].float()}, r"rng state\['torch'\]: expected a uint8 tensor"),
         ({**good, "numpy": (1, 2)}, r"rng state\['numpy'\]"),
+        ({**good, "python": {**good["python"], "state": torch.zeros(3, dtype=torch.int64)}}, r"\['python'\]: .*625"),
+        ({**good, "numpy": {**good["numpy"], "keys": torch.zeros(3)}}, r"\['numpy'\]: .*624"),
         ({**good, "cuda": {"0": good["torch"]}}, r"rng state\['cuda'\]"),
     ]:
         state = random.getstate()
