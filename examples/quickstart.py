@@ -1,7 +1,8 @@
 """Quickstart: train a small GPT-style model a few steps with a lazy checkpoint every step through the
 default hierarchy (tiers/local.yaml: host memory → ./.tierckpt/ssd → ./.tierckpt/pfs), then "restart":
-prefetch the newest checkpoint while a fresh model is built, restore into it, and check that training
-resumes exactly where it stopped.
+prefetch the newest checkpoint while a fresh model, optimizer and scheduler are built, restore all of
+them (and the RNG) with the documented resume pattern (tierckpt.TrainState, docs/resume.md), and check
+that training resumes exactly where it stopped.
 
     python examples/quickstart.py
 """
@@ -14,8 +15,9 @@ from pathlib import Path
 
 import torch
 from torch import nn
+from torch.optim.lr_scheduler import LRScheduler
 
-from tierckpt import Hierarchy
+from tierckpt import Hierarchy, TrainState
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -43,6 +45,8 @@ class TinyGPT(nn.Module):
         self.ln = nn.LayerNorm(d)
         self.head = nn.Linear(d, vocab, bias=False)
         self.head.weight = self.tok.weight  # tied weights stay tied through a checkpoint
+        for emb in (self.tok, self.pos):  # GPT-2's init: small embeddings, so the first logits are near 0
+            nn.init.normal_(emb.weight, std=0.02)  # (N(0, 1) ones as the tied head give a first loss of ~37)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         x = self.tok(idx) + self.pos(torch.arange(idx.shape[1]))
@@ -64,14 +68,24 @@ def forward_backward(model: nn.Module, opt: torch.optim.Optimizer, step: int) ->
     return float(loss.detach())
 
 
-def train_step(model: nn.Module, opt: torch.optim.Optimizer, step: int) -> float:
+def train_step(model: nn.Module, opt: torch.optim.Optimizer, sched: LRScheduler, step: int) -> float:
     loss = forward_backward(model, opt, step)
     opt.step()
+    sched.step()
     return loss
 
 
-def checkpoint(model: nn.Module, opt: torch.optim.Optimizer, step: int) -> dict[str, object]:
-    return {"model": model.state_dict(), "optim": opt.state_dict(), "step": step, "rng": torch.get_rng_state()}
+def build(steps: int) -> tuple[TinyGPT, torch.optim.Optimizer, LRScheduler]:
+    """A fresh model, optimizer (no state tensors yet) and scheduler, as a (re)starting job builds them."""
+    model = TinyGPT()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    return model, opt, torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=2 * steps)
+
+
+def mib(tensors: list[torch.Tensor]) -> float:
+    """Size of ``tensors`` in MiB, each storage once (tied weights, views)."""
+    seen = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+    return sum(seen.values()) / 2**20
 
 
 def main() -> None:
@@ -81,52 +95,54 @@ def main() -> None:
     args = ap.parse_args()
 
     torch.manual_seed(0)
-    model = TinyGPT()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    train_step(model, opt, 0)  # the optimizer state exists from here on
+    model, opt, sched = build(args.steps)
+    # the batches are a function of the step (batch(step)), so the step is the data position
+    job = TrainState(model=model, optim=opt, sched=sched)  # + the RNG states
     with Hierarchy.from_yaml(args.config) as h:
-        blocked = []
-        for step in range(1, args.steps + 1):
+        blocked, handle, losses = [], None, []
+        for step in range(args.steps):
+            losses.append(forward_backward(model, opt, step))  # the previous snapshot is copied meanwhile
             t0 = time.perf_counter()
-            handle = h.save(checkpoint(model, opt, step - 1), step=step - 1)  # returns at once
+            if handle is not None:
+                handle.staged.result()  # the bytes are in host memory: the tensors may change now
             blocked.append(time.perf_counter() - t0)
-            loss = forward_backward(model, opt, step)  # the snapshot is copied meanwhile
-            t0 = time.perf_counter()
-            handle.staged.result()  # the bytes are in host memory: the tensors may change now
-            blocked[-1] += time.perf_counter() - t0
             opt.step()
-        h.save(checkpoint(model, opt, args.steps), step=args.steps).wait()
-        nbytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
-        print(f"trained {args.steps} steps (loss {loss:.4f}) with a lazy save of "
-              f"{nbytes / 2**20:.1f} MiB of weights + optimizer state every step; "
+            sched.step()
+            t0 = time.perf_counter()
+            handle = job.save(h, step=step + 1)  # returns at once; labelled with the updates it holds
+            blocked[-1] += time.perf_counter() - t0
+        h.wait()
+        weights = mib(list(model.state_dict().values()))
+        moments = mib([t for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor)])
+        print(f"trained {args.steps} steps (loss {losses[0]:.4f} -> {losses[-1]:.4f}) with a lazy save every step of "
+              f"{weights:.1f} MiB of weights + {moments:.1f} MiB of optimizer state (+ scheduler and RNG); "
               f"training was blocked {1e3 * max(blocked):.1f} ms per save at most")  # fmt: skip
         for t in h.tiers:
             print(f"  {t.name:5s} {t.describe()}")
-        h.wait()
         print("checkpoints:", ", ".join(f"step {c.step} on {'+'.join(c.tiers)}" for c in h.checkpoints()))
 
     # A "restart": a fresh process would do exactly this (its host tier starts empty).
     with Hierarchy.from_yaml(args.config) as h:
-        climbing = h.prefetch()  # the newest checkpoint climbs to host memory while we build the model
-        model2 = TinyGPT()
-        opt2 = torch.optim.AdamW(model2.parameters(), lr=1e-3)
+        climbing = h.prefetch()  # the newest checkpoint climbs to host memory while we build the job
+        torch.manual_seed(1)  # a different init: everything must come from the checkpoint
+        model2, opt2, sched2 = build(args.steps)
         climbing.result()
         t0 = time.perf_counter()
-        restored = h.restore(into={"model": model2.state_dict()})
-        opt2.load_state_dict(restored["optim"])
-        torch.set_rng_state(restored["rng"])
-        step, tier = h.last_restore  # type: ignore[misc]
-        print(f"restored step {step} in {(time.perf_counter() - t0) * 1e3:.0f} ms from tier {tier!r}")
+        done = TrainState(model=model2, optim=opt2, sched=sched2).restore(h)
+        _, tier = h.last_restore  # type: ignore[misc]
+        print(f"restored step {done} (model, optimizer, scheduler, RNG) in {(time.perf_counter() - t0) * 1e3:.0f} ms "
+              f"from tier {tier!r}")  # fmt: skip
 
     same = all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), model2.state_dict().values()))
     tied = model2.head.weight is model2.tok.weight
-    next_a = train_step(model, opt, args.steps + 1)
-    next_b = train_step(model2, opt2, args.steps + 1)
+    next_a = train_step(model, opt, sched, done)
+    next_b = train_step(model2, opt2, sched2, done)
+    after = all(torch.equal(a, b) for a, b in zip(model.parameters(), model2.parameters()))
     print(
-        f"weights identical: {same}; tied weights still tied: {tied}; "
-        f"next-step loss {next_a:.6f} vs {next_b:.6f} -> {'resumed exactly' if next_a == next_b else 'MISMATCH'}"
+        f"weights identical: {same}; tied weights still tied: {tied}; next-step loss {next_a:.6f} vs {next_b:.6f}, "
+        f"weights after it identical: {after} -> {'resumed exactly' if same and after and next_a == next_b else 'MISMATCH'}"
     )
-    if not (same and next_a == next_b):
+    if not (same and tied and after and next_a == next_b and done == args.steps):
         raise SystemExit(1)
 
 

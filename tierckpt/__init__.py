@@ -18,6 +18,7 @@ from tierckpt.errors import (
 )
 from tierckpt.hierarchy import CheckpointInfo, Hierarchy, SaveHandle
 from tierckpt.registry import available_kinds, get_tier_class, register_tier
+from tierckpt.resume import TrainState, rng_state, set_rng_state
 from tierckpt.tiers.base import CheckpointKey, Tier, TierCapabilities, TierReader, TierWriter
 
 __version__ = "0.1.0"
@@ -44,9 +45,12 @@ __all__ = [
     "TierReader",
     "TierWriter",
     "TierckptError",
+    "TrainState",
     "__version__",
     "available_kinds",
     "get_tier_class",
     "load_config",
     "register_tier",
+    "rng_state",
+    "set_rng_state",
 ]

@@ -11,6 +11,7 @@ few torch attribute reads and no call.
 
 from __future__ import annotations
 
+import logging
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -25,6 +26,11 @@ from tierckpt.format.tree import Int, Opaque, check_ref, format_path
 from tierckpt.tiers.base import CheckpointKey, Tier
 
 __all__ = ["Plan", "plan"]
+
+log = logging.getLogger(__name__)
+
+_ABSENT: Any = object()  # a key the target's dict lacks
+_SHOWN = 20  # mismatches a StateError lists (the rest are counted)
 
 
 @dataclass
@@ -45,7 +51,16 @@ class Plan:
     ref: type[int]
 
 
-def plan(m: Manifest, target: Any, addrs: list[int], *, allow_pickle: bool, tier: Tier, key: CheckpointKey) -> Plan:
+def plan(
+    m: Manifest,
+    target: Any,
+    addrs: list[int],
+    *,
+    allow_pickle: bool,
+    tier: Tier,
+    key: CheckpointKey,
+    strict: bool = True,
+) -> Plan:
     """Match ``target`` with the checkpoint and fill ``addrs`` (where each tensor's bytes go).
 
     A checkpoint tensor is streamed straight into the target tensor it matches when it is referenced
@@ -53,9 +68,13 @@ def plan(m: Manifest, target: Any, addrs: list[int], *, allow_pickle: bool, tier
     tensor also inside an assigned tuple) goes to a fresh tensor that every user is copied or
     assigned from once its checksum is verified.
 
+    With ``strict``, every dict of the target must have exactly the keys of the checkpoint's dict at
+    the same path. Without it, a key only the target has is left as it is and a key only the
+    checkpoint has is added to the target's dict (both logged as a warning).
+
     Raises:
-        StateError: naming the key path of a missing key or a shape/dtype/type mismatch (or pickled
-            values without ``allow_pickle``).
+        StateError: listing every key path that does not match (bounded): keys missing from either
+            side (with ``strict``), shape/dtype/type mismatches, pickled values without ``allow_pickle``.
         CorruptCheckpointError: the tree is malformed or references a tensor the table lacks (names
             the tier).
     """
@@ -78,16 +97,26 @@ def plan(m: Manifest, target: Any, addrs: list[int], *, allow_pickle: bool, tier
         else:
             slow.append((d, i, path))
 
+    problems: list[str] = []  # every mismatch, raised together once the walk is done
+    only_target: list[tuple[Any, ...]] = []  # key paths only the target has
+    only_source: list[tuple[Any, ...]] = []  # key paths only the checkpoint has
+    skipped: list[tuple[Any, ...]] = []  # checkpoint values under an empty target dict (strict)
+
     def walk(dst: Any, src: Any, path: tuple[Any, ...]) -> None:
         # key paths are formatted only for an error: a walk over 20,000 tensors must not pay for them
         if isinstance(dst, dict):
             if not isinstance(src, dict):
-                raise StateError(f"{format_path(path, 'target')}: target is a dict, checkpoint has {_describe(src, R)}")
+                problems.append(f"{format_path(path, 'target')}: target is a dict, checkpoint has {_describe(src, R)}")
+                return
+            if strict and not dst and src:
+                problems.append(_empty_dict(path, len(src)))
+                skipped.append(path)
+                return
             for k in dst:
                 if k not in src:
-                    raise StateError(f"{format_path((*path, k), 'target')}: key is not in the checkpoint")
+                    only_target.append((*path, k))
             for k, v in src.items():
-                d = dst.get(k, None)
+                d = dst.get(k, _ABSENT)
                 if type(v) is R and type(d) is Tensor and 0 <= v < n and d.dtype is dtypes[v] and d.shape == shapes[v]:
                     # the common case, inline: place(d, v)
                     if direct[v] is None and d.is_cpu and d.is_contiguous():
@@ -97,13 +126,18 @@ def plan(m: Manifest, target: Any, addrs: list[int], *, allow_pickle: bool, tier
                         slow.append((d, v, (*path, k)))
                 elif _descend(d, v):
                     walk(d, v, (*path, k))
+                elif d is _ABSENT:
+                    only_source.append((*path, k))
+                    if not strict:
+                        assigns.append((dst, k, v))
                 else:
                     assigns.append((dst, k, v))
         elif isinstance(dst, list):
             if not isinstance(src, list) or len(src) != len(dst):
-                raise StateError(
+                problems.append(
                     f"{format_path(path, 'target')}: target is a list of {len(dst)}, checkpoint has {_describe(src, R)}"
                 )
+                return
             for i, (d, s) in enumerate(zip(dst, src)):
                 if _descend(d, s):
                     walk(d, s, (*path, i))
@@ -112,15 +146,17 @@ def plan(m: Manifest, target: Any, addrs: list[int], *, allow_pickle: bool, tier
         elif isinstance(dst, Tensor):
             where = format_path(path, "target")
             if type(src) is not R:
-                raise StateError(f"{where}: target is a tensor, checkpoint has {_describe(src, R)}")
+                problems.append(f"{where}: target is a tensor, checkpoint has {_describe(src, R)}")
+                return
             check_ref(src, n, tier=tier.name, step=key.step)
             if dst.shape != shapes[src] or dst.dtype != dtypes[src]:
-                raise StateError(
+                problems.append(
                     f"{where}: target is {dst.dtype} {tuple(dst.shape)}, checkpoint has {dtypes[src]} {tuple(shapes[src])}"
                 )
+                return
             place(dst, src, path)
         else:
-            raise StateError(
+            problems.append(
                 f"{format_path(path, 'target')}: cannot restore into a {type(dst).__name__}; pass a dict or a list"
             )
 
@@ -128,12 +164,15 @@ def plan(m: Manifest, target: Any, addrs: list[int], *, allow_pickle: bool, tier
         walk(target, source, ())
     finally:
         walk = place = None  # type: ignore[assignment]  # walk referred to itself: a cycle holding the target until a GC pass
-
     in_assigns: set[int] = set()  # tensors referenced inside assigned values
     for _, _, v in assigns:
         _refs(v, R, in_assigns)
-    for i in in_assigns:
+    unused: set[int] = set()  # and inside values not assigned (a bad reference there is damage too)
+    for p in [*only_source, *skipped] if strict else ():
+        _refs(_at(source, p), R, unused)
+    for i in in_assigns | unused:
         check_ref(i, n, tier=tier.name, step=key.step)
+    _check_keys(problems, only_target, only_source, strict=strict, step=key.step)
     # a tensor referenced twice (two target tensors, or one and an assigned value) is not streamed into
     for d, _, p in slow:  # the few that are not plain CPU memory: copy_() must be able to fill them later
         why = _unwritable(d)
@@ -158,6 +197,58 @@ def plan(m: Manifest, target: Any, addrs: list[int], *, allow_pickle: bool, tier
             f = made[i] = torch.empty(lengths[i], dtype=torch.uint8)
             addrs[i] = f.data_ptr()
     return Plan(made, later, assigns, R)
+
+
+def _at(tree: Any, path: tuple[Any, ...]) -> Any:
+    for k in path:
+        tree = tree[k]
+    return tree
+
+
+def _empty_dict(path: tuple[Any, ...], n: int) -> str:
+    where = format_path(path, "target")
+    hint = ""
+    if path and path[-1] == "state":
+        hint = (
+            " (a fresh optimizer's state_dict()['state'] is empty: restoring into it cannot change the optimizer;"
+            " restore it through tierckpt.TrainState, or pass the restored value to load_state_dict: docs/resume.md)"
+        )
+    return f"{where}: target is an empty dict, checkpoint has {n} key{'s' * (n != 1)} there{hint}"
+
+
+def _check_keys(
+    problems: list[str],
+    only_target: list[tuple[Any, ...]],
+    only_source: list[tuple[Any, ...]],
+    *,
+    strict: bool,
+    step: int,
+) -> None:
+    """Raise one :class:`StateError` listing ``problems`` and (with ``strict``) the unmatched keys, at most
+    :data:`_SHOWN` of them (the rest counted); without ``strict``, log the unmatched keys as a warning."""
+    n_keys = len(only_target) + len(only_source)
+    n_source = min(len(only_source), max(_SHOWN // 2, _SHOWN - len(only_target)))  # both sides get room
+    keys = [f"{format_path(p, 'target')}: key is not in the checkpoint" for p in only_target[: _SHOWN - n_source]]
+    keys += [f"{format_path(p, 'target')}: key is only in the checkpoint" for p in only_source[:n_source]]
+    if not strict and n_keys:
+        log.warning(
+            "restore(into=, strict=False) of step %d: %d key(s) only in the target were left as they are, "
+            "%d only in the checkpoint were added to the target: %s%s",
+            step, len(only_target), len(only_source), "; ".join(keys), "; ..." if n_keys > len(keys) else "",
+        )  # fmt: skip
+    total = len(problems) + (n_keys if strict else 0)
+    if not total:
+        return
+    shown = (problems + keys if strict else problems)[:_SHOWN]
+    hint = ""
+    if strict and n_keys:
+        hint = "strict=False leaves keys only in the target as they are and adds those only in the checkpoint to the target"
+    if total == 1:
+        raise StateError(shown[0] + (f" ({hint})" if hint else ""))
+    lines = shown + ([f"... and {total - len(shown)} more"] if total > len(shown) else [])
+    if hint:
+        lines.append(f"({len(only_target)} key(s) not in the checkpoint, {len(only_source)} only in it; {hint})")
+    raise StateError(f"target does not match step {step}'s checkpoint in {total} place(s):\n  " + "\n  ".join(lines))
 
 
 def _unwritable(d: torch.Tensor) -> str | None:

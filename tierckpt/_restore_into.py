@@ -9,7 +9,8 @@ copied into the target's tensors while the next chunks are being read, so the di
 rate, sets the speed (docs/restore.md).
 
 What cannot be streamed into (a tensor on another device, a non-contiguous tensor, a key only the
-checkpoint has, or one manifest tensor that two target tensors share) gets a fresh CPU tensor, which
+checkpoint has with ``strict=False``, a value the target leaves to the checkpoint such as ``None``, or
+one manifest tensor that two target tensors share) gets a fresh CPU tensor, which
 is copied or assigned into the target once every checksum has been verified.
 """
 
@@ -75,14 +76,20 @@ class RestoreStaging:
         with self.lock:
             self._pool = None
 
-    def restore(self, tier: Tier, key: CheckpointKey, target: Any, *, allow_pickle: bool) -> Any:
+    def restore(self, tier: Tier, key: CheckpointKey, target: Any, *, allow_pickle: bool, strict: bool = True) -> Any:
         """:func:`restore_into` through these buffers; concurrent calls take turns."""
         with self.lock:
-            return restore_into(tier, key, target, self.pool, allow_pickle=allow_pickle)
+            return restore_into(tier, key, target, self.pool, allow_pickle=allow_pickle, strict=strict)
 
 
 def restore_into(
-    tier: Tier, key: CheckpointKey, target: Any, pool: Callable[[int], StagingPool], *, allow_pickle: bool
+    tier: Tier,
+    key: CheckpointKey,
+    target: Any,
+    pool: Callable[[int], StagingPool],
+    *,
+    allow_pickle: bool,
+    strict: bool = True,
 ) -> Any:
     """Restore ``key`` from ``tier`` into ``target``'s tensors in place; returns ``target``.
 
@@ -96,9 +103,12 @@ def restore_into(
         target: nested dicts/lists whose tensors receive the bytes.
         pool: staging buffers for the reads, given the checkpoint's alignment (used by this call alone).
         allow_pickle: accept checkpoints that hold pickled values.
+        strict: every dict of ``target`` must have exactly the checkpoint's keys; else a key only the
+            target has is left as it is and one only the checkpoint has is added (with a warning).
 
     Raises:
-        StateError: ``target`` does not match the checkpoint (nothing was changed), or pickled values.
+        StateError: ``target`` does not match the checkpoint (nothing was changed; every mismatch is
+            listed), or pickled values.
         CorruptCheckpointError: a checksum or padding mismatch (names tier, blob and key). Tensors of
             ``target`` streamed before the damaged one already hold the checkpoint's bytes then, and
             so may large ones further on whose bodies were being read straight into them (the reads in
@@ -114,7 +124,7 @@ def restore_into(
             stream.fill()
             m = load_rest(tier, key, head)
             stream.attach(m)
-            todo = plan(m, target, stream.addrs, allow_pickle=allow_pickle, tier=tier, key=key)
+            todo = plan(m, target, stream.addrs, allow_pickle=allow_pickle, tier=tier, key=key, strict=strict)
             stream.read_direct()
             if not tier.capabilities.shared:  # a striped shared file wants every slot reading
                 stream.reads = _STEADY_READS

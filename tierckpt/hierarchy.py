@@ -394,6 +394,7 @@ class Hierarchy(Lifecycle):
         into: Any = None,
         allow_pickle: bool = False,
         tier: str | None = None,
+        strict: bool = True,
     ) -> Any:
         """Read a checkpoint back, verifying every checksum.
 
@@ -409,6 +410,14 @@ class Hierarchy(Lifecycle):
                 (docs/restore.md); its structure, shapes and dtypes are checked first.
             allow_pickle: accept checkpoints that hold pickled values.
             tier: read only from this tier.
+            strict: with ``into``, every dict of ``into`` must have exactly the keys the checkpoint's
+                dict has at the same path; all mismatches are listed in one ``StateError`` before
+                anything changes. Strict by default because a silently ignored key is how resumes go
+                wrong (a renamed layer left at its initial values, a fresh optimizer's empty ``state``
+                left empty). ``strict=False`` leaves keys only the target has as they are and adds
+                keys only the checkpoint has to the target's dicts (logged as a warning). Shapes and
+                dtypes must match either way. To restore model, optimizer, scheduler, RNG and data
+                position together, use :class:`tierckpt.TrainState` (docs/resume.md).
 
         Raises:
             CheckpointNotFoundError: no such step.
@@ -432,7 +441,7 @@ class Hierarchy(Lifecycle):
                 if into is None:
                     state, _ = read_checkpoint(self.tier(name), key, allow_pickle=allow_pickle)
                 else:
-                    state = self._in_place.restore(self.tier(name), key, into, allow_pickle=allow_pickle)
+                    state = self._in_place.restore(self.tier(name), key, into, allow_pickle=allow_pickle, strict=strict)
             except StateError:
                 raise
             except (CorruptCheckpointError, OSError) as e:

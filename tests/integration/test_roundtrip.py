@@ -118,7 +118,7 @@ def test_restore_into_copies_in_place(tmp_path: Path) -> None:
         model2 = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4))
         target = {"model": model2.state_dict(), "step": 0}
         ptrs = [t.data_ptr() for t in target["model"].values()]
-        out = h.restore(into=target)
+        out = h.restore(into=target, strict=False)  # "optim" is only in the checkpoint: added to the target
         assert out is target and target["step"] == 1
         assert [t.data_ptr() for t in target["model"].values()] == ptrs
         for k, v in model.state_dict().items():

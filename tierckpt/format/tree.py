@@ -204,7 +204,10 @@ def flatten(state: Any, *, allow_pickle: bool = False, version: int = FORMAT_VER
             return msgpack.ExtType(EXT_DEVICE, str(v).encode())
         if tv is torch.Size:
             return msgpack.ExtType(EXT_SIZE, pack(list(v)))
-        return pickled(v, path, f"a value of type {tv.__module__}.{tv.__qualname__}")
+        what = f"a value of type {tv.__module__}.{tv.__qualname__}"
+        if tv.__module__ == "numpy":  # a numpy scalar or array: there is a route without pickle
+            what += " (save x.item() for a numpy scalar, torch.from_numpy(x) for an array; tierckpt.TrainState does the first, docs/resume.md)"
+        return pickled(v, path, what)
 
     def container(v: Any, tv: type, path: str) -> Any:
         if tv is list:
