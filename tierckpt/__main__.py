@@ -1,0 +1,7 @@
+"""``python -m tierckpt``: the ``tierckpt`` command."""
+
+import sys
+
+from tierckpt.cli import main
+
+sys.exit(main())
