@@ -4,4 +4,5 @@ import sys
 
 from tierckpt.cli import main
 
-sys.exit(main())
+if __name__ == "__main__":  # not when multiprocessing imports the main module of a parent run with -m
+    sys.exit(main())

@@ -64,6 +64,13 @@ def test_a_tier_on_its_own_makes_and_closes_its_engine(tmp_path: Path) -> None:
     tier.close()
     assert tier._engine is None  # a later use makes a new one
     tier.close()
+    tier.engine  # noqa: B018 - made again, then replaced by the hierarchy's (and closed)
+    for _ in range(2):  # a tier object can join one hierarchy after another has closed
+        with Hierarchy([tier]) as h:
+            assert not tier._own_engine and tier.engine is h._engines.get(h.io.engine, h.io.queue_depth)
+            h.save({"w": torch.ones(2)}, step=len(h.checkpoints()) + 1, blocking=True).wait()
+    with Hierarchy([LocalTier("again", tmp_path / "solo")]) as h:
+        assert [c.step for c in h.checkpoints()] == [1, 2]
 
 
 def test_tier_io_errors_keep_the_oserror_as_their_cause(tmp_path: Path) -> None:

@@ -13,9 +13,9 @@ WORKLOADS = ("llm", "small", "mixed", "train")
 # (full, quick) defaults of the size options
 SIZES: dict[str, tuple[str, str]] = {
     "llm_size": ("2GB", "50MB"),
-    "small_count": ("20000", "2000"),
+    "small_count": ("20000", "1000"),
     "mixed_size": ("1GB", "30MB"),
-    "mixed_small": ("3000", "500"),
+    "mixed_small": ("3000", "250"),
     "prefetch_size": ("1GB", "50MB"),
     "sweep_size": ("1GB", "64MB"),
 }

@@ -164,9 +164,8 @@ def run(args: argparse.Namespace) -> int:
         if run_pf:
             wl = _workload("llm", sizes, "prefetch_size")
             progress.write(f"== prefetch: {wl.nbytes / 1e9:.3f} GB on pfs only")
-            # --quick: two restart repeats (each restart is a fresh process importing torch: 3-4 s on a slow VM)
-            pf = run_prefetch(rec, wl, scratch, repeats=min(args.repeats, 2) if args.quick else args.repeats, cold=args.cold,
-                              factors=default_factors(args.quick), init_secs=init_secs, io=io, progress=progress)  # fmt: skip
+            pf = run_prefetch(rec, wl, scratch, repeats=args.repeats, cold=args.cold, factors=default_factors(args.quick),
+                              init_secs=init_secs, io=io, progress=progress)  # fmt: skip
             del wl
             gc.collect()
         sw: SweepResult | None = None

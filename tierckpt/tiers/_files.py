@@ -153,8 +153,8 @@ class FileTier(Tier):
         if not os.access(self.path, need):
             what = "readable" if readonly else "readable and writable"
             raise TierIOError(errno.EACCES, f"tier {name!r}: directory {self.path} is not {what}", str(self.path))
-        self._engine, self._own_engine = engine, False
-        self._asked: tuple[bool | None, int | None] | None = (direct, chunk_bytes)  # None once use_io ran
+        self._engine, self._engine_given, self._own_engine = engine, engine is not None, False
+        self._asked = (direct, chunk_bytes)  # None: from the io settings of the hierarchy the tier joins
         self._can_direct, align = probe_direct(self.path)
         self._set_io(default_io(), max(align, self._fs_alignment()))
         self.capacity_bytes = capacity_bytes
@@ -171,7 +171,7 @@ class FileTier(Tier):
 
     def _set_io(self, io: IOConfig, align: int) -> None:
         """``direct`` and the chunk size: as given to the constructor, else as ``io`` says."""
-        direct, chunk = self._asked or (None, None)
+        direct, chunk = self._asked
         direct = io.direct if direct is None else direct
         self.direct = direct and self._can_direct
         if direct and not self._can_direct:
@@ -180,13 +180,12 @@ class FileTier(Tier):
 
     def use_io(self, engines: EngineSource, io: IOConfig) -> None:
         """Take the engine, ``direct`` and chunk size not given to the constructor from the
-        hierarchy's ``io`` settings (the hierarchy calls this once, when it is built)."""
-        if self._asked is None:
-            return
-        if self._engine is None:
+        hierarchy's ``io`` settings (the hierarchy calls this when it is built; the engine is the
+        hierarchy's, shared with its other tiers and closed with it)."""
+        if not self._engine_given:
+            self.close()  # an engine made while the tier was used on its own
             self._engine = engines.get(io.engine, io.queue_depth)
         self._set_io(io, self.capabilities.alignment_bytes)
-        self._asked = None
 
     @property
     def engine(self) -> IOEngine:
