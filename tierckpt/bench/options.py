@@ -28,7 +28,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--peers", default=None,
                    help="comma-separated peers or prefixes (tierckpt,torch,dcp,torchsnapshot,safetensors); "
                         "raw, fio and memcpy always run (default: all)")  # fmt: skip
-    p.add_argument("--repeats", type=int, default=3, help="repeats of every measurement (default 3)")
+    p.add_argument("--repeats", type=int, default=None,
+                   help="repeats of every measurement (default 3; with --quick 2, and 3 of the cheap restarts)")  # fmt: skip
     p.add_argument("--out", default="bench-results", help="folder for JSON lines, markdown and PNGs")
     p.add_argument("--dir", default=None, help="scratch folder on the disk to measure (default: under /tmp)")
     mode = p.add_mutually_exclusive_group()

@@ -102,6 +102,9 @@ def _workload(name: str, sizes: dict[str, int], key: str | None = None) -> Workl
 def run(args: argparse.Namespace) -> int:
     """Run what the options ask for; returns the exit status (2 on bad options)."""
     t_start = time.perf_counter()
+    # --quick: 2 repeats of what costs seconds; the prefetch restarts (~0.1 s each) keep 3 for their median
+    pf_repeats = 3 if args.repeats is None else args.repeats
+    args.repeats = (2 if args.quick else 3) if args.repeats is None else args.repeats
     # DCP warns on every call without a process group, from its own threads too; the report says how it ran.
     warnings.filterwarnings("ignore", category=UserWarning, module=r"torch\.distributed\.checkpoint")
     try:
@@ -142,7 +145,7 @@ def run(args: argparse.Namespace) -> int:
         peers = Harness.usable(selected, rec)
         run_pf = args.prefetch or not (args.sweep or args.no_prefetch)
         knobs = QUICK_KNOBS if args.quick else KNOBS
-        n_pf = args.repeats * (1 + (len(init_secs) if init_secs else len(default_factors(args.quick))))
+        n_pf = pf_repeats * (1 + (len(init_secs) if init_secs else len(default_factors(args.quick))))
         total = (total_units(len(compare_wls), len(peers), args.repeats) + (n_pf if run_pf else 0)
                  + (settings_count(knobs, args.sweep_grid) if args.sweep else 0)
                  + (1 if compare_wls and "train" in wls else 0))  # fmt: skip
@@ -164,7 +167,7 @@ def run(args: argparse.Namespace) -> int:
         if run_pf:
             wl = _workload("llm", sizes, "prefetch_size")
             progress.write(f"== prefetch: {wl.nbytes / 1e9:.3f} GB on pfs only")
-            pf = run_prefetch(rec, wl, scratch, repeats=args.repeats, cold=args.cold, factors=default_factors(args.quick),
+            pf = run_prefetch(rec, wl, scratch, repeats=pf_repeats, cold=args.cold, factors=default_factors(args.quick),
                               init_secs=init_secs, io=io, progress=progress)  # fmt: skip
             del wl
             gc.collect()
@@ -211,7 +214,8 @@ def _report(
     if built:
         lines += comparison(rec, built, peers, cold)
     if pf is not None:
-        lines += ["", f"### Restart with prefetch ({pf.nbytes / 1e9:.3f} GB committed on pfs only)", ""]
+        lines += ["", f"### Restart with prefetch ({pf.nbytes / 1e9:.3f} GB committed on pfs only, "
+                      f"{len(pf.direct_secs)} repeats)", ""]  # fmt: skip
         lines += [*_tier_table(rec), "", *pf.lines()]
     if sw is not None:
         lines += ["", f"### io: sweep ({sw.nbytes / 1e9:.3f} GB llm state, local tier)", "", *sw.lines()]
