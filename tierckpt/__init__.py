@@ -4,24 +4,49 @@
 >>> h = Hierarchy.from_yaml("tiers/local.yaml")
 >>> h.save(state, step=100).wait()
 >>> state = h.restore()
+
+The public names below are imported on first use (PEP 562), so ``import tierckpt`` and the
+``tierckpt`` command's ``--help`` do not import torch.
 """
 
-from tierckpt.config import DemoteConfig, HierarchyConfig, IOConfig, LayoutConfig, PolicyConfig, TierConfig, load_config
-from tierckpt.errors import (
-    CheckpointNotFoundError,
-    ConfigError,
-    CorruptCheckpointError,
-    StateError,
-    TierckptError,
-    TierFullError,
-    TierIOError,
-)
-from tierckpt.hierarchy import CheckpointInfo, Hierarchy, SaveHandle
-from tierckpt.registry import available_kinds, get_tier_class, register_tier
-from tierckpt.resume import TrainState, rng_state, set_rng_state
-from tierckpt.tiers.base import CheckpointKey, Tier, TierCapabilities, TierReader, TierWriter
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
+
+# public name -> the module that defines it (a new export: here, in __all__ and under TYPE_CHECKING)
+_LAZY: dict[str, str] = {
+    "DemoteConfig": "tierckpt.config",
+    "HierarchyConfig": "tierckpt.config",
+    "IOConfig": "tierckpt.config",
+    "LayoutConfig": "tierckpt.config",
+    "PolicyConfig": "tierckpt.config",
+    "TierConfig": "tierckpt.config",
+    "load_config": "tierckpt.config",
+    "CheckpointNotFoundError": "tierckpt.errors",
+    "ConfigError": "tierckpt.errors",
+    "CorruptCheckpointError": "tierckpt.errors",
+    "StateError": "tierckpt.errors",
+    "TierckptError": "tierckpt.errors",
+    "TierFullError": "tierckpt.errors",
+    "TierIOError": "tierckpt.errors",
+    "CheckpointInfo": "tierckpt.hierarchy",
+    "Hierarchy": "tierckpt.hierarchy",
+    "SaveHandle": "tierckpt.hierarchy",
+    "available_kinds": "tierckpt.registry",
+    "get_tier_class": "tierckpt.registry",
+    "register_tier": "tierckpt.registry",
+    "TrainState": "tierckpt.resume",
+    "rng_state": "tierckpt.resume",
+    "set_rng_state": "tierckpt.resume",
+    "CheckpointKey": "tierckpt.tiers.base",
+    "Tier": "tierckpt.tiers.base",
+    "TierCapabilities": "tierckpt.tiers.base",
+    "TierReader": "tierckpt.tiers.base",
+    "TierWriter": "tierckpt.tiers.base",
+}
 
 __all__ = [
     "CheckpointInfo",
@@ -54,3 +79,41 @@ __all__ = [
     "rng_state",
     "set_rng_state",
 ]
+
+if TYPE_CHECKING:  # what type checkers and IDEs see; at run time __getattr__ imports on first use
+    from tierckpt.config import (
+        DemoteConfig,
+        HierarchyConfig,
+        IOConfig,
+        LayoutConfig,
+        PolicyConfig,
+        TierConfig,
+        load_config,
+    )
+    from tierckpt.errors import (
+        CheckpointNotFoundError,
+        ConfigError,
+        CorruptCheckpointError,
+        StateError,
+        TierckptError,
+        TierFullError,
+        TierIOError,
+    )
+    from tierckpt.hierarchy import CheckpointInfo, Hierarchy, SaveHandle
+    from tierckpt.registry import available_kinds, get_tier_class, register_tier
+    from tierckpt.resume import TrainState, rng_state, set_rng_state
+    from tierckpt.tiers.base import CheckpointKey, Tier, TierCapabilities, TierReader, TierWriter
+
+
+def __getattr__(name: str) -> Any:
+    """Import a public name's module on first use and cache the name in this module."""
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'tierckpt' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))

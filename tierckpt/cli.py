@@ -1,5 +1,8 @@
-"""The ``tierckpt`` command: ``ls``, ``inspect`` and ``verify`` a hierarchy's checkpoints, and ``bench``
-(the benchmark suite, :mod:`tierckpt.bench`).
+"""The ``tierckpt`` command (also ``python -m tierckpt``): ``ls``, ``inspect`` and ``verify`` a
+hierarchy's checkpoints, and ``bench`` (the benchmark suite, :mod:`tierckpt.bench`).
+
+Argument parsing imports nothing heavy: torch is imported by the command that needs it, so
+``--help``, ``--version`` and usage errors return at once.
 
 Exit status: 0 on success, 1 when ``verify`` finds a damaged copy, 2 on bad usage or config.
 """
@@ -12,11 +15,13 @@ import logging
 import os
 import sys
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING
 
-from tierckpt.config import format_size
+from tierckpt import __version__
 from tierckpt.errors import CheckpointNotFoundError, TierckptError
-from tierckpt.hierarchy import Hierarchy
+
+if TYPE_CHECKING:
+    from tierckpt.hierarchy import Hierarchy
 
 _EXIT_PIPE = 128 + 13  # as a shell reports a process that SIGPIPE ended
 
@@ -24,6 +29,8 @@ __all__ = ["main"]
 
 
 def _open(args: argparse.Namespace) -> Hierarchy:
+    from tierckpt.hierarchy import Hierarchy  # here, not above: --help and usage errors need no torch
+
     # these commands only look: no directory made for a mistyped path, no copy on close
     return Hierarchy.from_yaml(args.config, readonly=True)
 
@@ -46,27 +53,15 @@ def _cmd_ls(args: argparse.Namespace) -> int:
 
 
 def _cmd_inspect(args: argparse.Namespace) -> int:
+    from tierckpt._inspect import describe, text_lines
+
     with _open(args) as h:
         tier, m = h.inspect(args.step)
-        tensors = [
-            {"key": t.path, "dtype": t.dtype, "shape": list(t.shape), "bytes": t.length, "blob": m.blobs[t.blob].name
-             if t.length else None, "offset": t.offset}
-            for t in m.tensors
-        ]  # fmt: skip
-        info: dict[str, Any] = {
-            "step": m.step, "rank": m.rank, "world_size": m.world_size, "format_version": m.version,
-            "read_from": tier, "align": m.align, "tensor_bytes": m.tensor_bytes, "blob_bytes": m.blob_bytes,
-            "blobs": [{"name": b.name, "bytes": b.size} for b in m.blobs], "has_pickle": m.has_pickle,
-            "tensors": tensors,
-        }  # fmt: skip
-        if args.json:
-            print(json.dumps(info))
-            return 0
-        print(f"step {m.step}  rank {m.rank}/{m.world_size}  format v{m.version}  (read from tier {tier!r})")
-        print(f"{len(m.tensors)} tensors, {format_size(m.tensor_bytes)} in {len(m.blobs)} blob(s) of "
-              f"{format_size(m.blob_bytes)}{', holds pickled values' if m.has_pickle else ''}")  # fmt: skip
-        for t in tensors:
-            print(f"  {t['key']}  {t['dtype']}{t['shape']}  {format_size(t['bytes'])}")
+        info = describe(m, tier)
+    if args.json:
+        print(json.dumps(info))
+    else:
+        print("\n".join(text_lines(info)))
     return 0
 
 
@@ -98,14 +93,15 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from tierckpt.bench.runner import add_arguments
+    from tierckpt.bench.options import add_arguments
 
     p = argparse.ArgumentParser(prog="tierckpt", description="Inspect and verify tierckpt checkpoints; benchmark.")
+    p.add_argument("-V", "--version", action="version", version=f"%(prog)s {__version__}")
     p.add_argument("-v", "--verbose", action="store_true", help="log what the library does")
     sub = p.add_subparsers(dest="command", required=True)
     for name, fn, helptext in (
         ("ls", _cmd_ls, "list committed steps and which tiers hold each"),
-        ("inspect", _cmd_inspect, "show keys, dtypes, shapes and sizes of a step"),
+        ("inspect", _cmd_inspect, "show a step's tensors (dtypes, shapes, sizes), tied tensors and plain values"),
         ("verify", _cmd_verify, "re-read every copy and check every checksum (exit 1 on damage)"),
     ):
         sp = sub.add_parser(name, help=helptext, description=helptext)

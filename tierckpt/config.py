@@ -36,6 +36,7 @@ __all__ = [
     "LayoutConfig",
     "PolicyConfig",
     "TierConfig",
+    "default_io",
     "format_size",
     "load_config",
     "parse_config",
@@ -134,6 +135,19 @@ class IOConfig:
     direct: bool = True
     queue_depth: int = 16
     chunk_bytes: int = 32 << 20
+
+
+def default_io() -> IOConfig:
+    """The ``io`` settings of a hierarchy whose config (or constructor) names none: the defaults, with
+    the engine from ``$TIERCKPT_ENGINE`` when it is set.
+
+    Raises:
+        ConfigError: ``$TIERCKPT_ENGINE`` names no engine.
+    """
+    engine = os.environ.get(ENV_ENGINE, "auto")
+    if engine not in ENGINES:
+        raise ConfigError(f"${ENV_ENGINE}: expected one of {', '.join(ENGINES)}, got {_short(engine)}")
+    return IOConfig(engine=engine)
 
 
 @dataclass(frozen=True)
@@ -272,9 +286,7 @@ def parse_config(data: Any, base_dir: str | os.PathLike[str] | None = None) -> H
         ConfigError: naming the first bad key, e.g. ``tiers[1].capacity: expected a size like '64GiB', got 'lots'``.
     """
     d = _check_keys(data, "config", {"tiers", "io", "layout", "policy"}, {"tiers"})
-    io = IOConfig(engine=os.environ.get(ENV_ENGINE, "auto"))
-    if io.engine not in ENGINES:
-        raise ConfigError(f"${ENV_ENGINE}: expected one of {', '.join(ENGINES)}, got {_short(io.engine)}")
+    io = default_io()
     if "io" in d:
         io = _parse_io(d["io"], "io", io)
     layout = LayoutConfig()
@@ -292,6 +304,8 @@ def parse_config(data: Any, base_dir: str | os.PathLike[str] | None = None) -> H
     tiers_raw = d["tiers"]
     if not isinstance(tiers_raw, list) or not tiers_raw:
         raise ConfigError(f"tiers: expected a non-empty list of tier entries, got {_short(tiers_raw)}")
+    if base_dir is not None:
+        _no_nul(os.fspath(base_dir), "base_dir")
     base = Path(base_dir) if base_dir is not None else Path.cwd()
     tiers: list[TierConfig] = []
     for i, t in enumerate(tiers_raw):
@@ -333,6 +347,16 @@ def parse_config(data: Any, base_dir: str | os.PathLike[str] | None = None) -> H
     return HierarchyConfig(tiers=tuple(tiers), io=io, layout=layout, policy=policy)
 
 
+def _no_nul(value: str, key: str) -> None:
+    """No path of the operating system holds a NUL byte (``open`` would raise a bare ValueError).
+
+    Raises:
+        ConfigError: naming ``key`` when ``value`` holds one.
+    """
+    if "\0" in value:
+        raise ConfigError(f"{key}: a path cannot contain a NUL byte, got {_short(value)}")
+
+
 def _expand_path(value: str, key: str) -> Path:
     """Expand a leading ``~`` / ``~user``, then ``$VAR`` and ``${VAR}``, as a shell would.
 
@@ -340,6 +364,7 @@ def _expand_path(value: str, key: str) -> Path:
         ConfigError: naming ``key`` and the variable when one is not set or is empty (``$SCRATCH/ckpt``
             would otherwise name a directory ``$SCRATCH``, or ``/ckpt``).
     """
+    _no_nul(value, key)
     head, sep, tail = value.partition("/") if value.startswith("~") else ("", "", value)
 
     def var(m: re.Match[str]) -> str:
@@ -425,9 +450,10 @@ def load_config(path: str | os.PathLike[str]) -> HierarchyConfig:
     """Read a YAML file and validate it; relative tier paths resolve against the file's folder.
 
     Raises:
-        ConfigError: the file is missing, is not UTF-8 YAML (or repeats a key in a mapping, or nests
+        ConfigError: the file is missing (or its name holds a NUL byte), is not UTF-8 YAML (or repeats a key in a mapping, or nests
             deeper than 100), or holds an invalid config.
     """
+    _no_nul(os.fspath(path), "config file")
     p = Path(path)
     try:
         data = load_yaml(p)

@@ -31,6 +31,7 @@ from tierckpt.config import (
     IOConfig,
     LayoutConfig,
     PolicyConfig,
+    default_io,
     load_config,
     parse_config,
     parse_policy,
@@ -71,7 +72,8 @@ class Hierarchy(Lifecycle):
         tiers: tier objects, fastest first; names must be unique.
         policy: ``PolicyConfig`` or a mapping with the YAML schema (``{"keep": {"ssd": 2},
             "demote": {"pfs": {"every": 5}}}``).
-        io: default I/O settings (staging chunk size).
+        io: I/O settings: the staging chunk size, and the engine, ``direct`` and chunk size of file
+            tiers built without them (default: ``IOConfig()``, with ``$TIERCKPT_ENGINE``).
         layout: aggregation settings.
         rank: this process's rank (default: torch.distributed's, else 0).
         world_size: number of ranks (default: torch.distributed's, else 1).
@@ -109,7 +111,7 @@ class Hierarchy(Lifecycle):
         check_policy_names(names, self.policy, retention or {}, demotion or {})
         self._tiers = tuple(tiers)
         self._index = {n: i for i, n in enumerate(names)}
-        self.io = io or IOConfig()
+        self.io = io or default_io()
         self.layout = layout or LayoutConfig()
         dr, dw = dist_rank()
         self.rank = dr if rank is None else rank
@@ -125,6 +127,8 @@ class Hierarchy(Lifecycle):
         self.demotion.update(demotion or {})
         self.align = max([self.layout.align_bytes] + [t.capabilities.alignment_bytes for t in tiers])
         self._engines = _engines or Engines()
+        for t in self._tiers:  # tiers built from Python without an engine or io settings take this io's
+            t.use_io(self._engines, self.io)
         self._tracker = Tracker()
         self._mover = Mover(self._tiers, self.retention, self._tracker, self.rank, self._staging)
         now = _clock()

@@ -192,7 +192,30 @@ def test_measure_and_residency(tmp_path: Path) -> None:
     assert u.peak_extra_rss_bytes is None or u.peak_extra_rss_bytes >= (32 << 20)
 
 
-def test_break_even_interpolates_the_crossing() -> None:
-    assert break_even(1.0, [(0.0, 2.0), (1.0, 1.5), (2.0, 0.5)]) == pytest.approx(1.5)
-    assert break_even(1.0, [(0.0, 0.5), (1.0, 0.2)]) == 0.0
-    assert break_even(1.0, [(0.0, 3.0), (1.0, 2.0)]) is None
+def test_break_even_interpolates_the_last_crossing_and_says_when_it_is_out_of_range() -> None:
+    """A curve already below the direct restore at the smallest T has no break-even in range (it used to
+    be reported as "break-even 0.00 s"); one noisy low point before the curve rises again is not it."""
+    assert break_even(1.0, [(0.0, 2.0), (1.0, 1.5), (2.0, 0.5)]).secs == pytest.approx(1.5)
+    assert break_even(1.0, [(0.0, 0.9), (1.0, 2.0), (2.0, 0.5)]).secs == pytest.approx(1 + 1 / 1.5)
+    below = break_even(1.0, [(0.0, 0.5), (0.5, 0.2)])
+    assert (below.secs, below.where) == (None, "below") and "no slower at every T, from T = 0.00 s" in below.sentence()
+    above = break_even(1.0, [(0.0, 3.0), (2.5, 2.0)])
+    assert (above.secs, above.where) == (None, "above") and "still slower at T = 2.50 s" in above.sentence()
+
+
+def test_prefetch_grid_spans_the_prefetch_time_of_a_restart_process(tmp_path: Path) -> None:
+    """Without explicit Ts, the init times are multiples of how long prefetch() took in the first restart
+    process (not in the benchmark process, where it was 3x faster and the grid ended before the
+    prefetch did), so the largest T is past the end of the prefetch."""
+    rec = Recorder(tmp_path / "out", prefix="prefetch", echo=lambda _: None)
+    res = run_prefetch(rec, tiny("llm"), tmp_path, repeats=2, cold="fadvise", factors=(0.0, 0.5, 1.5), init_secs=None,
+                       io=None, progress=Progress(8, enabled=False))  # fmt: skip
+    restarts = [r for r in records(tmp_path / "out", "prefetch") if r["kind"] == "restart"]
+    assert len(restarts) == 2 + 2 * 3 and len(res.direct_secs) == 2
+    first = restarts[0]
+    assert first["mode"] == "prefetch" and first["init_secs"] == 0.0
+    ts = sorted(res.prefetch_secs)
+    assert ts == [0.0, round(0.5 * first["prefetch_done_secs"], 3), round(1.5 * first["prefetch_done_secs"], 3)]
+    assert all(len(v) == 2 for v in res.prefetch_secs.values())
+    assert res.break_even is not None and res.break_even.hi_secs == ts[-1]
+    assert any(line.startswith("Break-even: ") for line in res.lines())

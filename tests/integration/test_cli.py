@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import tierckpt
 from tierckpt import Hierarchy, TierckptError
 from tierckpt.cli import main
 
@@ -141,3 +142,102 @@ def test_quickstart_runs(tmp_path: Path) -> None:
                          capture_output=True, text=True, timeout=300)  # fmt: skip
     assert out.returncode == 0, out.stderr
     assert "resumed exactly" in out.stdout and "tied weights still tied: True" in out.stdout
+
+
+def test_inspect_shows_plain_values_and_tied_tensors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Not only tensors: every plain value with a bounded repr, and which keys share one tensor."""
+    yml = tmp_path / "h.yaml"
+    yml.write_text("tiers:\n  - {name: ssd, kind: local, path: ssd}\n")
+    emb = torch.randn(8, 4)
+    state = {
+        "model": {"emb.weight": emb, "head.weight": emb, "bias": torch.zeros(4)},
+        "optim": {"param_groups": [{"lr": 0.001, "betas": (0.9, 0.999), "params": list(range(50))}], "state": {}},
+        "step": 7, "name": "x" * 5000, "raw": b"\x00" * 100_000, "big": 2**300, "none": None, "dtype": torch.bfloat16,
+    }  # fmt: skip
+    with Hierarchy.from_yaml(yml) as h:
+        h.save(state, step=7).wait()
+    rc, out = run_json(capsys, "inspect", str(yml))
+    assert rc == 0
+    assert out["tied"] == [{"keys": ["state['model']['emb.weight']", "state['model']['head.weight']"]}]
+    assert [t["key"] for t in out["tensors"]] == ["state['model']['emb.weight']", "state['model']['bias']"]
+    assert out["tensors"][0]["also_at"] == ["state['model']['head.weight']"] and out["tensors"][1]["also_at"] == []
+    values = {v["key"]: v for v in out["values"]}
+    assert list(values) == [
+        "state['optim']['param_groups'][0]['lr']", "state['optim']['param_groups'][0]['betas']",
+        "state['optim']['param_groups'][0]['params']", "state['optim']['state']", "state['step']", "state['name']",
+        "state['raw']", "state['big']", "state['none']", "state['dtype']",
+    ]  # fmt: skip
+    assert values["state['step']"] == {"key": "state['step']", "type": "int", "repr": "7"}
+    assert values["state['optim']['param_groups'][0]['betas']"]["repr"] == "(0.9, 0.999)"
+    assert values["state['optim']['param_groups'][0]['params']"]["repr"].endswith("...] (50 items)")
+    assert values["state['optim']['state']"]["repr"] == "{}" and values["state['none']"]["repr"] == "None"
+    assert values["state['dtype']"]["repr"] == "torch.bfloat16"
+    for key, tail in (("name", "(5000 characters)"), ("raw", "(100000 bytes)"), ("big", "<an integer of 301 bits>")):
+        r = values[f"state[{key!r}]"]["repr"]
+        assert r.endswith(tail) and len(r) < 120, r
+    assert main(["inspect", str(yml)]) == 0
+    text = capsys.readouterr().out
+    assert "2 tensors" in text and "10 plain values" in text
+    assert "state['model']['emb.weight'] = state['model']['head.weight']" in text
+    assert "  state['step'] = 7\n" in text and "  state['optim']['param_groups'][0]['lr'] = 0.001\n" in text
+
+
+def test_inspect_names_a_pickled_value_without_unpickling_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    yml = tmp_path / "h.yaml"
+    yml.write_text("tiers:\n  - {name: ssd, kind: local, path: ssd}\n")
+    with Hierarchy.from_yaml(yml) as h:
+        h.save({"w": torch.ones(2), "obj": {1, 2, 3}}, step=1, allow_pickle=True).wait()
+    rc, out = run_json(capsys, "inspect", str(yml))
+    assert rc == 0 and out["has_pickle"]
+    (v,) = out["values"]
+    assert v["key"] == "state['obj']" and v["type"] == "pickled" and v["repr"].startswith("<pickled value, ")
+
+
+_NO_TORCH = """
+import runpy, sys
+sys.argv = ["tierckpt", *sys.argv[1:]]
+try:
+    runpy.run_module("tierckpt", run_name="__main__", alter_sys=True)
+except SystemExit as e:
+    code = e.code
+print("torch imported" if "torch" in sys.modules else "no torch", code)
+"""
+
+
+@pytest.mark.parametrize(
+    ("argv", "code", "shows"),
+    [(["--help"], 0, "inspect"), (["--version"], 0, "tierckpt 0.1.0"), (["bench", "--help"], 0, "--quick"),
+     (["inspect", "--help"], 0, "--json"), (["ls"], 2, "required: config"), (["frobnicate"], 2, "invalid choice")],
+)  # fmt: skip
+def test_help_version_and_usage_errors_import_no_torch(argv: list[str], code: int, shows: str) -> None:
+    """Parsing the command line imports no torch (3-5 s on a slow machine): --help, --version and usage
+    errors answer at once. Checked on sys.modules, not with a clock."""
+    out = subprocess.run([sys.executable, "-c", _NO_TORCH, *argv], capture_output=True, text=True, timeout=60)
+    assert out.stdout.splitlines()[-1] == f"no torch {code}", out.stdout + out.stderr
+    assert shows in out.stdout + out.stderr
+
+
+def test_python_dash_m_tierckpt(config: Path) -> None:
+    out = subprocess.run([sys.executable, "-m", "tierckpt", "ls", str(config), "--json"],
+                         capture_output=True, text=True, check=True)  # fmt: skip
+    assert [c["step"] for c in json.loads(out.stdout)["checkpoints"]] == [1, 2]
+    out = subprocess.run([sys.executable, "-m", "tierckpt", "--version"], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == f"tierckpt {tierckpt.__version__}"
+
+
+def test_version_matches_the_package_metadata() -> None:
+    text = (ROOT / "pyproject.toml").read_text()
+    assert f'\nversion = "{tierckpt.__version__}"\n' in text
+
+
+def test_import_tierckpt_imports_no_torch_until_a_name_needs_it() -> None:
+    code = (
+        "import sys, tierckpt; from tierckpt import ConfigError, TierIOError, load_config; a = 'torch' in sys.modules;"
+        " from tierckpt import Hierarchy; print(a, 'torch' in sys.modules, sorted(set(tierckpt.__all__) - set(dir(tierckpt))))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
+    assert out.stdout.split() == ["False", "True", "[]"]
+    with pytest.raises(AttributeError, match="has no attribute 'nope'"):
+        _ = tierckpt.nope

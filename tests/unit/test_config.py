@@ -221,3 +221,21 @@ def test_error_messages_stay_short(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"laughs\.yaml: tiers\[0\]: expected a mapping, got list") as e:
         load_config(tmp_path / "laughs.yaml")
     assert len(str(e.value)) < 2000
+
+
+def test_nul_bytes_in_paths_name_the_key(tmp_path: Path) -> None:
+    """A NUL byte (``"\\0"`` in double-quoted YAML) reached ``open``/``realpath`` and came out as a bare
+    ``ValueError: embedded null byte``, naming nothing."""
+    with pytest.raises(ConfigError, match=r"^tiers\[1\]\.path: a path cannot contain a NUL byte, got 'ssd\\x00x'$"):
+        parse_config({"tiers": [BASE["tiers"][0], {"name": "ssd", "kind": "local", "path": "ssd\0x"}]})
+    with pytest.raises(ConfigError, match=r"^policy: a path cannot contain a NUL byte"):
+        parse_config(with_(policy="keep\0.yaml"), base_dir=tmp_path)
+    with pytest.raises(ConfigError, match=r"^base_dir: a path cannot contain a NUL byte"):
+        parse_config(BASE, base_dir=f"{tmp_path}\0")
+    with pytest.raises(ConfigError, match=r"^config file: a path cannot contain a NUL byte"):
+        load_config(f"{tmp_path}/h\0.yaml")
+    (tmp_path / "h.yaml").write_text('tiers:\n  - {name: ssd, kind: local, path: "a\\0b"}\n')
+    with pytest.raises(
+        ConfigError, match=r"h\.yaml: tiers\[0\]\.path: a path cannot contain a NUL byte, got 'a\\x00b'"
+    ):
+        load_config(tmp_path / "h.yaml")

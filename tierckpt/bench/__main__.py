@@ -4,4 +4,5 @@ import sys
 
 from tierckpt.bench.runner import main
 
-sys.exit(main())
+if __name__ == "__main__":  # not when the restart benchmark's forkserver children import the main module
+    sys.exit(main())

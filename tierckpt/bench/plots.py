@@ -81,20 +81,35 @@ def plot_comparison(rec: Recorder, workloads: Sequence[str], path: Path) -> Path
 
 
 def plot_prefetch(res: PrefetchResult, path: Path) -> Path:
-    """Time from the end of init to the restored state vs init time T, direct and with prefetch."""
+    """Time from the end of init to the restored state vs init time T, direct and with prefetch; every
+    repeat as a dot, the medians as the curve, and the break-even as a line only where it lies inside
+    the Ts tried (otherwise the title says on which side of them it lies)."""
     plt = _plt()
     fig, ax = plt.subplots(figsize=(7, 4.5))
     ts = sorted(res.prefetch_secs)
-    ax.plot(ts, [statistics.median(res.prefetch_secs[t]) for t in ts], "o-", label="prefetch() at start")
+    for t in ts:
+        ax.plot([t] * len(res.prefetch_secs[t]), res.prefetch_secs[t], ".", color="C0", alpha=0.35)
+    ax.plot(
+        ts,
+        [statistics.median(res.prefetch_secs[t]) for t in ts],
+        "o-",
+        color="C0",
+        label="prefetch() at start (median)",
+    )
     d = statistics.median(res.direct_secs)
-    ax.axhline(d, color="C1", linestyle="--", label=f"direct restore from pfs ({d:.2f} s)")
-    if res.break_even_secs is not None:
-        ax.axvline(
-            res.break_even_secs, color="gray", linestyle=":", label=f"break-even T = {res.break_even_secs:.2f} s"
-        )
+    ax.axhline(d, color="C1", linestyle="--", label=f"direct restore from pfs ({d:.3f} s, median)")
+    be = res.break_even
+    if be is not None and be.secs is not None:
+        ax.axvline(be.secs, color="gray", linestyle=":", label=f"break-even T = {be.secs:.3f} s")
+    note = ""
+    if be is not None and be.where == "below":
+        note = f"\nno break-even in range: prefetch no slower at every T from {be.lo_secs:.3f} s"
+    elif be is not None and be.where == "above":
+        note = f"\nno break-even in range: prefetch still slower at T = {be.hi_secs:.3f} s"
     ax.set_xlabel("simulated initialization T (s)")
+    ax.set_xlim(left=0)
     ax.set_ylim(bottom=0)
-    title = f"Restart with prefetch, {res.nbytes / 1e9:.2f} GB on pfs only"
+    title = f"Restart with prefetch, {res.nbytes / 1e9:.2f} GB on pfs only{note}"
     return _finish(plt, fig, ax, path, "time to restored state after init (s)", title)
 
 

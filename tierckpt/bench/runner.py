@@ -24,58 +24,20 @@ import tierckpt
 from tierckpt.bench import plots
 from tierckpt.bench.compare import Harness, Progress, all_peers, select_peers, total_units
 from tierckpt.bench.metrics import Recorder
+from tierckpt.bench.options import SIZES, WORKLOADS, add_arguments
 from tierckpt.bench.peers import RawBuffers
 from tierckpt.bench.prefetch import PrefetchResult, default_factors, run_prefetch
 from tierckpt.bench.rawio import fio_available
 from tierckpt.bench.report import comparison, machine_line
 from tierckpt.bench.sweep import KNOBS, QUICK_KNOBS, SweepResult, run_sweep, settings_count
-from tierckpt.bench.system import COLD_METHODS, machine_info, read_text
+from tierckpt.bench.system import machine_info, read_text
 from tierckpt.bench.workloads import Workload, build_workload
 from tierckpt.config import parse_size
 from tierckpt.errors import ConfigError
 from tierckpt.hierarchy import Hierarchy
 from tierckpt.io.engine import make_engine
 
-__all__ = ["add_arguments", "find_bench_train", "run"]
-
-WORKLOADS = ("llm", "small", "mixed", "train")
-# (full, quick) defaults of the size options
-SIZES: dict[str, tuple[str, str]] = {
-    "llm_size": ("2GB", "50MB"),
-    "small_count": ("20000", "2000"),
-    "mixed_size": ("1GB", "30MB"),
-    "mixed_small": ("3000", "500"),
-    "prefetch_size": ("1GB", "50MB"),
-    "sweep_size": ("1GB", "64MB"),
-}
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    """The ``bench`` options."""
-    p.add_argument("--quick", action="store_true", help="small sizes: the whole run in under 3 minutes")
-    p.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated subset of %(default)s")
-    p.add_argument("--peers", default=None,
-                   help="comma-separated peers or prefixes (tierckpt,torch,dcp,torchsnapshot,safetensors); "
-                        "raw, fio and memcpy always run (default: all)")  # fmt: skip
-    p.add_argument("--repeats", type=int, default=3, help="repeats of every measurement (default 3)")
-    p.add_argument("--out", default="bench-results", help="folder for JSON lines, markdown and PNGs")
-    p.add_argument("--dir", default=None, help="scratch folder on the disk to measure (default: under /tmp)")
-    mode = p.add_mutually_exclusive_group()
-    mode.add_argument("--sweep", action="store_true", help="only the io: tuning sweep (prints the best io: block)")
-    mode.add_argument("--prefetch", action="store_true", help="only the restore-time prefetch benchmark")
-    mode.add_argument("--no-prefetch", action="store_true", help="leave the prefetch benchmark out of a full run")
-    p.add_argument("--sweep-grid", action="store_true", help="sweep every combination, not one knob at a time")
-    p.add_argument("--prefetch-t", default=None, help="init times in seconds, e.g. 0,0.5,1,2 (default: "
-                   "multiples of the measured direct restore time)")  # fmt: skip
-    for name, (full, quick) in SIZES.items():
-        p.add_argument("--" + name.replace("_", "-"), default=None, help=f"default {full} ({quick} with --quick)")
-    p.add_argument("--cold", choices=COLD_METHODS, default="auto",
-                   help="how to empty the page cache: drop_caches (root), fadvise (per file), auto")  # fmt: skip
-    p.add_argument("--engine", default=None, help="tierckpt io.engine for its rows (auto, uring, threads)")
-    p.add_argument("--queue-depth", type=int, default=None, help="tierckpt io.queue_depth for its rows")
-    p.add_argument("--chunk", default=None, help="tierckpt io.chunk for its rows, e.g. 64MiB")
-    p.add_argument("--no-check", action="store_true", help="skip comparing restores with the saved state")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+__all__ = ["add_arguments", "find_bench_train", "main", "run"]
 
 
 def _sizes(args: argparse.Namespace) -> dict[str, int]:
@@ -140,6 +102,9 @@ def _workload(name: str, sizes: dict[str, int], key: str | None = None) -> Workl
 def run(args: argparse.Namespace) -> int:
     """Run what the options ask for; returns the exit status (2 on bad options)."""
     t_start = time.perf_counter()
+    # --quick: 2 repeats of what costs seconds; the prefetch restarts (~0.1 s each) keep 3 for their median
+    pf_repeats = 3 if args.repeats is None else args.repeats
+    args.repeats = (2 if args.quick else 3) if args.repeats is None else args.repeats
     # DCP warns on every call without a process group, from its own threads too; the report says how it ran.
     warnings.filterwarnings("ignore", category=UserWarning, module=r"torch\.distributed\.checkpoint")
     try:
@@ -180,7 +145,7 @@ def run(args: argparse.Namespace) -> int:
         peers = Harness.usable(selected, rec)
         run_pf = args.prefetch or not (args.sweep or args.no_prefetch)
         knobs = QUICK_KNOBS if args.quick else KNOBS
-        n_pf = args.repeats * (1 + (len(init_secs) if init_secs else len(default_factors(args.quick))))
+        n_pf = pf_repeats * (1 + (len(init_secs) if init_secs else len(default_factors(args.quick))))
         total = (total_units(len(compare_wls), len(peers), args.repeats) + (n_pf if run_pf else 0)
                  + (settings_count(knobs, args.sweep_grid) if args.sweep else 0)
                  + (1 if compare_wls and "train" in wls else 0))  # fmt: skip
@@ -202,9 +167,8 @@ def run(args: argparse.Namespace) -> int:
         if run_pf:
             wl = _workload("llm", sizes, "prefetch_size")
             progress.write(f"== prefetch: {wl.nbytes / 1e9:.3f} GB on pfs only")
-            # --quick: two restart repeats (each restart is a fresh process importing torch: 3-4 s on a slow VM)
-            pf = run_prefetch(rec, wl, scratch, repeats=min(args.repeats, 2) if args.quick else args.repeats, cold=args.cold,
-                              factors=default_factors(args.quick), init_secs=init_secs, io=io, progress=progress)  # fmt: skip
+            pf = run_prefetch(rec, wl, scratch, repeats=pf_repeats, cold=args.cold, factors=default_factors(args.quick),
+                              init_secs=init_secs, io=io, progress=progress)  # fmt: skip
             del wl
             gc.collect()
         sw: SweepResult | None = None
@@ -250,7 +214,8 @@ def _report(
     if built:
         lines += comparison(rec, built, peers, cold)
     if pf is not None:
-        lines += ["", f"### Restart with prefetch ({pf.nbytes / 1e9:.3f} GB committed on pfs only)", ""]
+        lines += ["", f"### Restart with prefetch ({pf.nbytes / 1e9:.3f} GB committed on pfs only, "
+                      f"{len(pf.direct_secs)} repeats)", ""]  # fmt: skip
         lines += [*_tier_table(rec), "", *pf.lines()]
     if sw is not None:
         lines += ["", f"### io: sweep ({sw.nbytes / 1e9:.3f} GB llm state, local tier)", "", *sw.lines()]

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 import tierckpt
+from tierckpt.bench.options import COLD_METHODS
 
 if TYPE_CHECKING:
     from tierckpt.hierarchy import Hierarchy
@@ -36,7 +37,6 @@ __all__ = [
     "resident_fraction",
 ]
 
-COLD_METHODS = ("auto", "drop_caches", "fadvise")
 _PAGE = mmap.PAGESIZE
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
 _libc.mmap.restype = ctypes.c_void_p

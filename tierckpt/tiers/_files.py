@@ -30,10 +30,10 @@ from collections.abc import Sequence
 from concurrent.futures import Future
 from pathlib import Path
 
-from tierckpt.config import TierConfig
+from tierckpt.config import IOConfig, TierConfig, default_io
 from tierckpt.errors import CheckpointNotFoundError, ConfigError, CorruptCheckpointError, TierFullError, TierIOError
 from tierckpt.format.manifest import BlobEntry
-from tierckpt.io.engine import IOEngine
+from tierckpt.io.engine import IOEngine, make_engine
 from tierckpt.io.fsutil import dio_alignment, fsync_dir, probe_direct
 from tierckpt.tiers.base import CheckpointKey, EngineSource, Tier, TierCapabilities, TierReader, TierWriter
 
@@ -116,10 +116,12 @@ class FileTier(Tier):
     Args:
         name: tier name.
         path: the directory (created if missing).
-        engine: I/O engine for blob reads and writes.
-        direct: use O_DIRECT where the file system allows it.
-        chunk_bytes: size of one I/O operation.
+        engine: I/O engine for blob reads and writes (None: the hierarchy's, see :meth:`use_io`).
+        direct: use O_DIRECT where the file system allows it (None: as the hierarchy's ``io``).
+        chunk_bytes: size of one I/O operation (None: as the hierarchy's ``io``).
         capacity_bytes: most bytes of committed checkpoints, or None.
+        blob_bytes: preferred blob size, or None for the kind's default.
+        readonly: only read: the directory must exist; nothing is created or swept.
     """
 
     kind = "file"
@@ -129,10 +131,10 @@ class FileTier(Tier):
         self,
         name: str,
         path: str | os.PathLike[str],
-        engine: IOEngine,
+        engine: IOEngine | None = None,
         *,
-        direct: bool = True,
-        chunk_bytes: int = 32 << 20,
+        direct: bool | None = None,
+        chunk_bytes: int | None = None,
         capacity_bytes: int | None = None,
         blob_bytes: int | None = None,
         readonly: bool = False,
@@ -146,18 +148,15 @@ class FileTier(Tier):
             try:
                 self.path.mkdir(parents=True, exist_ok=True)
             except OSError as e:
-                raise _io_error(name, f"cannot create directory {self.path}", e) from None
+                raise _io_error(name, f"cannot create directory {self.path}", e) from e
         need = os.R_OK | os.X_OK if readonly else os.R_OK | os.W_OK | os.X_OK
         if not os.access(self.path, need):
             what = "readable" if readonly else "readable and writable"
             raise TierIOError(errno.EACCES, f"tier {name!r}: directory {self.path} is not {what}", str(self.path))
-        self.engine = engine
-        can_direct, align = probe_direct(self.path)
-        self.direct = direct and can_direct
-        if direct and not can_direct:
-            log.info("tier %r: %s does not support O_DIRECT; using buffered I/O", name, self.path)
-        align = max(align, self._fs_alignment())
-        self.chunk_bytes = max(align, chunk_bytes // align * align)
+        self._engine, self._engine_given, self._own_engine = engine, engine is not None, False
+        self._asked = (direct, chunk_bytes)  # None: from the io settings of the hierarchy the tier joins
+        self._can_direct, align = probe_direct(self.path)
+        self._set_io(default_io(), max(align, self._fs_alignment()))
         self.capacity_bytes = capacity_bytes
         if blob_bytes:
             self.preferred_blob_bytes = blob_bytes
@@ -169,6 +168,34 @@ class FileTier(Tier):
         self._junk: set[Path] = set()  # rank-like entries that are not checkpoints (warned about once)
         if not readonly:
             self._sweep()
+
+    def _set_io(self, io: IOConfig, align: int) -> None:
+        """``direct`` and the chunk size: as given to the constructor, else as ``io`` says."""
+        direct, chunk = self._asked
+        direct = io.direct if direct is None else direct
+        self.direct = direct and self._can_direct
+        if direct and not self._can_direct:
+            log.info("tier %r: %s does not support O_DIRECT; using buffered I/O", self.name, self.path)
+        self.chunk_bytes = max(align, (io.chunk_bytes if chunk is None else chunk) // align * align)
+
+    def use_io(self, engines: EngineSource, io: IOConfig) -> None:
+        """Take the engine, ``direct`` and chunk size not given to the constructor from the
+        hierarchy's ``io`` settings (the hierarchy calls this when it is built; the engine is the
+        hierarchy's, shared with its other tiers and closed with it)."""
+        if not self._engine_given:
+            self.close()  # an engine made while the tier was used on its own
+            self._engine = engines.get(io.engine, io.queue_depth)
+        self._set_io(io, self.capabilities.alignment_bytes)
+
+    @property
+    def engine(self) -> IOEngine:
+        """The I/O engine; a tier used outside any hierarchy without one makes its own (closed with it)."""
+        if self._engine is None:
+            with self._lock:
+                if self._engine is None:
+                    io = default_io()
+                    self._engine, self._own_engine = make_engine(io.engine, io.queue_depth), True
+        return self._engine
 
     def _fs_alignment(self) -> int:
         """Extra alignment the file system asks for (the PFS tier returns the stripe size)."""
@@ -215,7 +242,7 @@ class FileTier(Tier):
         except FileNotFoundError:
             return []
         except OSError as e:
-            raise _io_error(self.name, f"cannot list {self.path}", e) from None
+            raise _io_error(self.name, f"cannot list {self.path}", e) from e
 
     def _rank_dir(self, key: CheckpointKey) -> Path:
         return self.path / step_dir_name(key.step) / rank_dir_name(key.rank)
@@ -271,7 +298,7 @@ class FileTier(Tier):
                 f"tier {self.name!r} holds no checkpoint for step {key.step} rank {key.rank}"
             ) from None
         except OSError as e:
-            raise _io_error(self.name, f"cannot read {p}", e) from None
+            raise _io_error(self.name, f"cannot read {p}", e) from e
 
     def reserve(self, key: CheckpointKey, blobs: Sequence[BlobEntry]) -> TierWriter:
         need = sum(b.size for b in blobs)
@@ -295,7 +322,7 @@ class FileTier(Tier):
         except FileNotFoundError:
             return
         except OSError as e:
-            raise _io_error(self.name, f"cannot evict step {key.step}", e) from None
+            raise _io_error(self.name, f"cannot evict step {key.step}", e) from e
         with contextlib.suppress(OSError):
             fsync_dir(src.parent)
         with self._lock:
@@ -312,6 +339,12 @@ class FileTier(Tier):
             shutil.rmtree(p, ignore_errors=True)
             with contextlib.suppress(OSError):
                 p.parent.rmdir()  # only succeeds when no other rank (or write) is in there
+
+    def close(self) -> None:
+        """Close the engine the tier made for itself (:attr:`engine`), if it made one."""
+        if self._own_engine and self._engine is not None:
+            self._engine.close()
+            self._engine, self._own_engine = None, False
 
 
 class _FileWriter(TierWriter):
@@ -338,7 +371,7 @@ class _FileWriter(TierWriter):
                     os.posix_fallocate(fd, 0, b.size)  # ENOSPC now, not halfway; parallel O_DIRECT writes
         except OSError as e:
             self.abort()
-            raise _io_error(tier.name, f"cannot start step {key.step} in {self.step_dir}", e) from None
+            raise _io_error(tier.name, f"cannot start step {key.step} in {self.step_dir}", e) from e
 
     def write(self, blob: int, offset: int, addr: int, nbytes: int) -> Future[int]:
         path = str(self.tmp / self.blobs[blob].name)
@@ -365,7 +398,7 @@ class _FileWriter(TierWriter):
             fsync_dir(self.tier.path)
         except OSError as e:
             self.abort()
-            raise _io_error(self.tier.name, f"cannot commit step {self.key.step}", e) from None
+            raise _io_error(self.tier.name, f"cannot commit step {self.key.step}", e) from e
         self._open = False
 
     def _replace(self, final: Path) -> None:
@@ -411,7 +444,7 @@ class _FileReader(TierReader):
                 except OSError as e:
                     if not _is_file(p, unknown=True):  # e.g. a directory in its place: O_DIRECT refuses it with EINVAL
                         raise self._not_a_file(blob, p) from None
-                    raise _io_error(self.tier.name, f"cannot open {p}", e) from None
+                    raise _io_error(self.tier.name, f"cannot open {p}", e) from e
                 if not stat.S_ISREG(os.fstat(fd).st_mode):  # without O_DIRECT a directory opens
                     os.close(fd)
                     raise self._not_a_file(blob, p)

@@ -43,7 +43,7 @@ import torch
 from tierckpt.format.manifest import BlobEntry
 
 if TYPE_CHECKING:
-    from tierckpt.config import TierConfig
+    from tierckpt.config import IOConfig, TierConfig
     from tierckpt.io.engine import IOEngine
 
 __all__ = ["CheckpointKey", "EngineSource", "Tier", "TierCapabilities", "TierReader", "TierWriter"]
@@ -153,6 +153,10 @@ class Tier(ABC):
     def from_config(cls, cfg: TierConfig, engines: EngineSource) -> Tier:
         """Build the tier from its validated config entry; raise ConfigError naming ``cfg.key`` fields."""
         raise NotImplementedError(f"tier kind {cls.kind!r} cannot be built from a config")
+
+    def use_io(self, engines: EngineSource, io: IOConfig) -> None:  # noqa: B027 - optional hook
+        """Called once by the hierarchy the tier joins: take what the constructor left unset (a file
+        tier's engine, ``direct``, chunk size) from the hierarchy's ``io`` settings."""
 
     @abstractmethod
     def reserve(self, key: CheckpointKey, blobs: Sequence[BlobEntry]) -> TierWriter:

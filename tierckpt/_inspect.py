@@ -1,0 +1,141 @@
+"""What ``tierckpt inspect`` shows of a manifest: its tensors, its plain values (bounded reprs) and
+which keys share one tensor (tied weights).
+
+The tree is decoded without unpickling anything (a pickled value shows as its size) and walked
+iteratively, so a deep or wide tree costs memory in proportion to its own size and no recursion.
+"""
+
+from __future__ import annotations
+
+import reprlib
+from collections import OrderedDict
+from typing import Any
+
+from tierckpt.config import format_size
+from tierckpt.format.manifest import Manifest
+from tierckpt.format.tree import Int, Opaque, check_ref, decode_tree
+
+__all__ = ["describe", "text_lines", "value_repr"]
+
+_CONTAINERS = (dict, list, tuple, OrderedDict)
+
+
+class _Repr(reprlib.Repr):
+    """reprlib with every type bounded *before* formatting: ``repr()`` of a 1 GB bytes value or of a
+    100,000-digit int is never computed whole."""
+
+    def repr_bytes(self, x: bytes, level: int) -> str:
+        s = repr(x[: self.maxstring])  # up to 4 characters per byte: cut the repr too
+        return (
+            s if len(s) <= self.maxstring and len(x) <= self.maxstring else f"{s[: self.maxstring]}... ({len(x)} bytes)"
+        )
+
+    def repr_int(self, x: int, level: int) -> str:
+        return super().repr_int(x, level) if x.bit_length() <= 128 else f"<an integer of {x.bit_length()} bits>"
+
+    def repr_str(self, x: str, level: int) -> str:
+        s = super().repr_str(x, level)
+        return s if len(x) <= self.maxstring else f"{s} ({len(x)} characters)"
+
+
+_REPR = _Repr()
+_REPR.maxlevel, _REPR.maxstring, _REPR.maxother, _REPR.maxlong = 2, 60, 60, 60
+_REPR.maxlist = _REPR.maxtuple = _REPR.maxdict = 8
+
+
+def _plain(v: Any) -> Any:
+    """A decoded leaf as the Python value it restores to, for ``repr``."""
+    if type(v) is Int:
+        return int(v)
+    if type(v) is list or type(v) is tuple:
+        return type(v)(_plain(x) for x in v)
+    return v
+
+
+def value_repr(v: Any) -> str:
+    """A bounded repr (about 60 characters plus counts) of a decoded tree leaf."""
+    if type(v) is Opaque:
+        return f"<pickled value, {len(v.value)} bytes>"
+    r = _REPR.repr(_plain(v))
+    if type(v) in (list, tuple) and len(v) > _REPR.maxlist:
+        r += f" ({len(v)} items)"
+    return r
+
+
+def _is_leaf_sequence(v: Any, ref: type[int]) -> bool:
+    """A list or tuple of scalars only (no tensor, no container): shown as one value, as an optimizer's
+    ``params`` list of ints is, not one line per item."""
+    return type(v) in (list, tuple) and not any(type(x) is ref or type(x) in _CONTAINERS for x in v)
+
+
+def _walk(tree: Any, ref: type[int], n_tensors: int) -> tuple[dict[int, list[str]], list[tuple[str, Any]]]:
+    """Every tensor reference's key paths (by tensor index) and every plain leaf, in state order."""
+    uses: dict[int, list[str]] = {}
+    values: list[tuple[str, Any]] = []
+    stack: list[tuple[str, Any]] = [("state", tree)]
+    while stack:
+        path, v = stack.pop()
+        tv = type(v)
+        if tv is ref:
+            uses.setdefault(check_ref(v, n_tensors), []).append(path)
+        elif tv in _CONTAINERS and v and not _is_leaf_sequence(v, ref):
+            items = v.items() if tv in (dict, OrderedDict) else enumerate(v)
+            stack.extend(reversed([(f"{path}[{k!r}]", x) for k, x in items]))
+        else:
+            values.append((path, v))
+    return uses, values
+
+
+def describe(m: Manifest, tier: str) -> dict[str, Any]:
+    """Everything ``tierckpt inspect --json`` prints about manifest ``m`` read from ``tier``.
+
+    Raises:
+        CorruptCheckpointError: the tree does not decode or references a tensor that does not exist.
+    """
+    tree, ref = decode_tree(m.tree, len(m.tensors), m.version, allow_pickle=True, unpickle=False)
+    uses, values = _walk(tree, ref, len(m.tensors))
+    tensors = []
+    for i, t in enumerate(m.tensors):
+        keys = uses.get(i, [t.path])
+        tensors.append({
+            "key": t.path, "dtype": t.dtype, "shape": list(t.shape), "bytes": t.length,
+            "blob": m.blobs[t.blob].name if t.length else None, "offset": t.offset,
+            "also_at": [k for k in keys if k != t.path],
+        })  # fmt: skip
+    return {
+        "step": m.step, "rank": m.rank, "world_size": m.world_size, "format_version": m.version,
+        "read_from": tier, "align": m.align, "tensor_bytes": m.tensor_bytes, "blob_bytes": m.blob_bytes,
+        "blobs": [{"name": b.name, "bytes": b.size} for b in m.blobs], "has_pickle": m.has_pickle,
+        "tensors": tensors,
+        "tied": [{"keys": [t["key"], *t["also_at"]]} for t in tensors if t["also_at"]],
+        "values": [{"key": k, "type": _type_name(v), "repr": value_repr(v)} for k, v in values],
+    }  # fmt: skip
+
+
+def _type_name(v: Any) -> str:
+    if type(v) is Opaque:
+        return "pickled"
+    if type(v) is Int:
+        return "int"
+    return type(v).__name__
+
+
+def text_lines(info: dict[str, Any]) -> list[str]:
+    """The human-readable form of :func:`describe`'s result."""
+    out = [
+        f"step {info['step']}  rank {info['rank']}/{info['world_size']}  format v{info['format_version']}  "
+        f"(read from tier {info['read_from']!r})",
+        f"{len(info['tensors'])} tensors, {format_size(info['tensor_bytes'])} in {len(info['blobs'])} blob(s) of "
+        f"{format_size(info['blob_bytes'])}; {len(info['values'])} plain values"
+        + (", some pickled" if info["has_pickle"] else ""),
+        "tensors:" if info["tensors"] else "tensors: none",
+    ]
+    for t in info["tensors"]:
+        tied = f"  (also at {', '.join(t['also_at'])})" if t["also_at"] else ""
+        out.append(f"  {t['key']}  {t['dtype']}{t['shape']}  {format_size(t['bytes'])}{tied}")
+    if info["tied"]:
+        out.append("tied tensors (one tensor under several keys; restored as one):")
+        out += [f"  {' = '.join(g['keys'])}" for g in info["tied"]]
+    out.append("values:" if info["values"] else "values: none")
+    out += [f"  {v['key']} = {v['repr']}" for v in info["values"]]
+    return out
