@@ -29,6 +29,7 @@ from tierckpt.errors import ConfigError
 
 __all__ = [
     "ENGINES",
+    "LEASE_STALE_SECS",
     "ON_FULL",
     "DemoteConfig",
     "HierarchyConfig",
@@ -46,6 +47,8 @@ __all__ = [
 ENGINES = ("auto", "uring", "threads")
 ON_FULL = ("wait", "fail")
 ENV_ENGINE = "TIERCKPT_ENGINE"
+#: how long a lease holder on another host may go without renewing before it counts as gone (docs/jobs.md)
+LEASE_STALE_SECS = 60.0
 
 _UNITS = {
     "": 1, "b": 1,
@@ -164,7 +167,11 @@ class TierConfig:
             mover to free room (backpressure), or ``fail`` the save at once.
         key: where the entry came from (``tiers[1]``), for error messages.
         readonly: opened by a tool that only reads (``tierckpt ls``): a file tier's directory must
-            exist, and nothing is created, swept or written.
+            exist, and nothing is created, swept or written (and no lease is taken).
+        job: the job identity a writable file tier leases its directory for (None: from the
+            environment, docs/jobs.md); set by ``Hierarchy.from_config(job=...)``.
+        lease_stale_secs: how long a lease holder on another host may go without renewing its lease
+            before another job takes it over (``lease.stale_secs``).
     """
 
     name: str
@@ -176,6 +183,8 @@ class TierConfig:
     on_full: str = "wait"
     key: str = "tiers[?]"
     readonly: bool = False
+    job: str | None = None
+    lease_stale_secs: float = LEASE_STALE_SECS
 
 
 @dataclass(frozen=True)
@@ -271,7 +280,7 @@ def parse_config(data: Any, base_dir: str | os.PathLike[str] | None = None) -> H
     Raises:
         ConfigError: naming the first bad key, e.g. ``tiers[1].capacity: expected a size like '64GiB', got 'lots'``.
     """
-    d = _check_keys(data, "config", {"tiers", "io", "layout", "policy"}, {"tiers"})
+    d = _check_keys(data, "config", {"tiers", "io", "layout", "policy", "lease"}, {"tiers"})
     io = IOConfig(engine=os.environ.get(ENV_ENGINE, "auto"))
     if io.engine not in ENGINES:
         raise ConfigError(f"${ENV_ENGINE}: expected one of {', '.join(ENGINES)}, got {_short(io.engine)}")
@@ -289,6 +298,7 @@ def parse_config(data: Any, base_dir: str | os.PathLike[str] | None = None) -> H
             layout = replace(layout, align_bytes=align)
         if "blob_size" in ld:
             layout = replace(layout, blob_bytes=_blob_size(ld["blob_size"], "layout.blob_size"))
+    stale_secs = _parse_lease(d["lease"]) if "lease" in d else LEASE_STALE_SECS
     tiers_raw = d["tiers"]
     if not isinstance(tiers_raw, list) or not tiers_raw:
         raise ConfigError(f"tiers: expected a non-empty list of tier entries, got {_short(tiers_raw)}")
@@ -325,12 +335,21 @@ def parse_config(data: Any, base_dir: str | os.PathLike[str] | None = None) -> H
                 io=_parse_io(t["io"], f"{key}.io", io) if "io" in t else io,
                 on_full=_choice(t.get("on_full", "wait"), f"{key}.on_full", ON_FULL),
                 key=key,
+                lease_stale_secs=stale_secs,
             )
         )
     policy = (
         parse_policy(_policy_mapping(d["policy"], base), [t.name for t in tiers]) if "policy" in d else PolicyConfig()
     )
     return HierarchyConfig(tiers=tuple(tiers), io=io, layout=layout, policy=policy)
+
+
+def _parse_lease(value: Any) -> float:
+    """``lease: {stale_secs: 60}``: the renewal timeout of lease holders on other hosts (docs/jobs.md)."""
+    secs = _check_keys(value, "lease", {"stale_secs"}).get("stale_secs", LEASE_STALE_SECS)
+    if isinstance(secs, bool) or not isinstance(secs, (int, float)) or not 1 <= secs <= 86400:
+        raise ConfigError(f"lease.stale_secs: expected a number of seconds from 1 to 86400, got {_short(secs)}")
+    return float(secs)
 
 
 def _expand_path(value: str, key: str) -> Path:

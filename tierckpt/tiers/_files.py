@@ -26,15 +26,17 @@ import shutil
 import socket
 import stat
 import threading
+import weakref
 from collections.abc import Sequence
 from concurrent.futures import Future
 from pathlib import Path
 
-from tierckpt.config import TierConfig
+from tierckpt.config import LEASE_STALE_SECS, TierConfig
 from tierckpt.errors import CheckpointNotFoundError, ConfigError, CorruptCheckpointError, TierFullError, TierIOError
 from tierckpt.format.manifest import BlobEntry
 from tierckpt.io.engine import IOEngine
 from tierckpt.io.fsutil import dio_alignment, fsync_dir, probe_direct
+from tierckpt.tiers._lease import Lease
 from tierckpt.tiers.base import CheckpointKey, EngineSource, Tier, TierCapabilities, TierReader, TierWriter
 
 __all__ = ["FileTier"]
@@ -120,6 +122,12 @@ class FileTier(Tier):
         direct: use O_DIRECT where the file system allows it.
         chunk_bytes: size of one I/O operation.
         capacity_bytes: most bytes of committed checkpoints, or None.
+        readonly: only read: the directory must exist; nothing is created or swept, no lease taken.
+        job: the job identity to lease the directory for (default: from the environment; docs/jobs.md).
+        lease_stale_secs: how long a lease holder on another host may go without renewing it.
+
+    Raises:
+        TierBusyError: (writable) another job holds the directory's lease.
     """
 
     kind = "file"
@@ -136,6 +144,8 @@ class FileTier(Tier):
         capacity_bytes: int | None = None,
         blob_bytes: int | None = None,
         readonly: bool = False,
+        job: str | None = None,
+        lease_stale_secs: float = LEASE_STALE_SECS,
     ) -> None:
         super().__init__(name)
         self.path = Path(path)
@@ -151,6 +161,10 @@ class FileTier(Tier):
         if not os.access(self.path, need):
             what = "readable" if readonly else "readable and writable"
             raise TierIOError(errno.EACCES, f"tier {name!r}: directory {self.path} is not {what}", str(self.path))
+        # the directory is this job's before anything is written or swept (released by close(), or GC)
+        self.lease = None if readonly else Lease.acquire(self.path, tier=name, job=job, stale_secs=lease_stale_secs)
+        if self.lease is not None:
+            weakref.finalize(self, self.lease.release)
         self.engine = engine
         can_direct, align = probe_direct(self.path)
         self.direct = direct and can_direct
@@ -187,6 +201,8 @@ class FileTier(Tier):
             capacity_bytes=cfg.capacity_bytes,
             blob_bytes=cfg.blob_bytes,
             readonly=cfg.readonly,
+            job=cfg.job,
+            lease_stale_secs=cfg.lease_stale_secs,
         )
 
     def describe(self) -> str:
@@ -273,7 +289,17 @@ class FileTier(Tier):
         except OSError as e:
             raise _io_error(self.name, f"cannot read {p}", e) from None
 
+    def close(self) -> None:
+        """Release the lease: another job may write here once no process of this one holds it."""
+        if self.lease is not None:
+            self.lease.release()
+
+    def _check_lease(self) -> None:
+        if self.lease is not None:
+            self.lease.check()
+
     def reserve(self, key: CheckpointKey, blobs: Sequence[BlobEntry]) -> TierWriter:
+        self._check_lease()
         need = sum(b.size for b in blobs)
         if self.capacity_bytes is not None:
             used = self.used_bytes()
@@ -288,6 +314,7 @@ class FileTier(Tier):
         return _FileReader(self, self._rank_dir(key), blobs)
 
     def evict(self, key: CheckpointKey, *, free: bool = True) -> None:
+        self._check_lease()
         src = self._rank_dir(key)
         gone = src.parent / _scratch("evict", key.rank)
         try:
