@@ -128,7 +128,7 @@ def _publish(d: Path, name: str, rec: dict[str, Any], tier: str) -> bool:
 def _join(d: Path, st: State, job: JobId, tier: str) -> Path | None:
     """Become a member of generation ``st.gen`` (owned by ``job``); None when it changed meanwhile."""
     member = _new_member(d, st.gen, job, tier)
-    after = read_state(d, tier)
+    after = read_state(d, tier, members=False)
     if after.gen == st.gen and after.owner_job == job.value:
         return member
     unlink(member)
@@ -251,14 +251,15 @@ class Lease:
         poll = min(1.0, max(0.01, stale_secs / 24))
         waiting = False
         while True:
-            st = read_state(d, tier)
+            st = read_state(d, tier, members=False)
+            if not (st.gen and st.owner_job == jid.value):  # not a join: the holders are judged
+                st = read_state(d, tier)
             young = time.time() - st.owner_mtime_ns / 1e9 < 2.0
             if st.gen and st.owner is None and young:
                 pass  # a generation file being filled in (a file system without hard links)
             elif st.gen and st.owner_job == jid.value:
-                member = _join(d, st, jid, tier)
+                member = _join(d, st, jid, tier)  # no tidying: a join reads no other member (many ranks)
                 if member is not None:
-                    _tidy(d, st.gen, watch)
                     return cls(d, tier, jid, stale_secs, st.gen, member)
             else:
                 alive, undecided = watch.judge(st.holders())

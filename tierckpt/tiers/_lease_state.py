@@ -120,7 +120,9 @@ class State:
         return [m for m in self.members.get(self.gen, []) if job is None or m.job == job]
 
 
-def read_state(d: Path, tier: str) -> State:
+def read_state(d: Path, tier: str, members: bool = True) -> State:
+    """The newest generation, its owner and (``members``) the members of it and of the one before: one
+    listing and one open per file read (a process joining its own job's lease reads no member)."""
     try:
         names = os.listdir(d)
     except OSError as e:
@@ -131,8 +133,8 @@ def read_state(d: Path, tier: str) -> State:
     if gen:
         got = read_record(d / gen_name(gen))
         owner, mtime = got if got else (None, 0)
-    members: dict[int, list[Member]] = {}
-    for n in sorted(names):
+    found: dict[int, list[Member]] = {}
+    for n in sorted(names) if members else ():
         m = MEMBER_RE.fullmatch(n)
         if m is None or int(m.group(1)) < gen - 1:
             continue
@@ -142,8 +144,8 @@ def read_state(d: Path, tier: str) -> State:
         rec, mt = got
         job = rec.get("job") if rec else None
         proc = ProcessId.from_record(rec) if rec else None
-        members.setdefault(int(m.group(1)), []).append(Member(d / n, job if isinstance(job, str) else None, proc, mt))
-    return State(gen, owner, mtime, members)
+        found.setdefault(int(m.group(1)), []).append(Member(d / n, job if isinstance(job, str) else None, proc, mt))
+    return State(gen, owner, mtime, found)
 
 
 class Watch:
