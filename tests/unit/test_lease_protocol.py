@@ -303,3 +303,23 @@ def test_junk_in_the_lease_directory_neither_hangs_nor_counts(tmp_path: Path, le
 def test_acquire_refuses_a_bad_stale_secs(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="stale_secs must be positive"):
         Lease.acquire(tmp_path, tier="t", job="A", stale_secs=0)
+
+
+def test_without_hard_links_the_generation_is_created_exclusively(
+    tmp_path: Path, leases: list[Lease], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A file system that refuses link() (EPERM): the generation file is created with O_EXCL instead,
+    so a second taker of the same generation still loses."""
+    import errno
+
+    def no_link(*a: Any, **k: Any) -> None:
+        raise OSError(errno.EPERM, "Operation not permitted")
+
+    monkeypatch.setattr(os, "link", no_link)
+    plant(tmp_path, 1, "dead", dead_pid())
+    lease = acquire(tmp_path, "A", leases)
+    assert lease.gen == 2 and json.loads((tmp_path / LEASE_DIR / "gen-2").read_text())["job"] == "A"
+    assert not _lease._publish(tmp_path / LEASE_DIR, "gen-2", {"job": "B", "token": "t"}, "t")
+    with pytest.raises(TierBusyError, match="job 'A'"):
+        acquire(tmp_path, "B", leases)
+    assert not [n for n in names(tmp_path) if n.startswith("tmp-")]
