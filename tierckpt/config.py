@@ -29,6 +29,7 @@ from tierckpt.errors import ConfigError
 
 __all__ = [
     "ENGINES",
+    "LEASE_STALE_SECS",
     "ON_FULL",
     "DemoteConfig",
     "HierarchyConfig",
@@ -47,6 +48,8 @@ __all__ = [
 ENGINES = ("auto", "uring", "threads")
 ON_FULL = ("wait", "fail")
 ENV_ENGINE = "TIERCKPT_ENGINE"
+#: how long a lease holder on another host may go without renewing before it counts as gone (docs/jobs.md)
+LEASE_STALE_SECS = 60.0
 
 _UNITS = {
     "": 1, "b": 1,
@@ -178,7 +181,11 @@ class TierConfig:
             mover to free room (backpressure), or ``fail`` the save at once.
         key: where the entry came from (``tiers[1]``), for error messages.
         readonly: opened by a tool that only reads (``tierckpt ls``): a file tier's directory must
-            exist, and nothing is created, swept or written.
+            exist, and nothing is created, swept or written (and no lease is taken).
+        job: the job identity a writable file tier leases its directory for (None: from the
+            environment, docs/jobs.md); set by ``Hierarchy.from_config(job=...)``.
+        lease_stale_secs: how long a lease holder on another host may go without renewing its lease
+            before another job takes it over (``lease.stale_secs``).
     """
 
     name: str
@@ -190,6 +197,8 @@ class TierConfig:
     on_full: str = "wait"
     key: str = "tiers[?]"
     readonly: bool = False
+    job: str | None = None
+    lease_stale_secs: float = LEASE_STALE_SECS
 
 
 @dataclass(frozen=True)
@@ -285,7 +294,7 @@ def parse_config(data: Any, base_dir: str | os.PathLike[str] | None = None) -> H
     Raises:
         ConfigError: naming the first bad key, e.g. ``tiers[1].capacity: expected a size like '64GiB', got 'lots'``.
     """
-    d = _check_keys(data, "config", {"tiers", "io", "layout", "policy"}, {"tiers"})
+    d = _check_keys(data, "config", {"tiers", "io", "layout", "policy", "lease"}, {"tiers"})
     io = default_io()
     if "io" in d:
         io = _parse_io(d["io"], "io", io)
@@ -301,6 +310,7 @@ def parse_config(data: Any, base_dir: str | os.PathLike[str] | None = None) -> H
             layout = replace(layout, align_bytes=align)
         if "blob_size" in ld:
             layout = replace(layout, blob_bytes=_blob_size(ld["blob_size"], "layout.blob_size"))
+    stale_secs = _parse_lease(d["lease"]) if "lease" in d else LEASE_STALE_SECS
     tiers_raw = d["tiers"]
     if not isinstance(tiers_raw, list) or not tiers_raw:
         raise ConfigError(f"tiers: expected a non-empty list of tier entries, got {_short(tiers_raw)}")
@@ -339,6 +349,7 @@ def parse_config(data: Any, base_dir: str | os.PathLike[str] | None = None) -> H
                 io=_parse_io(t["io"], f"{key}.io", io) if "io" in t else io,
                 on_full=_choice(t.get("on_full", "wait"), f"{key}.on_full", ON_FULL),
                 key=key,
+                lease_stale_secs=stale_secs,
             )
         )
     policy = (
@@ -355,6 +366,14 @@ def _no_nul(value: str, key: str) -> None:
     """
     if "\0" in value:
         raise ConfigError(f"{key}: a path cannot contain a NUL byte, got {_short(value)}")
+
+
+def _parse_lease(value: Any) -> float:
+    """``lease: {stale_secs: 60}``: the renewal timeout of lease holders on other hosts (docs/jobs.md)."""
+    secs = _check_keys(value, "lease", {"stale_secs"}).get("stale_secs", LEASE_STALE_SECS)
+    if isinstance(secs, bool) or not isinstance(secs, (int, float)) or not 1 <= secs <= 86400:
+        raise ConfigError(f"lease.stale_secs: expected a number of seconds from 1 to 86400, got {_short(secs)}")
+    return float(secs)
 
 
 def _expand_path(value: str, key: str) -> Path:

@@ -13,6 +13,7 @@ __all__ = [
     "ConfigError",
     "CorruptCheckpointError",
     "StateError",
+    "TierBusyError",
     "TierFullError",
     "TierIOError",
     "TierckptError",
@@ -74,6 +75,41 @@ class TierFullError(TierckptError, OSError):
 
     def __init__(self, message: str) -> None:
         super().__init__(errno.ENOSPC, message)
+
+    def __str__(self) -> str:
+        return str(self.strerror)
+
+
+class TierBusyError(TierckptError, BlockingIOError):
+    """A tier directory is leased by another job, or this process lost its lease on it (docs/jobs.md).
+
+    A ``BlockingIOError`` (errno ``EBUSY``), as ``fcntl.flock(LOCK_NB)`` raises for a lock held
+    elsewhere: code written for lock files keeps working, and it is not mistaken for a missing
+    file (``FileExistsError``) or a permission problem (``PermissionError``).
+
+    Attributes:
+        tier: the tier's name.
+        lease_file: the lease file of the holder.
+        job: the holder's job identity (None when unknown).
+        host: the host of one of the holder's processes (None when unknown).
+        pid: that process's pid.
+        started_at: that process's start time (seconds since the epoch), where known.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        tier: str | None = None,
+        lease_file: str | None = None,
+        job: str | None = None,
+        host: str | None = None,
+        pid: int | None = None,
+        started_at: float | None = None,
+    ) -> None:
+        super().__init__(errno.EBUSY, message)
+        self.tier, self.lease_file, self.job = tier, lease_file, job
+        self.host, self.pid, self.started_at = host, pid, started_at
 
     def __str__(self) -> str:
         return str(self.strerror)

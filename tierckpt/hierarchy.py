@@ -44,6 +44,7 @@ from tierckpt.io.buffers import StagingPool
 from tierckpt.policies.demotion import Cadence, Demotion
 from tierckpt.policies.retention import KeepAll, KeepLatest, RetentionPolicy
 from tierckpt.registry import get_tier_class
+from tierckpt.tiers._jobs import hierarchy_job, resolve_job
 from tierckpt.tiers.base import CheckpointKey, Tier
 
 __all__ = ["STATES", "CheckpointInfo", "Hierarchy", "SaveHandle"]
@@ -81,6 +82,12 @@ class Hierarchy(Lifecycle):
         demotion: per tier name, a :class:`~tierckpt.policies.Demotion`; overrides ``policy.demote``.
         readonly: only look: :meth:`save` and :meth:`prefetch` raise, :meth:`close` copies nothing,
             a restore promotes nothing (see :meth:`from_config` for what it means to file tiers).
+        job: the job identity its writable file tiers lease their directories for (docs/jobs.md):
+            checked against the tiers' leases; default: theirs, else the environment's
+            (``$TIERCKPT_JOB``, ``$TORCHELASTIC_RUN_ID``, ``$SLURM_JOB_ID`` …), else this process's own.
+
+    Attributes:
+        job: that identity (None for a read-only hierarchy, which leases nothing).
 
     Example:
         >>> with Hierarchy.from_yaml("tiers/local.yaml") as h:   # doctest: +SKIP
@@ -101,10 +108,12 @@ class Hierarchy(Lifecycle):
         retention: Mapping[str, RetentionPolicy] | None = None,
         demotion: Mapping[str, Demotion] | None = None,
         readonly: bool = False,
+        job: str | None = None,
         _engines: Engines | None = None,
     ) -> None:
         names = check_tiers(tiers)
         self.readonly = readonly
+        self.job = None if readonly else hierarchy_job(tiers, job)
         if isinstance(policy, Mapping):
             policy = parse_policy(policy, names)
         self.policy = policy or PolicyConfig()
@@ -152,22 +161,31 @@ class Hierarchy(Lifecycle):
         base_dir: str | os.PathLike[str] | None = None,
         *,
         readonly: bool = False,
+        job: str | None = None,
     ) -> Hierarchy:
         """Build from a validated :class:`HierarchyConfig` or a mapping with the YAML schema.
 
         Args:
             config: the hierarchy's settings.
             base_dir: what a mapping's relative paths are relative to (default: the current directory).
-            readonly: for tools that only look (``tierckpt ls``): every file tier's directory must exist
-                and nothing is created or written: no scratch sweep, no ``on_close`` copies at
-                :meth:`close`, no promotion; :meth:`save` and :meth:`prefetch` raise.
+            readonly: for tools that only look (``tierckpt ls``) and jobs that only restore (evaluation):
+                every file tier's directory must exist and nothing is created or written: no lease, no
+                scratch sweep, no ``on_close`` copies at :meth:`close`, no promotion; :meth:`save` and
+                :meth:`prefetch` raise.
+            job: the job identity to lease the file tiers' directories for (docs/jobs.md); default:
+                the environment's (``$TIERCKPT_JOB``, ``$TORCHELASTIC_RUN_ID``, ``$SLURM_JOB_ID`` …),
+                else one of this process alone.
 
         Raises:
             ConfigError: naming the bad key.
+            TierBusyError: another job holds the lease of a file tier's directory (naming it).
         """
         cfg = config if isinstance(config, HierarchyConfig) else parse_config(config, base_dir)
         if readonly:
             cfg = replace(cfg, tiers=tuple(replace(t, readonly=True) for t in cfg.tiers))
+        else:
+            resolve_job(job)  # a bad identity (or $TIERCKPT_JOB) is refused before any directory is made
+            cfg = replace(cfg, tiers=tuple(replace(t, job=job or t.job) for t in cfg.tiers))
         engines = Engines()
         tiers: list[Tier] = []
         try:
@@ -176,7 +194,9 @@ class Hierarchy(Lifecycle):
                 tier = klass.from_config(t, engines)
                 tier.on_full = t.on_full
                 tiers.append(tier)
-            return cls(tiers, policy=cfg.policy, io=cfg.io, layout=cfg.layout, readonly=readonly, _engines=engines)
+            return cls(
+                tiers, policy=cfg.policy, io=cfg.io, layout=cfg.layout, readonly=readonly, job=job, _engines=engines
+            )
         except BaseException:
             for t in tiers:
                 t.close()
@@ -184,10 +204,10 @@ class Hierarchy(Lifecycle):
             raise
 
     @classmethod
-    def from_yaml(cls, path: str | os.PathLike[str], *, readonly: bool = False) -> Hierarchy:
-        """Build from a YAML file; relative tier paths are relative to the file (``readonly``: as for
-        :meth:`from_config`)."""
-        return cls.from_config(load_config(path), readonly=readonly)
+    def from_yaml(cls, path: str | os.PathLike[str], *, readonly: bool = False, job: str | None = None) -> Hierarchy:
+        """Build from a YAML file; relative tier paths are relative to the file (``readonly``, ``job``: as
+        for :meth:`from_config`)."""
+        return cls.from_config(load_config(path), readonly=readonly, job=job)
 
     @property
     def tiers(self) -> tuple[Tier, ...]:

@@ -11,6 +11,7 @@ import torch
 import tierckpt
 from tierckpt import Hierarchy, TierckptError
 from tierckpt.cli import main
+from tierckpt.tiers._lease import LEASE_DIR
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -115,7 +116,7 @@ def test_commands_only_look(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
     h._mover.close()  # as if the process died before close(): pfs never got step 1
     for cmd in ("ls", "inspect", "verify"):
         assert main([cmd, str(yml)]) == 0, capsys.readouterr()
-        assert not list((tmp_path / "pfs").iterdir()), cmd
+        assert [p.name for p in (tmp_path / "pfs").iterdir()] == [LEASE_DIR], cmd
     typo = tmp_path / "typo.yaml"
     typo.write_text("tiers:\n  - {name: ssd, kind: local, path: no-such-dir}\n")
     assert main(["ls", str(typo)]) == 2
@@ -126,7 +127,7 @@ def test_commands_only_look(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
         with pytest.raises(TierckptError, match="cannot prefetch"):
             ro.prefetch()
         assert torch.equal(ro.restore()["w"], torch.ones(3))
-    assert not list((tmp_path / "pfs").iterdir())
+    assert [p.name for p in (tmp_path / "pfs").iterdir()] == [LEASE_DIR]
 
 
 def test_console_script_entry_point(config: Path) -> None:

@@ -31,6 +31,7 @@ from tierckpt import (
 from tierckpt.bench.workloads import zeros_like_state
 from tierckpt.format.manifest import BlobEntry, Manifest, decode_manifest, encode_manifest
 from tierckpt.format.tree import flatten
+from tierckpt.tiers._lease import LEASE_DIR
 
 SCRATCH_PREFIXES = (".tmp-", ".old-", ".evict-")
 
@@ -100,7 +101,7 @@ def scratch_entries(root: Path) -> list[Path]:
 
 def tier_entries(root: Path) -> list[str]:
     """Every path under a tier directory, relative to it."""
-    return sorted(str(p.relative_to(root)) for p in root.rglob("*"))
+    return sorted(str(p.relative_to(root)) for p in root.rglob("*") if LEASE_DIR not in p.parts)
 
 
 def flip_byte(path: Path, pos: int) -> None:

@@ -26,15 +26,17 @@ import shutil
 import socket
 import stat
 import threading
+import weakref
 from collections.abc import Sequence
 from concurrent.futures import Future
 from pathlib import Path
 
-from tierckpt.config import IOConfig, TierConfig, default_io
+from tierckpt.config import LEASE_STALE_SECS, IOConfig, TierConfig, default_io
 from tierckpt.errors import CheckpointNotFoundError, ConfigError, CorruptCheckpointError, TierFullError, TierIOError
 from tierckpt.format.manifest import BlobEntry
 from tierckpt.io.engine import IOEngine, make_engine
 from tierckpt.io.fsutil import dio_alignment, fsync_dir, probe_direct
+from tierckpt.tiers._lease import Lease
 from tierckpt.tiers.base import CheckpointKey, EngineSource, Tier, TierCapabilities, TierReader, TierWriter
 
 __all__ = ["FileTier"]
@@ -121,7 +123,12 @@ class FileTier(Tier):
         chunk_bytes: size of one I/O operation (None: as the hierarchy's ``io``).
         capacity_bytes: most bytes of committed checkpoints, or None.
         blob_bytes: preferred blob size, or None for the kind's default.
-        readonly: only read: the directory must exist; nothing is created or swept.
+        readonly: only read: the directory must exist; nothing is created or swept, no lease taken.
+        job: the job identity to lease the directory for (default: from the environment; docs/jobs.md).
+        lease_stale_secs: how long a lease holder on another host may go without renewing it.
+
+    Raises:
+        TierBusyError: (writable) another job holds the directory's lease.
     """
 
     kind = "file"
@@ -138,6 +145,8 @@ class FileTier(Tier):
         capacity_bytes: int | None = None,
         blob_bytes: int | None = None,
         readonly: bool = False,
+        job: str | None = None,
+        lease_stale_secs: float = LEASE_STALE_SECS,
     ) -> None:
         super().__init__(name)
         self.path = Path(path)
@@ -153,6 +162,11 @@ class FileTier(Tier):
         if not os.access(self.path, need):
             what = "readable" if readonly else "readable and writable"
             raise TierIOError(errno.EACCES, f"tier {name!r}: directory {self.path} is not {what}", str(self.path))
+        # the directory is this job's before anything is written or swept (released by close(), or GC)
+        self._lease_args = (job, lease_stale_secs)
+        self.lease: Lease | None = None
+        if not readonly:
+            self._take_lease()
         self._engine, self._engine_given, self._own_engine = engine, engine is not None, False
         self._asked = (direct, chunk_bytes)  # None: from the io settings of the hierarchy the tier joins
         self._can_direct, align = probe_direct(self.path)
@@ -178,12 +192,20 @@ class FileTier(Tier):
             log.info("tier %r: %s does not support O_DIRECT; using buffered I/O", self.name, self.path)
         self.chunk_bytes = max(align, (io.chunk_bytes if chunk is None else chunk) // align * align)
 
+    def _take_lease(self) -> None:
+        job, stale_secs = self._lease_args
+        self.lease = Lease.acquire(self.path, tier=self.name, job=job, stale_secs=stale_secs)
+        weakref.finalize(self, self.lease.release)
+
     def use_io(self, engines: EngineSource, io: IOConfig) -> None:
         """Take the engine, ``direct`` and chunk size not given to the constructor from the
         hierarchy's ``io`` settings (the hierarchy calls this when it is built; the engine is the
-        hierarchy's, shared with its other tiers and closed with it)."""
+        hierarchy's, shared with its other tiers and closed with it). A writable tier closed by an
+        earlier hierarchy takes its directory's lease again."""
+        if self.lease is not None and self.lease.released:
+            self._take_lease()
         if not self._engine_given:
-            self.close()  # an engine made while the tier was used on its own
+            self._close_engine()  # an engine made while the tier was used on its own
             self._engine = engines.get(io.engine, io.queue_depth)
         self._set_io(io, self.capabilities.alignment_bytes)
 
@@ -214,6 +236,8 @@ class FileTier(Tier):
             capacity_bytes=cfg.capacity_bytes,
             blob_bytes=cfg.blob_bytes,
             readonly=cfg.readonly,
+            job=cfg.job,
+            lease_stale_secs=cfg.lease_stale_secs,
         )
 
     def describe(self) -> str:
@@ -300,7 +324,19 @@ class FileTier(Tier):
         except OSError as e:
             raise _io_error(self.name, f"cannot read {p}", e) from e
 
+    def close(self) -> None:
+        """Release the lease (another job may write here once no process of this one holds it) and
+        close the engine the tier made for itself (:attr:`engine`), if it made one."""
+        if self.lease is not None:
+            self.lease.release()
+        self._close_engine()
+
+    def _check_lease(self) -> None:
+        if self.lease is not None:
+            self.lease.check()
+
     def reserve(self, key: CheckpointKey, blobs: Sequence[BlobEntry]) -> TierWriter:
+        self._check_lease()
         need = sum(b.size for b in blobs)
         if self.capacity_bytes is not None:
             used = self.used_bytes()
@@ -315,6 +351,7 @@ class FileTier(Tier):
         return _FileReader(self, self._rank_dir(key), blobs)
 
     def evict(self, key: CheckpointKey, *, free: bool = True) -> None:
+        self._check_lease()
         src = self._rank_dir(key)
         gone = src.parent / _scratch("evict", key.rank)
         try:
@@ -340,7 +377,7 @@ class FileTier(Tier):
             with contextlib.suppress(OSError):
                 p.parent.rmdir()  # only succeeds when no other rank (or write) is in there
 
-    def close(self) -> None:
+    def _close_engine(self) -> None:
         """Close the engine the tier made for itself (:attr:`engine`), if it made one."""
         if self._own_engine and self._engine is not None:
             self._engine.close()
