@@ -36,12 +36,13 @@ from restart_report import report
 
 from tierckpt import Hierarchy
 from tierckpt.bench.rawio import fio_available, run_fio
-from tierckpt.bench.system import machine_info, make_cold
+from tierckpt.bench.system import machine_info, make_cold, read_text
 from tierckpt.bench.workloads import make_llm_state, state_bytes
 
 HERE = Path(__file__).resolve().parent
 OPS = ("raw", "tierckpt", "tierckpt-into", "torch", "dcp")
 RESTARTS = ("tierckpt", "torch", "dcp")
+REPORTED = Path("/sys/module/page_reporting/parameters/reported_kib")  # this VM's free page reporting counter
 SPIN = "import os, sys\nos.sched_setaffinity(0, {int(sys.argv[1])})\nwhile True:\n    pass\n"
 
 
@@ -126,9 +127,33 @@ class Bench:
     def cold(self) -> None:
         self.cold_methods.add(make_cold([self.scratch], self.args.cold))
 
+    def settle(self) -> dict[str, float]:
+        """Wait (at most ``--settle`` s) until the memory freed by the last process has gone back to the host.
+
+        On a VM with free page reporting (virtio-balloon), freed guest memory is handed back to the host
+        within seconds, and the next first touch of it costs a host fault (~1 CPU-s/GB here, against
+        ~0.1 for the guest's own zeroing). A process started right after another one exited gets memory
+        still backed and faults it in several times faster: without this wait, whichever operation runs
+        first after a big free looks cheap. Waiting gives every process never-touched memory, as a
+        restarting job on this VM gets. Where the counter is absent, nothing is waited for.
+        """
+        if not REPORTED.exists() or self.args.settle <= 0:
+            return {}
+        t0, last, since = time.monotonic(), int(REPORTED.read_text()), time.monotonic()
+        start = last
+        while (
+            time.monotonic() - t0 < self.args.settle and time.monotonic() - since < 3.0
+        ):  # reporting runs 2 s after a free
+            time.sleep(0.25)
+            now = int(REPORTED.read_text())
+            if now != last:
+                last, since = now, time.monotonic()
+        return {"settle_secs": time.monotonic() - t0, "reported_mib": (last - start) / 1024}
+
     def child(self, spec: dict[str, Any]) -> dict[str, Any]:
         """Run one restarted process; its JSON line plus ``proc_*`` (whole process, from outside)."""
         self.cold()
+        settled = self.settle()
         log = self.scratch / "child.log"
         with log.open("w") as err:
             t0 = time.time()
@@ -141,7 +166,7 @@ class Bench:
         if p.returncode != 0:
             raise RuntimeError(f"restart child {spec['op']} failed ({p.returncode}):\n{log.read_text()[-4000:]}")
         out = json.loads(stdout.strip().splitlines()[-1])
-        out.update(t_spawn=t0, proc_wall=wall, proc_cpu=ru.ru_utime + ru.ru_stime)
+        out.update(t_spawn=t0, proc_wall=wall, proc_cpu=ru.ru_utime + ru.ru_stime, **settled)
         return out
 
     def restore_spec(self, op: str) -> dict[str, Any]:
@@ -199,6 +224,14 @@ class Bench:
         return subprocess.Popen([sys.executable, "-c", SPIN, str(core)])
 
 
+def memory_info() -> dict[str, Any]:
+    """THP settings and whether freed memory is reported to a VM host (what fresh memory costs depends on)."""
+    thp = Path("/sys/kernel/mm/transparent_hugepage")
+    info: dict[str, Any] = {f"thp_{n}": read_text(str(thp / n)).strip() for n in ("enabled", "defrag")}
+    info["free_page_reporting"] = REPORTED.exists()
+    return info
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="a ~51 MB state and a ~4 M-parameter model (smoke test)")
@@ -214,6 +247,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default="fadvise",
         help="fadvise (default): DONTNEED on the checkpoint files only; drop_caches would also evict "
         "python's and torch's libraries, so every process start would read them from disk",
+    )
+    p.add_argument(
+        "--settle",
+        type=float,
+        default=15.0,
+        help="at most this many seconds before each process for freed memory to go back to the VM's "
+        "host (free page reporting; 0: do not wait)",
     )
     p.add_argument("--profile", action="store_true", help="also one profiled tierckpt restore per repeat")
     p.add_argument("--no-e2e", action="store_true", help="skip the end-to-end restarts")
@@ -235,7 +275,7 @@ def main(argv: list[str] | None = None) -> int:
     scratch = Path(tempfile.mkdtemp(prefix="bench-restart-", dir=args.dir))
     try:
         b = Bench(args, scratch, args.out)
-        b.emit({"kind": "machine", **machine_info(scratch), "argv": sys.argv[1:]})
+        b.emit({"kind": "machine", **machine_info(scratch), **memory_info(), "argv": sys.argv[1:]})
         b.setup()
         b.run()
         text = report(b.records, b.cold_methods)
