@@ -28,6 +28,8 @@ def test_bench_restart_quick(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) ->
         "raw,tierckpt",
         "--restarts",
         "tierckpt",
+        "--settle",
+        "0",
     ]
     assert bench_restart.main([*argv, "--profile", "--out", str(out), "--dir", str(tmp_path)]) == 0
 
