@@ -8,6 +8,7 @@
 
 from tierckpt.config import DemoteConfig, HierarchyConfig, IOConfig, LayoutConfig, PolicyConfig, TierConfig, load_config
 from tierckpt.errors import (
+    CheckpointEvictedError,
     CheckpointNotFoundError,
     ConfigError,
     CorruptCheckpointError,
@@ -23,6 +24,7 @@ from tierckpt.tiers.base import CheckpointKey, Tier, TierCapabilities, TierReade
 __version__ = "0.1.0"
 
 __all__ = [
+    "CheckpointEvictedError",
     "CheckpointInfo",
     "CheckpointKey",
     "CheckpointNotFoundError",
