@@ -10,7 +10,7 @@ no step given, a step damaged on every tier is skipped for the newest older one,
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from tierckpt._records import CheckpointInfo
@@ -55,7 +55,8 @@ def choose_and_read(
         if not todo:
             if skipped:
                 newest = max(skipped)
-                raise unusable(newest, skipped[newest], steps, also=sorted(set(skipped) - {newest}, reverse=True))
+                also = {s: f for s, f in sorted(skipped.items(), reverse=True) if s != newest}
+                raise unusable(newest, skipped[newest], steps, also=also)
             if relists and step is not None:
                 raise CheckpointEvictedError(
                     f"step {step} was evicted or replaced by another process while it was being opened "
@@ -106,15 +107,21 @@ def _describe(failures: Failures) -> str:
     return "; ".join(f"tier {n!r}: {e}" for n, e in failures)
 
 
-def unusable(step: int, failures: Failures, steps: Sequence[int], also: Sequence[int] = ()) -> BaseException:
+def unusable(
+    step: int, failures: Failures, steps: Sequence[int], also: Mapping[int, Failures] | None = None
+) -> BaseException:
     """The error for a step no tier could read: the one failure as it is when there is nothing else to
-    say, else one error naming every tier's failure and the older steps that exist."""
+    say, else one error naming every tier's failure and the older steps that exist (``also``: older
+    steps that failed too, newest first, with their failures; the first three are described)."""
     older = [s for s in steps if s < step]
     if len(failures) == 1 and not older and not also:
         return failures[0][1]
     msg = f"step {step} is unusable on every tier that holds it: {_describe(failures)}"
     if also:
-        msg += f"; older steps {list(also)} are unusable too"
+        shown = list(also.items())[:3]
+        msg += "; older steps are unusable too: " + "; ".join(f"step {s}: {_describe(f)}" for s, f in shown)
+        if len(also) > len(shown):
+            msg += f"; and steps {sorted(also)[: len(also) - len(shown)]}"
     elif older:
         msg += f"; older committed steps: {older} (restore(step=N) reads one)"
     first = failures[0][1]

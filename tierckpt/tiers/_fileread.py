@@ -54,7 +54,7 @@ def kind_of(mode: int) -> str:
     """What a file of this mode is, for messages."""
     for test, what in (
         (stat.S_ISDIR, "a directory"),
-        (stat.S_ISLNK, "a symbolic link (links are not followed inside a tier)"),
+        (stat.S_ISLNK, "a symbolic link: links inside a tier are not followed"),
         (stat.S_ISFIFO, "a FIFO"),
         (stat.S_ISSOCK, "a socket"),
         (stat.S_ISCHR, "a character device"),
