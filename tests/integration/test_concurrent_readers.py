@@ -9,6 +9,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -115,36 +116,32 @@ def test_a_reader_beside_a_writer_that_evicts_and_saves_again(tmp_path: Path) ->
     assert writer.returncode == 0
 
 
-@pytest.mark.parametrize("kind", ["local", "pfs"])
-def test_a_copy_replaced_or_evicted_after_it_is_opened_is_still_read_whole(tmp_path: Path, kind: str) -> None:
-    """Deterministic form of the race: the copy is opened, then (between opening and reading) the
-    step is saved again, or evicted; the reader returns the copy it opened."""
+def restore_after(h: Hierarchy, action: Callable[[], object], monkeypatch: pytest.MonkeyPatch) -> Any:
+    """``h.restore()``, with ``action`` run after the copy is opened and before its blobs are read."""
     import tierckpt._restore as r
 
+    real = r._read_blobs
+
+    def then_act(*a: Any) -> Any:
+        action()
+        return real(*a)
+
+    with monkeypatch.context() as m:
+        m.setattr(r, "_read_blobs", then_act)
+        return h.restore()
+
+
+@pytest.mark.parametrize("kind", ["local", "pfs"])
+def test_a_copy_replaced_or_evicted_after_it_is_opened_is_still_read_whole(
+    tmp_path: Path, kind: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Deterministic form of the race: the copy is opened, then (between opening and reading) the
+    step is saved again, or evicted; the reader returns the copy it opened."""
     cfg = {"tiers": [{"name": "t", "kind": kind, "path": str(tmp_path / "t")}], "io": {"engine": "threads"}}
     with Hierarchy.from_config(cfg) as w, Hierarchy.from_config(cfg, readonly=True) as h:
         w.save({"a": torch.full((5000,), 1.0), "step": 1}, step=1).wait()
-        real = r._read_blobs
-
-        def then_saved_again(*a: Any) -> Any:
-            w.save({"a": torch.full((5000,), 2.0), "step": 1}, step=1).wait()  # swapped in
-            return real(*a)
-
-        r._read_blobs = then_saved_again
-        try:
-            got = h.restore()
-        finally:
-            r._read_blobs = real
-        assert torch.equal(got["a"], torch.full((5000,), 1.0))
+        again = restore_after(h, lambda: w.save({"a": torch.full((5000,), 2.0), "step": 1}, step=1).wait(), monkeypatch)
+        assert torch.equal(again["a"], torch.full((5000,), 1.0))  # the copy opened, not the one swapped in
         assert torch.equal(h.restore()["a"], torch.full((5000,), 2.0))
-
-        def then_evicted(*a: Any) -> Any:
-            w.tier("t").evict(w.tier("t").list_committed()[0])
-            return real(*a)
-
-        r._read_blobs = then_evicted
-        try:
-            got = h.restore()
-        finally:
-            r._read_blobs = real
-        assert torch.equal(got["a"], torch.full((5000,), 2.0)) and h.checkpoints() == []
+        evicted = restore_after(h, lambda: w.tier("t").evict(w.tier("t").list_committed()[0]), monkeypatch)
+        assert torch.equal(evicted["a"], torch.full((5000,), 2.0)) and h.checkpoints() == []
