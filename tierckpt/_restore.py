@@ -235,8 +235,8 @@ def verify_checkpoint(tier: Tier, key: CheckpointKey) -> Manifest:
             resolve_tree(value, ref, _no_tensor, len(m.tensors))
         except CorruptCheckpointError as e:
             raise _located(e, tier, key) from None
-        reader = copy.reader(m.blobs)  # every blob open, its size checked against the file's
-    _read_blobs(tier, key, m, reader, _verifier(tier, key, m))
+        verify = _verifier(tier, key, m)
+        _read_blobs(tier, key, m, copy.reader(m.blobs), verify)  # every blob open, its size checked first
     return m
 
 
@@ -250,20 +250,21 @@ def read_checkpoint(tier: Tier, key: CheckpointKey, *, allow_pickle: bool = Fals
     with tier.open_copy(key) as copy:  # one copy, whatever other processes do to the step meanwhile
         m = load_manifest(tier, key, allow_pickle=allow_pickle, copy=copy)
         tree, ref = load_tree(tier, key, m, allow_pickle=allow_pickle)  # valid before a blob is opened
-        reader = copy.reader(m.blobs)  # every blob open, its size checked against the file's
-    cache: dict[int, torch.Tensor] = {}
-    verify = _verifier(tier, key, m)
+        cache: dict[int, torch.Tensor] = {}
+        verify = _verifier(tier, key, m)
 
-    t = m.tensors
-    dtypes = [dtype_from_name(d) for d in t.dtypes]
-    offsets, lengths, shapes = t.offsets, t.lengths, t.shapes
+        t = m.tensors
+        dtypes = [dtype_from_name(d) for d in t.dtypes]
+        offsets, lengths, shapes = t.offsets, t.lengths, t.shapes
 
-    def on_data(bi: int, buf: MappedBuffer, upto: int) -> None:
-        carve = buf.tensor
-        for i in verify(bi, buf, upto):  # build the views now, while later chunks are still being read
-            cache[i] = carve(offsets[i], lengths[i], dtypes[i], shapes[i])
+        def on_data(bi: int, buf: MappedBuffer, upto: int) -> None:
+            carve = buf.tensor
+            for i in verify(bi, buf, upto):  # build the views now, while later chunks are still being read
+                cache[i] = carve(offsets[i], lengths[i], dtypes[i], shapes[i])
 
-    _read_blobs(tier, key, m, reader, on_data)  # every non-empty tensor is in the cache once this returns
+        # every blob is opened, and its size checked against its file, before anything is allocated;
+        # every non-empty tensor is in the cache once this returns
+        _read_blobs(tier, key, m, copy.reader(m.blobs), on_data)
 
     def tensor_at(i: int) -> torch.Tensor:
         got = cache.get(i)

@@ -483,6 +483,10 @@ class Hierarchy(Lifecycle):
                     except (CorruptCheckpointError, OSError) as e:
                         out.append((info.step, name, e))
                     break
+                else:
+                    log.info(
+                        "step %d on tier %r was replaced 3 times while being verified: not listed", info.step, name
+                    )
         return out
 
     # -- lifecycle ---------------------------------------------------------------------------------------
