@@ -25,6 +25,7 @@ _LAZY: dict[str, str] = {
     "PolicyConfig": "tierckpt.config",
     "TierConfig": "tierckpt.config",
     "load_config": "tierckpt.config",
+    "CheckpointEvictedError": "tierckpt.errors",
     "CheckpointNotFoundError": "tierckpt.errors",
     "ConfigError": "tierckpt.errors",
     "CorruptCheckpointError": "tierckpt.errors",
@@ -50,6 +51,7 @@ _LAZY: dict[str, str] = {
 }
 
 __all__ = [
+    "CheckpointEvictedError",
     "CheckpointInfo",
     "CheckpointKey",
     "CheckpointNotFoundError",
@@ -93,6 +95,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time __getattr__ im
         load_config,
     )
     from tierckpt.errors import (
+        CheckpointEvictedError,
         CheckpointNotFoundError,
         ConfigError,
         CorruptCheckpointError,

@@ -361,16 +361,21 @@ class Mover:
         )
 
     def _copy(self, key: CheckpointKey, src: Tier, dst: Tier, blobs: Sequence[BlobEntry] | None) -> None:
-        manifest = src.read_manifest(key)
-        if blobs is None:
-            from tierckpt._restore import load_manifest
+        with src.open_copy(key) as copy:  # manifest and blobs of one copy; blob sizes checked at open
+            manifest = copy.read_manifest()
+            if blobs is None:
+                from tierckpt._restore import load_manifest
 
-            blobs = load_manifest(src, key).blobs
+                blobs = load_manifest(src, key, copy=copy).blobs
+            reader = copy.reader(blobs)
         align = max(src.capabilities.alignment_bytes, dst.capabilities.alignment_bytes)
         chunk = max(align, dst.chunk_bytes // align * align)
-        writer = self.reserve(dst, key, blobs)
         try:
-            reader = src.reader(key, blobs)
+            writer = self.reserve(dst, key, blobs)
+        except BaseException:
+            reader.close()
+            raise
+        try:
             try:
                 copy_blobs(src, reader, writer, key, blobs, chunk, self.workers[dst.name].pool)
             finally:

@@ -24,7 +24,7 @@ from tierckpt.format.table import blob_spans
 from tierckpt.format.tree import decode_tree, resolve_tree
 from tierckpt.io.buffers import MappedBuffer, ptr_mv
 from tierckpt.io.native import THREADS, all_zero, native, records
-from tierckpt.tiers.base import CheckpointKey, Tier
+from tierckpt.tiers.base import CheckpointKey, Tier, TierCopy, TierReader
 
 __all__ = ["load_head", "load_manifest", "load_rest", "load_tree", "read_checkpoint", "verify_checkpoint"]
 
@@ -38,24 +38,28 @@ def _located(e: CorruptCheckpointError, tier: Tier, key: CheckpointKey) -> Corru
     return e if e.tier is not None else CorruptCheckpointError(str(e), tier=tier.name, step=key.step)
 
 
-def load_manifest(tier: Tier, key: CheckpointKey, *, allow_pickle: bool = True) -> Manifest:
-    """Read and validate the manifest of ``key`` on ``tier``.
+def load_manifest(
+    tier: Tier, key: CheckpointKey, *, allow_pickle: bool = True, copy: TierCopy | None = None
+) -> Manifest:
+    """Read and validate the manifest of ``key`` on ``tier`` (from ``copy``, an opened copy of it, if given).
 
     Raises:
         StateError: the checkpoint holds pickled values and ``allow_pickle`` is False.
     """
-    return load_rest(tier, key, load_head(tier, key, allow_pickle=allow_pickle))
+    return load_rest(tier, key, load_head(tier, key, allow_pickle=allow_pickle, copy=copy))
 
 
-def load_head(tier: Tier, key: CheckpointKey, *, allow_pickle: bool = True) -> ManifestHead:
-    """Read the manifest of ``key`` on ``tier`` and validate its head (what says which blobs to read);
-    :func:`load_rest` validates the rest.
+def load_head(
+    tier: Tier, key: CheckpointKey, *, allow_pickle: bool = True, copy: TierCopy | None = None
+) -> ManifestHead:
+    """Read the manifest of ``key`` on ``tier`` (from ``copy``, an opened copy of it, if given) and
+    validate its head (what says which blobs to read); :func:`load_rest` validates the rest.
 
     Raises:
         StateError: the checkpoint holds pickled values and ``allow_pickle`` is False.
     """
     try:
-        head = decode_head(tier.read_manifest(key))
+        head = decode_head(copy.read_manifest() if copy is not None else tier.read_manifest(key))
     except CorruptCheckpointError as e:
         raise _located(e, tier, key) from None
     if (head.step, head.rank) != (key.step, key.rank):
@@ -80,10 +84,28 @@ def load_rest(tier: Tier, key: CheckpointKey, head: ManifestHead) -> Manifest:
         raise _located(e, tier, key) from None
 
 
+def _fresh_buffers(tier: Tier, key: CheckpointKey, m: Manifest) -> list[MappedBuffer]:
+    """One page-aligned buffer per blob; memory that cannot be had is a MemoryError naming the request."""
+    bufs: list[MappedBuffer] = []
+    for b in m.blobs:
+        try:
+            bufs.append(MappedBuffer(b.size))
+        except (OSError, MemoryError, OverflowError) as e:
+            raise MemoryError(
+                f"restoring step {key.step} from tier {tier.name!r}: cannot allocate {b.size} bytes for "
+                f"{b.name} ({m.blob_bytes} bytes for the checkpoint's {len(m.blobs)} blob(s)): {e}"
+            ) from e
+    return bufs
+
+
 def _read_blobs(
-    tier: Tier, key: CheckpointKey, m: Manifest, on_data: Callable[[int, MappedBuffer, int], object]
+    tier: Tier,
+    key: CheckpointKey,
+    m: Manifest,
+    reader: TierReader,
+    on_data: Callable[[int, MappedBuffer, int], object],
 ) -> list[MappedBuffer]:
-    """Read every blob into fresh page-aligned buffers.
+    """Read every blob into fresh page-aligned buffers through ``reader`` (closed when done).
 
     ``on_data(i, buf, upto)`` runs (in this thread) each time the first ``upto`` bytes of blob i are in,
     chunk by chunk, so checking and rebuilding overlap the reads still in flight.
@@ -95,8 +117,11 @@ def _read_blobs(
     """
     chunk = max(m.align, getattr(tier, "chunk_bytes", 64 << 20) // m.align * m.align)
     first = max(m.align, chunk // 4 // m.align * m.align)
-    bufs = [MappedBuffer(b.size) for b in m.blobs]  # page-aligned: fine for O_DIRECT
-    reader = tier.reader(key, m.blobs)
+    try:
+        bufs = _fresh_buffers(tier, key, m)  # page-aligned: fine for O_DIRECT
+    except BaseException:
+        reader.close()
+        raise
 
     def prep(bi: int, off: int, n: int) -> Future[int]:
         bufs[bi].populate(off, n)
@@ -203,13 +228,15 @@ def _no_tensor(i: int) -> Any:
 def verify_checkpoint(tier: Tier, key: CheckpointKey) -> Manifest:
     """Re-read every blob of ``key`` on ``tier`` and check every checksum, after the whole manifest and the
     state tree (what ``restore()`` would check before it reads); raise on the first problem."""
-    m = load_manifest(tier, key)
-    try:  # the tree as restore() reads it: decoded and every reference in range, no pickle ever loaded
-        value, ref = decode_tree(m.tree, len(m.tensors), m.version, allow_pickle=True, unpickle=False)
-        resolve_tree(value, ref, _no_tensor, len(m.tensors))
-    except CorruptCheckpointError as e:
-        raise _located(e, tier, key) from None
-    _read_blobs(tier, key, m, _verifier(tier, key, m))
+    with tier.open_copy(key) as copy:  # one copy, whatever other processes do to the step meanwhile
+        m = load_manifest(tier, key, copy=copy)
+        try:  # the tree as restore() reads it: decoded and every reference in range, no pickle ever loaded
+            value, ref = decode_tree(m.tree, len(m.tensors), m.version, allow_pickle=True, unpickle=False)
+            resolve_tree(value, ref, _no_tensor, len(m.tensors))
+        except CorruptCheckpointError as e:
+            raise _located(e, tier, key) from None
+        verify = _verifier(tier, key, m)
+        _read_blobs(tier, key, m, copy.reader(m.blobs), verify)  # every blob open, its size checked first
     return m
 
 
@@ -220,21 +247,24 @@ def read_checkpoint(tier: Tier, key: CheckpointKey, *, allow_pickle: bool = Fals
         CorruptCheckpointError: naming the tier, blob and key of what failed validation.
         StateError: the checkpoint holds pickled values and ``allow_pickle`` is False.
     """
-    m = load_manifest(tier, key, allow_pickle=allow_pickle)
-    tree, ref = load_tree(tier, key, m, allow_pickle=allow_pickle)  # valid before a blob is opened
-    cache: dict[int, torch.Tensor] = {}
-    verify = _verifier(tier, key, m)
+    with tier.open_copy(key) as copy:  # one copy, whatever other processes do to the step meanwhile
+        m = load_manifest(tier, key, allow_pickle=allow_pickle, copy=copy)
+        tree, ref = load_tree(tier, key, m, allow_pickle=allow_pickle)  # valid before a blob is opened
+        cache: dict[int, torch.Tensor] = {}
+        verify = _verifier(tier, key, m)
 
-    t = m.tensors
-    dtypes = [dtype_from_name(d) for d in t.dtypes]
-    offsets, lengths, shapes = t.offsets, t.lengths, t.shapes
+        t = m.tensors
+        dtypes = [dtype_from_name(d) for d in t.dtypes]
+        offsets, lengths, shapes = t.offsets, t.lengths, t.shapes
 
-    def on_data(bi: int, buf: MappedBuffer, upto: int) -> None:
-        carve = buf.tensor
-        for i in verify(bi, buf, upto):  # build the views now, while later chunks are still being read
-            cache[i] = carve(offsets[i], lengths[i], dtypes[i], shapes[i])
+        def on_data(bi: int, buf: MappedBuffer, upto: int) -> None:
+            carve = buf.tensor
+            for i in verify(bi, buf, upto):  # build the views now, while later chunks are still being read
+                cache[i] = carve(offsets[i], lengths[i], dtypes[i], shapes[i])
 
-    _read_blobs(tier, key, m, on_data)  # every non-empty tensor is in the cache once this returns
+        # every blob is opened, and its size checked against its file, before anything is allocated;
+        # every non-empty tensor is in the cache once this returns
+        _read_blobs(tier, key, m, copy.reader(m.blobs), on_data)
 
     def tensor_at(i: int) -> torch.Tensor:
         got = cache.get(i)

@@ -114,8 +114,9 @@ def restore_into(
             so may large ones further on whose bodies were being read straight into them (the reads in
             flight); no value is assigned and no other tensor is changed.
     """
-    head = load_head(tier, key, allow_pickle=allow_pickle)
-    reader = tier.reader(key, head.blobs)
+    with tier.open_copy(key) as copy:  # one copy; each blob's size is checked against its file here
+        head = load_head(tier, key, allow_pickle=allow_pickle, copy=copy)
+        reader = copy.reader(head.blobs)
     try:
         stream = _Stream(tier, key, head, reader, lambda: pool(head.align))
         try:

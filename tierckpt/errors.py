@@ -9,6 +9,7 @@ from __future__ import annotations
 import errno
 
 __all__ = [
+    "CheckpointEvictedError",
     "CheckpointNotFoundError",
     "ConfigError",
     "CorruptCheckpointError",
@@ -37,6 +38,11 @@ class StateError(TierckptError, TypeError):
 
 class CheckpointNotFoundError(TierckptError, FileNotFoundError):
     """No committed checkpoint matches the request."""
+
+
+class CheckpointEvictedError(CheckpointNotFoundError):
+    """A committed checkpoint went away (evicted, or replaced by a new save of its step, by another
+    process) while it was being opened for reading; what had been opened is dropped, nothing was read."""
 
 
 class CorruptCheckpointError(TierckptError, OSError):

@@ -19,6 +19,7 @@ from dataclasses import replace
 from typing import Any
 
 from tierckpt._checks import check_policy_names, check_rank, check_step, check_tiers
+from tierckpt._choose import choose_and_read
 from tierckpt._lifecycle import Lifecycle, resolved
 from tierckpt._mover import Mover
 from tierckpt._records import STATES, CheckpointInfo, SaveHandle, Tracker, merge_states
@@ -36,7 +37,7 @@ from tierckpt.config import (
     parse_config,
     parse_policy,
 )
-from tierckpt.errors import CheckpointNotFoundError, CorruptCheckpointError, StateError
+from tierckpt.errors import CheckpointNotFoundError, CorruptCheckpointError
 from tierckpt.format.layout import plan, round_up
 from tierckpt.format.manifest import BlobEntry, Manifest
 from tierckpt.format.tree import flatten
@@ -385,15 +386,21 @@ class Hierarchy(Lifecycle):
         (``pending``, ``writing``, ``committed``, ``failed``, ``evicting`` or ``absent``)."""
         return merge_states(self._tiers, self._tracker, self.rank)
 
+    def _listing(self, tier: str | None = None) -> list[CheckpointInfo]:
+        """Committed steps, oldest first (only those on ``tier``, as held there, if given)."""
+        infos = [i for i in self.checkpoints() if i.tiers]
+        if tier is not None:
+            infos = [CheckpointInfo(i.step, (tier,)) for i in infos if tier in i.tiers]
+        return infos
+
     def _locate(self, step: int | None, tier: str | None = None) -> CheckpointInfo:
         if step is not None:
             check_step(step)
-        infos = [i for i in self.checkpoints() if i.tiers]
         if tier is not None:
             self.tier(tier)
-            infos = [CheckpointInfo(i.step, (tier,)) for i in infos if tier in i.tiers]
+        infos = self._listing(tier)
         if not infos:
-            where = f"tier {tier!r}" if tier else "any tier"
+            where = f"rank {self.rank} on " + (f"tier {tier!r}" if tier else "any tier")
             raise CheckpointNotFoundError(f"no committed checkpoint for rank {self.rank} on {where}")
         if step is None:
             return infos[-1]
@@ -427,8 +434,15 @@ class Hierarchy(Lifecycle):
         read; if its copy is damaged, a warning is logged and the next tier's copy is used. With
         ``policy.promote.on_restore``, a copy read from a lower tier is then promoted in the background.
 
+        With no ``step``, a step whose copies are damaged on every tier is skipped with a warning naming
+        each tier's problem, and the newest older step that restores is returned (``last_restore``
+        says which). Another process may save and evict on the same tiers meanwhile (an evaluation job
+        following a training run): a copy is read as the snapshot it was when opened, and one that is
+        evicted or replaced before it is fully opened makes the restore look again (docs/restore.md,
+        "What a reader sees"); it is never reported as damaged.
+
         Args:
-            step: the step, or None for the newest.
+            step: the step, or None for the newest that restores.
             into: a state whose tensors receive the bytes in place (returned); None for fresh CPU tensors.
                 The bytes stream through a few reused staging buffers straight into its tensors
                 (docs/restore.md); its structure, shapes and dtypes are checked first.
@@ -444,42 +458,37 @@ class Hierarchy(Lifecycle):
                 position together, use :class:`tierckpt.TrainState` (docs/resume.md).
 
         Raises:
-            CheckpointNotFoundError: no such step.
-            CorruptCheckpointError: every copy failed validation (names tier, blob and key).
+            CheckpointNotFoundError: no such step; :class:`CheckpointEvictedError` where ``step`` was
+                evicted by another process while it was being opened.
+            CorruptCheckpointError: every copy failed validation; with several copies (or older steps
+                to suggest) one error names every tier's failure and the older committed steps.
             StateError: ``into`` does not match the checkpoint, or it holds pickled values.
         """
         self._check_open()
         self._settle_top()
-        info = self._locate(step, tier)
-        climbing = self._promotions.get(info.step)
-        if tier is None and climbing is not None and not climbing.done():
-            log.info("restore: waiting for the prefetch of step %d", info.step)
-            try:
+        if step is not None:
+            check_step(step)
+        if tier is not None:
+            self.tier(tier)
+        if tier is None and any(not f.done() for f in self._promotions.values()):
+            info = self._locate(step)
+            climbing = self._promotions.get(info.step)
+            if climbing is not None and not climbing.done():
+                log.info("restore: waiting for the prefetch of step %d", info.step)
                 climbing.exception()
-            finally:
-                info = self._locate(info.step)
-        first: BaseException | None = None
-        for name in info.tiers:
-            key = CheckpointKey(info.step, self.rank)
-            try:
-                if into is None:
-                    state, _ = read_checkpoint(self.tier(name), key, allow_pickle=allow_pickle)
-                else:
-                    state = self._in_place.restore(self.tier(name), key, into, allow_pickle=allow_pickle, strict=strict)
-            except StateError:
-                raise
-            except (CorruptCheckpointError, OSError) as e:
-                log.warning("step %d on tier %r is unusable (%s); trying the next tier", info.step, name, e)
-                first = first or e
-                continue
-            if first is not None:
-                log.warning("restored step %d from tier %r instead", info.step, name)
-            self.last_restore = (info.step, name)
-            if tier is None and self.policy.promote_on_restore and self._index[name] > 0 and not self.readonly:
-                self.prefetch(info.step)
-            return state
-        assert first is not None
-        raise first
+
+        def read(s: int, name: str) -> Any:
+            key = CheckpointKey(s, self.rank)
+            if into is None:
+                return read_checkpoint(self.tier(name), key, allow_pickle=allow_pickle)[0]
+            return self._in_place.restore(self.tier(name), key, into, allow_pickle=allow_pickle, strict=strict)
+
+        where = f"rank {self.rank} on " + (f"tier {tier!r}" if tier else "any tier")
+        state, got, name = choose_and_read(lambda: self._listing(tier), read, step, where)
+        self.last_restore = (got, name)
+        if tier is None and self.policy.promote_on_restore and self._index[name] > 0 and not self.readonly:
+            self.prefetch(got)
+        return state
 
     def inspect(self, step: int | None = None) -> tuple[str, Manifest]:
         """The manifest of ``step`` (default: newest) from the fastest tier holding it, and that tier's name."""
@@ -487,16 +496,30 @@ class Hierarchy(Lifecycle):
         return info.tiers[0], load_manifest(self.tier(info.tiers[0]), CheckpointKey(info.step, self.rank))
 
     def verify(self, step: int | None = None) -> list[tuple[int, str, BaseException | None]]:
-        """Re-read every copy of ``step`` (default: every step) on every tier; (step, tier, error or None)."""
-        infos = [self._locate(step)] if step is not None else [i for i in self.checkpoints() if i.tiers]
+        """Re-read every copy of ``step`` (default: every step) on every tier; (step, tier, error or None).
+
+        A copy that another process evicts while it is being verified is left out (it is gone, not
+        damaged); one replaced by a new save of its step is verified again."""
+        infos = [self._locate(step)] if step is not None else self._listing()
         out: list[tuple[int, str, BaseException | None]] = []
         for info in infos:
             for name in info.tiers:
-                try:
-                    verify_checkpoint(self.tier(name), CheckpointKey(info.step, self.rank))
-                    out.append((info.step, name, None))
-                except (CorruptCheckpointError, OSError) as e:
-                    out.append((info.step, name, e))
+                key = CheckpointKey(info.step, self.rank)
+                for _ in range(3):  # a copy replaced (saved again) while being opened is verified again
+                    try:
+                        verify_checkpoint(self.tier(name), key)
+                        out.append((info.step, name, None))
+                    except CheckpointNotFoundError:  # evicted by another process: gone, not damaged
+                        if self._holds(self.tier(name), key):
+                            continue
+                        log.info("step %d on tier %r was evicted while being verified: not listed", info.step, name)
+                    except (CorruptCheckpointError, OSError) as e:
+                        out.append((info.step, name, e))
+                    break
+                else:
+                    log.info(
+                        "step %d on tier %r was replaced 3 times while being verified: not listed", info.step, name
+                    )
         return out
 
     # -- lifecycle ---------------------------------------------------------------------------------------

@@ -138,15 +138,15 @@ def test_a_tier_directory_that_cannot_be_listed_is_named(
 ) -> None:
     """Not a raw PermissionError: opening the tier says which tier and directory; a listing that fails
     later leaves that tier out of checkpoints() with a warning naming it."""
-    real = os.listdir
+    real = os.scandir
     denied_dir: list[Path] = []
 
-    def listdir(p: Any = ".") -> list[str]:
+    def scandir(p: Any = ".") -> Any:
         if denied_dir and Path(p) == denied_dir[0]:
             raise PermissionError(13, "Permission denied", str(p))
         return real(p)
 
-    monkeypatch.setattr(os, "listdir", listdir)
+    monkeypatch.setattr(os, "scandir", scandir)
     with Hierarchy.from_config(cfg(tmp_path, "host", "ssd")) as h:
         h.save({"w": torch.ones(2)}, step=1).wait()
         denied_dir.append(tmp_path / "ssd")
@@ -159,14 +159,18 @@ def test_a_tier_directory_that_cannot_be_listed_is_named(
 
 def test_a_corrupt_copy_is_named_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from tierckpt import CorruptCheckpointError
+    from tierckpt.tiers.base import TierCopy
 
     with Hierarchy.from_config(cfg(tmp_path, "ssd")) as h:
         h.save({"w": torch.ones(2)}, step=3).wait()
 
-        def gone(key: Any) -> bytes:
+        def gone(self: Any) -> bytes:
             raise CorruptCheckpointError("manifest is missing", tier="ssd", step=3)
 
-        monkeypatch.setattr(h.tier("ssd"), "read_manifest", gone)
+        class Copy(TierCopy):
+            read_manifest = gone  # type: ignore[assignment]
+
+        monkeypatch.setattr(h.tier("ssd"), "open_copy", lambda key: Copy(h.tier("ssd"), key))
         with pytest.raises(CorruptCheckpointError) as ei:
             h.restore()
         assert str(ei.value) == "manifest is missing [tier=ssd, step=3]"

@@ -121,7 +121,13 @@ def no_blob_reads(monkeypatch: pytest.MonkeyPatch, h: Hierarchy) -> None:
         def boom(*args: Any, _name: str = t.name, **kwargs: Any) -> Any:
             raise AssertionError(f"tier {_name!r}: a blob was opened although the manifest is bad")
 
+        def opened(key: Any, _open: Any = t.open_copy, _boom: Any = boom) -> Any:
+            c = _open(key)
+            c.reader = _boom
+            return c
+
         monkeypatch.setattr(t, "reader", boom)
+        monkeypatch.setattr(t, "open_copy", opened)
 
 
 # -- ENOSPC on a small tmpfs -----------------------------------------------------------------------------

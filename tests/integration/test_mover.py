@@ -208,7 +208,7 @@ def test_prefetch_reads_the_source_once_and_fills_the_tiers_between_from_the_top
         assert [(c.step, c.tiers) for c in h.checkpoints()] == [(1, ("pfs",)), (2, ("ssd", "pfs"))]
         reads: list[str] = []
         for t in h.tiers:
-            t.reader = lambda key, blobs, _r=t.reader, _n=t.name: (reads.append(_n), _r(key, blobs))[1]  # type: ignore[method-assign]
+            t.open_copy = lambda key, _o=t.open_copy, _n=t.name: (reads.append(_n), _o(key))[1]  # type: ignore[method-assign]
         gate = threading.Event()
         ssd = h.tier("ssd")
         ssd.reserve = lambda *a, _r=ssd.reserve: (gate.wait(30), _r(*a))[1]  # type: ignore[method-assign]

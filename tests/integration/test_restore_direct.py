@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import tierckpt._restore_into as ri
-import tierckpt.tiers._files as files
+import tierckpt.tiers._fileread as fileread
 from tierckpt import CorruptCheckpointError, Hierarchy
 from tierckpt.config import LayoutConfig
 from tierckpt.io.buffers import aligned_empty
@@ -32,13 +32,13 @@ def _small_direct_threshold(monkeypatch: pytest.MonkeyPatch) -> None:
 def reads(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int]]:
     """(address, length) of every read a file tier makes."""
     seen: list[tuple[int, int]] = []
-    inner = files._FileReader.read
+    inner = fileread.FileReader.read
 
     def read(self: Any, blob: int, offset: int, addr: int, nbytes: int) -> Any:
         seen.append((addr, nbytes))
         return inner(self, blob, offset, addr, nbytes)
 
-    monkeypatch.setattr(files._FileReader, "read", read)
+    monkeypatch.setattr(fileread.FileReader, "read", read)
     return seen
 
 

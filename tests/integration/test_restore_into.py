@@ -312,10 +312,14 @@ def spy_reads(
     seen["fail_at"] = fail_at
     lock = threading.Lock()
     t = h.tier(tier)
-    make_reader = t.reader
+    open_copy = t.open_copy
 
-    def reader(*args: Any, **kwargs: Any) -> Any:
-        r = make_reader(*args, **kwargs)
+    def opened(key: Any) -> Any:
+        c = open_copy(key)
+        c.reader = lambda blobs, _r=c.reader: reader(_r(blobs))
+        return c
+
+    def reader(r: Any) -> Any:
         read = r.read
 
         def counted(*a: Any) -> Any:
@@ -340,7 +344,7 @@ def spy_reads(
         r.read = counted
         return r
 
-    monkeypatch.setattr(t, "reader", reader)
+    monkeypatch.setattr(t, "open_copy", opened)
     import tierckpt._restore_into as ri
 
     plan = ri.plan

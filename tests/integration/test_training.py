@@ -102,11 +102,11 @@ from tierckpt import Hierarchy
 h = Hierarchy.from_yaml(sys.argv[1])
 pfs = h.tier("pfs")
 reads = []
-real_reader = pfs.reader
-def counting_reader(key, blobs):
+real_open = pfs.open_copy
+def counting_open(key):
     reads.append(key.step)
-    return real_reader(key, blobs)
-pfs.reader = counting_reader
+    return real_open(key)
+pfs.open_copy = counting_open
 
 t0 = time.perf_counter()
 fut = h.prefetch()

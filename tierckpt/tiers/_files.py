@@ -32,10 +32,11 @@ from concurrent.futures import Future
 from pathlib import Path
 
 from tierckpt.config import LEASE_STALE_SECS, IOConfig, TierConfig, default_io
-from tierckpt.errors import CheckpointNotFoundError, ConfigError, CorruptCheckpointError, TierFullError, TierIOError
+from tierckpt.errors import ConfigError, TierFullError, TierIOError
 from tierckpt.format.manifest import BlobEntry
 from tierckpt.io.engine import IOEngine, make_engine
-from tierckpt.io.fsutil import dio_alignment, fsync_dir, probe_direct
+from tierckpt.io.fsutil import fsync_dir, probe_direct
+from tierckpt.tiers._fileread import MANIFEST_NAME, FileCopy, io_error
 from tierckpt.tiers._lease import Lease
 from tierckpt.tiers.base import CheckpointKey, EngineSource, Tier, TierCapabilities, TierReader, TierWriter
 
@@ -43,10 +44,10 @@ __all__ = ["FileTier"]
 
 log = logging.getLogger(__name__)
 
-MANIFEST_NAME = "manifest"
-_STEP_RE = re.compile(r"^step-(\d{12})$")
-_RANK_RE = re.compile(r"^rank-(\d{5})$")
-_SCRATCH_RE = re.compile(r"^\.(tmp|old|evict)-rank-\d{5}-(.+)-(\d+)-[0-9a-f]+$")
+# names are matched whole (fullmatch): "step-…\n" is junk, not a step
+_STEP_RE = re.compile(r"step-(\d{12})")
+_RANK_RE = re.compile(r"rank-(\d{5})")
+_SCRATCH_RE = re.compile(r"\.(tmp|old|evict)-rank-\d{5}-(.+)-(\d+)-[0-9a-f]+")
 _HOST = socket.gethostname().replace("-", "_")[:32] or "host"
 _RENAME_EXCHANGE = 2
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
@@ -98,18 +99,15 @@ def _write_file(path: Path, data: bytes) -> None:
         os.close(fd)
 
 
-def _is_file(p: Path, unknown: bool) -> bool:
-    """Whether ``p`` is a regular file (``unknown`` when it cannot be stat-ed)."""
+def _is_file(p: Path) -> bool:
+    """Whether ``p`` is a regular file itself (not a link to one)."""
     try:
-        return stat.S_ISREG(os.stat(p).st_mode)
+        return stat.S_ISREG(os.stat(p, follow_symlinks=False).st_mode)
     except OSError:
-        return unknown
+        return False
 
 
-def _io_error(tier: str, what: str, e: OSError) -> TierIOError:
-    err = TierIOError(e.errno, f"tier {tier!r}: {what}: {e.strerror or e}", e.filename)
-    err.__cause__ = e
-    return err
+_io_error = io_error
 
 
 class FileTier(Tier):
@@ -252,7 +250,7 @@ class FileTier(Tier):
             except OSError:
                 continue
             for e in entries:
-                m = _SCRATCH_RE.match(e.name)
+                m = _SCRATCH_RE.fullmatch(e.name)
                 if m and m.group(2) == _HOST and not _pid_alive(int(m.group(3))):
                     if m.group(1) == "old" and not (step / e.name.replace(".old-", "", 1)[:10]).exists():
                         continue  # an interrupted non-atomic replace: keep the only copy for inspection
@@ -261,12 +259,28 @@ class FileTier(Tier):
                 step.rmdir()  # empty after a killed save; fails harmlessly when anything is inside
 
     def _step_dirs(self) -> list[Path]:
+        """Step directories, oldest first; a link named like one is skipped (with one warning)."""
         try:
-            return sorted(self.path / n for n in os.listdir(self.path) if _STEP_RE.match(n))
+            with os.scandir(self.path) as it:
+                entries = [e for e in it if _STEP_RE.fullmatch(e.name)]
         except FileNotFoundError:
             return []
         except OSError as e:
             raise _io_error(self.name, f"cannot list {self.path}", e) from e
+        return sorted(Path(e.path) for e in entries if not self._linked(e))
+
+    def _linked(self, e: os.DirEntry[str]) -> bool:
+        """Whether a listed entry is a symbolic link (warned about once: links are not followed)."""
+        try:
+            linked = e.is_symlink()
+        except OSError:
+            return True
+        if linked and Path(e.path) not in self._junk:
+            self._junk.add(Path(e.path))
+            log.warning(
+                "tier %r: %s is a symbolic link: not a checkpoint (links are not followed), skipped", self.name, e.path
+            )
+        return linked
 
     def _rank_dir(self, key: CheckpointKey) -> Path:
         return self.path / step_dir_name(key.step) / rank_dir_name(key.rank)
@@ -281,20 +295,20 @@ class FileTier(Tier):
         ``rank`` on a shared tier, so that a rank does not look at every other rank's copies."""
         out = []
         for step in self._step_dirs():
-            s = int(_STEP_RE.match(step.name).group(1))  # type: ignore[union-attr]
+            s = int(_STEP_RE.fullmatch(step.name).group(1))  # type: ignore[union-attr]
             try:
-                names = os.listdir(step)
+                with os.scandir(step) as it:
+                    entries = [e for e in it if _RANK_RE.fullmatch(e.name)]
             except OSError:
                 continue
-            for n in names:
-                m = _RANK_RE.match(n)
-                r = int(m.group(1)) if m is not None else -1
-                if m is not None and (rank is None or r == rank) and self._has_manifest(step / n):
+            for e in entries:
+                r = int(e.name[5:])
+                if (rank is None or r == rank) and not self._linked(e) and self._has_manifest(Path(e.path)):
                     out.append(CheckpointKey(s, r))
         return sorted(out)
 
     def _has_manifest(self, rank_dir: Path) -> bool:
-        if _is_file(rank_dir / MANIFEST_NAME, unknown=False):
+        if _is_file(rank_dir / MANIFEST_NAME):
             return True
         if rank_dir not in self._junk and os.path.lexists(rank_dir):
             self._junk.add(rank_dir)
@@ -302,27 +316,30 @@ class FileTier(Tier):
         return False
 
     def holds(self, key: CheckpointKey) -> bool:
-        return self._has_manifest(self._rank_dir(key))
+        rank_dir = self._rank_dir(key)
+        if os.path.islink(rank_dir.parent) or os.path.islink(rank_dir):
+            return False  # links are not followed (list_committed warns about them)
+        return self._has_manifest(rank_dir)
 
     def used_bytes(self) -> int:
         total = 0
         for key in self.list_committed():
             with contextlib.suppress(OSError):
-                total += sum(e.stat().st_size for e in os.scandir(self._rank_dir(key)) if e.is_file())
+                total += sum(
+                    e.stat(follow_symlinks=False).st_size
+                    for e in os.scandir(self._rank_dir(key))
+                    if e.is_file(follow_symlinks=False)
+                )
         return total
 
+    def open_copy(self, key: CheckpointKey) -> FileCopy:
+        """Open ``key``'s copy by its rank directory: the manifest and blobs read through it are that
+        copy's, even if another process evicts or replaces the step meanwhile (tierckpt.tiers._fileread)."""
+        return FileCopy(self, key, step_dir_name(key.step), rank_dir_name(key.rank))
+
     def read_manifest(self, key: CheckpointKey) -> bytes:
-        p = self._rank_dir(key) / MANIFEST_NAME
-        try:
-            return p.read_bytes()
-        except FileNotFoundError:
-            if p.parent.is_dir():  # listed as committed, yet its manifest is gone: damage, not absence
-                raise CorruptCheckpointError(f"manifest {p} is missing", tier=self.name, step=key.step) from None
-            raise CheckpointNotFoundError(
-                f"tier {self.name!r} holds no checkpoint for step {key.step} rank {key.rank}"
-            ) from None
-        except OSError as e:
-            raise _io_error(self.name, f"cannot read {p}", e) from e
+        with self.open_copy(key) as copy:
+            return copy.read_manifest()
 
     def close(self) -> None:
         """Release the lease (another job may write here once no process of this one holds it) and
@@ -348,7 +365,8 @@ class FileTier(Tier):
         return _FileWriter(self, key, blobs)
 
     def reader(self, key: CheckpointKey, blobs: Sequence[BlobEntry]) -> TierReader:
-        return _FileReader(self, self._rank_dir(key), blobs)
+        with self.open_copy(key) as copy:
+            return copy.reader(blobs)
 
     def evict(self, key: CheckpointKey, *, free: bool = True) -> None:
         self._check_lease()
@@ -458,54 +476,3 @@ class _FileWriter(TierWriter):
             shutil.rmtree(self.tmp, ignore_errors=True)
             with contextlib.suppress(OSError):
                 self.step_dir.rmdir()
-
-
-class _FileReader(TierReader):
-    def __init__(self, tier: FileTier, rank_dir: Path, blobs: Sequence[BlobEntry]) -> None:
-        self.tier, self.dir, self.blobs = tier, rank_dir, list(blobs)
-        self._fds: dict[int, int] = {}
-        self._lock = threading.Lock()
-
-    def _fd(self, blob: int) -> int:
-        with self._lock:
-            fd = self._fds.get(blob)
-            if fd is None:
-                p = self.dir / self.blobs[blob].name
-                flags = os.O_RDONLY | os.O_CLOEXEC
-                try:
-                    fd = os.open(p, flags | (os.O_DIRECT if self.tier.direct else 0))
-                except FileNotFoundError:  # the rank directory is committed, so this is damage
-                    raise CorruptCheckpointError(
-                        f"blob file {p} is missing", tier=self.tier.name, blob=self.blobs[blob].name
-                    ) from None
-                except OSError as e:
-                    if not _is_file(p, unknown=True):  # e.g. a directory in its place: O_DIRECT refuses it with EINVAL
-                        raise self._not_a_file(blob, p) from None
-                    raise _io_error(self.tier.name, f"cannot open {p}", e) from e
-                if not stat.S_ISREG(os.fstat(fd).st_mode):  # without O_DIRECT a directory opens
-                    os.close(fd)
-                    raise self._not_a_file(blob, p)
-                self._fds[blob] = fd
-            return fd
-
-    def _not_a_file(self, blob: int, p: Path) -> CorruptCheckpointError:
-        return CorruptCheckpointError(
-            f"blob {p} is not a regular file", tier=self.tier.name, blob=self.blobs[blob].name
-        )
-
-    def read(self, blob: int, offset: int, addr: int, nbytes: int) -> Future[int]:
-        fd = self._fd(blob)
-        return self.tier.engine.pread(fd, addr, nbytes, offset, path=str(self.dir / self.blobs[blob].name))
-
-    def read_alignment(self, blob: int) -> tuple[int, int] | None:
-        if not self.tier.direct:
-            return 1, 1  # buffered reads go anywhere
-        mem, off = dio_alignment(self.dir / self.blobs[blob].name)  # 4096 each where statx cannot say
-        return max(mem, 1), max(off, 1)
-
-    def close(self) -> None:
-        with self._lock:
-            for fd in self._fds.values():
-                with contextlib.suppress(OSError):
-                    os.close(fd)
-            self._fds.clear()

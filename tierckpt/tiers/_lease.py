@@ -80,7 +80,7 @@ def _lease_dir(directory: Path, tier: str) -> Path:
             d.mkdir()
         st = os.lstat(d)
     except OSError as e:
-        raise io_error(tier, f"cannot create the lease directory {d}", e) from None
+        raise io_error(tier, f"cannot create the lease directory {d}", e) from e
     if not stat.S_ISDIR(st.st_mode):
         raise TierIOError(
             errno.ENOTDIR, f"tier {tier!r}: {d}, where the tier's lease is kept, is not a directory: remove it", str(d)
@@ -95,7 +95,7 @@ def _new_member(d: Path, gen: int, job: JobId, tier: str) -> Path:
         write_new(path, json.dumps(rec).encode(), sync=False)
     except OSError as e:
         unlink(path)
-        raise io_error(tier, f"cannot write the lease file {path}", e) from None
+        raise io_error(tier, f"cannot write the lease file {path}", e) from e
     return path
 
 
@@ -120,7 +120,7 @@ def _publish(d: Path, name: str, rec: dict[str, Any], tier: str) -> bool:
         except FileExistsError:
             return False
     except OSError as e:
-        raise io_error(tier, f"cannot write the lease file {d / name}", e) from None
+        raise io_error(tier, f"cannot write the lease file {d / name}", e) from e
     finally:
         unlink(tmp)
 

@@ -126,7 +126,7 @@ def read_state(d: Path, tier: str, members: bool = True) -> State:
     try:
         names = os.listdir(d)
     except OSError as e:
-        raise io_error(tier, f"cannot list the lease directory {d}", e) from None
+        raise io_error(tier, f"cannot list the lease directory {d}", e) from e
     gens = [int(m.group(1)) for n in names if (m := GEN_RE.fullmatch(n))]
     gen = max(gens, default=0)
     owner, mtime = None, 0

@@ -16,10 +16,21 @@ Read, by any thread or process::
 
     tier.list_committed(rank=None)        # keys of committed checkpoints, oldest first (one rank's)
     tier.holds(key)                       # whether one key is committed (default: from list_committed)
-    tier.read_manifest(key)               # the manifest's bytes
-    r = tier.reader(key, blobs)           # then r.read(i, offset, addr, nbytes) -> Future[int]; r.close()
+    with tier.open_copy(key) as copy:     # one copy, opened as a whole (a snapshot where the tier can)
+        copy.read_manifest()              # the manifest's bytes
+        r = copy.reader(blobs)            # every blob opened and its size checked; then
+                                          # r.read(i, offset, addr, nbytes) -> Future[int]; r.close()
     r.read_alignment(i)                   # optional: (memory, offset) alignment under which r.read may
                                           # target any memory, e.g. a caller's tensor (None: staging only)
+    tier.read_manifest(key), tier.reader(key, blobs)   # the same, each opening the copy on its own
+
+Readers take no lock and no lease: another process may evict or replace (save again) a checkpoint while
+it is read. A tier whose copies other processes can change (the file tiers) makes :meth:`Tier.open_copy`
+a snapshot: the manifest and every blob come from the one copy that was committed when it was opened,
+however it is renamed or deleted afterwards. A copy that disappears before it is fully opened raises
+:class:`~tierckpt.errors.CheckpointNotFoundError` (:class:`~tierckpt.errors.CheckpointEvictedError` where
+the tier saw it go), never :class:`~tierckpt.errors.CorruptCheckpointError`: a healthy checkpoint is
+never called damaged because it went away.
 
 Evict, by the hierarchy's retention: ``tier.evict(key)`` makes the checkpoint unlistable first (one
 rename), then frees it; ``tier.evict(key, free=False)`` leaves the freeing to the next
@@ -46,7 +57,7 @@ if TYPE_CHECKING:
     from tierckpt.config import IOConfig, TierConfig
     from tierckpt.io.engine import IOEngine
 
-__all__ = ["CheckpointKey", "EngineSource", "Tier", "TierCapabilities", "TierReader", "TierWriter"]
+__all__ = ["CheckpointKey", "EngineSource", "Tier", "TierCapabilities", "TierCopy", "TierReader", "TierWriter"]
 
 
 @dataclass(frozen=True)
@@ -130,6 +141,40 @@ class TierReader(ABC):
         """Release file descriptors."""
 
 
+class TierCopy:
+    """One committed copy of a checkpoint, opened for reading by :meth:`Tier.open_copy`; a context manager.
+
+    This default reads through the tier's own :meth:`Tier.read_manifest` and :meth:`Tier.reader` (right
+    for tiers only this process changes, such as memory tiers). Tiers that other processes change
+    override :meth:`Tier.open_copy` to return a snapshot (see the module docstring).
+
+    Args:
+        tier: the tier.
+        key: the checkpoint.
+    """
+
+    def __init__(self, tier: Tier, key: CheckpointKey) -> None:
+        self.tier, self.key = tier, key
+
+    def read_manifest(self) -> bytes:
+        """The manifest's bytes (CorruptCheckpointError when it is not a readable manifest file)."""
+        return self.tier.read_manifest(self.key)
+
+    def reader(self, blobs: Sequence[BlobEntry]) -> TierReader:
+        """Open the blobs named by this copy's manifest; a blob shorter than its declared size raises
+        CorruptCheckpointError before anything is read. The reader outlives :meth:`close`."""
+        return self.tier.reader(self.key, blobs)
+
+    def close(self) -> None:
+        """Release what the copy holds open (readers made from it stay usable)."""
+
+    def __enter__(self) -> TierCopy:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
 class Tier(ABC):
     """A storage tier. Subclasses declare ``kind`` and ``capabilities`` and implement the sequence above.
 
@@ -179,6 +224,11 @@ class Tier(ABC):
     @abstractmethod
     def reader(self, key: CheckpointKey, blobs: Sequence[BlobEntry]) -> TierReader:
         """Open the blobs of a committed checkpoint for reading."""
+
+    def open_copy(self, key: CheckpointKey) -> TierCopy:
+        """Open ``key``'s copy on this tier for reading: its manifest and blobs then come from that one
+        copy (see the module docstring). CheckpointNotFoundError if ``key`` is not committed here."""
+        return TierCopy(self, key)
 
     @abstractmethod
     def evict(self, key: CheckpointKey, *, free: bool = True) -> None:

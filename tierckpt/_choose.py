@@ -1,0 +1,136 @@
+"""Which copy a restore reads: the fastest good copy of the step asked for, or of the newest step that
+restores, while other processes may evict or replace steps (docs/restore.md, "What a reader sees").
+
+Pure control flow over two callables (the hierarchy's listing and one copy's read), so that the rules
+are in one place: a damaged copy falls back to the next tier; a copy that went away while it was being
+opened (CheckpointNotFoundError from the tier) makes the choice start over from a fresh listing; with
+no step given, a step damaged on every tier is skipped for the newest older one, with a warning.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from tierckpt._records import CheckpointInfo
+from tierckpt.errors import CheckpointEvictedError, CheckpointNotFoundError, CorruptCheckpointError, TierIOError
+
+__all__ = ["MAX_RELISTS", "choose_and_read", "unusable"]
+
+log = logging.getLogger("tierckpt.hierarchy")
+# Fresh listings after copies went away under the reader: each costs a listing and a few opens, and a
+# copy is a snapshot once open, so only a writer that evicts faster than a reader opens exhausts this.
+MAX_RELISTS = 50
+Failures = list[tuple[str, BaseException]]
+
+
+def choose_and_read(
+    listing: Callable[[], Sequence[CheckpointInfo]],
+    read: Callable[[int, str], Any],
+    step: int | None,
+    where: str,
+) -> tuple[Any, int, str]:
+    """Read ``step`` (None: the newest step that restores) from the first of its tiers that works.
+
+    Args:
+        listing: committed steps (only those on the tier asked for, if any), oldest first.
+        read: reads one copy: ``read(step, tier_name)``; raises CorruptCheckpointError or OSError
+            for a bad copy, CheckpointNotFoundError for one that is not there (any more).
+        step: the step asked for, or None.
+        where: what was listed, for messages (``rank 0 on any tier``).
+
+    Returns:
+        (the state, its step, the tier it was read from).
+    """
+    skipped: dict[int, Failures] = {}  # newest-first steps damaged on every tier (step=None only)
+    relists = 0
+    while True:
+        infos = [i for i in listing() if i.tiers]
+        steps = [i.step for i in infos]
+        if step is None:
+            todo = [i for i in reversed(infos) if i.step not in skipped]
+        else:
+            todo = [i for i in infos if i.step == step]
+        if not todo:
+            if skipped:
+                newest = max(skipped)
+                also = {s: f for s, f in sorted(skipped.items(), reverse=True) if s != newest}
+                raise unusable(newest, skipped[newest], steps, also=also)
+            if relists and step is not None:
+                raise CheckpointEvictedError(
+                    f"step {step} was evicted or replaced by another process while it was being opened "
+                    f"(committed steps on {where} now: {steps})"
+                )
+            if step is None or not steps:
+                raise CheckpointNotFoundError(f"no committed checkpoint for {where}")
+            raise CheckpointNotFoundError(f"step {step} is not committed (committed steps: {steps})")
+        info = todo[0]
+        failures: Failures = []
+        for name in info.tiers:
+            try:
+                state = read(info.step, name)
+            except CheckpointNotFoundError as e:
+                log.info("step %d on tier %r went away while being opened (%s)", info.step, name, e)
+                failures.append((name, e))
+                continue
+            except (CorruptCheckpointError, OSError) as e:
+                log.warning("step %d on tier %r is unusable (%s); trying the next tier", info.step, name, e)
+                failures.append((name, e))
+                continue
+            if failures:
+                log.warning("restored step %d from tier %r instead", info.step, name)
+            if skipped:
+                log.warning("restored step %d: newer steps %s are unusable on every tier", info.step, sorted(skipped))
+            return state, info.step, name
+        if any(isinstance(e, CheckpointNotFoundError) for _, e in failures):
+            relists += 1
+            if relists > MAX_RELISTS:
+                raise CheckpointEvictedError(
+                    f"steps on {where} were evicted or replaced by another process while being opened, "
+                    f"{MAX_RELISTS} times in a row (last: step {info.step})"
+                )
+            log.info("step %d: a copy went away while being opened; listing the committed steps again", info.step)
+            continue
+        if step is not None:
+            raise unusable(info.step, failures, steps)
+        skipped[info.step] = failures
+        older = [s for s in steps if s < info.step and s not in skipped]
+        if older:
+            log.warning(
+                "step %d is unusable on every tier that holds it (%s); trying step %d",
+                info.step, _describe(failures), older[-1],
+            )  # fmt: skip
+
+
+def _describe(failures: Failures) -> str:
+    return "; ".join(f"tier {n!r}: {e}" for n, e in failures)
+
+
+def unusable(
+    step: int, failures: Failures, steps: Sequence[int], also: Mapping[int, Failures] | None = None
+) -> BaseException:
+    """The error for a step no tier could read: the one failure as it is when there is nothing else to
+    say, else one error naming every tier's failure and the older steps that exist (``also``: older
+    steps that failed too, newest first, with their failures; the first three are described)."""
+    older = [s for s in steps if s < step]
+    if len(failures) == 1 and not older and not also:
+        return failures[0][1]
+    msg = f"step {step} is unusable on every tier that holds it: {_describe(failures)}"
+    if also:
+        shown = list(also.items())[:3]
+        msg += "; older steps are unusable too: " + "; ".join(f"step {s}: {_describe(f)}" for s, f in shown)
+        if len(also) > len(shown):
+            msg += f"; and steps {sorted(also)[: len(also) - len(shown)]}"
+    elif older:
+        msg += f"; older committed steps: {older} (restore(step=N) reads one)"
+    first = failures[0][1]
+    corrupt = [e for _, e in failures if isinstance(e, CorruptCheckpointError)]
+    if len(corrupt) == len(failures):
+        err: BaseException = CorruptCheckpointError(msg, step=step)
+        err.tier, err.blob, err.key = corrupt[0].tier, corrupt[0].blob, corrupt[0].key  # type: ignore[attr-defined]
+    else:
+        io = next(e for _, e in failures if not isinstance(e, CorruptCheckpointError))
+        err = TierIOError(getattr(io, "errno", None), msg)
+    err.__cause__ = first
+    return err

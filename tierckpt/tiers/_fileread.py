@@ -1,0 +1,243 @@
+"""Read side of the directory tiers: one committed copy, opened as a whole, inside the tier's closed world.
+
+A copy is opened from the tier's directory down, one ``openat`` at a time, never following a link
+(``O_NOFOLLOW``): the step directory, the rank directory (kept open by descriptor), then the manifest
+and every blob relative to it. Each entry is ``lstat``-ed before it is opened and opened with
+``O_NONBLOCK``, so a FIFO, socket, device, directory or link in place of a file is refused by name
+(CorruptCheckpointError) and nothing blocks in ``open(2)``. Once the blobs are open the copy is a
+snapshot: a save that replaces it (a rename swap) or an eviction (a rename, then unlinks) by another
+process changes names, not the open files, so the reader keeps reading the copy it opened. A copy
+that goes away before it is fully opened raises CheckpointEvictedError, not damage: an entry missing
+from a rank directory is damage only while that directory is still the one committed under its name.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import stat
+import threading
+from collections.abc import Sequence
+from concurrent.futures import Future
+from pathlib import Path
+from typing import TYPE_CHECKING, NoReturn
+
+from tierckpt.errors import CheckpointEvictedError, CheckpointNotFoundError, CorruptCheckpointError, TierIOError
+from tierckpt.format.manifest import MAGIC, MAX_PAYLOAD_BYTES, BlobEntry
+from tierckpt.io.fsutil import dio_alignment
+from tierckpt.tiers.base import CheckpointKey, TierCopy, TierReader
+
+if TYPE_CHECKING:
+    from tierckpt.tiers._files import FileTier
+
+__all__ = ["MANIFEST_NAME", "FileCopy", "io_error"]
+
+MANIFEST_NAME = "manifest"
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+_FILE_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+# docs/format.md: a 24-byte header (magic, version, flags, reserved, u64 payload length) and an 8-byte
+# trailer frame the payload; the length is checked against the file's size before the rest is read
+_HEADER_BYTES, _LENGTH_AT, _TRAILER_BYTES = 24, 16, 8
+_MAX_MANIFEST_BYTES = _HEADER_BYTES + MAX_PAYLOAD_BYTES + _TRAILER_BYTES
+_OPAQUE_BYTES = 1 << 20  # read whole without looking; larger manifests must show their framing first
+
+
+def io_error(tier: str, what: str, e: OSError) -> TierIOError:
+    """A TierIOError naming the tier, with ``e`` as its cause."""
+    err = TierIOError(e.errno, f"tier {tier!r}: {what}: {e.strerror or e}", e.filename)
+    err.__cause__ = e
+    return err
+
+
+def kind_of(mode: int) -> str:
+    """What a file of this mode is, for messages."""
+    for test, what in (
+        (stat.S_ISDIR, "a directory"),
+        (stat.S_ISLNK, "a symbolic link: links inside a tier are not followed"),
+        (stat.S_ISFIFO, "a FIFO"),
+        (stat.S_ISSOCK, "a socket"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISREG, "a regular file"),
+    ):
+        if test(mode):
+            return what
+    return "not a regular file"
+
+
+class FileCopy(TierCopy):
+    """A committed copy on a :class:`~tierckpt.tiers._files.FileTier`, held open by its rank directory.
+
+    Args:
+        tier: the tier.
+        key: the checkpoint.
+        step_name: its step directory's name.
+        rank_name: its rank directory's name.
+
+    Raises:
+        CheckpointNotFoundError: the tier holds no such copy (now).
+        CorruptCheckpointError: the step or rank entry is not a directory (a link, a file …).
+    """
+
+    def __init__(self, tier: FileTier, key: CheckpointKey, step_name: str, rank_name: str) -> None:
+        super().__init__(tier, key)
+        self.ftier = tier
+        self.path = tier.path / step_name / rank_name
+        try:  # the tier's own configured path may be a link (the user's choice); nothing below it
+            root = os.open(tier.path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        except OSError as e:
+            raise io_error(tier.name, f"cannot open {tier.path}", e) from e
+        try:
+            step_fd = self._open_dir(root, step_name, tier.path / step_name)
+            try:
+                self.fd = self._open_dir(step_fd, rank_name, self.path)
+            finally:
+                os.close(step_fd)
+        finally:
+            os.close(root)
+        st = os.fstat(self.fd)
+        self._ident = (st.st_dev, st.st_ino)
+
+    def _open_dir(self, parent: int, name: str, path: Path) -> int:
+        try:
+            return os.open(name, _DIR_FLAGS, dir_fd=parent)
+        except FileNotFoundError:
+            raise CheckpointNotFoundError(
+                f"tier {self.tier.name!r} holds no checkpoint for step {self.key.step} rank {self.key.rank}"
+            ) from None
+        except OSError as e:
+            if e.errno not in (errno.ELOOP, errno.ENOTDIR):
+                raise io_error(self.tier.name, f"cannot open {path}", e) from e
+            try:
+                what = kind_of(os.stat(name, dir_fd=parent, follow_symlinks=False).st_mode)
+            except OSError:
+                what = "not a directory"
+            raise self._bad(f"{path} is not a checkpoint directory ({what})") from None
+
+    def _bad(self, message: str, blob: str | None = None) -> CorruptCheckpointError:
+        return CorruptCheckpointError(message, tier=self.tier.name, step=self.key.step, blob=blob)
+
+    def still_committed(self) -> bool:
+        """Whether the directory held open is still the one committed under its name."""
+        try:
+            st = os.stat(self.path, follow_symlinks=False)
+        except OSError:
+            return False
+        return (st.st_dev, st.st_ino) == self._ident
+
+    def _missing(self, what: str, name: str, blob: str | None = None) -> NoReturn:
+        if self.still_committed():  # the committed copy lacks it: damage
+            raise self._bad(f"{what} {self.path / name} is missing", blob)
+        raise CheckpointEvictedError(
+            f"tier {self.tier.name!r}: step {self.key.step} rank {self.key.rank} was evicted or replaced "
+            f"by another process while it was being opened"
+        )
+
+    def _open_file(self, name: str, what: str, flags: int = 0, blob: str | None = None) -> tuple[int, int]:
+        """Open regular file ``name`` of the copy: (descriptor, size)."""
+        p = self.path / name
+        try:
+            mode = os.stat(name, dir_fd=self.fd, follow_symlinks=False).st_mode
+        except FileNotFoundError:
+            self._missing(what, name, blob)
+        except OSError as e:
+            raise io_error(self.tier.name, f"cannot stat {p}", e) from e
+        if not stat.S_ISREG(mode):
+            raise self._bad(f"{what} {p} is not a regular file ({kind_of(mode)})", blob)
+        try:
+            fd = os.open(name, _FILE_FLAGS | flags, dir_fd=self.fd)
+        except FileNotFoundError:
+            self._missing(what, name, blob)
+        except OSError as e:
+            if e.errno == errno.ELOOP:  # replaced by a link since the stat
+                raise self._bad(f"{what} {p} is not a regular file ({kind_of(stat.S_IFLNK)})", blob) from None
+            raise io_error(self.tier.name, f"cannot open {p}", e) from e
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            os.close(fd)
+            raise self._bad(f"{what} {p} is not a regular file ({kind_of(st.st_mode)})", blob)
+        return fd, st.st_size
+
+    def read_manifest(self) -> bytes:
+        """The manifest's bytes. One larger than 1 MiB must start with the format's magic and a payload
+        length that matches the file's size, checked before the rest is read, so that a huge (e.g.
+        sparse) file is refused after reading 24 bytes; nothing larger than the format allows is read."""
+        p = self.path / MANIFEST_NAME
+        fd, size = self._open_file(MANIFEST_NAME, "manifest")
+        try:
+            if size > _MAX_MANIFEST_BYTES:
+                raise self._bad(f"manifest {p} is {size} bytes, more than a manifest can be ({_MAX_MANIFEST_BYTES})")
+            if size > _OPAQUE_BYTES:  # a small file is read as it is; decode_head checks everything
+                head = _pread_all(fd, _HEADER_BYTES, 0)
+                if head[: len(MAGIC)] != MAGIC:
+                    raise self._bad(f"bad magic {head[: len(MAGIC)]!r} (not a tierckpt manifest)")
+                n = int.from_bytes(head[_LENGTH_AT:_HEADER_BYTES], "little")
+                if _HEADER_BYTES + n + _TRAILER_BYTES != size:
+                    raise self._bad(f"manifest {p} is {size} bytes, its header says {n} + framing")
+            return _pread_all(fd, size, 0)
+        except OSError as e:
+            if isinstance(e, CorruptCheckpointError):
+                raise
+            raise io_error(self.tier.name, f"cannot read {p}", e) from e
+        finally:
+            os.close(fd)
+
+    def reader(self, blobs: Sequence[BlobEntry]) -> TierReader:
+        """Open every blob now (the copy is a snapshot from here on) and check its size."""
+        fds: list[int] = []
+        try:
+            for b in blobs:
+                fd, size = self._open_file(b.name, "blob file", os.O_DIRECT if self.ftier.direct else 0, b.name)
+                fds.append(fd)
+                if size < b.size:
+                    raise self._bad(
+                        f"blob file {self.path / b.name} is truncated: {size} bytes, its manifest declares {b.size}",
+                        b.name,
+                    )
+        except BaseException:
+            for fd in fds:
+                os.close(fd)
+            raise
+        return FileReader(self.ftier, self.path, blobs, fds)
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+def _pread_all(fd: int, n: int, offset: int) -> bytes:
+    parts, got = [], 0
+    while got < n:
+        b = os.pread(fd, n - got, offset + got)
+        if not b:
+            break
+        parts.append(b)
+        got += len(b)
+    return b"".join(parts)
+
+
+class FileReader(TierReader):
+    """Reads the blobs of a copy through descriptors opened by :meth:`FileCopy.reader`."""
+
+    def __init__(self, tier: FileTier, rank_dir: Path, blobs: Sequence[BlobEntry], fds: list[int]) -> None:
+        self.tier, self.dir, self.blobs, self._fds = tier, rank_dir, list(blobs), fds
+        self._lock = threading.Lock()
+
+    def read(self, blob: int, offset: int, addr: int, nbytes: int) -> Future[int]:
+        fd = self._fds[blob]
+        return self.tier.engine.pread(fd, addr, nbytes, offset, path=str(self.dir / self.blobs[blob].name))
+
+    def read_alignment(self, blob: int) -> tuple[int, int] | None:
+        if not self.tier.direct:
+            return 1, 1  # buffered reads go anywhere
+        mem, off = dio_alignment(self.dir / self.blobs[blob].name)  # 4096 each where statx cannot say
+        return max(mem, 1), max(off, 1)
+
+    def close(self) -> None:
+        with self._lock:
+            fds, self._fds = self._fds, []
+        for fd in fds:
+            with contextlib.suppress(OSError):
+                os.close(fd)
