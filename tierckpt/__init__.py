@@ -15,6 +15,7 @@ from tierckpt.errors import (
     TierckptError,
     TierFullError,
     TierIOError,
+    UnsupportedFormatError,
 )
 from tierckpt.hierarchy import CheckpointInfo, Hierarchy, SaveHandle
 from tierckpt.registry import available_kinds, get_tier_class, register_tier
@@ -44,6 +45,7 @@ __all__ = [
     "TierReader",
     "TierWriter",
     "TierckptError",
+    "UnsupportedFormatError",
     "__version__",
     "available_kinds",
     "get_tier_class",

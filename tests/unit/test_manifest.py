@@ -143,21 +143,22 @@ def test_v2_table_validation_of_1d_tensors(mutate, message: str) -> None:  # typ
         decode_manifest(reframe(p, version=2))
 
 
-def test_v3_is_written_by_default_and_v1_v2_stay_readable() -> None:
+def test_v4_is_written_by_default_and_v1_to_v3_stay_readable() -> None:
     m = sample()
-    assert m.version == 3
-    assert struct.unpack_from("<H", encode_manifest(m), 8)[0] == 3
+    assert m.version == 4
+    assert struct.unpack_from("<H", encode_manifest(m), 8)[0] == 4
     assert isinstance(payload(version=3)["tensors"], dict)
     assert payload(version=3)["tensors"] == payload(version=2)["tensors"]  # v3 changed the tree only
-    for v in (1, 2):
+    assert payload(version=4) == payload(version=3)  # v4 changed the checksum only
+    for v in (1, 2, 3):
         old = sample(version=v)
         data = encode_manifest(old)
         assert struct.unpack_from("<H", data, 8)[0] == v
         back = decode_manifest(data)
         assert back == old and back.version == v
         assert list(back.tensors) == list(decode_manifest(encode_manifest(m)).tensors)
-    with pytest.raises(ValueError, match="version 4"):
-        encode_manifest(sample(version=4))
+    with pytest.raises(ValueError, match="version 5"):
+        encode_manifest(sample(version=5))
 
 
 def test_table_columns_and_rows_agree() -> None:
