@@ -23,6 +23,7 @@ from tierckpt.format.table import DTYPES, MAX_DIMS, TensorEntry, TensorTable, ch
 __all__ = [
     "FORMAT_VERSION",
     "MAGIC",
+    "MAX_TREE_FLOOR",
     "MAX_TREE_RATIO",
     "READ_VERSIONS",
     "BlobEntry",
@@ -47,9 +48,12 @@ _HEADER = struct.Struct("<8sHHIQ")  # magic, version, flags, reserved, payload l
 _TRAILER = struct.Struct("<Q")  # xxh3_64 of header + payload (versions 1-3: of the payload only)
 MAX_PAYLOAD_BYTES = 1 << 31
 _COMPRESS_TREE_ABOVE = 64 << 10
-#: A zstd tree may expand to at most this many times its stored size: the reader refuses more, and the
-#: writer stores a tree raw where zstd would compress it further (so no healthy tree is refused).
+#: A zstd tree may expand to at most this many times its stored size, or to MAX_TREE_FLOOR bytes, whichever
+#: is more: the reader refuses a frame that declares more, and the writer stores a tree raw where zstd would
+#: compress it further, so no healthy tree is refused. Real trees compress 3-30x; a list of 100,000 equal
+#: values 3,000x (the floor keeps such trees of older writers, which had no bound, readable).
 MAX_TREE_RATIO = 32
+MAX_TREE_FLOOR = 16 << 20
 _BLOB_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
 _KEYS = ("step", "rank", "world_size", "align", "checksum", "blobs", "tensors", "tree_codec", "tree", "has_pickle")
 _DEFERRED = ("tensors", "tree")  # decoded by ManifestHead.manifest(), after the blobs' reads are submitted
@@ -119,7 +123,7 @@ def encode_manifest(m: Manifest) -> bytes:
     tree, codec = m.tree, "none"
     if len(tree) > _COMPRESS_TREE_ABOVE:
         packed = zstandard.ZstdCompressor(level=3, write_content_size=True, write_checksum=False).compress(tree)
-        if len(tree) * 0.9 > len(packed) and len(tree) <= len(packed) * MAX_TREE_RATIO:
+        if len(tree) * 0.9 > len(packed) and len(tree) <= _tree_limit(len(packed)):
             tree, codec = packed, "zstd"
     if m.version == 1:
         tensors: Any = [[t.path, t.dtype, list(t.shape), t.blob, t.offset, t.length, t.checksum] for t in m.tensors]
@@ -296,18 +300,23 @@ def _unframe(data: bytes) -> tuple[int, memoryview]:
     return version, payload
 
 
+def _tree_limit(stored: int) -> int:
+    """The most bytes a zstd tree of ``stored`` bytes may expand to."""
+    return max(stored * MAX_TREE_RATIO, MAX_TREE_FLOOR)
+
+
 def _decompress_tree(packed: bytes) -> bytes:
-    """A zstd tree, decompressed: one frame whose declared content size is within
-    :data:`MAX_TREE_RATIO` times its stored size, checked before anything is allocated."""
+    """A zstd tree, decompressed: one frame whose declared content size is within :func:`_tree_limit`
+    of its stored size, checked before anything is allocated."""
     try:
         size = zstandard.frame_content_size(packed)
     except zstandard.ZstdError as e:
         raise _bad(f"tree is not a zstd frame: {e}") from e
     _want(size >= 0, "tree's zstd frame does not declare its size")
     _want(
-        size <= min(len(packed) * MAX_TREE_RATIO, MAX_PAYLOAD_BYTES),
-        f"tree's zstd frame declares {size} bytes from {len(packed)}: more than {MAX_TREE_RATIO} times "
-        "its stored size, the most a reader accepts",
+        size <= _tree_limit(len(packed)),
+        f"tree's zstd frame declares {size} bytes from {len(packed)}: more than {MAX_TREE_RATIO} times its "
+        f"stored size and {MAX_TREE_FLOOR} bytes, the most a reader accepts",
     )
     try:
         tree = zstandard.ZstdDecompressor().decompress(packed, max_output_size=size, allow_extra_data=False)
