@@ -319,7 +319,9 @@ def decode_tree(
         those types: a torch.Size is a leaf); an unpickled value is an :class:`Opaque` leaf.
 
     Raises:
-        CorruptCheckpointError: the tree is malformed (or a version 1-2 reference out of range).
+        CorruptCheckpointError: the tree is malformed, nests more than :data:`MAX_NESTING`
+            containers, holds a msgpack timestamp or an unknown dtype name, or (versions 1-2) a
+            reference is out of range, a row is never referenced, or an int inside 64 bits is ext 5.
         StateError: the tree holds pickled values and ``allow_pickle`` is False.
     """
     plain_refs = version >= PLAIN_REFS
