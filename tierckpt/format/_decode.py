@@ -132,6 +132,13 @@ def decode_levels(
         Exception: what the hook or msgpack raise (the caller words them).
     """
     st = _Levels(make_hook)
+    try:
+        return _decode(st, tree, max_depth)
+    finally:
+        st.hook = None  # type: ignore[assignment]  # the hook holds st.defer: a cycle until a GC pass
+
+
+def _decode(st: _Levels, tree: bytes, max_depth: int) -> Any:
     box = [st.unpack(tree)]
     stamps = any(m in tree for m in _TIMESTAMP_MARKS)
     level: list[tuple[Any, Any]] = [(box, None)]  # (container, the container that holds it)
