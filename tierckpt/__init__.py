@@ -34,6 +34,7 @@ _LAZY: dict[str, str] = {
     "TierBusyError": "tierckpt.errors",
     "TierFullError": "tierckpt.errors",
     "TierIOError": "tierckpt.errors",
+    "UnsupportedFormatError": "tierckpt.errors",
     "CheckpointInfo": "tierckpt.hierarchy",
     "Hierarchy": "tierckpt.hierarchy",
     "SaveHandle": "tierckpt.hierarchy",
@@ -75,6 +76,7 @@ __all__ = [
     "TierWriter",
     "TierckptError",
     "TrainState",
+    "UnsupportedFormatError",
     "__version__",
     "available_kinds",
     "get_tier_class",
@@ -104,6 +106,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time __getattr__ im
         TierckptError,
         TierFullError,
         TierIOError,
+        UnsupportedFormatError,
     )
     from tierckpt.hierarchy import CheckpointInfo, Hierarchy, SaveHandle
     from tierckpt.registry import available_kinds, get_tier_class, register_tier

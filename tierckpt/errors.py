@@ -18,6 +18,7 @@ __all__ = [
     "TierFullError",
     "TierIOError",
     "TierckptError",
+    "UnsupportedFormatError",
 ]
 
 
@@ -67,6 +68,20 @@ class CorruptCheckpointError(TierckptError, OSError):
         where = [f"{k}={v}" for k, v in (("tier", tier), ("step", step), ("blob", blob), ("key", key)) if v is not None]
         super().__init__(errno.EBADMSG, f"{message} [{', '.join(where)}]" if where else message)
         self.tier, self.step, self.blob, self.key = tier, step, blob, key
+
+    def __str__(self) -> str:
+        return str(self.strerror)
+
+
+class UnsupportedFormatError(TierckptError, OSError):
+    """An intact checkpoint written in a newer format version than this reader knows (upgrade tierckpt).
+
+    An OSError like :class:`CorruptCheckpointError`, so that a restore tries the next tier's copy, but
+    never reported as damage: the file's checksum holds.
+    """
+
+    def __init__(self, message: str) -> None:
+        super().__init__(errno.EPROTONOSUPPORT, message)
 
     def __str__(self) -> str:
         return str(self.strerror)

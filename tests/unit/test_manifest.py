@@ -7,6 +7,7 @@ import struct
 import msgpack
 import pytest
 import xxhash
+import zstandard
 
 from tierckpt.errors import CorruptCheckpointError
 from tierckpt.format.manifest import BlobEntry, Manifest, TensorEntry, TensorTable, decode_manifest, encode_manifest
@@ -143,21 +144,22 @@ def test_v2_table_validation_of_1d_tensors(mutate, message: str) -> None:  # typ
         decode_manifest(reframe(p, version=2))
 
 
-def test_v3_is_written_by_default_and_v1_v2_stay_readable() -> None:
+def test_v4_is_written_by_default_and_v1_to_v3_stay_readable() -> None:
     m = sample()
-    assert m.version == 3
-    assert struct.unpack_from("<H", encode_manifest(m), 8)[0] == 3
+    assert m.version == 4
+    assert struct.unpack_from("<H", encode_manifest(m), 8)[0] == 4
     assert isinstance(payload(version=3)["tensors"], dict)
     assert payload(version=3)["tensors"] == payload(version=2)["tensors"]  # v3 changed the tree only
-    for v in (1, 2):
+    assert payload(version=4) == payload(version=3)  # v4 changed the checksum only
+    for v in (1, 2, 3):
         old = sample(version=v)
         data = encode_manifest(old)
         assert struct.unpack_from("<H", data, 8)[0] == v
         back = decode_manifest(data)
         assert back == old and back.version == v
         assert list(back.tensors) == list(decode_manifest(encode_manifest(m)).tensors)
-    with pytest.raises(ValueError, match="version 4"):
-        encode_manifest(sample(version=4))
+    with pytest.raises(ValueError, match="version 5"):
+        encode_manifest(sample(version=5))
 
 
 def test_table_columns_and_rows_agree() -> None:
@@ -286,3 +288,64 @@ def test_head_leaves_the_table_and_tree_undecoded_until_asked() -> None:
     head = decode_head(reframe_body(msgpack.packb(p, use_bin_type=True)))
     with pytest.raises(CorruptCheckpointError, match="tensors is not msgpack"):
         head.manifest()
+
+
+def test_the_writer_compresses_a_tree_only_within_what_readers_accept() -> None:
+    """zstd shrinks a list of equal values 3,000x: within the floor it is compressed, above it stored raw,
+    and both read back; a frame that declares more than the bound is refused before it is expanded."""
+    from tierckpt.format.manifest import MAX_TREE_FLOOR, MAX_TREE_RATIO
+
+    for n, codec in ((1 << 20, "zstd"), (MAX_TREE_FLOOR + 100, "none")):
+        tree = msgpack.packb([None] * n)
+        data = encode_manifest(sample(tree=tree))
+        assert payload_of(data)["tree_codec"] == codec
+        assert decode_manifest(data).tree == tree
+    p = payload_of(encode_manifest(sample(tree=msgpack.packb([None] * (1 << 20)))))
+    packed = p["tree"]
+    assert zstandard.frame_content_size(packed) > len(packed) * MAX_TREE_RATIO
+    big = zstandard.ZstdCompressor(write_content_size=True).compress(b"\xc0" * (MAX_TREE_FLOOR + 1))
+    for bad, message in ((big, "more than 32 times"), (packed + b"x", "unused data"), (packed[:-3], "decompress"),
+                         (b"\x28\xb5\x2f\xfd\x00\x00", "does not declare"), (b"nope", "zstd")):  # fmt: skip
+        p["tree"] = bad
+        with pytest.raises(CorruptCheckpointError, match=message):
+            decode_manifest(reframe_v4(p))
+
+
+def payload_of(data: bytes) -> dict:
+    n = struct.unpack_from("<Q", data, 16)[0]
+    return msgpack.unpackb(data[24 : 24 + n], raw=False)
+
+
+def reframe_v4(payload: dict, version: int = 4) -> bytes:
+    body = struct.pack("<8sHHIQ", b"TIERCKPT", version, 0, 0, 0)
+    body = body[:16] + struct.pack("<Q", len(msgpack.packb(payload, use_bin_type=True)))
+    body += msgpack.packb(payload, use_bin_type=True)
+    return body + struct.pack("<Q", xxhash.xxh3_64_intdigest(body))
+
+
+def test_v4_checksums_the_header_and_tells_newer_from_damaged() -> None:
+    from tierckpt.errors import UnsupportedFormatError
+
+    data = encode_manifest(sample())
+    for bit in range(24 * 8):  # every header bit: magic, version, flags, reserved, length
+        flipped = bytearray(data)
+        flipped[bit // 8] ^= 1 << bit % 8
+        with pytest.raises(CorruptCheckpointError):
+            decode_manifest(bytes(flipped))
+    p = payload_of(data)
+    assert decode_manifest(reframe_v4(p)) == sample()
+    with pytest.raises(
+        UnsupportedFormatError, match="format version 7 by a newer tierckpt; this reader knows versions 1, 2, 3, 4"
+    ):
+        decode_manifest(reframe_v4(p, version=7))
+    damaged = bytearray(reframe_v4(p, version=7))
+    damaged[30] ^= 1
+    with pytest.raises(CorruptCheckpointError, match="version 7 is unknown"):
+        decode_manifest(bytes(damaged))
+    with pytest.raises(CorruptCheckpointError, match="version 0 is unknown"):
+        decode_manifest(reframe_v4(p, version=0))
+    reserved = bytearray(reframe_v4(p))
+    reserved[12] = 1
+    reserved[-8:] = struct.pack("<Q", xxhash.xxh3_64_intdigest(bytes(reserved[:-8])))
+    with pytest.raises(CorruptCheckpointError, match="reserved"):
+        decode_manifest(bytes(reserved))

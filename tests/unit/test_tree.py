@@ -147,14 +147,14 @@ def test_version_3_references_out_of_range_are_corrupt(tree: object) -> None:
 
 
 def test_unknown_version_is_refused() -> None:
-    with pytest.raises(ValueError, match="version 4"):
-        flatten({}, version=4)
+    with pytest.raises(ValueError, match="version 5"):
+        flatten({}, version=5)
 
 
 def test_version_3_refuses_ext_2_references() -> None:
     tree = msgpack.packb({"a": msgpack.ExtType(2, b"\x00\x00\x00\x00")})
     assert unflatten(tree, lambda i: torch.zeros(1), 1, version=2)["a"].shape == (1,)
-    with pytest.raises(CorruptCheckpointError, match="ext-2 tensor reference in a version-3 tree"):
+    with pytest.raises(CorruptCheckpointError, match="ext-2 tensor reference in a version-4 tree"):
         unflatten(tree, lambda i: torch.zeros(1), 1)
 
 
@@ -278,3 +278,60 @@ def test_tensor_refusals_say_what_is_wrong() -> None:
         for allow_pickle in (False, True):
             with pytest.raises(StateError, match=r"^state\['m'\]\[0\]: cannot save " + match):
                 flatten({"m": [t]}, allow_pickle=allow_pickle)
+
+
+def test_a_version_3_tree_read_as_version_2_is_refused() -> None:
+    """Versions 1-2 reference every row with ext 2 and write ext 5 only outside 64 bits: a version-3 tree
+    (plain-int references, every int ext 5) read with a flipped version never decodes as a state."""
+    state = {"w": torch.zeros(2), "n": 3}
+    with pytest.raises(CorruptCheckpointError, match="tensor 0 of the table is not referenced"):
+        decode_tree(flatten({"w": torch.zeros(2)}).tree, 1, 2)
+    with pytest.raises(CorruptCheckpointError, match="ext-5 int 3 in a version-2 tree"):
+        decode_tree(flatten(state).tree, 1, 2)
+    assert decode_tree(flatten({"big": 1 << 70}, version=2).tree, 0, 2)[0] == {"big": 1 << 70}
+    # a dict pickled whole may orphan the tensors met in it first (writers of every version did so)
+    orphan = flatten({"d": {"t": torch.zeros(1), (1,): 2}}, allow_pickle=True, version=2)
+    assert len(orphan.tensors) == 1
+    assert decode_tree(orphan.tree, 1, 2, allow_pickle=True)[0]["d"].value[(1,)] == 2
+
+
+@pytest.mark.parametrize(
+    ("tree", "message"),
+    [
+        ({"a": msgpack.Timestamp(3, 0)}, "timestamp"),
+        ([msgpack.ExtType(1, msgpack.packb([msgpack.Timestamp(3, 0)]))], "timestamp"),
+        ({msgpack.ExtType(1, msgpack.packb([1])): 0}, "in a map key"),
+        ([msgpack.ExtType(8, msgpack.packb([1, "x"]))], "torch.Size holds"),
+        ([msgpack.ExtType(8, msgpack.packb(5))], "does not hold an array"),
+        ([msgpack.ExtType(4, msgpack.packb([["a", 1], ["a", 2]]))], "repeats a key"),
+        ([msgpack.ExtType(4, msgpack.packb([[1.5, 1]]))], "neither a str nor an int"),
+        ([msgpack.ExtType(4, msgpack.packb([["a"]]))], "pairs"),
+        ([msgpack.ExtType(6, b"_inductor")], "unknown dtype"),
+        ([msgpack.ExtType(9, b"")], "unknown ext type 9"),
+    ],
+)
+def test_malformed_ext_values_are_refused(tree: object, message: str) -> None:
+    with pytest.raises(CorruptCheckpointError, match=message):
+        decode_tree(msgpack.packb(tree), 0, 4)
+
+
+def test_nesting_up_to_the_limit_decodes_in_a_thread_and_deeper_is_refused() -> None:
+    import threading
+
+    from tierckpt.format.tree import MAX_NESTING
+
+    def nested(depth: int) -> object:
+        v: object = torch.Size([2, 3])
+        for i in range(depth):
+            v = (v, i) if i % 3 == 0 else OrderedDict(k=v) if i % 3 == 1 else [v]
+        return v
+
+    got: list[object] = []
+    ok = flatten(nested(MAX_NESTING))
+    t = threading.Thread(target=lambda: got.append(unflatten(ok.tree, lambda i: torch.zeros(1), 0)))
+    t.start()
+    t.join()
+    assert got == [nested(MAX_NESTING)]
+    with pytest.raises(CorruptCheckpointError, match=f"nested deeper than {MAX_NESTING} containers"):
+        decode_tree(b"\x91" * MAX_NESTING + b"\x90", 0, 4)
+    assert decode_tree(b"\x91" * (MAX_NESTING - 1) + b"\x90", 0, 4)[0] is not None

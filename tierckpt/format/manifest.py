@@ -17,12 +17,14 @@ import torch
 import xxhash
 import zstandard
 
-from tierckpt.errors import CorruptCheckpointError
+from tierckpt.errors import CorruptCheckpointError, UnsupportedFormatError
 from tierckpt.format.table import DTYPES, MAX_DIMS, TensorEntry, TensorTable, check_extents, decode_table, encode_table
 
 __all__ = [
     "FORMAT_VERSION",
     "MAGIC",
+    "MAX_TREE_FLOOR",
+    "MAX_TREE_RATIO",
     "READ_VERSIONS",
     "BlobEntry",
     "Manifest",
@@ -37,12 +39,21 @@ __all__ = [
 ]
 
 MAGIC = b"TIERCKPT"
-FORMAT_VERSION = 3
-READ_VERSIONS = (1, 2, 3)
+FORMAT_VERSION = 4
+READ_VERSIONS = (1, 2, 3, 4)
+#: The first version whose trailer checksums the header too. From it on the framing is fixed for every
+#: future version (docs/format.md, "Framing"), so a reader can tell a newer file from a damaged one.
+WHOLE_FILE_CHECKSUM = 4
 _HEADER = struct.Struct("<8sHHIQ")  # magic, version, flags, reserved, payload length
-_TRAILER = struct.Struct("<Q")  # xxh3_64 of the payload
+_TRAILER = struct.Struct("<Q")  # xxh3_64 of header + payload (versions 1-3: of the payload only)
 MAX_PAYLOAD_BYTES = 1 << 31
 _COMPRESS_TREE_ABOVE = 64 << 10
+#: A zstd tree may expand to at most this many times its stored size, or to MAX_TREE_FLOOR bytes, whichever
+#: is more: the reader refuses a frame that declares more, and the writer stores a tree raw where zstd would
+#: compress it further, so no healthy tree is refused. Real trees compress 3-30x; a list of 100,000 equal
+#: values 3,000x (the floor keeps such trees of older writers, which had no bound, readable).
+MAX_TREE_RATIO = 32
+MAX_TREE_FLOOR = 16 << 20
 _BLOB_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}\Z")  # with .match: the whole name (no "\n")
 _KEYS = ("step", "rank", "world_size", "align", "checksum", "blobs", "tensors", "tree_codec", "tree", "has_pickle")
 _DEFERRED = ("tensors", "tree")  # decoded by ManifestHead.manifest(), after the blobs' reads are submitted
@@ -105,14 +116,14 @@ def encode_manifest(m: Manifest) -> bytes:
     """Serialize deterministically in format ``m.version``: the same manifest always gives the same bytes.
 
     Raises:
-        ValueError: ``m.version`` is not a version this writer knows (1, 2 or 3).
+        ValueError: ``m.version`` is not a version this writer knows (1 to 4).
     """
     if m.version not in READ_VERSIONS:
         raise ValueError(f"cannot write format version {m.version} (this writer knows {READ_VERSIONS})")
     tree, codec = m.tree, "none"
     if len(tree) > _COMPRESS_TREE_ABOVE:
         packed = zstandard.ZstdCompressor(level=3, write_content_size=True, write_checksum=False).compress(tree)
-        if len(packed) < len(tree) * 0.9:
+        if len(tree) * 0.9 > len(packed) and len(tree) <= _tree_limit(len(packed)):
             tree, codec = packed, "zstd"
     if m.version == 1:
         tensors: Any = [[t.path, t.dtype, list(t.shape), t.blob, t.offset, t.length, t.checksum] for t in m.tensors]
@@ -133,8 +144,9 @@ def encode_manifest(m: Manifest) -> bytes:
         },
         use_bin_type=True,
     )
-    header = _HEADER.pack(MAGIC, m.version, 0, 0, len(payload))
-    return header + payload + _TRAILER.pack(xxhash.xxh3_64_intdigest(payload))
+    framed = _HEADER.pack(MAGIC, m.version, 0, 0, len(payload)) + payload
+    digest = xxhash.xxh3_64_intdigest(framed if m.version >= WHOLE_FILE_CHECKSUM else payload)
+    return framed + _TRAILER.pack(digest)
 
 
 def _bad(msg: str) -> CorruptCheckpointError:
@@ -151,7 +163,7 @@ def _is_int(v: Any, lo: int = 0, hi: int = (1 << 63) - 1) -> bool:
 
 
 def decode_manifest(data: bytes) -> Manifest:
-    """Parse and validate a manifest file's bytes (format version 1, 2 or 3).
+    """Parse and validate a manifest file's bytes (format version 1 to 4).
 
     Checks magic, version, payload length and checksum, every field's type, dtypes, that each extent's
     length matches dtype × shape and lies inside its blob, that extents do not overlap, and that blob
@@ -159,6 +171,7 @@ def decode_manifest(data: bytes) -> Manifest:
 
     Raises:
         CorruptCheckpointError: saying what is wrong.
+        UnsupportedFormatError: the file is intact but written in a newer format version.
     """
     return decode_head(data).manifest()
 
@@ -190,10 +203,7 @@ class ManifestHead:
         tree = _unpack_span(self._spans["tree"], "tree")
         _want(isinstance(tree, bytes), "tree is not bytes")
         if d["tree_codec"] == "zstd":
-            try:
-                tree = zstandard.ZstdDecompressor().decompress(tree, max_output_size=MAX_PAYLOAD_BYTES)
-            except zstandard.ZstdError as e:
-                raise _bad(f"tree does not decompress: {e}") from e
+            tree = _decompress_tree(tree)
         sizes = [b.size for b in self.blobs]
         rows = _unpack_span(self._spans["tensors"], "tensors")
         tensors = decode_table(rows, sizes) if self.version >= 2 else _decode_rows_v1(rows, sizes)
@@ -211,26 +221,15 @@ class ManifestHead:
 
 
 def decode_head(data: bytes) -> ManifestHead:
-    """Check a manifest file's framing (magic, version, length, payload checksum) and its header fields
+    """Check a manifest file's framing (magic, version, length, checksum) and its header fields
     (step, rank, world size, alignment, blob names and sizes); the tensor table and the tree are
     validated by :meth:`ManifestHead.manifest`.
 
     Raises:
         CorruptCheckpointError: saying what is wrong.
+        UnsupportedFormatError: the file is intact but written in a newer format version.
     """
-    _want(len(data) >= _HEADER.size + _TRAILER.size, f"file too short ({len(data)} bytes)")
-    magic, version, flags, _reserved, n = _HEADER.unpack_from(data)
-    _want(magic == MAGIC, f"bad magic {magic!r} (not a tierckpt manifest)")
-    _want(
-        version in READ_VERSIONS,
-        f"format version {version} is not supported (this reader knows {', '.join(map(str, READ_VERSIONS))})",
-    )
-    _want(flags == 0, f"unknown flags {flags:#x}")
-    _want(n <= MAX_PAYLOAD_BYTES, f"payload length {n} is too large")
-    _want(len(data) == _HEADER.size + n + _TRAILER.size, f"file is {len(data)} bytes, header says {n} + framing")
-    payload = memoryview(data)[_HEADER.size : _HEADER.size + n]
-    (digest,) = _TRAILER.unpack_from(data, _HEADER.size + n)
-    _want(xxhash.xxh3_64_intdigest(payload) == digest, "payload checksum mismatch")
+    version, payload = _unframe(data)
     d, spans = _unpack_head(payload, version)
     _want(_is_int(d["step"]), f"step {d['step']!r} is not a non-negative integer")
     _want(_is_int(d["world_size"], 1, 1 << 24), f"world_size {d['world_size']!r} is invalid")
@@ -266,6 +265,65 @@ def decode_head(data: bytes) -> ManifestHead:
         _payload=d,
         _spans=spans,
     )
+
+
+def _unframe(data: bytes) -> tuple[int, memoryview]:
+    """The version and the payload of a manifest file, once its framing and checksum hold.
+
+    Every version keeps magic, version and payload length where version 1 put them, and from version 4
+    the trailer checksums the header and the payload: a file of a version this reader does not know is
+    told apart by that checksum, intact (written by a newer tierckpt) or damaged.
+    """
+    _want(len(data) >= _HEADER.size + _TRAILER.size, f"file too short ({len(data)} bytes)")
+    magic, version, flags, reserved, n = _HEADER.unpack_from(data)
+    _want(magic == MAGIC, f"bad magic {magic!r} (not a tierckpt manifest)")
+    _want(n <= MAX_PAYLOAD_BYTES, f"payload length {n} is too large")
+    _want(len(data) == _HEADER.size + n + _TRAILER.size, f"file is {len(data)} bytes, header says {n} + framing")
+    end = _HEADER.size + n
+    (digest,) = _TRAILER.unpack_from(data, end)
+    whole = xxhash.xxh3_64_intdigest(memoryview(data)[:end]) == digest
+    known = ", ".join(map(str, READ_VERSIONS))
+    if version not in READ_VERSIONS:
+        if version > READ_VERSIONS[-1] and whole:
+            raise UnsupportedFormatError(
+                f"manifest: written in format version {version} by a newer tierckpt; this reader knows "
+                f"versions {known} (upgrade tierckpt to read it)"
+            )
+        raise _bad(f"format version {version} is unknown (this reader knows {known}) and the checksum does not match")
+    payload = memoryview(data)[_HEADER.size : end]
+    if version >= WHOLE_FILE_CHECKSUM:
+        _want(whole, "checksum mismatch (header and payload)")
+        _want(reserved == 0, f"reserved field is {reserved:#x}, not 0")
+    else:
+        _want(xxhash.xxh3_64_intdigest(payload) == digest, "payload checksum mismatch")
+    _want(flags == 0, f"unknown flags {flags:#x}")
+    return version, payload
+
+
+def _tree_limit(stored: int) -> int:
+    """The most bytes a zstd tree of ``stored`` bytes may expand to."""
+    return max(stored * MAX_TREE_RATIO, MAX_TREE_FLOOR)
+
+
+def _decompress_tree(packed: bytes) -> bytes:
+    """A zstd tree, decompressed: one frame whose declared content size is within :func:`_tree_limit`
+    of its stored size, checked before anything is allocated."""
+    try:
+        size = zstandard.frame_content_size(packed)
+    except zstandard.ZstdError as e:
+        raise _bad(f"tree is not a zstd frame: {e}") from e
+    _want(size >= 0, "tree's zstd frame does not declare its size")
+    _want(
+        size <= _tree_limit(len(packed)),
+        f"tree's zstd frame declares {size} bytes from {len(packed)}: more than {MAX_TREE_RATIO} times its "
+        f"stored size and {MAX_TREE_FLOOR} bytes, the most a reader accepts",
+    )
+    try:
+        tree = zstandard.ZstdDecompressor().decompress(packed, max_output_size=size, allow_extra_data=False)
+    except zstandard.ZstdError as e:
+        raise _bad(f"tree does not decompress: {e}") from e
+    _want(len(tree) == size, f"tree decompresses to {len(tree)} bytes, its frame declares {size}")
+    return tree
 
 
 def _unpack_head(payload: memoryview, version: int) -> tuple[dict[str, Any], dict[str, memoryview]]:

@@ -25,7 +25,16 @@ import torch
 
 from tierckpt.errors import CorruptCheckpointError
 
-__all__ = ["DTYPES", "TensorEntry", "TensorTable", "blob_spans", "check_extents", "decode_table", "encode_table"]
+__all__ = [
+    "ALL_DTYPES",
+    "DTYPES",
+    "TensorEntry",
+    "TensorTable",
+    "blob_spans",
+    "check_extents",
+    "decode_table",
+    "encode_table",
+]
 
 MAX_DIMS = 64
 _LITTLE = sys.byteorder == "little"
@@ -33,15 +42,15 @@ TABLE_KEYS = ("count", "path", "dtype_names", "dtype", "ndim", "dims", "blob", "
 
 
 def _dtype_table() -> dict[str, torch.dtype]:
-    table: dict[str, torch.dtype] = {}
-    for name in dir(torch):
-        dt = getattr(torch, name)
-        if isinstance(dt, torch.dtype) and not str(dt).startswith("torch.q"):
-            table.setdefault(str(dt).removeprefix("torch."), dt)
-    return table
+    # vars(), not dir() + getattr(): torch's module __getattr__ imports submodules on first use
+    dtypes = [v for v in vars(torch).values() if isinstance(v, torch.dtype)]
+    return {str(dt).removeprefix("torch."): dt for dt in dtypes}
 
 
-DTYPES = _dtype_table()
+ALL_DTYPES = _dtype_table()
+"""Every dtype this torch defines, by canonical name: a fixed table, built once, that readers look names
+up in (a name from a file is never passed to ``getattr(torch, …)``)."""
+DTYPES = {name: dt for name, dt in ALL_DTYPES.items() if not name.startswith("q")}
 """Manifest dtype name → torch dtype (every dtype this torch knows, quantized ones excepted)."""
 
 

@@ -35,8 +35,10 @@ import msgpack
 import torch
 
 from tierckpt.errors import CorruptCheckpointError, StateError
+from tierckpt.format._decode import EXT_CODES, decode_levels
 from tierckpt.format._diagnose import _I64_MIN, _U64_MAX, diagnose, format_path, tensor_problem
 from tierckpt.format.manifest import FORMAT_VERSION, READ_VERSIONS
+from tierckpt.format.table import ALL_DTYPES
 
 __all__ = [
     "PLAIN_REFS",
@@ -53,7 +55,7 @@ __all__ = [
     "unflatten",
 ]
 
-EXT_TUPLE, EXT_TENSOR, EXT_PICKLE, EXT_ODICT, EXT_INT, EXT_DTYPE, EXT_DEVICE, EXT_SIZE = range(1, 9)
+EXT_TUPLE, EXT_TENSOR, EXT_PICKLE, EXT_ODICT, EXT_INT, EXT_DTYPE, EXT_DEVICE, EXT_SIZE = EXT_CODES
 PLAIN_REFS = 3  #: the first format version whose tree references tensors with plain ints
 _PLAIN = (type(None), bool, int, float, str, bytes)
 _PLAIN_SMALL = frozenset((type(None), bool, float, str, bytes))  # stored as themselves, whatever the value
@@ -320,54 +322,64 @@ def decode_tree(
         those types: a torch.Size is a leaf); an unpickled value is an :class:`Opaque` leaf.
 
     Raises:
-        CorruptCheckpointError: the tree is malformed (or a version 1-2 reference out of range).
+        CorruptCheckpointError: the tree is malformed, nests more than :data:`MAX_NESTING`
+            containers, holds a msgpack timestamp or an unknown dtype name, or (versions 1-2) a
+            reference is out of range, a row is never referenced, or an int inside 64 bits is ext 5.
         StateError: the tree holds pickled values and ``allow_pickle`` is False.
     """
     plain_refs = version >= PLAIN_REFS
+    marks = bytearray(0 if plain_refs else n_tensors)  # versions 1-2: which rows the tree references
+    pickles = 0
 
-    def hook(code: int, data: bytes) -> Any:
-        if code == EXT_TENSOR:
-            if plain_refs:
-                raise CorruptCheckpointError(f"tree: ext-2 tensor reference in a version-{version} tree")
-            if len(data) != 4:
-                raise CorruptCheckpointError("tree: malformed tensor reference")
-            (i,) = struct.unpack(">I", data)
-            return Ref(check_ref(i, n_tensors))
-        if code == EXT_INT:
-            v = int(data.decode("ascii"))
-            return Int(v) if plain_refs else v
-        if code == EXT_TUPLE:
-            return tuple(unpack(data))
-        if code == EXT_ODICT:
-            return OrderedDict((k, v) for k, v in unpack(data))
-        if code == EXT_DTYPE:
-            dt = getattr(torch, data.decode("ascii"), None)
-            if not isinstance(dt, torch.dtype):
-                raise CorruptCheckpointError(f"tree: unknown dtype {data!r}")
-            return dt
-        if code == EXT_DEVICE:
-            return torch.device(data.decode("ascii"))
-        if code == EXT_SIZE:
-            return torch.Size(unpack(data))
-        if code == EXT_PICKLE:
-            if not allow_pickle:
-                raise StateError(
-                    "checkpoint holds pickled values; pass allow_pickle=True to restore() if you trust its source"
-                )
-            return Opaque(pickle.loads(data) if unpickle else bytes(data))
-        raise CorruptCheckpointError(f"tree: unknown ext type {code}")
+    def make_hook(defer: Callable[[int, bytes], Any]) -> Callable[[int, bytes], Any]:
+        def hook(code: int, data: bytes) -> Any:
+            nonlocal pickles
+            if code == EXT_INT:
+                v = int(data.decode("ascii"))
+                if plain_refs:
+                    return Int(v)
+                if _I64_MIN <= v <= _U64_MAX:  # versions 1-2 wrote ext 5 only for ints outside 64 bits
+                    raise CorruptCheckpointError(f"tree: ext-5 int {v} in a version-{version} tree")
+                return v
+            if code == EXT_TENSOR:
+                if plain_refs:
+                    raise CorruptCheckpointError(f"tree: ext-2 tensor reference in a version-{version} tree")
+                if len(data) != 4:
+                    raise CorruptCheckpointError("tree: malformed tensor reference")
+                (i,) = struct.unpack(">I", data)
+                marks[check_ref(i, n_tensors)] = 1
+                return Ref(i)
+            if code in (EXT_TUPLE, EXT_ODICT, EXT_SIZE):
+                return defer(code, data)
+            if code == EXT_DTYPE:
+                dt = ALL_DTYPES.get(data.decode("ascii"))
+                if dt is None:
+                    raise CorruptCheckpointError(f"tree: unknown dtype {bytes(data[:40])!r}")
+                return dt
+            if code == EXT_DEVICE:
+                return torch.device(data.decode("ascii"))
+            if code == EXT_PICKLE:
+                if not allow_pickle:
+                    raise StateError(
+                        "checkpoint holds pickled values; pass allow_pickle=True to restore() if you trust its source"
+                    )
+                pickles += 1
+                return Opaque(pickle.loads(data) if unpickle else bytes(data))
+            raise CorruptCheckpointError(f"tree: unknown ext type {code}")
 
-    def unpack(data: bytes) -> Any:
-        return msgpack.unpackb(data, raw=False, ext_hook=hook, strict_map_key=False, use_list=True)
+        return hook
 
     try:
-        return unpack(tree), (int if plain_refs else Ref)
+        value = decode_levels(tree, make_hook, MAX_NESTING)
     except (StateError, CorruptCheckpointError):
         raise
     except Exception as e:
         raise CorruptCheckpointError(f"tree: cannot decode: {e}") from e
-    finally:
-        unpack = None  # type: ignore[assignment]  # hook and unpack referred to each other: a cycle
+    if not pickles and marks.count(0):
+        # Writers reference every row of the table (only a dict pickled whole can orphan the tensors
+        # the walk met in it first): so a version-3 tree read as version 2 is refused, never misread.
+        raise CorruptCheckpointError(f"tree: tensor {marks.index(0)} of the table is not referenced")
+    return value, (int if plain_refs else Ref)
 
 
 def resolve_tree(value: Any, ref: type[int], tensor_at: Callable[[int], torch.Tensor], n_tensors: int) -> Any:

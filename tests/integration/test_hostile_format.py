@@ -1,0 +1,293 @@
+"""Manifests that are checksum-valid but hostile, or damaged where a checksum once did not look: every
+reader (restore, restore(into=), verify, the CLI) refuses them with CorruptCheckpointError, within a
+bounded time and memory, without crashing or importing anything; and what ``save`` accepts (nesting up
+to its limit) every reader reads back, in the main thread and in a thread with the default stack."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import struct
+import subprocess
+import sys
+import textwrap
+from collections import OrderedDict
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import pytest
+import torch
+import xxhash
+import zstandard
+
+from tierckpt import CorruptCheckpointError, Hierarchy, UnsupportedFormatError
+from tierckpt.format.manifest import decode_manifest, encode_manifest
+from tierckpt.format.tree import MAX_NESTING
+from tierckpt.io.engine import make_engine
+from tierckpt.tiers.host import HostTier
+from tierckpt.tiers.local import LocalTier
+
+ROOT = Path(__file__).resolve().parents[2]
+MiB = 1 << 20
+
+
+def local(tmp_path: Path) -> Hierarchy:
+    return Hierarchy([LocalTier("ssd", tmp_path / "ssd", make_engine("threads", 2))])
+
+
+def manifest_path(tmp_path: Path, step: int = 1) -> Path:
+    return tmp_path / "ssd" / f"step-{step:012d}" / "rank-00000" / "manifest"
+
+
+def frame(payload: bytes, version: int) -> bytes:
+    """A manifest file around ``payload`` with a valid checksum under the rules of ``version``."""
+    head = struct.pack("<8sHHIQ", b"TIERCKPT", version, 0, 0, len(payload)) + payload
+    return head + struct.pack("<Q", xxhash.xxh3_64_intdigest(head if version >= 4 else payload))
+
+
+def payload_of(data: bytes) -> dict[str, Any]:
+    (n,) = struct.unpack_from("<Q", data, 16)
+    return msgpack.unpackb(data[24 : 24 + n], raw=False)
+
+
+def with_tree(tmp_path: Path, tree: bytes, codec: str = "none") -> None:
+    """Replace step 1's tree (the saved state holds no tensor) in a checksum-valid manifest."""
+    mpath = manifest_path(tmp_path)
+    p = payload_of(mpath.read_bytes())
+    p["tree"], p["tree_codec"] = tree, codec
+    mpath.write_bytes(frame(msgpack.packb(p, use_bin_type=True), 4))
+
+
+def readers_refuse(tmp_path: Path, match: str) -> None:
+    """restore(), restore(into=) and verify() each raise CorruptCheckpointError matching ``match``."""
+    with local(tmp_path) as h:
+        with pytest.raises(CorruptCheckpointError, match=match):
+            h.restore()
+        with pytest.raises(CorruptCheckpointError, match=match):
+            h.restore(into={"a": None})
+        [(_, _, err)] = h.verify(1)
+        assert isinstance(err, CorruptCheckpointError) and err.tier == "ssd", err
+
+
+def run_child(code: str, timeout: float = 60) -> dict[str, Any]:
+    """Run ``code`` in a fresh interpreter; it sets ``out`` (a dict); returns it with the child's peak
+    RSS growth over its baseline (after imports) in MiB and its wall time."""
+    prog = (
+        textwrap.dedent(
+            """
+        import json, resource, time
+        import torch, tierckpt
+        base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        t0 = time.monotonic()
+        out = {}
+        """
+        )
+        + textwrap.dedent(code)
+        + textwrap.dedent(
+            """
+        out["secs"] = time.monotonic() - t0
+        out["rss_mib"] = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base) / 1024
+        print("RESULT" + json.dumps(out))
+        """
+        )
+    )
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    r = subprocess.run([sys.executable, "-c", prog], capture_output=True, text=True, timeout=timeout, env=env)
+    assert r.returncode == 0, f"child died with {r.returncode}: {r.stderr[-3000:]}"
+    line = next(x for x in r.stdout.splitlines() if x.startswith("RESULT"))
+    return json.loads(line[len("RESULT") :])
+
+
+# -- the version field and the framing -------------------------------------------------------------------
+def test_a_flipped_version_bit_of_a_version_3_file_is_refused(tmp_path: Path) -> None:
+    """Version 3 checksummed the payload only: 3 -> 2 made every tensor a small int, verified as good.
+    A version-2 tree must reference every row of the table, so the flip is found."""
+    with local(tmp_path) as h:
+        h.save({"w": torch.arange(6.0), "n": 3}, step=1).wait()
+    mpath = manifest_path(tmp_path)
+    v3 = encode_manifest(dataclasses.replace(decode_manifest(mpath.read_bytes()), version=3))
+    for bit in range(16):
+        flipped = bytearray(v3)
+        flipped[8 + bit // 8] ^= 1 << bit % 8
+        mpath.write_bytes(flipped)
+        readers_refuse(tmp_path, "manifest|tree")
+    mpath.write_bytes(v3)
+    with local(tmp_path) as h:
+        assert torch.equal(h.restore()["w"], torch.arange(6.0)) and h.verify(1) == [(1, "ssd", None)]
+
+
+def test_a_newer_intact_version_is_named_not_called_corrupt(tmp_path: Path) -> None:
+    tiers = [LocalTier("ssd", tmp_path / "ssd", make_engine("threads", 2)), HostTier("host", 64 * MiB)]
+    with Hierarchy(tiers) as h:
+        h.save({"w": torch.arange(6.0)}, step=1).wait()
+        mpath = manifest_path(tmp_path)
+        mpath.write_bytes(frame(mpath.read_bytes()[24:-8], 5))  # intact, as a newer writer would frame it
+        with pytest.raises(UnsupportedFormatError, match=r"format version 5 by a newer tierckpt.*1, 2, 3, 4"):
+            h.restore(tier="ssd")
+        assert torch.equal(h.restore()["w"], torch.arange(6.0)) and h.last_restore == (1, "host")
+        errs = {tier: err for _, tier, err in h.verify(1)}
+        assert isinstance(errs["ssd"], UnsupportedFormatError) and not isinstance(errs["ssd"], CorruptCheckpointError)
+        assert errs["host"] is None
+        damaged = bytearray(mpath.read_bytes())
+        damaged[40] ^= 4  # the same newer file with one payload bit flipped: damage, not a newer format
+        mpath.write_bytes(damaged)
+        with pytest.raises(CorruptCheckpointError, match="version 5 is unknown .* checksum does not match"):
+            h.restore(tier="ssd")
+
+
+# -- the tree --------------------------------------------------------------------------------------------
+@pytest.fixture
+def plain(tmp_path: Path) -> Path:
+    """A saved step 1 with no tensor (so any tree goes with its empty table)."""
+    with local(tmp_path) as h:
+        h.save({"a": 1}, step=1).wait()
+    return tmp_path
+
+
+def test_a_msgpack_timestamp_is_refused(plain: Path) -> None:
+    for tree in ({"a": msgpack.Timestamp(1, 0)}, msgpack.Timestamp(5, 7)):
+        with_tree(plain, msgpack.packb(tree))
+        readers_refuse(plain, "timestamp")
+    inner = msgpack.ExtType(1, msgpack.packb([msgpack.Timestamp(1, 0)]))  # inside a tuple
+    with_tree(plain, msgpack.packb({"a": inner}))
+    readers_refuse(plain, "timestamp")
+
+
+def test_a_tree_nested_500_deep_names_the_limit(plain: Path) -> None:
+    with_tree(plain, b"\x81\xa1a" + b"\x91" * 499 + b"\x90")  # {"a": [[[...]]]}
+    readers_refuse(plain, f"nested deeper than {MAX_NESTING} containers")
+    tuples = msgpack.packb(msgpack.ExtType(1, b"\x90"))
+    for _ in range(MAX_NESTING):  # each a tuple holding the next
+        tuples = msgpack.packb(msgpack.ExtType(1, b"\x91" + tuples))
+    with_tree(plain, b"\x81\xa1a" + tuples)
+    readers_refuse(plain, f"nested deeper than {MAX_NESTING} containers")
+
+
+@pytest.mark.parametrize("name", [b"_inductor", b"float32 ", b"Tensor", b"qint8x", b""])
+def test_a_dtype_name_is_looked_up_in_a_fixed_table(plain: Path, name: bytes) -> None:
+    with_tree(plain, msgpack.packb({"a": msgpack.ExtType(6, name)}))
+    readers_refuse(plain, "unknown dtype")
+
+
+def test_a_dtype_name_imports_nothing(plain: Path) -> None:
+    with_tree(plain, msgpack.packb({"a": msgpack.ExtType(6, b"_inductor")}))
+    out = run_child(
+        f"""
+        import sys
+        from tierckpt import Hierarchy, CorruptCheckpointError
+        from tierckpt.tiers.local import LocalTier
+        from tierckpt.io.engine import make_engine
+        h = Hierarchy([LocalTier("ssd", {str(plain / "ssd")!r}, make_engine("threads", 2))])
+        try:
+            h.restore()
+        except CorruptCheckpointError as e:
+            out["error"] = str(e)
+        out["inductor"] = "torch._inductor" in sys.modules
+        """
+    )
+    assert "unknown dtype" in out["error"] and out["inductor"] is False
+
+
+def _bomb(n_nones: int, declare: int | None = None) -> bytes:
+    """A zstd frame of a msgpack array of ``n_nones`` Nones (built in chunks, never whole), its declared
+    content size patched to ``declare`` where given."""
+    size = 5 + n_nones
+    c = zstandard.ZstdCompressor(level=3, write_content_size=True, write_checksum=False).compressobj(size=size)
+    parts = [c.compress(b"\xdd" + struct.pack(">I", n_nones))]
+    chunk = b"\xc0" * (16 * MiB)
+    left = n_nones
+    while left:
+        parts.append(c.compress(chunk[: min(left, len(chunk))]))
+        left -= min(left, len(chunk))
+    parts.append(c.flush())
+    frame_ = b"".join(parts)
+    if declare is not None:  # the frame header: magic, descriptor, window byte, then a 4-byte content size
+        assert frame_[4] >> 6 == 2 and not frame_[4] & 0x20
+        frame_ = frame_[:6] + struct.pack("<I", declare) + frame_[10:]
+    return frame_
+
+
+@pytest.mark.parametrize(("nones", "declare"), [(1 << 28, None), (1 << 24, (1 << 32) - 1)])
+def test_a_zstd_bomb_is_refused_before_it_expands(plain: Path, nones: int, declare: int | None) -> None:
+    """An 8 KiB frame of 2**28 Nones (it took 45 s and 4.3 GiB, then verified as good), and a small frame
+    declaring 4 GiB (the reader allocated it): refused from the declared size, in bounded time and memory."""
+    bomb = _bomb(nones, declare)
+    assert len(bomb) < 64 << 10
+    with_tree(plain, bomb, "zstd")
+    out = run_child(
+        f"""
+        from tierckpt import Hierarchy, CorruptCheckpointError
+        from tierckpt.tiers.local import LocalTier
+        from tierckpt.io.engine import make_engine
+        h = Hierarchy([LocalTier("ssd", {str(plain / "ssd")!r}, make_engine("threads", 2))], readonly=True)
+        out["errors"] = []
+        for into in (None, {{"a": None}}):
+            try:
+                h.restore(into=into)
+            except CorruptCheckpointError as e:
+                out["errors"].append(str(e))
+        out["errors"] += [str(err) for _, _, err in h.verify(1)]
+        """
+    )
+    assert len(out["errors"]) == 3 and all("declares" in e and "most a reader accepts" in e for e in out["errors"])
+    assert out["secs"] < 10 and out["rss_mib"] < 64, out
+
+
+# -- nesting up to the save limit ------------------------------------------------------------------------
+def deep_state(kind: str, depth: int) -> dict[str, Any]:
+    v: Any = torch.arange(3.0)
+    for _ in range(depth - 1):
+        v = (v, 1) if kind == "tuple" else OrderedDict(a=v) if kind == "odict" else [v]
+    return {"x": v}
+
+
+@pytest.mark.parametrize("kind", ["tuple", "odict", "list"])
+def test_what_save_accepts_every_reader_reads_at_the_nesting_limit(tmp_path: Path, kind: str) -> None:
+    """A state nested as deep as save allows (MAX_NESTING containers, the root dict included) restores,
+    restores in place and verifies, in the main thread and in a thread with the default stack size, and
+    ``tierckpt verify`` passes (each in a child process: a C stack overflow would kill it)."""
+    (tmp_path / "c.yml").write_text(f"tiers:\n  - {{name: ssd, kind: local, path: {tmp_path / 'ssd'}}}\n")
+    out = run_child(
+        f"""
+        import threading
+        from tierckpt import Hierarchy, load_config
+        from tierckpt.cli import main
+        import sys
+        sys.path.insert(0, {str(Path(__file__).parent)!r})
+        from test_hostile_format import deep_state
+        from tierckpt.format.tree import MAX_NESTING
+
+        state = deep_state({kind!r}, MAX_NESTING)
+        h = Hierarchy.from_config(load_config({str(tmp_path / "c.yml")!r}))
+        h.save(state, step=1).wait()
+
+        def readers(where):
+            got = h.restore()
+            v, w = got["x"], state["x"]
+            for _ in range(MAX_NESTING - 1):
+                assert type(v) is type(w)
+                v, w = (v[0], w[0]) if {kind!r} != "odict" else (v["a"], w["a"])
+            assert torch.equal(v, w)
+            assert h.restore(into={{"x": None}})["x"] is not None
+            assert h.verify(1) == [(1, "ssd", None)]
+            out[where] = True
+
+        readers("main")
+        t = threading.Thread(target=readers, args=("thread",))
+        t.start()
+        t.join()
+        out["cli"] = main(["verify", {str(tmp_path / "c.yml")!r}])
+        h.close()
+        """,
+        timeout=120,
+    )
+    assert out["main"] and out["thread"] and out["cli"] == 0
+
+
+def test_deeper_than_save_allows_is_refused_by_save(tmp_path: Path) -> None:
+    from tierckpt import StateError
+
+    with local(tmp_path) as h, pytest.raises(StateError, match="nested too deep"):
+        h.save(deep_state("tuple", MAX_NESTING + 1), step=1)
