@@ -20,6 +20,7 @@ import torch
 
 from tierckpt._restore import load_tree
 from tierckpt.errors import StateError
+from tierckpt.format._memory import in_storage, unreadable
 from tierckpt.format.manifest import Manifest, dtype_from_name
 from tierckpt.format.tree import Int, Opaque, check_ref, format_path
 from tierckpt.tiers.base import CheckpointKey, Tier
@@ -72,7 +73,7 @@ def plan(m: Manifest, target: Any, addrs: list[int], *, allow_pickle: bool, tier
     Tensor = torch.Tensor
 
     def place(d: torch.Tensor, i: int, path: tuple[Any, ...]) -> None:
-        if direct[i] is None and d.is_cpu and d.is_contiguous():
+        if direct[i] is None and d.is_cpu and d.is_contiguous() and unreadable(d) is None:
             addrs[i] = d.data_ptr()
             direct[i] = d
         else:
@@ -90,7 +91,7 @@ def plan(m: Manifest, target: Any, addrs: list[int], *, allow_pickle: bool, tier
                 d = dst.get(k, None)
                 if type(v) is R and type(d) is Tensor and 0 <= v < n and d.dtype is dtypes[v] and d.shape == shapes[v]:
                     # the common case, inline: place(d, v)
-                    if direct[v] is None and d.is_cpu and d.is_contiguous():
+                    if direct[v] is None and d.is_cpu and d.is_contiguous() and in_storage(d, d.data_ptr(), d.nbytes):
                         addrs[v] = d.data_ptr()
                         direct[v] = d
                     else:
@@ -166,6 +167,8 @@ def _unwritable(d: torch.Tensor) -> str | None:
         return f"a {d.layout} tensor"
     if d.is_meta:
         return "a meta tensor (it has no memory to fill)"
+    if (why := unreadable(d)) is not None:  # a DTensor or other dispatch subclass, a freed storage ...
+        return why
     if d.numel() and _may_overlap(d.shape, d.stride()):
         return "a tensor whose elements may share memory (an expanded or as_strided view)"
     return None
