@@ -20,7 +20,7 @@ import torch
 
 from tierckpt._restore import load_tree
 from tierckpt.errors import StateError
-from tierckpt.format._memory import in_storage, unreadable
+from tierckpt.format._memory import copies, in_storage, unreadable
 from tierckpt.format.manifest import Manifest, dtype_from_name
 from tierckpt.format.tree import Int, Opaque, check_ref, format_path
 from tierckpt.tiers.base import CheckpointKey, Tier
@@ -169,6 +169,8 @@ def _unwritable(d: torch.Tensor) -> str | None:
         return "a meta tensor (it has no memory to fill)"
     if (why := unreadable(d)) is not None:  # a DTensor or other dispatch subclass, a freed storage ...
         return why
+    if d.numel() and not copies(d.dtype):
+        return f"a {d.dtype} tensor that must be filled by a copy, which torch cannot make for this dtype (pass contiguous CPU tensors, each once)"
     if d.numel() and _may_overlap(d.shape, d.stride()):
         return "a tensor whose elements may share memory (an expanded or as_strided view)"
     return None

@@ -19,11 +19,12 @@ The names (DTensor, FakeTensor ...) only choose the words of the error.
 
 from __future__ import annotations
 
+import functools
 import sys
 
 import torch
 
-__all__ = ["as_plain", "in_storage", "unreadable"]
+__all__ = ["as_plain", "copies", "in_storage", "unreadable"]
 
 _PYTHON_KEY = torch._C.DispatchKey.Python
 _STORAGE_ERRORS = (RuntimeError, NotImplementedError, TypeError)
@@ -51,6 +52,17 @@ def in_storage(t: torch.Tensor, start: int, nbytes: int) -> bool:
             return False
         reach += (d - 1) * s
     return start + reach * t.element_size() <= end
+
+
+@functools.cache
+def copies(dtype: torch.dtype) -> bool:
+    """Whether torch can copy elements of ``dtype`` between strided tensors (it has no copy kernel for
+    some: ``torch.int1`` ... ``torch.uint7``, the ``bits`` types)."""
+    try:
+        torch.empty(2, dtype=dtype)[::2].copy_(torch.empty(1, dtype=dtype))
+    except (RuntimeError, TypeError):  # NotImplementedError is a RuntimeError
+        return False
+    return True
 
 
 def unreadable(t: torch.Tensor) -> str | None:

@@ -158,6 +158,21 @@ def _readable(t: torch.Tensor, path: str) -> tuple[torch.Tensor, int, int]:
     raise StateError(f"{path}: cannot save {unreadable(t) or 'a tensor whose memory cannot be read'}")
 
 
+def _resolved(t: torch.Tensor, path: str) -> torch.Tensor:
+    """The value of a conjugate or negative view (a copy), as torch computes it.
+
+    Raises:
+        StateError: torch cannot compute it for this dtype (e.g. no negation for ``torch.bits16``).
+    """
+    try:
+        return t.resolve_conj().resolve_neg()
+    except (RuntimeError, TypeError) as e:  # NotImplementedError is a RuntimeError
+        kind = "negative" if t.is_neg() else "conjugate"
+        raise StateError(
+            f"{path}: cannot save a {kind} view of a {t.dtype} tensor: torch cannot compute its value ({e})"
+        ) from e
+
+
 def flatten(state: Any, *, allow_pickle: bool = False, version: int = FORMAT_VERSION) -> FlatState:
     """Walk ``state`` and split it into a msgpack tree and a list of tensors.
 
@@ -280,7 +295,7 @@ def flatten(state: Any, *, allow_pickle: bool = False, version: int = FORMAT_VER
         if t.requires_grad:
             t = t.detach()
         if t.is_neg() or t.is_conj():
-            t = t.resolve_conj().resolve_neg()
+            t = _resolved(t, path)
         tensors.append(TensorRef(path, t))
         nbytes.append(nb)
         return idx if plain_refs else _tensor_ref(idx)
