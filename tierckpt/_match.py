@@ -21,6 +21,7 @@ import torch
 
 from tierckpt._restore import load_tree
 from tierckpt.errors import StateError
+from tierckpt.format._memory import copies, in_storage, unreadable
 from tierckpt.format.manifest import Manifest, dtype_from_name
 from tierckpt.format.tree import Int, Opaque, check_ref, format_path
 from tierckpt.tiers.base import CheckpointKey, Tier
@@ -91,7 +92,7 @@ def plan(
     Tensor = torch.Tensor
 
     def place(d: torch.Tensor, i: int, path: tuple[Any, ...]) -> None:
-        if direct[i] is None and d.is_cpu and d.is_contiguous():
+        if direct[i] is None and d.is_cpu and d.is_contiguous() and unreadable(d) is None:
             addrs[i] = d.data_ptr()
             direct[i] = d
         else:
@@ -119,7 +120,7 @@ def plan(
                 d = dst.get(k, _ABSENT)
                 if type(v) is R and type(d) is Tensor and 0 <= v < n and d.dtype is dtypes[v] and d.shape == shapes[v]:
                     # the common case, inline: place(d, v)
-                    if direct[v] is None and d.is_cpu and d.is_contiguous():
+                    if direct[v] is None and d.is_cpu and d.is_contiguous() and in_storage(d, d.data_ptr(), d.nbytes):
                         addrs[v] = d.data_ptr()
                         direct[v] = d
                     else:
@@ -257,6 +258,10 @@ def _unwritable(d: torch.Tensor) -> str | None:
         return f"a {d.layout} tensor"
     if d.is_meta:
         return "a meta tensor (it has no memory to fill)"
+    if (why := unreadable(d)) is not None:  # a DTensor or other dispatch subclass, a freed storage ...
+        return why
+    if d.numel() and not copies(d.dtype):
+        return f"a {d.dtype} tensor that must be filled by a copy, which torch cannot make for this dtype (pass contiguous CPU tensors, each once)"
     if d.numel() and _may_overlap(d.shape, d.stride()):
         return "a tensor whose elements may share memory (an expanded or as_strided view)"
     return None

@@ -77,11 +77,20 @@ def _fill_sources(
     return k
 
 
+#: integer dtypes by item size: a non-contiguous tensor is gathered as one of them, bit for bit, since
+#: torch has no copy kernel for some dtypes (``torch.int1`` ... ``torch.uint7``, ``torch.bits16`` ...)
+_SAME_SIZE_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
 def contiguous_cpu(t: torch.Tensor) -> torch.Tensor:
-    """The tensor's bytes as a contiguous CPU tensor (a copy only where needed)."""
+    """The tensor's bytes as a contiguous CPU tensor (a copy only where needed; the copy's dtype may be
+    an integer one of the same item size: only the bytes count)."""
     if t.device.type != "cpu":
         t = t.to("cpu")
-    return t if t.is_contiguous() else t.contiguous()
+    if t.is_contiguous():
+        return t
+    same = _SAME_SIZE_INT.get(t.element_size())
+    return t.view(same).contiguous() if same is not None else t.contiguous()
 
 
 def pack_and_write(

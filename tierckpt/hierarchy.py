@@ -278,6 +278,15 @@ class Hierarchy(Lifecycle):
         before** ``handle.staged`` **resolves** (e.g. wait on it right before ``optimizer.step()``). A tensor
         replaced by one of another size meanwhile (``t.data = ...``) fails this save with
         :class:`StateError` naming its key, rather than have its bytes read past their end.
+
+        Tensors are read as the bytes in their storage, so only tensors whose value is those bytes are
+        saved: plain tensors, ``nn.Parameter`` and Python subclasses without a ``__torch_dispatch__``
+        (saved as plain tensors, their ``__torch_function__`` not called). A ``DTensor`` (save
+        ``t.full_tensor()`` or ``t.to_local()``; sharded states are not supported yet), any other
+        subclass with its own ``__torch_dispatch__`` (FakeTensor, FunctionalTensor, wrapper subclasses),
+        torch.func's wrappers, and a tensor whose storage was freed or shrunk under it raise
+        :class:`StateError` naming the key, as do conjugate or negative views whose value torch cannot
+        compute for their dtype.
         Copies to the lower tiers follow in the background, in order, as the demotion policy says.
 
         A failure on one tier does not stop the others; it is raised by ``handle.wait()`` (and by

@@ -7,11 +7,9 @@ from collections import OrderedDict
 from collections.abc import Iterator
 from typing import Any
 
-import torch
-
 from tierckpt.errors import StateError
 
-__all__ = ["diagnose", "format_path", "tensor_problem"]
+__all__ = ["diagnose", "format_path"]
 
 _I64_MIN, _U64_MAX = -(1 << 63), (1 << 64) - 1  # the ints a msgpack int holds (tree.py uses them too)
 
@@ -20,20 +18,6 @@ def format_path(path: tuple[Any, ...], root: str = "state") -> str:
     """``('optim', 'param_groups', 0)`` → ``state['optim']['param_groups'][0]`` (exported by
     :mod:`tierckpt.format.tree`)."""
     return root + "".join(f"[{p!r}]" for p in path)
-
-
-def tensor_problem(t: torch.Tensor) -> str:
-    """What makes ``t`` a tensor that ``flatten`` cannot store (asked only once its fast check failed)."""
-    if t.is_nested:
-        return "a nested tensor (store its components, e.g. list(t.unbind()))"
-    if t.layout is not torch.strided:
-        kind = "sparse" if "sparse" in str(t.layout) else "non-strided"
-        return f"a {kind} tensor (layout {t.layout}; store t.to_dense())"
-    if t.is_quantized:
-        return f"a quantized tensor ({t.dtype}; store t.dequantize() or its int_repr())"
-    if t.is_meta:
-        return "a meta tensor (it holds no data)"
-    return f"a tensor of layout {t.layout}"  # not reached: the fast check passes everything else
 
 
 def _key_ok(k: Any) -> bool:

@@ -36,7 +36,8 @@ import torch
 
 from tierckpt.errors import CorruptCheckpointError, StateError
 from tierckpt.format._decode import EXT_CODES, decode_levels
-from tierckpt.format._diagnose import _I64_MIN, _U64_MAX, diagnose, format_path, tensor_problem
+from tierckpt.format._diagnose import _I64_MIN, _U64_MAX, diagnose, format_path
+from tierckpt.format._memory import as_plain, in_storage, unreadable
 from tierckpt.format.manifest import FORMAT_VERSION, READ_VERSIONS
 from tierckpt.format.table import ALL_DTYPES
 
@@ -131,6 +132,49 @@ def _identity(t: torch.Tensor) -> tuple[Any, ...]:
     return (t.device, t.dtype, t.storage_offset(), t.shape, t.stride(), t.is_conj(), t.is_neg())
 
 
+def _readable(t: torch.Tensor, path: str) -> tuple[torch.Tensor, int, int]:
+    """``(t, t.data_ptr(), t.nbytes)`` for a tensor whose bytes :func:`flatten` may read (all in its
+    storage's memory: format/_memory.py); a subclass becomes the plain tensor it is, if it is one.
+
+    Raises:
+        StateError: naming ``path`` and what the tensor is.
+    """
+    tt = type(t)
+    if tt is not torch.Tensor and tt is not torch.nn.Parameter:
+        plain = as_plain(t)
+        if type(plain) is str:
+            raise StateError(f"{path}: cannot save {plain}")
+        t = plain  # type: ignore[assignment]
+    try:
+        if t.layout is torch.strided and not (t.is_quantized or t.is_meta or t.is_nested):
+            nb, p = t.nbytes, t.data_ptr()
+            if not nb:
+                return t, p, nb
+            # in_storage(t, p, nb), inline for the common case: ~1 us per tensor, a third of the walk's
+            st = t.untyped_storage()
+            base = st.data_ptr()
+            if base and base <= p and (p + nb <= base + st.nbytes() if t.is_contiguous() else in_storage(t, p, nb)):
+                return t, p, nb
+    except (RuntimeError, TypeError):  # data_ptr() or untyped_storage() of a tensor that has no storage
+        pass
+    raise StateError(f"{path}: cannot save {unreadable(t) or 'a tensor whose memory cannot be read'}")
+
+
+def _resolved(t: torch.Tensor, path: str) -> torch.Tensor:
+    """The value of a conjugate or negative view (a copy), as torch computes it.
+
+    Raises:
+        StateError: torch cannot compute it for this dtype (e.g. no negation for ``torch.bits16``).
+    """
+    try:
+        return t.resolve_conj().resolve_neg()
+    except (RuntimeError, TypeError) as e:  # NotImplementedError is a RuntimeError
+        kind = "negative" if t.is_neg() else "conjugate"
+        raise StateError(
+            f"{path}: cannot save a {kind} view of a {t.dtype} tensor: torch cannot compute its value ({e})"
+        ) from e
+
+
 def flatten(state: Any, *, allow_pickle: bool = False, version: int = FORMAT_VERSION) -> FlatState:
     """Walk ``state`` and split it into a msgpack tree and a list of tensors.
 
@@ -143,7 +187,11 @@ def flatten(state: Any, *, allow_pickle: bool = False, version: int = FORMAT_VER
         allow_pickle: pickle what is neither (else refuse it), and dicts with keys other than str and
             64-bit ints. Still refused whatever ``allow_pickle`` says: a str (value or key) that is not
             valid UTF-8 (a lone surrogate), a container that holds itself (a cycle), nesting too deep
-            to walk, and tensors that are sparse, quantized, meta or nested.
+            to walk, tensors that are sparse, quantized, meta or nested, and tensors whose bytes are not
+            all in their storage's memory or whose value is not those bytes (a DTensor or another
+            subclass with its own ``__torch_dispatch__``, torch.func wrappers, a freed storage: see
+            :mod:`tierckpt.format._memory`). A plain Python subclass of ``torch.Tensor`` is saved as the
+            plain tensor it is (its ``__torch_function__`` is not called).
         version: the format version whose tree encoding to write (1 and 2 share one).
 
     Raises:
@@ -155,12 +203,12 @@ def flatten(state: Any, *, allow_pickle: bool = False, version: int = FORMAT_VER
         raise ValueError(f"cannot write format version {version} (this writer knows {READ_VERSIONS})")
     plain_refs = version >= PLAIN_REFS
     tensors: list[TensorRef] = []
-    originals: list[torch.Tensor] = []  # tensor i as found in the state (before detach / resolve)
+    originals: list[tuple[torch.Tensor, Any]] = []  # tensor i before detach / resolve, and as found in the state
     nbytes: list[int] = []
     depth = 0  # containers open on the walk's path
     seen: dict[int, int | dict[tuple[Any, ...], int]] = {}  # data_ptr -> index, or identity -> index
     has_pickle = False
-    Tensor, strided = torch.Tensor, torch.strided
+    Tensor = torch.Tensor
 
     # Key paths travel down the walk as formatted strings (``state['a'][0]``), extended only where a
     # container or a tensor is found: plain leaves, most of a state, never pay for a repr.
@@ -229,19 +277,18 @@ def flatten(state: Any, *, allow_pickle: bool = False, version: int = FORMAT_VER
         return msgpack.ExtType(EXT_ODICT, pack([list(kv) for kv in items]))
 
     def tensor_ref(t: torch.Tensor, path: str) -> int | msgpack.ExtType:
-        if t.layout is not strided or t.is_quantized or t.is_meta or t.is_nested:
-            raise StateError(f"{path}: cannot save {tensor_problem(t)}")
+        obj = t  # as found in the state
+        t, p, nb = _readable(t, path)
         # Deduplicate by the address of the first element; only tensors that share it (the same
         # object twice, tied weights, views starting at the same byte) pay for the full identity.
         # A zero-size tensor owns no byte at its address (empty ones all sit at 0), so it is keyed
         # by the object alone: ``originals`` keeps each alive, so its id is not reused meanwhile.
-        p = t.data_ptr()
         hit = seen.get(p)
         if hit is not None:
             if type(hit) is int:  # the second tensor at this address: key the first one by identity too
-                first = originals[hit]
-                hit = seen[p] = {(id(first),) if first.numel() == 0 else _identity(first): hit}
-            ident = (id(t),) if t.numel() == 0 else _identity(t)
+                first, first_obj = originals[hit]
+                hit = seen[p] = {(id(first_obj),) if first.numel() == 0 else _identity(first): hit}
+            ident = (id(obj),) if t.numel() == 0 else _identity(t)
             idx = hit.get(ident)
             if idx is not None:
                 return idx if plain_refs else _tensor_ref(idx)
@@ -249,13 +296,13 @@ def flatten(state: Any, *, allow_pickle: bool = False, version: int = FORMAT_VER
         else:
             seen[p] = len(tensors)
         idx = len(tensors)
-        originals.append(t)
+        originals.append((t, obj))
         if t.requires_grad:
             t = t.detach()
         if t.is_neg() or t.is_conj():
-            t = t.resolve_conj().resolve_neg()
+            t = _resolved(t, path)
         tensors.append(TensorRef(path, t))
-        nbytes.append(t.nbytes)
+        nbytes.append(nb)
         return idx if plain_refs else _tensor_ref(idx)
 
     # What msgpack or the stack refuses (a str that is not UTF-8, a cycle, deep nesting) is caught here
