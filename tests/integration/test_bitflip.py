@@ -55,9 +55,9 @@ def tiny_state() -> dict[Any, Any]:
 
 
 def target() -> dict[Any, Any]:
-    """A restore(into=) target: the tensors zeroed, the plain values missing (the checkpoint's are assigned)."""
+    """A restore(into=) target: the tensors zeroed, the plain values None (the checkpoint's are assigned)."""
     s = tiny_state()
-    out = {k: torch.zeros_like(v) for k, v in s.items() if isinstance(v, torch.Tensor) and k != "tied"}
+    out: dict[Any, Any] = {k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else None for k, v in s.items()}
     out["tied"] = out["w"]
     return out
 
