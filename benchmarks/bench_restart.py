@@ -71,7 +71,7 @@ class Bench:
         h = Hierarchy.from_config({"tiers": [{"name": "local", "kind": "local", "path": str(s / "tierckpt")}]})
         h.save(state, step=1, blocking=True)
         h.close()
-        self.blobs = sorted(p for p in (s / "tierckpt").rglob("*") if p.is_file() and "manifest" not in p.name)
+        self.blobs = sorted((s / "tierckpt").rglob("blob-*.bin"))
         self.raw_bytes = sum(p.stat().st_size for p in self.blobs)
         with open(s / "torch.pt", "wb") as f:
             torch.save(state, f)

@@ -42,8 +42,8 @@ def _timed(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def _read_blobs(orig: Callable[..., Any]) -> Callable[..., Any]:
-    def run(tier: Any, key: Any, m: Any, on_data: Callable[..., Any]) -> Any:
-        return orig(tier, key, m, _timed("verify+carve", on_data))
+    def run(*args: Any) -> Any:  # (tier, key, manifest, reader, on_data): on_data is the last
+        return orig(*args[:-1], _timed("verify+carve", args[-1]))
 
     return run
 
