@@ -38,6 +38,7 @@ __all__ = ["Mover", "Worker", "copy_blobs"]
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 _STOP = object()
+_PAGE = 4096  # the memory alignment O_DIRECT asks for (512 on some disks, never more than a page)
 
 
 class Worker:
@@ -143,8 +144,9 @@ def copy_blobs(
             if sbuf is not None and dbuf is not None:  # device memory ↔ memory: a side-stream copy
                 device_copy(dbuf, sbuf, blob.size)
                 continue
-            sbuf = sbuf if sbuf is None or sbuf.is_cpu else None  # device memory ↔ file: through staging
-            dbuf = dbuf if dbuf is None or dbuf.is_cpu else None
+            # device memory ↔ file, and memory that O_DIRECT may refuse (not page-aligned): through staging
+            sbuf = sbuf if sbuf is None or _direct_ok(sbuf) else None
+            dbuf = dbuf if dbuf is None or _direct_ok(dbuf) else None
             if sbuf is not None:  # memory → file: write from the source's own buffer
                 if sbuf.numel() < blob.size:
                     _check_count(sbuf.numel(), blob.size, src, key, blob, 0)
@@ -168,6 +170,12 @@ def copy_blobs(
         for f in pending:  # never leave a write running from memory the caller may free
             with contextlib.suppress(BaseException):  # cancelled
                 f.exception()
+
+
+def _direct_ok(buf: torch.Tensor) -> bool:
+    """Whether a memory tier's buffer can be handed to the I/O engine as it is: CPU memory, page-aligned
+    (what O_DIRECT asks for everywhere). A gpu tier on ``device="cpu"`` allocates plain tensors."""
+    return buf.is_cpu and buf.data_ptr() % _PAGE == 0
 
 
 def _copy_through_staging(

@@ -157,3 +157,18 @@ def test_gpu_from_yaml_with_a_training_state(tmp_path: Path) -> None:
         got = h.restore(into={"model": model.state_dict(), "optim": None})  # None: the optimizer's state is read whole
         assert h.last_restore == (1, "gpu")
         assert all(torch.equal(v, model.state_dict()[k]) for k, v in got["model"].items())
+
+
+@pytest.mark.parametrize("device", devices())
+def test_demotion_straight_to_a_file_tier(tmp_path: Path, device: str) -> None:
+    """A gpu tier demotes straight to an O_DIRECT file tier: memory the device buffers do not align for
+    O_DIRECT (a CPU-device tier's plain allocations) goes through aligned staging, never EINVAL."""
+    state = mixed_state(device)
+    tiers = [GpuTier("gpu", capacity_bytes=256 * MiB, device=device), LocalTier("ssd", tmp_path / "ssd")]
+    with Hierarchy(tiers, policy={"keep": {"gpu": 1}}) as h:
+        for step in (1, 2):
+            h.save(state, step=step).wait()
+        assert [(c.step, c.tiers) for c in h.checkpoints()] == [(1, ("ssd",)), (2, ("gpu", "ssd"))]
+        assert same(state, h.restore(step=1)) and h.last_restore == (1, "ssd")
+        assert h.prefetch(step=1).result() == "gpu"  # file -> device memory: the other direction
+        assert same(state, h.restore(step=1)) and h.last_restore == (1, "gpu")
