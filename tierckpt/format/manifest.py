@@ -46,6 +46,10 @@ READ_VERSIONS = (1, 2, 3, 4)
 WHOLE_FILE_CHECKSUM = 4
 _HEADER = struct.Struct("<8sHHIQ")  # magic, version, flags, reserved, payload length
 _TRAILER = struct.Struct("<Q")  # xxh3_64 of header + payload (versions 1-3: of the payload only)
+#: The framing every version keeps (docs/format.md): readers of files check the header's magic and
+#: length against the file's size with these before reading the rest.
+HEADER = _HEADER
+TRAILER_BYTES = _TRAILER.size
 MAX_PAYLOAD_BYTES = 1 << 31
 _COMPRESS_TREE_ABOVE = 64 << 10
 #: A zstd tree may expand to at most this many times its stored size, or to MAX_TREE_FLOOR bytes, whichever

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
 from tierckpt.errors import CheckpointEvictedError, CheckpointNotFoundError, CorruptCheckpointError, TierIOError
-from tierckpt.format.manifest import MAGIC, MAX_PAYLOAD_BYTES, BlobEntry
+from tierckpt.format.manifest import HEADER, MAGIC, MAX_PAYLOAD_BYTES, TRAILER_BYTES, BlobEntry
 from tierckpt.io.fsutil import dio_alignment
 from tierckpt.tiers.base import CheckpointKey, TierCopy, TierReader
 
@@ -36,10 +36,8 @@ __all__ = ["MANIFEST_NAME", "FileCopy", "io_error"]
 MANIFEST_NAME = "manifest"
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _FILE_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
-# docs/format.md: a 24-byte header (magic, version, flags, reserved, u64 payload length) and an 8-byte
-# trailer frame the payload; the length is checked against the file's size before the rest is read
-_HEADER_BYTES, _LENGTH_AT, _TRAILER_BYTES = 24, 16, 8
-_MAX_MANIFEST_BYTES = _HEADER_BYTES + MAX_PAYLOAD_BYTES + _TRAILER_BYTES
+# the header's length is checked against the file's size before the rest is read (docs/format.md)
+_MAX_MANIFEST_BYTES = HEADER.size + MAX_PAYLOAD_BYTES + TRAILER_BYTES
 _OPAQUE_BYTES = 1 << 20  # read whole without looking; larger manifests must show their framing first
 
 
@@ -169,11 +167,10 @@ class FileCopy(TierCopy):
             if size > _MAX_MANIFEST_BYTES:
                 raise self._bad(f"manifest {p} is {size} bytes, more than a manifest can be ({_MAX_MANIFEST_BYTES})")
             if size > _OPAQUE_BYTES:  # a small file is read as it is; decode_head checks everything
-                head = _pread_all(fd, _HEADER_BYTES, 0)
-                if head[: len(MAGIC)] != MAGIC:
-                    raise self._bad(f"bad magic {head[: len(MAGIC)]!r} (not a tierckpt manifest)")
-                n = int.from_bytes(head[_LENGTH_AT:_HEADER_BYTES], "little")
-                if _HEADER_BYTES + n + _TRAILER_BYTES != size:
+                magic, _, _, _, n = HEADER.unpack(_pread_all(fd, HEADER.size, 0))
+                if magic != MAGIC:
+                    raise self._bad(f"bad magic {magic!r} (not a tierckpt manifest)")
+                if HEADER.size + n + TRAILER_BYTES != size:
                     raise self._bad(f"manifest {p} is {size} bytes, its header says {n} + framing")
             return _pread_all(fd, size, 0)
         except OSError as e:

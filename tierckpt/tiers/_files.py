@@ -107,9 +107,6 @@ def _is_file(p: Path) -> bool:
         return False
 
 
-_io_error = io_error
-
-
 class FileTier(Tier):
     """A tier in a directory. Subclasses set ``kind``, ``shared`` and their preferred blob size.
 
@@ -155,7 +152,7 @@ class FileTier(Tier):
             try:
                 self.path.mkdir(parents=True, exist_ok=True)
             except OSError as e:
-                raise _io_error(name, f"cannot create directory {self.path}", e) from e
+                raise io_error(name, f"cannot create directory {self.path}", e) from e
         need = os.R_OK | os.X_OK if readonly else os.R_OK | os.W_OK | os.X_OK
         if not os.access(self.path, need):
             what = "readable" if readonly else "readable and writable"
@@ -266,7 +263,7 @@ class FileTier(Tier):
         except FileNotFoundError:
             return []
         except OSError as e:
-            raise _io_error(self.name, f"cannot list {self.path}", e) from e
+            raise io_error(self.name, f"cannot list {self.path}", e) from e
         return sorted(Path(e.path) for e in entries if not self._linked(e))
 
     def _linked(self, e: os.DirEntry[str]) -> bool:
@@ -377,7 +374,7 @@ class FileTier(Tier):
         except FileNotFoundError:
             return
         except OSError as e:
-            raise _io_error(self.name, f"cannot evict step {key.step}", e) from e
+            raise io_error(self.name, f"cannot evict step {key.step}", e) from e
         with contextlib.suppress(OSError):
             fsync_dir(src.parent)
         with self._lock:
@@ -426,7 +423,7 @@ class _FileWriter(TierWriter):
                     os.posix_fallocate(fd, 0, b.size)  # ENOSPC now, not halfway; parallel O_DIRECT writes
         except OSError as e:
             self.abort()
-            raise _io_error(tier.name, f"cannot start step {key.step} in {self.step_dir}", e) from e
+            raise io_error(tier.name, f"cannot start step {key.step} in {self.step_dir}", e) from e
 
     def write(self, blob: int, offset: int, addr: int, nbytes: int) -> Future[int]:
         path = str(self.tmp / self.blobs[blob].name)
@@ -453,7 +450,7 @@ class _FileWriter(TierWriter):
             fsync_dir(self.tier.path)
         except OSError as e:
             self.abort()
-            raise _io_error(self.tier.name, f"cannot commit step {self.key.step}", e) from e
+            raise io_error(self.tier.name, f"cannot commit step {self.key.step}", e) from e
         self._open = False
 
     def _replace(self, final: Path) -> None:
