@@ -47,16 +47,21 @@ def tmpfs(tmp_path: Path) -> Iterator[Path]:
 @pytest.fixture(params=["native", "python"])
 def loops(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """Each implementation of the per-tensor loops of save and restore in turn: the C extension
-    (skipped where it is not built) and the pure-Python ones it replaces (tierckpt.io.native)."""
-    import tierckpt._restore
-    import tierckpt._restore_into
-    import tierckpt._save
-    import tierckpt.io.native
+    (skipped where it is not built) and the pure-Python ones it replaces (tierckpt.format.native)."""
+    import tierckpt.format.native
+    import tierckpt.orchestration.packing
+    import tierckpt.orchestration.restore
+    import tierckpt.orchestration.restore_into
 
     if request.param == "native":
-        if tierckpt.io.native.native is None:
-            pytest.skip("tierckpt.io._native is not built here (or TIERCKPT_NATIVE=0)")
+        if tierckpt.format.native.native is None:
+            pytest.skip("tierckpt.format._native is not built here (or TIERCKPT_NATIVE=0)")
     else:
-        for mod in (tierckpt._restore, tierckpt._restore_into, tierckpt._save, tierckpt.io.native):
+        for mod in (
+            tierckpt.orchestration.restore,
+            tierckpt.orchestration.restore_into,
+            tierckpt.orchestration.packing,
+            tierckpt.format.native,
+        ):
             monkeypatch.setattr(mod, "native", None)
     return str(request.param)

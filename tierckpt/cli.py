@@ -53,7 +53,7 @@ def _cmd_ls(args: argparse.Namespace) -> int:
 
 
 def _cmd_inspect(args: argparse.Namespace) -> int:
-    from tierckpt._inspect import describe, text_lines
+    from tierckpt.orchestration.describe import describe, text_lines
 
     with _open(args) as h:
         tier, m = h.inspect(args.step)

@@ -24,8 +24,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from tierckpt._yaml import YAMLFileError, load_yaml
 from tierckpt.errors import ConfigError
+from tierckpt.yamlfile import YAMLFileError, load_yaml
 
 __all__ = [
     "ENGINES",

@@ -1,7 +1,7 @@
 """The user-facing API: a chain of tiers, fastest first, with ``save`` / ``restore`` / ``prefetch``.
 
 ``save`` checks and flattens the state in the caller's thread, then hands the copy to the background
-mover (``tierckpt._mover``): the top tier's worker packs the tensors into the top tier (``staged``
+mover (``tierckpt.orchestration.mover``): the top tier's worker packs the tensors into the top tier (``staged``
 resolves when the last byte is copied out of the caller's tensors) and commits; each tier below that
 the demotion policy picks for this save gets a copy from the nearest tier above it. Retention runs
 after every change. ``prefetch`` climbs the other way.
@@ -18,15 +18,6 @@ from concurrent.futures import Future
 from dataclasses import replace
 from typing import Any
 
-from tierckpt._checks import check_policy_names, check_rank, check_step, check_tiers
-from tierckpt._choose import choose_and_read
-from tierckpt._lifecycle import Lifecycle, resolved
-from tierckpt._mover import Mover
-from tierckpt._records import STATES, CheckpointInfo, SaveHandle, Tracker, merge_states
-from tierckpt._restore import load_manifest, read_checkpoint, verify_checkpoint
-from tierckpt._restore_into import RestoreStaging
-from tierckpt._runtime import Engines, dist_rank, gc_paused
-from tierckpt._stage import make_stage_job
 from tierckpt.config import (
     HierarchyConfig,
     IOConfig,
@@ -42,6 +33,15 @@ from tierckpt.format.layout import plan, round_up
 from tierckpt.format.manifest import BlobEntry, Manifest
 from tierckpt.format.tree import flatten
 from tierckpt.io.buffers import StagingPool
+from tierckpt.orchestration.catalog import STATES, CheckpointInfo, SaveHandle, Tracker, merge_states
+from tierckpt.orchestration.checks import check_policy_names, check_rank, check_step, check_tiers
+from tierckpt.orchestration.choose import choose_and_read
+from tierckpt.orchestration.lifecycle import Lifecycle, resolved
+from tierckpt.orchestration.mover import Mover
+from tierckpt.orchestration.restore import load_manifest, read_checkpoint, verify_checkpoint
+from tierckpt.orchestration.restore_into import RestoreStaging
+from tierckpt.orchestration.runtime import Engines, dist_rank, gc_paused
+from tierckpt.orchestration.savejob import make_stage_job
 from tierckpt.policies.demotion import Cadence, Demotion
 from tierckpt.policies.retention import KeepAll, KeepLatest, RetentionPolicy
 from tierckpt.registry import get_tier_class

@@ -1,5 +1,5 @@
 """``restore(into=...)``: the in-place restore that streams a checkpoint through reused staging buffers
-straight into the target's tensors (tierckpt._restore_into)."""
+straight into the target's tensors (tierckpt.orchestration.restore_into)."""
 
 from __future__ import annotations
 
@@ -15,10 +15,10 @@ import pytest
 import torch
 
 from tierckpt import CheckpointKey, CorruptCheckpointError, Hierarchy, StateError
-from tierckpt._restore_into import RestoreStaging
 from tierckpt.config import LayoutConfig
 from tierckpt.format.manifest import decode_manifest, encode_manifest
 from tierckpt.format.tree import flatten
+from tierckpt.orchestration.restore_into import RestoreStaging
 from tierckpt.tiers.gpu import GpuTier
 
 SLOT = 64 << 10  # small staging slots, so tensors span several reads and reads wrap the pool
@@ -345,7 +345,7 @@ def spy_reads(
         return r
 
     monkeypatch.setattr(t, "open_copy", opened)
-    import tierckpt._restore_into as ri
+    import tierckpt.orchestration.restore_into as ri
 
     plan = ri.plan
 
@@ -387,7 +387,7 @@ def test_reads_start_before_the_table_is_validated_and_a_bad_table_changes_nothi
 def test_after_the_match_few_reads_run_at_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Every slot is filled while the target is matched; then at most two reads run at once on a
     node-local tier (so they land in order), however many slots are free."""
-    import tierckpt._restore_into as ri
+    import tierckpt.orchestration.restore_into as ri
 
     state = make_state(4)
     with open_h(config(tmp_path, "ssd"), slots=8) as h:

@@ -19,8 +19,8 @@ import pytest
 import torch
 
 from tierckpt import Hierarchy, TierFullError
-from tierckpt._records import HeldCopies, Tracker
 from tierckpt.io.engine import make_engine
+from tierckpt.orchestration.catalog import HeldCopies, Tracker
 from tierckpt.policies import Held
 from tierckpt.testing import FaultyTier
 from tierckpt.tiers.base import Tier

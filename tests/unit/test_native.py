@@ -1,4 +1,4 @@
-"""The C loops of tierckpt.io._native (and the loader that checks them) against what they replace."""
+"""The C loops of tierckpt.format._native (and the loader that checks them) against what they replace."""
 
 from __future__ import annotations
 
@@ -11,10 +11,10 @@ import pytest
 import torch
 import xxhash
 
-from tierckpt.io import native as nat
+from tierckpt.format import native as nat
 
 native = nat.native
-needs_native = pytest.mark.skipif(native is None, reason="tierckpt.io._native is not built here")
+needs_native = pytest.mark.skipif(native is None, reason="tierckpt.format._native is not built here")
 U64 = (1 << 64) - 1
 
 
@@ -148,7 +148,7 @@ def test_scatter_refuses_bad_arguments() -> None:
 @pytest.mark.parametrize("impl", ["native", "python"])
 def test_all_zero(impl: str, monkeypatch: pytest.MonkeyPatch) -> None:
     if impl == "native" and native is None:
-        pytest.skip("tierckpt.io._native is not built here")
+        pytest.skip("tierckpt.format._native is not built here")
     if impl == "python":
         monkeypatch.setattr(nat, "native", None)
     t = torch.zeros(10_000, dtype=torch.uint8)

@@ -17,10 +17,10 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import tierckpt._restore
-import tierckpt._restore_into
-import tierckpt._save
-import tierckpt.io.native as nat
+import tierckpt.format.native as nat
+import tierckpt.orchestration.packing
+import tierckpt.orchestration.restore
+import tierckpt.orchestration.restore_into
 from tierckpt import Hierarchy, StateError
 from tierckpt.format._memory import copies
 
@@ -199,9 +199,14 @@ def _check(h: Hierarchy, step: int, state: dict[str, Any], strided: bool) -> Non
 
 def _fuzz(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, impl: str, tier: str, examples: int) -> None:
     if impl == "native" and nat.native is None:
-        pytest.skip("tierckpt.io._native is not built here")
+        pytest.skip("tierckpt.format._native is not built here")
     if impl == "python":
-        for mod in (nat, tierckpt._save, tierckpt._restore, tierckpt._restore_into):
+        for mod in (
+            nat,
+            tierckpt.orchestration.packing,
+            tierckpt.orchestration.restore,
+            tierckpt.orchestration.restore_into,
+        ):
             monkeypatch.setattr(mod, "native", None)
     spec = {"host": {"kind": "host", "capacity": "64MiB"}, "local": {"kind": "local", "path": str(tmp_path / "t")}}
     config = {"tiers": [{"name": "t", **spec[tier]}], "io": {"engine": "threads"}, "policy": {"keep": {"t": 1}}}

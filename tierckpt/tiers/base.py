@@ -54,7 +54,12 @@ import torch
 from tierckpt.format.manifest import BlobEntry
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from tierckpt.config import IOConfig, TierConfig
+    from tierckpt.format.layout import Layout
+    from tierckpt.format.tree import FlatState
+    from tierckpt.io.buffers import StagingPool
     from tierckpt.io.engine import IOEngine
 
 __all__ = ["CheckpointKey", "EngineSource", "Tier", "TierCapabilities", "TierCopy", "TierReader", "TierWriter"]
@@ -239,6 +244,39 @@ class Tier(ABC):
             free: free its space now; with ``False`` it is only made unlistable at once, and
                 :meth:`reclaim` frees it later (tiers whose freeing is cheap free it anyway).
         """
+
+    # -- optional methods: a tier overrides them where it can do better than the generic path ----------
+    def pack(
+        self,
+        writer: TierWriter,
+        flat: FlatState,
+        layout: Layout,
+        staging: Callable[[], StagingPool],
+        on_staged: Callable[[], None],
+    ) -> list[int] | None:
+        """Optional: snapshot a save's tensors into ``writer`` (from this tier's :meth:`reserve`) itself.
+
+        The mover calls it for the first copy of a save on this tier. A tier whose memory the generic
+        packer cannot write with ``memmove`` (device memory) copies the tensors with its own means, calls
+        ``on_staged()`` once nothing more is read from the caller's tensors, and returns one xxh3-64
+        checksum per tensor extent of ``layout`` (docs/format.md). Return None (the default) to let the
+        generic packer fill ``writer.buffer(i)`` or call ``writer.write``.
+
+        Args:
+            writer: the reserved checkpoint.
+            flat: the flattened state (its tensors, in extent order).
+            layout: where each tensor's bytes go.
+            staging: this tier's worker's staging buffers (host memory), e.g. for checksumming.
+            on_staged: call once the caller's tensors may change again.
+        """
+        return None
+
+    def copy_buffer(self, dst: torch.Tensor, src: torch.Tensor, nbytes: int) -> None:
+        """Optional: copy ``nbytes`` between two uint8 buffers, one of them this tier's and not in host
+        memory (``TierWriter.buffer`` / ``TierReader.buffer`` on a device). The mover calls it for a
+        device ↔ memory copy between two memory tiers; the default is a synchronous ``Tensor.copy_``
+        (a gpu tier overrides it with a copy on its own stream)."""
+        dst[:nbytes].copy_(src[:nbytes])
 
     def reclaim(self) -> None:  # noqa: B027 - optional hook
         """Free the space of checkpoints evicted with ``free=False``."""

@@ -124,12 +124,15 @@ class GpuTier(HostTier):
     def describe(self) -> str:
         return f"{self.device} memory, capacity {self.capacity_bytes} bytes"
 
+    def copy_buffer(self, dst: torch.Tensor, src: torch.Tensor, nbytes: int) -> None:
+        device_copy(dst, src, nbytes)
+
     def pack(
         self,
         writer: TierWriter,
         flat: FlatState,
         layout: Layout,
-        pool: Callable[[], StagingPool],
+        staging: Callable[[], StagingPool],
         on_staged: Callable[[], None],
     ) -> list[int]:
         """Snapshot the state into ``writer``'s blob buffers with device copies; return the checksums.
@@ -158,7 +161,7 @@ class GpuTier(HostTier):
             stream.synchronize()
         del keep
         on_staged()
-        return self._checksums(bufs, layout, pool())
+        return self._checksums(bufs, layout, staging())
 
     def _checksums(self, bufs: Sequence[torch.Tensor], layout: Layout, pool: StagingPool) -> list[int]:
         extents = layout.extents

@@ -20,10 +20,10 @@ import xxhash
 
 from tierckpt.errors import CorruptCheckpointError, StateError
 from tierckpt.format.manifest import Manifest, ManifestHead, decode_head, dtype_from_name
+from tierckpt.format.native import THREADS, all_zero, native, records
 from tierckpt.format.table import blob_spans
 from tierckpt.format.tree import decode_tree, resolve_tree
 from tierckpt.io.buffers import MappedBuffer, ptr_mv
-from tierckpt.io.native import THREADS, all_zero, native, records
 from tierckpt.tiers.base import CheckpointKey, Tier, TierCopy, TierReader
 
 __all__ = ["load_head", "load_manifest", "load_rest", "load_tree", "read_checkpoint", "verify_checkpoint"]
@@ -163,7 +163,7 @@ def _verifier(tier: Tier, key: CheckpointKey, m: Manifest) -> Callable[[int, Map
 
     The returned function is called with a blob's received prefix (``upto`` bytes, growing); it checks
     what lies wholly inside it and was not checked yet, and returns the indices of the tensors checked.
-    With :mod:`tierckpt.io.native`, each call is one GIL-free C loop.
+    With :mod:`tierckpt.format.native`, each call is one GIL-free C loop.
     """
     t = m.tensors
     order = t.order()  # non-empty tensors by (blob, offset)

@@ -26,15 +26,15 @@ from typing import Any
 import torch
 import xxhash
 
-from tierckpt._match import plan
-from tierckpt._restore import load_head, load_rest
 from tierckpt.errors import CorruptCheckpointError
 from tierckpt.format.layout import round_up
 from tierckpt.format.manifest import Manifest, ManifestHead
+from tierckpt.format.native import THREADS, Records, all_zero, native, records
 from tierckpt.format.table import blob_spans
 from tierckpt.format.tree import resolve_tree
 from tierckpt.io.buffers import StagingPool, memmove, ptr_mv
-from tierckpt.io.native import THREADS, Records, all_zero, native, records
+from tierckpt.orchestration.matching import plan
+from tierckpt.orchestration.restore import load_head, load_rest
 from tierckpt.tiers.base import CheckpointKey, Tier, TierReader
 
 __all__ = ["RestoreStaging", "restore_into"]

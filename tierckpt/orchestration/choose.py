@@ -13,8 +13,8 @@ import logging
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from tierckpt._records import CheckpointInfo
 from tierckpt.errors import CheckpointEvictedError, CheckpointNotFoundError, CorruptCheckpointError, TierIOError
+from tierckpt.orchestration.catalog import CheckpointInfo
 
 __all__ = ["MAX_RELISTS", "choose_and_read", "unusable"]
 

@@ -25,13 +25,12 @@ from typing import Any, TypeVar
 
 import torch
 
-from tierckpt._records import HeldCopies, Tracker
 from tierckpt.errors import CorruptCheckpointError, TierckptError, TierFullError
 from tierckpt.format.manifest import BlobEntry
 from tierckpt.io.buffers import StagingPool, memmove
+from tierckpt.orchestration.catalog import HeldCopies, Tracker
 from tierckpt.policies.retention import RetentionPolicy, capacity_victims, plan_retention
 from tierckpt.tiers.base import CheckpointKey, Tier, TierReader, TierWriter
-from tierckpt.tiers.gpu import device_copy
 
 __all__ = ["Mover", "Worker", "copy_blobs"]
 
@@ -117,6 +116,7 @@ def _check_count(got: int, want: int, src: Tier, key: CheckpointKey, blob: BlobE
 def copy_blobs(
     src: Tier,
     reader: TierReader,
+    dst: Tier,
     writer: TierWriter,
     key: CheckpointKey,
     blobs: Sequence[BlobEntry],
@@ -126,7 +126,8 @@ def copy_blobs(
     """Copy every blob from ``reader`` to ``writer``; returns when every write has completed.
 
     Args:
-        src: the source tier (for error messages).
+        src: the source tier (for error messages, and its device copy).
+        dst: the destination tier (its device copy).
         chunk: bytes per operation (a multiple of both tiers' alignment).
         pool: staging buffers for file → file copies.
 
@@ -141,8 +142,8 @@ def copy_blobs(
             if sbuf is not None and dbuf is not None and (sbuf.is_cpu and dbuf.is_cpu):  # memory → memory
                 memmove(dbuf.data_ptr(), sbuf.data_ptr(), blob.size)
                 continue
-            if sbuf is not None and dbuf is not None:  # device memory ↔ memory: a side-stream copy
-                device_copy(dbuf, sbuf, blob.size)
+            if sbuf is not None and dbuf is not None:  # device memory ↔ memory: the device tier's own copy
+                (src if not sbuf.is_cpu else dst).copy_buffer(dbuf, sbuf, blob.size)
                 continue
             # device memory ↔ file, and memory that O_DIRECT may refuse (not page-aligned): through staging
             sbuf = sbuf if sbuf is None or _direct_ok(sbuf) else None
@@ -372,7 +373,7 @@ class Mover:
         with src.open_copy(key) as copy:  # manifest and blobs of one copy; blob sizes checked at open
             manifest = copy.read_manifest()
             if blobs is None:
-                from tierckpt._restore import load_manifest
+                from tierckpt.orchestration.restore import load_manifest
 
                 blobs = load_manifest(src, key, copy=copy).blobs
             reader = copy.reader(blobs)
@@ -385,7 +386,7 @@ class Mover:
             raise
         try:
             try:
-                copy_blobs(src, reader, writer, key, blobs, chunk, self.workers[dst.name].pool)
+                copy_blobs(src, reader, dst, writer, key, blobs, chunk, self.workers[dst.name].pool)
             finally:
                 reader.close()
             writer.commit(manifest)

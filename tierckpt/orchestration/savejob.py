@@ -5,17 +5,17 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
-from tierckpt._records import SaveHandle
-from tierckpt._runtime import gc_paused
-from tierckpt._save import build_manifest, pack_and_write
 from tierckpt.errors import TierckptError
 from tierckpt.format.layout import Layout
 from tierckpt.format.manifest import BlobEntry
 from tierckpt.format.tree import FlatState
+from tierckpt.orchestration.catalog import SaveHandle
+from tierckpt.orchestration.packing import build_manifest, pack_and_write
+from tierckpt.orchestration.runtime import gc_paused
 from tierckpt.tiers.base import CheckpointKey, Tier, TierWriter
 
 if TYPE_CHECKING:
-    from tierckpt._mover import Mover
+    from tierckpt.orchestration.mover import Mover
 
 __all__ = ["make_stage_job"]
 
@@ -56,7 +56,6 @@ def make_stage_job(
                 failed: dict[str, BaseException] = {}
                 pool = mover.workers[tier.name].pool
                 on_staged = lambda: handle.staged.set_result(None)  # noqa: E731
-                packer = getattr(tier, "pack", None)  # a tier that snapshots itself (gpu: device copies)
                 srcs = [r.tensor for r in flat.tensors]
                 manifest = b""
 
@@ -67,8 +66,9 @@ def make_stage_job(
                         world_size=world_size, align=align,
                     )  # fmt: skip
 
-                if packer is not None:
-                    encode(packer(writer, flat, layout, pool, on_staged))
+                checksums = tier.pack(writer, flat, layout, pool, on_staged)  # a tier that packs itself (gpu)
+                if checksums is not None:
+                    encode(checksums)
                 else:  # the manifest is encoded while the last chunks are still being written
                     pack_and_write(
                         flat, layout, {tier.name: writer}, failed, pool, pool().slot_bytes, on_staged, encode

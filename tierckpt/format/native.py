@@ -1,4 +1,4 @@
-"""The optional C loops of the data path (``tierckpt.io._native``) and what checks them before use.
+"""The optional C loops of the data path (``tierckpt.format._native``) and what checks them before use.
 
 On 20,000 tensors of 1-64 KiB the restoring thread spent ~10 us per tensor in the interpreter around a
 hash and a copy of ~3 us, and so ran at half the disk's speed (docs/benchmarks.md). ``_native.scatter``
@@ -52,9 +52,9 @@ def _load() -> ModuleType | None:
         log.debug("TIERCKPT_NATIVE is off: using the Python loops")
         return None
     try:
-        from tierckpt.io import _native  # type: ignore[attr-defined]
+        from tierckpt.format import _native  # type: ignore[attr-defined]
     except ImportError as e:
-        log.debug("tierckpt.io._native is not built (%s): using the Python loops", e)
+        log.debug("tierckpt.format._native is not built (%s): using the Python loops", e)
         return None
     probe = bytes((i * 131 + 7) & 0xFF for i in range(max(_PROBE_LENGTHS)))
     for path, symbol in _candidates():
@@ -77,7 +77,7 @@ this process may run on (16 MiB of 1-64 KiB tensors, two cores: one thread hashe
 7.5 GB/s, two at 9.3 GB/s; memory bandwidth caps it)."""
 
 native: ModuleType | None = _load()
-"""``tierckpt.io._native`` ready to use, or None (then the Python loops run)."""
+"""``tierckpt.format._native`` ready to use, or None (then the Python loops run)."""
 
 
 _ZEROS = bytes(4096)

@@ -1,16 +1,16 @@
 /*
- * tierckpt.io._native: the per-tensor loops of the data path, without the GIL.
+ * tierckpt.format._native: the per-tensor loops of the data path, without the GIL.
  *
  * Restoring 20,000 small tensors in Python costs ~10 us each in interpreter overhead around a hash
  * and a copy that take ~3 us: the restoring thread, not the disk, set the speed (docs/benchmarks.md).
  * These functions run the same loop over a table of records in C.
  *
  * The checksum is not implemented here: the caller hands in the address of xxhash's own
- * XXH3_64bits (from the python-xxhash extension or libxxhash, see tierckpt/io/native.py), checked
+ * XXH3_64bits (from the python-xxhash extension or libxxhash, see tierckpt/format/native.py), checked
  * against xxhash.xxh3_64_intdigest before it is used. So this file needs nothing but Python.h and
  * libc to build.
  *
- * Addresses are trusted: the caller (tierckpt.io.native) keeps the memory alive, and the manifest's
+ * Addresses are trusted: the caller (tierckpt.format.native) keeps the memory alive, and the manifest's
  * validation has bounded every extent by its blob.
  */
 #define PY_SSIZE_T_CLEAN
@@ -82,7 +82,7 @@ static void copies_done(void) {
 
 static int need_hash(void) {
     if (xxh3 == NULL) {
-        PyErr_SetString(PyExc_RuntimeError, "tierckpt.io._native: set_hash() was not called");
+        PyErr_SetString(PyExc_RuntimeError, "tierckpt.format._native: set_hash() was not called");
         return 0;
     }
     return 1;
@@ -349,6 +349,6 @@ static PyMethodDef methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
-static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "tierckpt.io._native", NULL, -1, methods};
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "tierckpt.format._native", NULL, -1, methods};
 
 PyMODINIT_FUNC PyInit__native(void) { return PyModule_Create(&module); }

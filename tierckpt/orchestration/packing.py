@@ -20,10 +20,10 @@ import xxhash
 from tierckpt.errors import StateError
 from tierckpt.format.layout import Layout
 from tierckpt.format.manifest import BlobEntry, Manifest, TensorTable, dtype_name, encode_manifest
+from tierckpt.format.native import Records, native, records
 from tierckpt.format.table import blob_spans
 from tierckpt.format.tree import FlatState, TensorRef
 from tierckpt.io.buffers import StagingPool, memmove, ptr_mv
-from tierckpt.io.native import Records, native, records
 from tierckpt.tiers.base import TierWriter
 
 __all__ = ["build_manifest", "contiguous_cpu", "pack_and_write"]

@@ -19,11 +19,11 @@ from typing import Any
 
 import torch
 
-from tierckpt._restore import load_tree
 from tierckpt.errors import StateError
 from tierckpt.format._memory import copies, in_storage, unreadable
 from tierckpt.format.manifest import Manifest, dtype_from_name
 from tierckpt.format.tree import Int, Opaque, check_ref, format_path
+from tierckpt.orchestration.restore import load_tree
 from tierckpt.tiers.base import CheckpointKey, Tier
 
 __all__ = ["Plan", "plan"]

@@ -14,18 +14,18 @@ from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import TYPE_CHECKING, Any
 
-from tierckpt._records import SaveHandle
-from tierckpt._runtime import install_flush_handler
 from tierckpt.errors import TierckptError
+from tierckpt.orchestration.catalog import SaveHandle
+from tierckpt.orchestration.runtime import install_flush_handler
 from tierckpt.policies import Demotion
 from tierckpt.tiers.base import CheckpointKey, Tier
 
 if TYPE_CHECKING:
     from typing_extensions import Self
 
-    from tierckpt._mover import Mover
-    from tierckpt._records import CheckpointInfo
-    from tierckpt._restore_into import RestoreStaging
+    from tierckpt.orchestration.catalog import CheckpointInfo
+    from tierckpt.orchestration.mover import Mover
+    from tierckpt.orchestration.restore_into import RestoreStaging
 
 __all__ = ["Lifecycle", "resolved"]
 
