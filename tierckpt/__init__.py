@@ -25,6 +25,7 @@ _LAZY: dict[str, str] = {
     "PolicyConfig": "tierckpt.config",
     "TierConfig": "tierckpt.config",
     "load_config": "tierckpt.config",
+    "CoordinationError": "tierckpt.errors",
     "CheckpointEvictedError": "tierckpt.errors",
     "CheckpointNotFoundError": "tierckpt.errors",
     "ConfigError": "tierckpt.errors",
@@ -41,6 +42,8 @@ _LAZY: dict[str, str] = {
     "available_kinds": "tierckpt.registry",
     "get_tier_class": "tierckpt.registry",
     "register_tier": "tierckpt.registry",
+    "Coordinator": "tierckpt.orchestration.coordinator",
+    "SoloCoordinator": "tierckpt.orchestration.coordinator",
     "TrainState": "tierckpt.resume",
     "rng_state": "tierckpt.resume",
     "set_rng_state": "tierckpt.resume",
@@ -57,6 +60,8 @@ __all__ = [
     "CheckpointKey",
     "CheckpointNotFoundError",
     "ConfigError",
+    "CoordinationError",
+    "Coordinator",
     "CorruptCheckpointError",
     "DemoteConfig",
     "Hierarchy",
@@ -65,6 +70,7 @@ __all__ = [
     "LayoutConfig",
     "PolicyConfig",
     "SaveHandle",
+    "SoloCoordinator",
     "StateError",
     "Tier",
     "TierBusyError",
@@ -100,6 +106,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time __getattr__ im
         CheckpointEvictedError,
         CheckpointNotFoundError,
         ConfigError,
+        CoordinationError,
         CorruptCheckpointError,
         StateError,
         TierBusyError,
@@ -109,6 +116,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time __getattr__ im
         UnsupportedFormatError,
     )
     from tierckpt.hierarchy import CheckpointInfo, Hierarchy, SaveHandle
+    from tierckpt.orchestration.coordinator import Coordinator, SoloCoordinator
     from tierckpt.registry import available_kinds, get_tier_class, register_tier
     from tierckpt.resume import TrainState, rng_state, set_rng_state
     from tierckpt.tiers.base import CheckpointKey, Tier, TierCapabilities, TierReader, TierWriter

@@ -225,11 +225,14 @@ class PolicyConfig:
         demote: tier name → its cadence (absent: every save goes there).
         promote_on_restore: a restore that reads from a lower tier also copies the checkpoint up to the
             top tier, in the background.
+        on_full: tier name → ``wait`` (backpressure, the default) or ``fail`` when the tier is full and
+            nothing can be evicted yet.
     """
 
     keep: Mapping[str, int] = field(default_factory=dict)
     demote: Mapping[str, DemoteConfig] = field(default_factory=dict)
     promote_on_restore: bool = False
+    on_full: Mapping[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -355,6 +358,9 @@ def parse_config(data: Any, base_dir: str | os.PathLike[str] | None = None) -> H
     policy = (
         parse_policy(_policy_mapping(d["policy"], base), [t.name for t in tiers]) if "policy" in d else PolicyConfig()
     )
+    on_full = {t.name: t.on_full for t in tiers if t.on_full != "wait"}
+    if on_full:
+        policy = replace(policy, on_full={**policy.on_full, **on_full})
     return HierarchyConfig(tiers=tuple(tiers), io=io, layout=layout, policy=policy)
 
 
@@ -406,7 +412,7 @@ def _policy_mapping(value: Any, base: Path) -> Mapping[str, Any]:
             raise ConfigError(f"policy: cannot read policy preset {p}: {e.strerror or e}") from e
         except YAMLFileError as e:
             raise ConfigError(f"policy: {p}: {e}") from e
-    return _check_keys(value, "policy", {"keep", "demote", "promote"})
+    return _check_keys(value, "policy", {"keep", "demote", "promote", "on_full"})
 
 
 def _choice(v: Any, key: str, choices: tuple[str, ...]) -> str:
@@ -427,7 +433,7 @@ def parse_policy(data: Any, tiers: list[str]) -> PolicyConfig:
     Raises:
         ConfigError: naming the bad key, e.g. ``policy.demote.pfs.every: expected an integer in [1, ...]``.
     """
-    pd = _check_keys(data, "policy", {"keep", "demote", "promote"})
+    pd = _check_keys(data, "policy", {"keep", "demote", "promote", "on_full"})
     names = set(tiers)
     keep: dict[str, int] = {}
     if "keep" in pd:
@@ -455,7 +461,11 @@ def parse_policy(data: Any, tiers: list[str]) -> PolicyConfig:
     if "promote" in pd:
         prd = _check_keys(pd["promote"], "policy.promote", {"on_restore"})
         on_restore = _bool(prd.get("on_restore", False), "policy.promote.on_restore")
-    return PolicyConfig(keep=keep, demote=demote, promote_on_restore=on_restore)
+    on_full: dict[str, str] = {}
+    if "on_full" in pd:
+        od = _check_keys(pd["on_full"], "policy.on_full", names)
+        on_full = {k: _choice(v, f"policy.on_full.{k}", ON_FULL) for k, v in od.items()}
+    return PolicyConfig(keep=keep, demote=demote, promote_on_restore=on_restore, on_full=on_full)
 
 
 def _blob_size(v: Any, key: str) -> int:

@@ -12,6 +12,7 @@ __all__ = [
     "CheckpointEvictedError",
     "CheckpointNotFoundError",
     "ConfigError",
+    "CoordinationError",
     "CorruptCheckpointError",
     "StateError",
     "TierBusyError",
@@ -134,3 +135,16 @@ class TierBusyError(TierckptError, BlockingIOError):
 
     def __str__(self) -> str:
         return str(self.strerror)
+
+
+class CoordinationError(TierckptError, TimeoutError):
+    """The ranks of a job could not agree in time (a rank died, hung or left): the step or restore in
+    question fails on every rank that waited, naming the ranks that did not answer; training goes on.
+
+    Attributes:
+        ranks: the ranks that did not answer (empty when unknown).
+    """
+
+    def __init__(self, message: str, ranks: tuple[int, ...] = ()) -> None:
+        super().__init__(message)
+        self.ranks = ranks

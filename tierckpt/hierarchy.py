@@ -1,22 +1,23 @@
 """The user-facing API: a chain of tiers, fastest first, with ``save`` / ``restore`` / ``prefetch``.
 
-``save`` checks and flattens the state in the caller's thread, then hands the copy to the background
-mover (``tierckpt.orchestration.mover``): the top tier's worker packs the tensors into the top tier (``staged``
-resolves when the last byte is copied out of the caller's tensors) and commits; each tier below that
-the demotion policy picks for this save gets a copy from the nearest tier above it. Retention runs
-after every change. ``prefetch`` climbs the other way.
+:class:`Hierarchy` is a facade: each method checks its arguments, asks placement
+(:func:`tierckpt.policies.place`) what to do, through the coordinator where every rank must agree, and
+hands the plan to the orchestration (:mod:`tierckpt.orchestration`): a save becomes a
+:class:`~tierckpt.orchestration.savejob.SaveJob` run by the mover, a restore reads the copy that
+:func:`~tierckpt.orchestration.choose.choose_and_read` picks, and the catalog records every copy's state.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import signal
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tierckpt.config import (
     HierarchyConfig,
@@ -28,25 +29,34 @@ from tierckpt.config import (
     parse_config,
     parse_policy,
 )
-from tierckpt.errors import CheckpointNotFoundError, CorruptCheckpointError
-from tierckpt.format.layout import plan, round_up
-from tierckpt.format.manifest import BlobEntry, Manifest
+from tierckpt.errors import CheckpointNotFoundError, TierckptError
+from tierckpt.format.layout import round_up
+from tierckpt.format.manifest import Manifest
 from tierckpt.format.tree import flatten
 from tierckpt.io.buffers import StagingPool
-from tierckpt.orchestration.catalog import STATES, CheckpointInfo, SaveHandle, Tracker, merge_states
-from tierckpt.orchestration.checks import check_policy_names, check_rank, check_step, check_tiers
+from tierckpt.orchestration.blobcopy import write_chunk
+from tierckpt.orchestration.catalog import STATES, Catalog, CheckpointInfo
+from tierckpt.orchestration.checks import check_policy_names, check_step, check_tiers
 from tierckpt.orchestration.choose import choose_and_read
-from tierckpt.orchestration.lifecycle import Lifecycle, resolved
+from tierckpt.orchestration.coordinator import Coordinator, SoloCoordinator, agreed_step
+from tierckpt.orchestration.engines import Engines
+from tierckpt.orchestration.handles import SaveHandle
 from tierckpt.orchestration.mover import Mover
-from tierckpt.orchestration.restore import load_manifest, read_checkpoint, verify_checkpoint
+from tierckpt.orchestration.pending import Pending
+from tierckpt.orchestration.process import gc_paused, install_flush_handler
+from tierckpt.orchestration.restore import load_manifest, read_checkpoint
 from tierckpt.orchestration.restore_into import RestoreStaging
-from tierckpt.orchestration.runtime import Engines, dist_rank, gc_paused
-from tierckpt.orchestration.savejob import make_stage_job
-from tierckpt.policies.demotion import Cadence, Demotion
-from tierckpt.policies.retention import KeepAll, KeepLatest, RetentionPolicy
+from tierckpt.orchestration.savejob import SaveJob
+from tierckpt.orchestration.verify import holds, verify_copies
+from tierckpt.policies.demotion import Demotion
+from tierckpt.policies.placement import Close, CopyPlan, Policy, Prefetch, Save, SavePlan, place
+from tierckpt.policies.retention import RetentionPolicy
 from tierckpt.registry import get_tier_class
 from tierckpt.tiers._jobs import hierarchy_job, resolve_job
 from tierckpt.tiers.base import CheckpointKey, Tier
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
 
 __all__ = ["STATES", "CheckpointInfo", "Hierarchy", "SaveHandle"]
 
@@ -54,7 +64,7 @@ log = logging.getLogger(__name__)
 # A save's staging pool: 6 slots of one io chunk (32 MiB by default, 192 MiB in all). A virtual disk
 # here completes a whole queue of writes at once, so the packer must have slots free to fill while
 # a full queue is in flight; 3 slots of 64 MiB (the same memory) left the disk idle while they were
-# refilled (docs/benchmarks.md, "Six staging slots").
+# refilled (docs/benchmarks-journal.md, "Six staging slots").
 _STAGING_SLOTS = 6
 
 
@@ -63,7 +73,7 @@ def _clock() -> float:
     return time.monotonic()
 
 
-class Hierarchy(Lifecycle):
+class Hierarchy:
     """A chain of storage tiers, fastest first, and the policy that decides what each keeps.
 
     ``save`` packs the state once into a few large aligned blobs in the top tier and returns at once;
@@ -77,8 +87,8 @@ class Hierarchy(Lifecycle):
         io: I/O settings: the staging chunk size, and the engine, ``direct`` and chunk size of file
             tiers built without them (default: ``IOConfig()``, with ``$TIERCKPT_ENGINE``).
         layout: aggregation settings.
-        rank: this process's rank (default: torch.distributed's, else 0).
-        world_size: number of ranks (default: torch.distributed's, else 1).
+        rank: this process's rank (default: the coordinator's; torch.distributed's, else 0).
+        world_size: number of ranks (default: the coordinator's; torch.distributed's, else 1).
         retention: per tier name, a retention policy object; overrides ``policy.keep`` for that tier.
         demotion: per tier name, a :class:`~tierckpt.policies.Demotion`; overrides ``policy.demote``.
         readonly: only look: :meth:`save` and :meth:`prefetch` raise, :meth:`close` copies nothing,
@@ -86,9 +96,12 @@ class Hierarchy(Lifecycle):
         job: the job identity its writable file tiers lease their directories for (docs/jobs.md):
             checked against the tiers' leases; default: theirs, else the environment's
             (``$TIERCKPT_JOB``, ``$TORCHELASTIC_RUN_ID``, ``$SLURM_JOB_ID`` …), else this process's own.
+        coordinator: how the ranks of a job agree (default: :class:`SoloCoordinator`, every rank alone).
 
     Attributes:
         job: that identity (None for a read-only hierarchy, which leases nothing).
+        placement: the placement policy every decision comes from.
+        last_restore: (step, tier) of the latest restore.
 
     Example:
         >>> with Hierarchy.from_yaml("tiers/local.yaml") as h:   # doctest: +SKIP
@@ -110,48 +123,33 @@ class Hierarchy(Lifecycle):
         demotion: Mapping[str, Demotion] | None = None,
         readonly: bool = False,
         job: str | None = None,
+        coordinator: Coordinator | None = None,
         _engines: Engines | None = None,
     ) -> None:
         names = check_tiers(tiers)
         self.readonly = readonly
         self.job = None if readonly else hierarchy_job(tiers, job)
-        if isinstance(policy, Mapping):
-            policy = parse_policy(policy, names)
-        self.policy = policy or PolicyConfig()
+        self.policy = parse_policy(policy, names) if isinstance(policy, Mapping) else policy or PolicyConfig()
         check_policy_names(names, self.policy, retention or {}, demotion or {})
         self._tiers = tuple(tiers)
         self._index = {n: i for i, n in enumerate(names)}
         self.io = io or default_io()
         self.layout = layout or LayoutConfig()
-        dr, dw = dist_rank()
-        self.rank = dr if rank is None else rank
-        self.world_size = dw if world_size is None else world_size
-        check_rank(self.rank, self.world_size)
-        self.retention: dict[str, RetentionPolicy] = {
-            n: KeepLatest(self.policy.keep[n]) if n in self.policy.keep else KeepAll() for n in names
-        }
-        self.retention.update(retention or {})
-        self.demotion: dict[str, Demotion] = {
-            n: Demotion.from_settings(d.every, d.every_secs, d.on_close) for n, d in self.policy.demote.items()
-        }
-        self.demotion.update(demotion or {})
+        self.coordinator = coordinator or SoloCoordinator(rank, world_size)
+        self.rank, self.world_size = self.coordinator.rank, self.coordinator.world_size
+        self.placement = Policy.from_config(names, self.policy, retention, demotion)
+        self.retention, self.demotion = dict(self.placement.retention), dict(self.placement.demotion)
         self.align = max([self.layout.align_bytes] + [t.capabilities.alignment_bytes for t in tiers])
         self._engines = _engines or Engines()
         for t in self._tiers:  # tiers built from Python without an engine or io settings take this io's
             t.use_io(self._engines, self.io)
-        self._tracker = Tracker()
-        self._mover = Mover(self._tiers, self.retention, self._tracker, self.rank, self._staging)
-        now = _clock()
-        self._cadence = {n: [0, now] for n in names[1:]}  # saves since the last one sent, when it was sent
-        self._handles: list[SaveHandle] = []
-        self._newest: int | None = None  # newest step committed or saved (found at the first save)
+        self._catalog = Catalog(self._tiers, self.rank, now=_clock())
+        self._mover = Mover(self._tiers, self.placement, self._catalog, self.coordinator, self._staging)
+        self._pending = Pending()
         self._warned_order = False
-        self._promotions: dict[int, Future[str]] = {}
-        self._extra: list[Future[None]] = []  # on-close demotions
-        self._fills: list[Future[None]] = []  # prefetch copies into the tiers below its target (logged on failure)
         self._lock = threading.RLock()
         self._closed = False
-        self.last_restore: tuple[int, str] | None = None  #: (step, tier) of the latest restore
+        self.last_restore: tuple[int, str] | None = None
         self._in_place = RestoreStaging()
 
     # -- construction -----------------------------------------------------------------------------------
@@ -190,17 +188,13 @@ class Hierarchy(Lifecycle):
         engines = Engines()
         tiers: list[Tier] = []
         try:
-            for t in cfg.tiers:
-                klass = get_tier_class(t.kind, f"{t.key}.kind")
-                tier = klass.from_config(t, engines)
-                tier.on_full = t.on_full
-                tiers.append(tier)
+            tiers += (get_tier_class(t.kind, f"{t.key}.kind").from_config(t, engines) for t in cfg.tiers)
             return cls(
                 tiers, policy=cfg.policy, io=cfg.io, layout=cfg.layout, readonly=readonly, job=job, _engines=engines
             )
         except BaseException:
-            for t in tiers:
-                t.close()
+            for tier in tiers:
+                tier.close()
             engines.close()
             raise
 
@@ -222,52 +216,12 @@ class Hierarchy(Lifecycle):
         return self._tiers[self._index[name]]
 
     def _staging(self, tier: Tier) -> StagingPool:
-        # a file tier's own chunk (the hierarchy's io block with that tier's overrides); memory tiers
-        # take no io settings, so theirs is the hierarchy's
-        chunk = tier.chunk_bytes if tier.capabilities.device == "file" else self.io.chunk_bytes
+        # a file tier's own chunk (the hierarchy's io block with that tier's overrides, within its part
+        # sizes); memory tiers take no io settings, so theirs is the hierarchy's
+        chunk = write_chunk(tier, self.align) if tier.capabilities.device in ("file", "object") else self.io.chunk_bytes
         return StagingPool(_STAGING_SLOTS, round_up(chunk, self.align), self.align)
 
     # -- save ---------------------------------------------------------------------------------------------
-    def _check_order(self, step: int) -> None:
-        """Warn once when a save's step is older than one already committed: ``restore()`` without a
-        step still picks the newer one (a job that went back to an older step should remove the steps
-        it abandoned, or restore by step)."""
-        newest = self._newest_step()
-        if step < newest and not self._warned_order:
-            self._warned_order = True
-            log.warning(
-                "saving step %d, older than step %d already saved: restore() without a step picks step %d; "
-                "keep: windows count steps by number (this save is kept until a later save replaces it)",
-                step, newest, newest,
-            )  # fmt: skip
-        self._newest = max(newest, step)
-
-    def _newest_step(self) -> int:
-        """The newest step committed anywhere or saved by this hierarchy (-1: none); the tiers are listed
-        once, at the first save, and the saves keep it up to date after that."""
-        if self._newest is None:
-            self._newest = max((c.step for c in self.checkpoints() if c.tiers), default=-1)
-        return self._newest
-
-    def _holds(self, tier: Tier, key: CheckpointKey) -> bool:
-        try:
-            return tier.holds(key)
-        except Exception as e:  # an unreachable tier holds nothing this save can replace
-            log.warning("tier %r: cannot tell whether it holds step %d: %s", tier.name, key.step, e)
-            return False
-
-    def _destinations(self) -> list[str]:
-        """The top tier, and each lower tier whose demotion rule is due for this save."""
-        now = _clock()
-        out = [self._tiers[0].name]
-        for t in self._tiers[1:]:
-            c = self._cadence[t.name]
-            c[0] += 1
-            if self.demotion.get(t.name, Demotion()).rule.due(Cadence(c[0], now - c[1])):
-                out.append(t.name)
-                c[0], c[1] = 0, now
-        return out
-
     @gc_paused()
     def save(self, state: Any, *, step: int, allow_pickle: bool = False, blocking: bool = False) -> SaveHandle:
         """Save ``state`` as ``step``; returns as soon as the copy into the top tier is scheduled.
@@ -301,41 +255,48 @@ class Hierarchy(Lifecycle):
         self._check_writable("save")
         check_step(step)
         flat = flatten(state, allow_pickle=allow_pickle)
-        blob_target = self.layout.blob_bytes or max(t.preferred_blob_bytes for t in self._tiers)
-        layout = plan(flat.nbytes, align=self.align, blob_bytes=round_up(blob_target, self.align))
-        blobs = tuple(BlobEntry(f"blob-{i:05d}.bin", s) for i, s in enumerate(layout.blob_sizes))
+        layout = SaveJob.lay_out(flat, self._tiers, self.align, self.layout.blob_bytes)
         key = CheckpointKey(step, self.rank)
         with self._lock:
-            dests = self._destinations()
-            # A step saved again replaces its older copies on every tier that holds one, due or not: a
-            # tier left with the old bytes would restore them later, as if they were this save's. Only
-            # a step no newer than one seen before can be held anywhere: a new step asks no tier (a
-            # save must not wait for a slow shared tier).
-            if step <= self._newest_step():
-                older = [t.name for t in self._tiers[1:] if t.name not in dests and self._holds(t, key)]
-                if older:
-                    log.info("step %d is saved again: its older copies on %s are replaced too", step, older)
-                    dests = [t.name for t in self._tiers if t.name in dests or t.name in older]
+            plan = self._plan_save(key)
             self._check_order(step)
-            handle = SaveHandle(step, dests)
-            self._handles = [h for h in self._handles if not h.done() or set(h.errors()) - h._observed]
-            self._handles.append(handle)
-            self._tracker.plan(step, dests)
-            self._tracker.saved(step, dests)
-
-            def stage_into(name: str) -> Callable[[], None]:
-                return make_stage_job(
-                    self._mover, self.tier(name), handle, flat, layout, blobs, key,
-                    first=name == dests[0], last=name == dests[-1], world_size=self.world_size, align=self.align,
-                )  # fmt: skip
-
-            self._mover.run_commit(dests[0], step, stage_into(dests[0]), handle.durable[dests[0]])
-            for i, name in enumerate(dests[1:], 1):
-                sources = [(dests[j], handle.durable[dests[j]]) for j in range(i - 1, -1, -1)]
-                self._mover.transfer(key, name, sources, handle.durable[name], blobs, fallback=stage_into(name))
+            handle = SaveHandle(step, plan.tiers)
+            self._pending.add_save(handle)
+            self._catalog.plan(step, plan.tiers)
+            self._catalog.saved(step, plan.tiers)
+            self._catalog.set_sent(plan.sent)
+            SaveJob(self._mover, plan, handle, flat, layout, key, world_size=self.world_size, align=self.align).start()
         if blocking:
             handle._settle()
         return handle
+
+    def _plan_save(self, key: CheckpointKey) -> SavePlan:
+        """Where this save goes, as placement decides (one decision for every rank: a time-based cadence
+        is read on the coordinator's deciding rank). A step saved again replaces its older copies on every
+        tier that holds one; only a step no newer than one seen before can be held anywhere, so a new
+        step asks no tier (a save must not wait for a slow shared tier)."""
+        holders: list[str] = []
+        if key.step <= self._catalog.newest_step():
+            holders = [t.name for t in self._tiers[1:] if holds(t, key)]
+        view = self._catalog.view()
+        plan = self.coordinator.decide(lambda: place(Save(key.step, _clock(), holders), self.placement, view))
+        if plan.replaced:
+            log.info("step %d is saved again: its older copies on %s are replaced too", key.step, list(plan.replaced))
+        return plan
+
+    def _check_order(self, step: int) -> None:
+        """Warn once when a save's step is older than one already committed: ``restore()`` without a
+        step still picks the newer one (a job that went back to an older step should remove the steps
+        it abandoned, or restore by step)."""
+        newest = self._catalog.newest_step()
+        if step < newest and not self._warned_order:
+            self._warned_order = True
+            log.warning(
+                "saving step %d, older than step %d already saved: restore() without a step picks step %d; "
+                "keep: windows count steps by number (this save is kept until a later save replaces it)",
+                step, newest, newest,
+            )  # fmt: skip
+        self._catalog.saw_step(step)
 
     # -- promotion ------------------------------------------------------------------------------------------
     def prefetch(self, step: int | None = None, to: str | None = None) -> Future[str]:
@@ -356,75 +317,36 @@ class Hierarchy(Lifecycle):
             step, or the copy's error.
         """
         self._check_writable("prefetch")
-        if to is not None:
-            self.tier(to)
-        to_i = self._index[to] if to is not None else 0
+        to = self.tier(to).name if to is not None else self._tiers[0].name
         out: Future[str] = Future()
         try:
             info = self._locate(step)
         except CheckpointNotFoundError as e:
             out.set_exception(e)
             return out
-        src_i = min(self._index[n] for n in info.tiers)
-        if src_i <= to_i:
-            out.set_result(self._tiers[to_i].name)
+        plan: CopyPlan = place(Prefetch(info.step, to, info.tiers), self.placement, self._catalog.view())
+        if plan.there is not None:  # already there, or higher
+            out.set_result(to)
             return out
-        key = CheckpointKey(info.step, self.rank)
-        src, to_name = self._tiers[src_i].name, self._tiers[to_i].name
         with self._lock:
-            # ``to`` first, straight from the source: a restart waits for one read of the slow tier, not
-            # for a write and a read per tier in between. Those tiers are filled from ``to``'s copy after
-            # it (a memory tier's copy costs them no read of the source), or from the source if it failed.
-            top: Future[None] = Future()
-            self._mover.transfer(key, to_name, [(src, resolved())], top, promoted=True)
-            for i in range(to_i + 1, src_i):
-                between: Future[None] = Future()
-                self._mover.transfer(
-                    key, self._tiers[i].name, [(to_name, top), (src, resolved())], between, promoted=True
-                )
-                self._fills.append(between)
-            top.add_done_callback(
-                lambda f: out.set_exception(f.exception()) if f.exception() else out.set_result(to_name)  # type: ignore[arg-type]
-            )
-            self._promotions[info.step] = out
+            done = self._mover.execute(plan)
+            top = done[to]
+            top.add_done_callback(lambda f: out.set_exception(e) if (e := f.exception()) else out.set_result(to))
+            self._pending.add_promotion(info.step, out, [f for n, f in done.items() if n != to])
         return out
 
     # -- read side ---------------------------------------------------------------------------------------
     def checkpoints(self) -> list[CheckpointInfo]:
         """This rank's steps, oldest first: where each is committed, and its state on every tier
         (``pending``, ``writing``, ``committed``, ``failed``, ``evicting`` or ``absent``)."""
-        return merge_states(self._tiers, self._tracker, self.rank)
-
-    def _listing(self, tier: str | None = None) -> list[CheckpointInfo]:
-        """Committed steps, oldest first (only those on ``tier``, as held there, if given)."""
-        infos = [i for i in self.checkpoints() if i.tiers]
-        if tier is not None:
-            infos = [CheckpointInfo(i.step, (tier,)) for i in infos if tier in i.tiers]
-        return infos
+        return self._catalog.listing()
 
     def _locate(self, step: int | None, tier: str | None = None) -> CheckpointInfo:
         if step is not None:
             check_step(step)
         if tier is not None:
             self.tier(tier)
-        infos = self._listing(tier)
-        if not infos:
-            where = f"rank {self.rank} on " + (f"tier {tier!r}" if tier else "any tier")
-            raise CheckpointNotFoundError(f"no committed checkpoint for rank {self.rank} on {where}")
-        if step is None:
-            return infos[-1]
-        for i in infos:
-            if i.step == step:
-                return i
-        raise CheckpointNotFoundError(f"step {step} is not committed (committed steps: {[i.step for i in infos]})")
-
-    def _settle_top(self) -> None:
-        """Wait until every save of this hierarchy has committed (or failed) on the top tier."""
-        with self._lock:
-            handles = list(self._handles)
-        top = self._tiers[0].name
-        for h in handles:
-            h._settle_one(top)
+        return self._catalog.locate(step, tier)
 
     @gc_paused()
     def restore(
@@ -474,16 +396,18 @@ class Hierarchy(Lifecycle):
             StateError: ``into`` does not match the checkpoint, or it holds pickled values.
         """
         self._check_open()
-        self._settle_top()
+        self._pending.settle_top(self._tiers[0].name)
         if step is not None:
             check_step(step)
         if tier is not None:
             self.tier(tier)
-        if tier is None and any(not f.done() for f in self._promotions.values()):
-            info = self._locate(step)
-            climbing = self._promotions.get(info.step)
-            if climbing is not None and not climbing.done():
-                log.info("restore: waiting for the prefetch of step %d", info.step)
+        if step is None:  # every rank restores the same step: this one's newest, or the one they agreed on
+            infos = self._catalog.committed_steps(tier)
+            step = agreed_step(self.coordinator, infos[-1].step if infos else None)
+        if tier is None and self._pending.any_climbing():
+            climbing = self._pending.climbing(self._locate(step).step)
+            if climbing is not None:
+                log.info("restore: waiting for the prefetch of a step")
                 climbing.exception()
 
         def read(s: int, name: str) -> Any:
@@ -493,9 +417,9 @@ class Hierarchy(Lifecycle):
             return self._in_place.restore(self.tier(name), key, into, allow_pickle=allow_pickle, strict=strict)
 
         where = f"rank {self.rank} on " + (f"tier {tier!r}" if tier else "any tier")
-        state, got, name = choose_and_read(lambda: self._listing(tier), read, step, where)
+        state, got, name = choose_and_read(lambda: self._catalog.committed_steps(tier), read, step, where)
         self.last_restore = (got, name)
-        if tier is None and self.policy.promote_on_restore and self._index[name] > 0 and not self.readonly:
+        if tier is None and self.placement.promote_on_restore and self._index[name] > 0 and not self.readonly:
             self.prefetch(got)
         return state
 
@@ -509,26 +433,76 @@ class Hierarchy(Lifecycle):
 
         A copy that another process evicts while it is being verified is left out (it is gone, not
         damaged); one replaced by a new save of its step is verified again."""
-        infos = [self._locate(step)] if step is not None else self._listing()
-        out: list[tuple[int, str, BaseException | None]] = []
-        for info in infos:
-            for name in info.tiers:
-                key = CheckpointKey(info.step, self.rank)
-                for _ in range(3):  # a copy replaced (saved again) while being opened is verified again
-                    try:
-                        verify_checkpoint(self.tier(name), key)
-                        out.append((info.step, name, None))
-                    except CheckpointNotFoundError:  # evicted by another process: gone, not damaged
-                        if self._holds(self.tier(name), key):
-                            continue
-                        log.info("step %d on tier %r was evicted while being verified: not listed", info.step, name)
-                    except (CorruptCheckpointError, OSError) as e:
-                        out.append((info.step, name, e))
-                    break
-                else:
-                    log.info(
-                        "step %d on tier %r was replaced 3 times while being verified: not listed", info.step, name
-                    )
-        return out
+        infos = [self._locate(step)] if step is not None else self._catalog.committed_steps()
+        return verify_copies(self._tiers, infos, self.rank)
 
-    # -- lifecycle ---------------------------------------------------------------------------------------
+    # -- the end -------------------------------------------------------------------------------------------
+    def flush(self, timeout: float | None = None) -> bool:
+        """Finish what the policy wants durable: every pending copy, then the newest checkpoint to each
+        tier with ``on_close: true``. Returns False if ``timeout`` seconds passed first.
+
+        ``close()`` calls it without a timeout; the SIGTERM handler with its deadline.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        if not self._pending.settle(deadline):
+            return False
+        if self.readonly:  # it copied nothing, and must copy nothing
+            return True
+        infos = self._catalog.committed_steps()
+        newest = infos[-1] if infos else None
+        event = Close(newest.step, newest.tiers) if newest else Close(None)
+        plan: CopyPlan = place(event, self.placement, self._catalog.view())
+        for name in plan.unreachable:
+            log.warning("flush: step %s is only below tier %r; not sent up", plan.step, name)
+        if plan.copies:
+            log.info("flush: sending step %d to %s", plan.step, [c.dst for c in plan.copies])
+            with self._lock:
+                self._pending.add_flush(self._mover.execute(plan).values())
+        return self._pending.settle(deadline)
+
+    def wait(self) -> None:
+        """Wait for every save, prefetch and flush; raise the first failure nobody has seen yet: of a tier
+        whose outcome was never waited for through the save's handle, or of an ``on_close`` flush (each
+        failure is raised once; prefetch failures stay in the future ``prefetch`` returned)."""
+        self._pending.settle(None)
+        self._pending.raise_unseen()
+
+    def install_sigterm_handler(self, deadline: float = 60.0, signals: Sequence[int] = (signal.SIGTERM,)) -> None:
+        """On SIGTERM (preemption), flush within ``deadline`` seconds, then let the signal do what it did
+        before (the default: terminate). Call from the main thread.
+
+        Raises:
+            ValueError: not called from the main thread (Python only runs signal handlers there).
+        """
+        install_flush_handler(lambda: self._closed or self.flush(deadline), deadline, signals)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("the hierarchy is closed")
+
+    def _check_writable(self, what: str) -> None:
+        self._check_open()
+        if self.readonly:
+            raise TierckptError(f"cannot {what}: the hierarchy was opened read-only")
+
+    def close(self) -> None:
+        """Flush (pending copies and ``on_close`` demotions), release tiers and engines; raise unobserved
+        save failures."""
+        if self._closed:
+            return
+        try:
+            self.flush()
+            self.wait()
+        finally:
+            self._closed = True
+            self._mover.close()
+            self._in_place.release()
+            for t in self._tiers:
+                t.close()
+            self._engines.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

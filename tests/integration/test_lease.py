@@ -287,7 +287,7 @@ def test_lease_config(tmp_path: Path) -> None:
 
 
 def test_hierarchy_job_must_match_its_tiers_leases(tmp_path: Path) -> None:
-    from tierckpt.orchestration.runtime import Engines
+    from tierckpt.orchestration.engines import Engines
     from tierckpt.tiers.local import LocalTier
 
     engines = Engines()

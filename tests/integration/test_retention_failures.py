@@ -20,7 +20,8 @@ import torch
 
 from tierckpt import Hierarchy, TierFullError
 from tierckpt.io.engine import make_engine
-from tierckpt.orchestration.catalog import HeldCopies, Tracker
+from tierckpt.orchestration.catalog import Catalog
+from tierckpt.orchestration.held import HeldCopies
 from tierckpt.policies import Held
 from tierckpt.testing import FaultyTier
 from tierckpt.tiers.base import Tier
@@ -151,9 +152,8 @@ def test_held_copies_fill_a_host_tier(tmp_path: Path, on_full: str) -> None:
     fails too); nothing held is dropped. The pfs recovers: step 5 is packed straight into the pfs, which
     releases the held copies 1 and 2, and step 6 fits in memory again."""
     host = HostTier("host", capacity_bytes=3 * (64 * KiB + 4 * KiB) + 8 * KiB)
-    host.on_full = on_full
     pfs = FaultyTier(PfsTier("pfs", tmp_path / "pfs", make_engine("threads", 4)), fail={"write": EIO})
-    with Hierarchy([host, pfs], policy={"keep": {"host": 1}}) as h:
+    with Hierarchy([host, pfs], policy={"keep": {"host": 1}, "on_full": {"host": on_full}}) as h:
         for s in (1, 2, 3):
             with pytest.raises(OSError):
                 h.save(state(s), step=s).wait()
@@ -219,9 +219,9 @@ def test_a_full_tier_never_gives_up_a_held_copy(tmp_path: Path) -> None:
 def test_each_held_copy_is_logged_once_and_a_late_failure_escalates(caplog: pytest.LogCaptureFixture) -> None:
     """Held while its pfs copy is on the way: INFO, once. That copy fails: one warning. Released: INFO."""
     caplog.set_level(logging.INFO, logger="tierckpt")
-    tracker = Tracker()
-    tracker.saved(1, ["ssd", "pfs"])
-    held = HeldCopies(tracker)
+    catalog = Catalog([], rank=0)
+    catalog.saved(1, ["ssd", "pfs"])
+    held = HeldCopies(catalog)
     copy = Held(1, "ssd", ("pfs",))
 
     def logged() -> list[tuple[int, str]]:
@@ -233,7 +233,7 @@ def test_each_held_copy_is_logged_once_and_a_late_failure_escalates(caplog: pyte
     held.update([copy])
     assert logged() == [(logging.INFO, "retention: step 1 is held on tier 'ssd' beyond its keep window: tier 'pfs' "
                          "has no copy of step 1 or newer (its copy has not arrived yet)")]  # fmt: skip
-    tracker.set(1, "pfs", "failed", EIO)
+    catalog.set(1, "pfs", "failed", EIO)
     held.update([copy])
     held.update([copy])
     assert [(lv, "injected EIO" in m) for lv, m in logged()] == [(logging.WARNING, True)]

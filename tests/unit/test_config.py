@@ -147,7 +147,7 @@ def test_policy_keys_reach_the_hierarchy(tmp_path: Path) -> None:
         },
     }
     with Hierarchy.from_config(cfg) as h:
-        assert h.tier("host").on_full == "fail" and h.tier("ssd").on_full == "wait"
+        assert h.policy.on_full == {"host": "fail"} and h.placement.on_full == {"host": "fail"}
         assert h.policy.promote_on_restore
         from tierckpt.policies import AnyOf, Every, EverySecs, Never
 

@@ -249,7 +249,7 @@ def test_renewal_touches_the_member_file(tmp_path: Path, leases: list[Lease]) ->
 @pytest.mark.parametrize("how", ["taken over", "broken by hand"])
 def test_a_holder_that_lost_its_lease_writes_no_more(tmp_path: Path, how: str) -> None:
     from tierckpt.format.manifest import BlobEntry
-    from tierckpt.orchestration.runtime import Engines
+    from tierckpt.orchestration.engines import Engines
     from tierckpt.tiers.base import CheckpointKey
     from tierckpt.tiers.local import LocalTier
 

@@ -1,23 +1,22 @@
-"""What the hierarchy knows about its checkpoints: save handles, per-tier states, pins."""
+"""What a hierarchy knows about its checkpoints: per step and tier, the state of each copy, pins,
+errors, the tiers each save was sent to, and what the tiers hold (:class:`Catalog`)."""
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
-from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from tierckpt.errors import TierFullError
-from tierckpt.policies.retention import Held
+from tierckpt.errors import CheckpointNotFoundError
+from tierckpt.policies.placement import CatalogView, Sent
 
 if TYPE_CHECKING:
     from tierckpt.tiers.base import Tier
 
-__all__ = ["STATES", "CheckpointInfo", "HeldCopies", "SaveHandle", "Tracker", "merge_states"]
+__all__ = ["STATES", "Catalog", "CheckpointInfo"]
 
 log = logging.getLogger("tierckpt.hierarchy")
 
@@ -42,89 +41,37 @@ class CheckpointInfo:
     errors: Mapping[str, BaseException] = field(default_factory=dict)
 
 
-class SaveHandle:
-    """What ``Hierarchy.save`` returns.
+def _state(tracked: str, listed: bool) -> str:
+    """A copy's state from what this hierarchy tracked and whether its tier lists it as committed."""
+    if listed and tracked != "evicting":
+        return "committed"
+    return "absent" if tracked == "committed" else tracked  # committed but unlisted: evicted from outside
 
-    Attributes:
-        step: the saved step.
-        staged: resolves once every tensor byte has been copied out of the caller's state into the top
-            tier: the caller may mutate its tensors from then on.
-        durable: per tier the policy sends this checkpoint to, resolves once that tier has committed it.
+
+class Catalog:
+    """What one rank's hierarchy knows of its copies: per step and tier the state of each copy it writes,
+    their errors, the pins that keep copies from eviction while a transfer reads them, the steps each
+    save was sent to, the demotion cadences, and what each tier holds. Thread-safe; ``changed`` is
+    notified on every update (the backpressure wait uses it).
+
+    What a tier holds is listed from the tier itself, except on tiers whose listing is not cheap
+    (``capabilities.cheap_listing`` False: an object store's LIST costs a round trip and money): those are
+    listed once, and then followed through this catalog's own commits and evictions (the tier's lease
+    makes this hierarchy its only writer).
+
+    Args:
+        tiers: the tiers, fastest first.
+        rank: this process's rank (only its keys are listed).
+        now: the clock reading the demotion cadences start from.
     """
 
-    def __init__(self, step: int, tiers: Sequence[str]) -> None:
-        self.step = step
-        self.staged: Future[None] = Future()
-        self.durable: dict[str, Future[None]] = {name: Future() for name in tiers}
-        self._observed: set[str] = set()  # tiers whose outcome the caller has waited for
-
-    def done(self) -> bool:
-        """True when every future has resolved (successfully or not)."""
-        return self.staged.done() and all(f.done() for f in self.durable.values())
-
-    def errors(self) -> dict[str, BaseException]:
-        """Failures so far, by tier name (``"staged"`` for a failure before any tier got the bytes)."""
-        out: dict[str, BaseException] = {}
-        if self.staged.done() and self.staged.exception() is not None:
-            out["staged"] = self.staged.exception()  # type: ignore[assignment]
-        out.update({n: f.exception() for n, f in self.durable.items() if f.done() and f.exception() is not None})  # type: ignore[misc]
-        return out
-
-    def wait(self, tier: str | None = None, timeout: float | None = None) -> None:
-        """Block until ``tier`` (default: every tier this checkpoint goes to) has committed it; re-raise a
-        failure with its cause.
-
-        Raises:
-            KeyError: ``tier`` is not a tier this checkpoint goes to.
-            concurrent.futures.TimeoutError: ``timeout`` seconds passed.
-            Exception: the first failure, e.g. ``TierIOError`` for ENOSPC on a slow tier.
-        """
-        if tier is not None and tier not in self.durable:
-            raise KeyError(f"step {self.step} does not go to tier {tier!r} (it goes to: {', '.join(self.durable)})")
-        self._observed.update([tier, "staged"] if tier is not None else [*self.durable, "staged"])
-        futs = [self.durable[tier]] if tier is not None else list(self.durable.values())
-        for f in futs:
-            f.result(timeout)
-        self.staged.result(timeout)
-
-    def _unobserved(self) -> BaseException | None:
-        """The first failure of a tier the caller never waited for (``Hierarchy.wait`` raises it); marks
-        every failure as observed."""
-        errors = self.errors()
-        first = next((e for n, e in errors.items() if n not in self._observed), None)
-        self._observed.update(errors)
-        return first
-
-    def _settle(self, timeout: float | None = None) -> None:
-        """Wait until every future is done, without raising."""
-        for f in (self.staged, *self.durable.values()):
-            with contextlib.suppress(Exception):  # cancelled
-                f.exception(timeout)
-
-    def _settle_one(self, tier: str) -> None:
-        """Wait until ``tier``'s future (if this checkpoint goes there) is done, without raising."""
-        f = self.durable.get(tier)
-        if f is not None:
-            with contextlib.suppress(Exception):
-                f.exception()
-
-    def __repr__(self) -> str:
-        def show(f: Future[None]) -> str:
-            if not f.done():
-                return "running"
-            return "ok" if f.exception() is None else f"failed: {f.exception()!r}"
-
-        tiers = ", ".join(f"{n}: {show(f)}" for n, f in self.durable.items())
-        return f"<SaveHandle step={self.step} staged: {show(self.staged)}; {tiers}>"
-
-
-class Tracker:
-    """Per-step, per-tier states of the copies this hierarchy writes, and the pins that keep copies
-    from being evicted while a transfer still reads them. Thread-safe; ``changed`` is notified on every
-    update (the backpressure wait uses it)."""
-
-    def __init__(self) -> None:
+    def __init__(self, tiers: Sequence[Tier], rank: int, now: float = 0.0) -> None:
+        self.tiers = tuple(tiers)
+        self.rank = rank
         self.changed = threading.Condition(threading.RLock())
+        self._sent = {t.name: Sent(0, now) for t in self.tiers[1:]}
+        self._newest: int | None = None  # newest step committed or saved (listed at the first save)
+        self._cached: dict[str, set[int]] = {}  # tiers whose listing is not cheap: their committed steps
         self._states: dict[int, dict[str, str]] = {}
         self._errors: dict[int, dict[str, BaseException]] = {}
         self._pins: Counter[tuple[int, str]] = Counter()
@@ -149,6 +96,8 @@ class Tracker:
         step's slowest copy until that tier has the step or a newer one (see ``plan_retention``)."""
         with self.changed:
             self._states.setdefault(step, {})[tier] = state
+            if state == "committed" and tier in self._cached:
+                self._cached[tier].add(step)
             if state == "failed":
                 self._errors.setdefault(step, {})[tier] = error or RuntimeError("failed")
             self.changed.notify_all()
@@ -158,6 +107,8 @@ class Tracker:
         with self.changed:
             self._states.get(step, {}).pop(tier, None)
             self._promoted.discard((step, tier))
+            if tier in self._cached:
+                self._cached[tier].discard(step)
             self.changed.notify_all()
 
     def states(self) -> dict[int, dict[str, str]]:
@@ -228,100 +179,101 @@ class Tracker:
                 self._errors.pop(s, None)
                 self._wanted.pop(s, None)
 
-
-class HeldCopies:
-    """The copies retention keeps beyond their tier's window (:func:`~tierckpt.policies.plan_retention`),
-    and why. Each held copy is logged once: a warning when a copy of its step failed (naming the tier and
-    the error) or when the step was saved by an earlier process, INFO while its copy is only on its way
-    (and a warning after all if that copy then fails); each release at INFO. A full tier's error names
-    the held copies that fill it. Updated under the mover's eviction lock."""
-
-    def __init__(self, tracker: Tracker) -> None:
-        self._tracker = tracker
-        self._held: dict[tuple[int, str], Held] = {}
-        self._warned: set[tuple[int, str]] = set()
-
-    def on(self, tier: str) -> list[int]:
-        """The steps held on ``tier``, oldest first."""
-        return sorted(s for s, t in dict(self._held) if t == tier)
-
-    def why(self, h: Held) -> str:
-        """Why ``h`` is held: each tier that lacks the step, and what became of its copy there."""
-        return self._why(h)[0]
-
-    def _why(self, h: Held) -> tuple[str, bool]:
-        """The reason, and whether it deserves a warning (a copy failed, or nobody knows where the step
-        went) rather than INFO (a copy still on its way)."""
-        errors = self._tracker.errors().get(h.step, {})
-        known = h.step in self._tracker.wanted()
-        parts, warn = [], False
-        for d in h.missing:
-            if d in errors:
-                what, warn = f"its copy failed: {errors[d]}", True
-            elif not known:
-                what, warn = "the step was saved before this process started", True
-            else:
-                what = "its copy has not arrived yet"
-            parts.append(f"tier {d!r} has no copy of step {h.step} or newer ({what})")
-        return "; ".join(parts), warn
-
-    def update(self, held: Sequence[Held]) -> None:
-        """The copies held now (a new retention plan's)."""
-        now = {(h.step, h.tier): h for h in held}
-        for k, h in now.items():
-            if k in self._warned:
-                continue
-            why, warn = self._why(h)
-            if k in self._held and not warn:
-                continue
-            if warn:
-                self._warned.add(k)
-            log.log(
-                logging.WARNING if warn else logging.INFO,
-                "retention: step %d is held on tier %r beyond its keep window: %s", h.step, h.tier, why,
-            )  # fmt: skip
-        for step, tier in sorted(self._held.keys() - now.keys()):
-            log.info("retention: step %d is no longer held on tier %r", step, tier)
-        self._held = now
-        self._warned &= now.keys()
-
-    def explain_full(self, tier: str, full: TierFullError) -> TierFullError:
-        """``full``, or when held copies fill ``tier``, an error that also names them and why."""
-        steps = self.on(tier)
-        h = self._held.get((steps[-1], tier)) if steps else None
-        if h is None:
-            return full
-        return TierFullError(
-            f"{full}; it holds steps {steps} beyond its keep window because {self.why(h)} (a held copy is "
-            "freed once that tier holds its step or a newer one)"
-        )
-
-
-def merge_states(tiers: Sequence[Tier], tracker: Tracker, rank: int) -> list[CheckpointInfo]:
-    """``rank``'s steps, oldest first: what the tiers list as committed merged with the tracker's states
-    of the copies in flight. A tier that cannot list (e.g. its directory is gone) is logged and skipped."""
-    committed: dict[int, list[str]] = {}
-    for t in tiers:
+    # -- what the tiers hold --------------------------------------------------------------------------
+    def committed(self, tier: Tier) -> list[int]:
+        """The steps of this rank committed on ``tier``, oldest first ([] with a warning when it cannot list)."""
+        with self.changed:
+            cached = self._cached.get(tier.name)
+            if cached is not None:
+                return sorted(cached)
         try:
-            keys = t.list_committed(rank)
+            steps = [k.step for k in tier.list_committed(self.rank) if k.rank == self.rank]
         except OSError as e:
-            log.warning("tier %r cannot list its checkpoints: %s", t.name, e)
-            continue
-        for k in keys:
-            if k.rank == rank:
-                committed.setdefault(k.step, []).append(t.name)
-    tracked, errors = tracker.states(), tracker.errors()
-    out = []
-    for s in sorted(set(committed) | set(tracked)):
-        here = committed.get(s, [])
-        states = {}
-        for t in tiers:
-            st = tracked.get(s, {}).get(t.name, "absent")
-            if t.name in here and st != "evicting":
-                st = "committed"
-            elif st == "committed":
-                st = "absent"  # evicted, or removed from outside
-            states[t.name] = st
-        if any(v != "absent" for v in states.values()):
-            out.append(CheckpointInfo(s, tuple(here), states, dict(errors.get(s, {}))))
-    return out
+            log.warning("tier %r cannot list its checkpoints: %s", tier.name, e)
+            return []
+        if not tier.capabilities.cheap_listing:
+            with self.changed:
+                self._cached.setdefault(tier.name, set(steps))
+        return steps
+
+    def committed_all(self) -> dict[str, list[int]]:
+        """:meth:`committed` of every tier, fastest first."""
+        return {t.name: self.committed(t) for t in self.tiers}
+
+    def listing(self) -> list[CheckpointInfo]:
+        """This rank's steps, oldest first: what the tiers list as committed (always listed afresh: other
+        processes may evict or remove copies) merged with the states of the copies in flight. A tier that
+        cannot list (e.g. its directory is gone) is logged and skipped."""
+        committed: dict[int, list[str]] = {}
+        for t in self.tiers:
+            try:
+                keys = t.list_committed(self.rank)
+            except OSError as e:
+                log.warning("tier %r cannot list its checkpoints: %s", t.name, e)
+                continue
+            for k in keys:
+                if k.rank == self.rank:
+                    committed.setdefault(k.step, []).append(t.name)
+        tracked, errors = self.states(), self.errors()
+        out = []
+        for s in sorted(set(committed) | set(tracked)):
+            here = committed.get(s, [])
+            states = {t.name: _state(tracked.get(s, {}).get(t.name, "absent"), t.name in here) for t in self.tiers}
+            if any(v != "absent" for v in states.values()):
+                out.append(CheckpointInfo(s, tuple(here), states, dict(errors.get(s, {}))))
+        return out
+
+    def committed_steps(self, tier: str | None = None) -> list[CheckpointInfo]:
+        """Committed steps, oldest first (only those on ``tier``, as held there, if given)."""
+        infos = [i for i in self.listing() if i.tiers]
+        if tier is not None:
+            infos = [CheckpointInfo(i.step, (tier,)) for i in infos if tier in i.tiers]
+        return infos
+
+    def locate(self, step: int | None, tier: str | None = None) -> CheckpointInfo:
+        """``step`` (None: the newest) as committed (on ``tier`` if given); CheckpointNotFoundError if it is not."""
+        infos = self.committed_steps(tier)
+        if not infos:
+            where = f"tier {tier!r}" if tier else "any tier"
+            raise CheckpointNotFoundError(f"no committed checkpoint for rank {self.rank} on {where}")
+        if step is None:
+            return infos[-1]
+        for i in infos:
+            if i.step == step:
+                return i
+        raise CheckpointNotFoundError(f"step {step} is not committed (committed steps: {[i.step for i in infos]})")
+
+    def newest_step(self) -> int:
+        """The newest step committed anywhere or saved by this hierarchy (-1: none): the tiers are listed
+        once, at the first call, and :meth:`saw_step` keeps it up to date after that."""
+        if self._newest is None:
+            newest = max((i.step for i in self.committed_steps()), default=-1)
+            with self.changed:
+                self._newest = newest if self._newest is None else max(self._newest, newest)
+        return self._newest
+
+    def saw_step(self, step: int) -> None:
+        """A save of ``step`` was made."""
+        newest = self.newest_step()
+        with self.changed:
+            self._newest = max(newest, step)
+
+    # -- what placement reads -------------------------------------------------------------------------
+    def view(
+        self, committed: Mapping[str, Sequence[int]] | None = None, held: Iterable[tuple[int, str]] = ()
+    ) -> CatalogView:
+        """A snapshot for :func:`~tierckpt.policies.place` (``committed``: per tier, when already listed)."""
+        with self.changed:
+            return CatalogView(
+                committed=dict(committed) if committed is not None else {},
+                wanted=self.wanted(),
+                protected=self.protected(),
+                pinned=set(self._pins),
+                held=set(held),
+                sent=dict(self._sent),
+            )
+
+    def set_sent(self, sent: Mapping[str, Sent]) -> None:
+        """The demotion cadences after a save (its plan's)."""
+        with self.changed:
+            self._sent.update(sent)

@@ -1,8 +1,9 @@
 """What a hierarchy checks of its arguments before it builds anything: tier names and directories,
-the names its policies use, its rank, and the steps it is asked for."""
+what the tiers declare, the names its policies use, and the steps it is asked for."""
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -11,10 +12,11 @@ from tierckpt.config import PolicyConfig
 from tierckpt.errors import ConfigError
 from tierckpt.tiers.base import Tier
 
-__all__ = ["MAX_RANK", "MAX_STEP", "check_policy_names", "check_rank", "check_step", "check_tiers"]
+__all__ = ["MAX_STEP", "check_policy_names", "check_step", "check_tiers"]
+
+log = logging.getLogger("tierckpt.hierarchy")
 
 MAX_STEP = 10**12 - 1  #: file tiers name a step with 12 decimal digits (docs/format.md)
-MAX_RANK = 10**5  #: ... and a rank with 5
 
 
 def check_step(step: object) -> None:
@@ -25,7 +27,8 @@ def check_step(step: object) -> None:
 
 def check_tiers(tiers: Sequence[Tier]) -> list[str]:
     """The tiers' names, once checked: at least one tier, unique names, no two tiers in one directory
-    (each one's retention would evict the other's copies).
+    (each one's retention would evict the other's copies). A chain with no persistent tier is allowed
+    (a job that only wants in-memory snapshots) but warned about: its checkpoints die with the process.
 
     Raises:
         ConfigError: naming what is wrong.
@@ -45,6 +48,11 @@ def check_tiers(tiers: Sequence[Tier]) -> list[str]:
             j = seen[real]
             raise ConfigError(f"tiers[{i}].path: {path} is the directory of tiers[{j}] ({names[j]!r})")
         seen[real] = i
+    if not any(t.capabilities.persistent for t in tiers):
+        log.warning(
+            "no tier of %s is persistent: its checkpoints are lost when this process ends (add a file tier)",
+            names,
+        )
     return names
 
 
@@ -64,11 +72,3 @@ def check_policy_names(
         for name in given:
             if name not in names or (arg == "demotion" and name == names[0]):
                 raise ConfigError(f"{arg}: {name!r} is not a tier below the top one (tiers: {', '.join(names)})")
-
-
-def check_rank(rank: int, world_size: int) -> None:
-    """Raises ConfigError unless ``0 <= rank < world_size`` and the rank fits a rank directory's name."""
-    if not 0 <= rank < world_size:
-        raise ConfigError(f"rank: {rank} is not in [0, {world_size})")
-    if rank >= MAX_RANK:
-        raise ConfigError(f"rank: {rank}: a file tier names ranks with 5 digits (at most {MAX_RANK - 1})")

@@ -1,86 +1,129 @@
-"""The job that packs a save's tensors into one tier and commits it there (run on that tier's worker)."""
+"""A save's job, from its plan to its last demotion (:class:`SaveJob`).
+
+The lifecycle of one save:
+
+1. **plan** — in the caller's thread: the state is flattened and laid out into blobs
+   (:meth:`SaveJob.lay_out`), and placement (:func:`~tierckpt.policies.place`) names the destination
+   tiers and each copy's sources (:class:`~tierckpt.policies.SavePlan`);
+2. **stage** — on the top tier's worker: room is reserved there and the caller's tensors are packed into
+   it; ``handle.staged`` resolves once the last byte is copied out of them;
+3. **commit** — the top tier publishes the copy (``handle.durable[top]``);
+4. **demote** — each lower destination copies it from the nearest tier above that committed it, on its
+   own worker, in order. Where every tier above failed before the state was staged, the lower tier packs
+   the caller's state itself (the plan's fallback); once staged, the caller may have changed the tensors,
+   so they are never packed again.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
 
 from tierckpt.errors import TierckptError
-from tierckpt.format.layout import Layout
+from tierckpt.format.layout import Layout, plan, round_up
 from tierckpt.format.manifest import BlobEntry
 from tierckpt.format.tree import FlatState
-from tierckpt.orchestration.catalog import SaveHandle
+from tierckpt.orchestration.handles import SaveHandle
+from tierckpt.orchestration.mover import Mover
 from tierckpt.orchestration.packing import build_manifest, pack_and_write
-from tierckpt.orchestration.runtime import gc_paused
+from tierckpt.orchestration.process import gc_paused
+from tierckpt.policies.placement import SavePlan
 from tierckpt.tiers.base import CheckpointKey, Tier, TierWriter
 
-if TYPE_CHECKING:
-    from tierckpt.orchestration.mover import Mover
-
-__all__ = ["make_stage_job"]
+__all__ = ["SaveJob"]
 
 
-def make_stage_job(
-    mover: Mover,
-    tier: Tier,
-    handle: SaveHandle,
-    flat: FlatState,
-    layout: Layout,
-    blobs: Sequence[BlobEntry],
-    key: CheckpointKey,
-    *,
-    first: bool,
-    last: bool,
-    world_size: int,
-    align: int,
-) -> Callable[[], None]:
-    """A job that reserves room on ``tier``, packs the caller's tensors into it (resolving
-    ``handle.staged`` once the last byte is copied out of them), and commits.
+class SaveJob:
+    """One save of one rank's state, executed by the mover as its plan says.
 
-    ``first``: ``tier`` is the save's top destination. A lower destination runs this only as the fallback
-    when every tier above it failed, and only while the state is not staged yet: once ``staged`` has
-    resolved the caller may have changed the tensors, so they are never packed again.
-    ``last``: no fallback comes after this one, so a failure here also fails ``staged``.
+    Args:
+        mover: executes the copies.
+        plan: where the save goes.
+        handle: the futures the caller waits on.
+        flat: the flattened state.
+        layout: where each tensor's bytes go, and the blobs' sizes.
+        key: the step and this rank.
+        world_size: the number of ranks (recorded in the manifest).
+        align: the checkpoint's alignment.
     """
 
-    def stage() -> None:
+    def __init__(
+        self,
+        mover: Mover,
+        plan: SavePlan,
+        handle: SaveHandle,
+        flat: FlatState,
+        layout: Layout,
+        key: CheckpointKey,
+        *,
+        world_size: int,
+        align: int,
+    ) -> None:
+        self.mover, self.plan, self.handle, self.flat, self.layout, self.key = mover, plan, handle, flat, layout, key
+        self.world_size, self.align = world_size, align
+        self.blobs = tuple(BlobEntry(f"blob-{i:05d}.bin", s) for i, s in enumerate(layout.blob_sizes))
+
+    @staticmethod
+    def lay_out(flat: FlatState, tiers: Sequence[Tier], align: int, blob_bytes: int | None) -> Layout:
+        """The blobs of a save: ``blob_bytes`` each (default: the largest size any tier prefers)."""
+        target = blob_bytes or max(t.preferred_blob_bytes for t in tiers)
+        return plan(flat.nbytes, align=align, blob_bytes=round_up(target, align))
+
+    def start(self) -> None:
+        """Queue the stage-and-commit on the top tier, then every demotion (see the module docstring)."""
+        top, *lower = self.plan.copies
+        durable = self.handle.durable
+        self.mover.run_commit(top.dst, self.key.step, self._stage_into(top.dst), durable[top.dst])
+        for c in lower:
+            self.mover.copy(self.key, c, durable[c.dst], durable, self.blobs, fallback=self._stage_into(c.dst))
+
+    def _stage_into(self, name: str) -> Callable[[], None]:
+        return lambda: self._stage(self.mover.tiers[name])
+
+    def _stage(self, tier: Tier) -> None:
+        """Reserve room on ``tier``, pack the caller's tensors into it, commit. A failure on the save's
+        last destination (no fallback comes after it) also fails ``staged``."""
+        handle, first = self.handle, tier.name == self.plan.tiers[0]
         writer: TierWriter | None = None
         try:
             if not first and handle.staged.done():
                 raise TierckptError(
-                    f"step {key.step}: every tier above {tier.name!r} failed after the state was staged; "
+                    f"step {self.key.step}: every tier above {tier.name!r} failed after the state was staged; "
                     "the caller may have changed it since, so it is not packed again"
                 )
             with gc_paused():
-                writer = mover.reserve(tier, key, blobs)
-                failed: dict[str, BaseException] = {}
-                pool = mover.workers[tier.name].pool
-                on_staged = lambda: handle.staged.set_result(None)  # noqa: E731
-                srcs = [r.tensor for r in flat.tensors]
-                manifest = b""
-
-                def encode(checksums: list[int]) -> None:
-                    nonlocal manifest
-                    manifest = build_manifest(
-                        flat, srcs, layout, blobs, checksums, step=key.step, rank=key.rank,
-                        world_size=world_size, align=align,
-                    )  # fmt: skip
-
-                checksums = tier.pack(writer, flat, layout, pool, on_staged)  # a tier that packs itself (gpu)
-                if checksums is not None:
-                    encode(checksums)
-                else:  # the manifest is encoded while the last chunks are still being written
-                    pack_and_write(
-                        flat, layout, {tier.name: writer}, failed, pool, pool().slot_bytes, on_staged, encode
-                    )
-                if failed:
-                    raise failed[tier.name]
-                writer.commit(manifest)
+                writer = self.mover.reserve(tier, self.key, self.blobs)
+                writer.commit(self._pack(tier, writer))
         except BaseException as e:
             if writer is not None:
                 writer.abort()
-            if last and not handle.staged.done():
+            if tier.name == self.plan.tiers[-1] and not handle.staged.done():
                 handle.staged.set_exception(e)
             raise
 
-    return stage
+    def _pack(self, tier: Tier, writer: TierWriter) -> bytes:
+        """Pack the state into ``writer``; return the manifest (encoded while the last chunks are still
+        being written, or after a tier that packs itself, such as gpu, returned the checksums)."""
+        flat, layout, key = self.flat, self.layout, self.key
+        pool = self.mover.workers[tier.name].pool
+        srcs = [r.tensor for r in flat.tensors]
+        manifest = b""
+
+        def on_staged() -> None:
+            self.handle.staged.set_result(None)
+
+        def encode(checksums: list[int]) -> None:
+            nonlocal manifest
+            manifest = build_manifest(
+                flat, srcs, layout, self.blobs, checksums, step=key.step, rank=key.rank,
+                world_size=self.world_size, align=self.align,
+            )  # fmt: skip
+
+        checksums = tier.pack(writer, flat, layout, pool, on_staged)
+        if checksums is not None:
+            encode(checksums)
+            return manifest
+        failed: dict[str, BaseException] = {}
+        pack_and_write(flat, layout, {tier.name: writer}, failed, pool, pool().slot_bytes, on_staged, encode)
+        if failed:
+            raise failed[tier.name]
+        return manifest

@@ -2,10 +2,27 @@
 
 * demotion (:mod:`tierckpt.policies.demotion`): which saves go down to a tier (every N, every T seconds,
   on close);
-* retention (:mod:`tierckpt.policies.retention`): which copies a tier keeps, and the eviction safety rules.
+* retention (:mod:`tierckpt.policies.retention`): which copies a tier keeps, and the eviction safety rules;
+* placement (:mod:`tierckpt.policies.placement`): :func:`place`, the one function that turns an event
+  (save, prefetch, close, retention, a full tier) and the catalog into a plan the mover executes.
 """
 
 from tierckpt.policies.demotion import AnyOf, Cadence, Demotion, DemotionRule, Every, EverySecs, Never
+from tierckpt.policies.placement import (
+    CatalogView,
+    Close,
+    Copy,
+    CopyPlan,
+    MakeRoom,
+    Policy,
+    Prefetch,
+    Retain,
+    RoomPlan,
+    Save,
+    SavePlan,
+    Sent,
+    place,
+)
 from tierckpt.policies.retention import (
     Held,
     KeepAll,
@@ -21,6 +38,10 @@ from tierckpt.policies.retention import (
 __all__ = [
     "AnyOf",
     "Cadence",
+    "CatalogView",
+    "Close",
+    "Copy",
+    "CopyPlan",
     "Demotion",
     "DemotionRule",
     "Every",
@@ -28,11 +49,20 @@ __all__ = [
     "Held",
     "KeepAll",
     "KeepLatest",
+    "MakeRoom",
     "Never",
+    "Policy",
+    "Prefetch",
+    "Retain",
     "RetentionPlan",
     "RetentionPolicy",
+    "RoomPlan",
+    "Save",
+    "SavePlan",
+    "Sent",
     "capacity_victims",
     "missing_tiers",
+    "place",
     "plan_evictions",
     "plan_retention",
 ]

@@ -82,6 +82,10 @@ class TierCapabilities:
     device: str
     atomic_rename: bool
     alignment_bytes: int
+    sequential_writes: bool = False
+    min_part_bytes: int = 0
+    max_part_bytes: int | None = None
+    cheap_listing: bool = True
 
 
 @dataclass(frozen=True, order=True)

@@ -1,4 +1,5 @@
-"""Process-wide helpers of the hierarchy: shared I/O engines, the GC pause, the torch.distributed rank."""
+"""What a hierarchy changes in its process: the cyclic GC paused around a save or restore, and the
+signal handler that flushes checkpoints on preemption."""
 
 from __future__ import annotations
 
@@ -11,34 +12,9 @@ import threading
 from collections.abc import Callable, Iterator, Sequence
 from types import FrameType
 
-from tierckpt.io.engine import IOEngine, make_engine
-from tierckpt.tiers.base import EngineSource
-
-__all__ = ["Engines", "dist_rank", "gc_paused", "install_flush_handler"]
+__all__ = ["gc_paused", "install_flush_handler"]
 
 log = logging.getLogger("tierckpt.hierarchy")
-
-
-class Engines(EngineSource):
-    """One engine per (kind, queue depth), shared by the tiers of a hierarchy and closed with it."""
-
-    def __init__(self) -> None:
-        self._engines: dict[tuple[str, int], IOEngine] = {}
-        self._lock = threading.Lock()
-
-    def get(self, engine: str, queue_depth: int) -> IOEngine:
-        with self._lock:
-            e = self._engines.get((engine, queue_depth))
-            if e is None:
-                e = self._engines[(engine, queue_depth)] = make_engine(engine, queue_depth)
-            return e
-
-    def close(self) -> None:
-        with self._lock:
-            engines, self._engines = list(self._engines.values()), {}
-        for e in engines:
-            e.close()
-
 
 _gc_lock = threading.Lock()
 _gc_state = {"depth": 0, "was_enabled": False}
@@ -61,17 +37,6 @@ def gc_paused() -> Iterator[None]:
             _gc_state["depth"] -= 1
             if _gc_state["depth"] == 0 and _gc_state["was_enabled"]:
                 gc.enable()
-
-
-def dist_rank() -> tuple[int, int]:
-    try:
-        import torch.distributed as dist
-
-        if dist.is_available() and dist.is_initialized():
-            return dist.get_rank(), dist.get_world_size()
-    except Exception:  # pragma: no cover
-        pass
-    return 0, 1
 
 
 def install_flush_handler(

@@ -1,0 +1,92 @@
+"""The coordination seam: the decisions every rank must share come from the hierarchy's Coordinator
+(which step to restore, where a save goes, what a shared tier evicts); the hierarchy follows them."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import pytest
+import torch
+
+from tierckpt import Hierarchy
+from tierckpt.errors import CheckpointNotFoundError, ConfigError
+from tierckpt.io.engine import make_engine
+from tierckpt.orchestration.coordinator import Coordinator, SoloCoordinator
+from tierckpt.policies import SavePlan
+from tierckpt.policies.retention import RetentionPlan
+from tierckpt.tiers.host import HostTier
+from tierckpt.tiers.pfs import PfsTier
+
+T = TypeVar("T")
+
+
+class Rank0Says(SoloCoordinator):
+    """A coordinator whose deciding rank (not this one) answers differently: ``step`` for the agreed
+    step, ``override`` to rewrite decided results."""
+
+    def __init__(self, step: int | None = -1, override: Callable[[Any], Any] | None = None) -> None:
+        super().__init__(rank=1, world_size=2)
+        self.step, self.override = step, override
+        self.decisions: list[Any] = []
+
+    def agree_step(self, newest: int | None, timeout: float | None = None) -> int | None:
+        return newest if self.step == -1 else self.step
+
+    def decide(self, fn: Callable[[], T], timeout: float | None = None) -> T:
+        out = fn()
+        if self.override is not None:
+            out = self.override(out)
+        self.decisions.append(out)
+        return out
+
+
+def test_the_solo_coordinator_is_a_coordinator_and_checks_its_rank() -> None:
+    c = SoloCoordinator(rank=0, world_size=1)
+    assert isinstance(c, Coordinator)
+    assert c.decide(lambda: 3) == 3 and c.agree_step(5) == 5 and c.all_gather("x") == ["x"]
+    with pytest.raises(ConfigError, match=r"rank: 2 is not in \[0, 2\)"):
+        SoloCoordinator(rank=2, world_size=2)
+
+
+def test_every_rank_restores_the_step_the_ranks_agreed_on(tmp_path: Path) -> None:
+    coord = Rank0Says(step=1)
+    with Hierarchy([HostTier("host")], coordinator=coord) as h:
+        for s in (1, 2):
+            h.save({"s": torch.tensor([s])}, step=s).wait()
+        assert h.restore()["s"].item() == 1 and h.last_restore == (1, "host")
+        coord.step = None  # another rank has nothing
+        with pytest.raises(CheckpointNotFoundError, match="some rank of the job has no committed checkpoint"):
+            h.restore()
+        assert h.restore(step=2)["s"].item() == 2  # an explicit step is not negotiated
+
+
+def test_where_a_save_goes_is_the_deciding_ranks_plan(tmp_path: Path) -> None:
+    def top_only(plan: Any) -> Any:  # the deciding rank's clock said the pfs is not due
+        if isinstance(plan, SavePlan):
+            return SavePlan(plan.step, plan.copies[:1], plan.sent)
+        return plan
+
+    coord = Rank0Says(override=top_only)
+    pfs = PfsTier("pfs", tmp_path / "pfs", make_engine("threads", 2))
+    with Hierarchy([HostTier("host"), pfs], coordinator=coord) as h:
+        handle = h.save({"w": torch.ones(4)}, step=1)
+        handle.wait()
+        assert list(handle.durable) == ["host"]
+        assert [c.tiers for c in h.checkpoints()] == [("host",)]
+    assert any(isinstance(d, SavePlan) for d in coord.decisions)
+
+
+def test_what_a_shared_tier_evicts_is_the_deciding_ranks_plan(tmp_path: Path) -> None:
+    def keep_shared(evictions: Any) -> Any:  # the deciding rank still needs every pfs copy
+        return [] if isinstance(evictions, list) else evictions
+
+    coord = Rank0Says(override=keep_shared)
+    pfs = PfsTier("pfs", tmp_path / "pfs", make_engine("threads", 2))
+    with Hierarchy([HostTier("host"), pfs], policy={"keep": {"host": 1, "pfs": 1}}, coordinator=coord) as h:
+        for s in (1, 2, 3):
+            h.save({"s": torch.tensor([s])}, step=s).wait()
+        on = {n: [c.step for c in h.checkpoints() if n in c.tiers] for n in ("host", "pfs")}
+    assert on == {"host": [3], "pfs": [1, 2, 3]}  # the host (not shared) follows its own window
+    assert not any(isinstance(d, RetentionPlan) for d in coord.decisions)

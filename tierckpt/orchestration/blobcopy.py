@@ -1,0 +1,199 @@
+"""Copying a checkpoint's blobs from one tier to another, byte for byte (nothing is re-serialized).
+
+Memory → file writes straight from the memory tier's blob buffers; file → memory reads straight into
+them; device memory ↔ memory is the device tier's own copy (:meth:`Tier.copy_buffer`); file → file
+goes through a few staging buffers, in chunks sized for the destination, reads and writes overlapping.
+A worker spends its time in the I/O engine's futures (the engine's thread waits in the kernel without
+the GIL, URING.md §6) or in ``memmove`` (which releases the GIL), so a training thread beside it keeps
+running.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import deque
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from typing import Any
+
+import torch
+
+from tierckpt.errors import CorruptCheckpointError
+from tierckpt.format.manifest import BlobEntry
+from tierckpt.io.buffers import StagingPool, memmove
+from tierckpt.tiers.base import CheckpointKey, Tier, TierReader, TierWriter
+
+__all__ = ["copy_blobs", "write_chunk", "writer_for"]
+
+_PAGE = 4096  # the memory alignment O_DIRECT asks for (512 on some disks, never more than a page)
+
+
+def _check_count(got: int, want: int, src: Tier, key: CheckpointKey, blob: BlobEntry, off: int) -> None:
+    if got != want:
+        raise CorruptCheckpointError(
+            f"blob is truncated: read {got} of {want} bytes at offset {off}",
+            tier=src.name,
+            step=key.step,
+            blob=blob.name,
+        )
+
+
+def copy_blobs(
+    src: Tier,
+    reader: TierReader,
+    dst: Tier,
+    writer: TierWriter,
+    key: CheckpointKey,
+    blobs: Sequence[BlobEntry],
+    chunk: int,
+    pool: Callable[[], StagingPool],
+) -> None:
+    """Copy every blob from ``reader`` to ``writer``; returns when every write has completed.
+
+    Args:
+        src: the source tier (for error messages, and its device copy).
+        dst: the destination tier (its device copy).
+        chunk: bytes per operation (a multiple of both tiers' alignment).
+        pool: staging buffers for file → file copies.
+
+    Raises:
+        CorruptCheckpointError: a source blob is shorter than the manifest says.
+        OSError: from the engines, with path and errno.
+    """
+    pending: list[Future[int]] = []
+    try:
+        for b, blob in enumerate(blobs):
+            sbuf, dbuf = reader.buffer(b), writer.buffer(b)
+            if sbuf is not None and dbuf is not None and (sbuf.is_cpu and dbuf.is_cpu):  # memory → memory
+                memmove(dbuf.data_ptr(), sbuf.data_ptr(), blob.size)
+                continue
+            if sbuf is not None and dbuf is not None:  # device memory ↔ memory: the device tier's own copy
+                (src if not sbuf.is_cpu else dst).copy_buffer(dbuf, sbuf, blob.size)
+                continue
+            # device memory ↔ file, and memory that O_DIRECT may refuse (not page-aligned): through staging
+            sbuf = sbuf if sbuf is None or _direct_ok(sbuf) else None
+            dbuf = dbuf if dbuf is None or _direct_ok(dbuf) else None
+            if sbuf is not None:  # memory → file: write from the source's own buffer
+                if sbuf.numel() < blob.size:
+                    _check_count(sbuf.numel(), blob.size, src, key, blob, 0)
+                base = sbuf.data_ptr()
+                pending += [writer.write(b, o, base + o, min(chunk, blob.size - o)) for o in range(0, blob.size, chunk)]
+            elif dbuf is not None:  # file → memory: read into the destination's own buffer
+                base = dbuf.data_ptr()
+                reads = [
+                    (o, n, reader.read(b, o, base + o, n))
+                    for o in range(0, blob.size, chunk)
+                    for n in [min(chunk, blob.size - o)]
+                ]
+                for o, n, f in reads:
+                    _check_count(f.result(), n, src, key, blob, o)
+            else:
+                _copy_through_staging(src, reader, writer, key, b, blob, pool())
+        for f in pending:
+            f.result()
+        pending = []
+    finally:
+        for f in pending:  # never leave a write running from memory the caller may free
+            with contextlib.suppress(BaseException):  # cancelled
+                f.exception()
+
+
+def _direct_ok(buf: torch.Tensor) -> bool:
+    """Whether a memory tier's buffer can be handed to the I/O engine as it is: CPU memory, page-aligned
+    (what O_DIRECT asks for everywhere). A gpu tier on ``device="cpu"`` allocates plain tensors."""
+    return buf.is_cpu and buf.data_ptr() % _PAGE == 0
+
+
+def _copy_through_staging(
+    src: Tier, reader: TierReader, writer: TierWriter, key: CheckpointKey, b: int, blob: BlobEntry, pool: StagingPool
+) -> None:
+    """File → file: read chunks into staging slots and write each as soon as its read is in."""
+    chunk = pool.slot_bytes
+    inflight: deque[list[Any]] = deque()  # [slot, offset, nbytes, read future, write future | None]
+
+    def start_writes(block: bool) -> None:
+        for e in inflight:
+            slot, o, n, rf, wf = e
+            if wf is not None:
+                continue
+            if not (block or rf.done()):
+                return
+            _check_count(rf.result(), n, src, key, blob, o)
+            e[4] = writer.write(b, o, slot.data_ptr(), n)
+            block = False
+
+    def retire() -> None:
+        start_writes(block=True)
+        slot, _, _, _, wf = inflight.popleft()
+        try:
+            wf.result()
+        finally:
+            pool.release(slot)
+
+    try:
+        for o in range(0, blob.size, chunk):
+            if len(inflight) >= pool.slots:
+                retire()
+            slot: torch.Tensor = pool.acquire()
+            n = min(chunk, blob.size - o)
+            inflight.append([slot, o, n, reader.read(b, o, slot.data_ptr(), n), None])
+            start_writes(block=False)
+        while inflight:
+            retire()
+    finally:
+        while inflight:  # after an error: wait for what was issued before giving the buffers back
+            slot, _, _, rf, wf = inflight.popleft()
+            for f in (rf, wf):
+                if f is not None:
+                    with contextlib.suppress(BaseException):
+                        f.exception()
+            pool.release(slot)
+
+
+def write_chunk(tier: Tier, align: int) -> int:
+    """Bytes per write to ``tier``: its ``chunk_bytes`` within its declared part sizes
+    (``min_part_bytes``, ``max_part_bytes``), a multiple of ``align``."""
+    caps = tier.capabilities
+    chunk = max(tier.chunk_bytes, caps.min_part_bytes)
+    if caps.max_part_bytes is not None:
+        chunk = min(chunk, caps.max_part_bytes)
+    return max(align, chunk // align * align)
+
+
+def writer_for(tier: Tier, writer: TierWriter) -> TierWriter:
+    """``writer``, or for a tier that takes writes in order only (``capabilities.sequential_writes``) a
+    writer that hands it each write once the one before has completed, and refuses a write out of order."""
+    return _InOrder(tier, writer) if tier.capabilities.sequential_writes else writer
+
+
+class _InOrder(TierWriter):
+    """Each blob's writes in increasing offset order, one blob after another, one write at a time."""
+
+    def __init__(self, tier: Tier, inner: TierWriter) -> None:
+        self._tier, self._inner = tier, inner
+        self._at = (0, 0)  # (blob, offset) the next write must start at
+        self._last: Future[int] | None = None
+
+    def buffer(self, blob: int) -> torch.Tensor | None:
+        return self._inner.buffer(blob)
+
+    def write(self, blob: int, offset: int, addr: int, nbytes: int) -> Future[int]:
+        b, o = self._at
+        if (blob, offset) != (b, o) and (blob <= b or offset != 0):
+            raise ValueError(
+                f"tier {self._tier.name!r} takes writes in order only: got blob {blob} offset {offset}, "
+                f"expected blob {b} offset {o} (or the next blob from offset 0)"
+            )
+        if self._last is not None and self._last.exception() is not None:  # waits for it to be in
+            return self._last  # the tier's previous write failed: so does this one
+        self._last = self._inner.write(blob, offset, addr, nbytes)
+        self._at = (blob, offset + nbytes)
+        return self._last
+
+    def commit(self, manifest: bytes) -> None:
+        if self._last is not None:
+            self._last.result()
+        self._inner.commit(manifest)
+
+    def abort(self) -> None:
+        self._inner.abort()

@@ -1,0 +1,135 @@
+"""The coordination seam: every decision that must be identical on every rank of a job goes through a
+:class:`Coordinator`.
+
+A hierarchy asks its coordinator
+
+* which step to restore (:meth:`Coordinator.agree_step`: the newest step every rank can get),
+* which steps a shared tier evicts and whether a time-based demotion is due (:meth:`Coordinator.decide`:
+  one rank places, every rank follows the plan it receives).
+
+:class:`SoloCoordinator` is the implementation used today: every rank decides alone, as in a single
+process (or in a job whose ranks share nothing). A multi-rank implementation (torch.distributed, on a
+process group of its own and never on the training thread's collectives) supplies the same methods with
+real collectives; every method takes a ``timeout`` and raises :class:`~tierckpt.errors.CoordinationError`
+naming the ranks that did not answer, so a dead rank fails a step instead of hanging the job.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Protocol, TypeVar, runtime_checkable
+
+from tierckpt.errors import CheckpointNotFoundError, ConfigError
+
+__all__ = ["Coordinator", "SoloCoordinator", "agreed_step", "dist_rank"]
+
+log = logging.getLogger("tierckpt.hierarchy")
+T = TypeVar("T")
+MAX_RANK = 10**5  #: file tiers name a rank with 5 decimal digits (docs/format.md)
+
+
+@runtime_checkable
+class Coordinator(Protocol):
+    """Rank-wide agreement on small decisions, with timeouts.
+
+    Attributes:
+        rank: this process's rank in the job.
+        world_size: the number of ranks.
+    """
+
+    rank: int
+    world_size: int
+
+    def barrier(self, timeout: float | None = None) -> None:
+        """Return once every rank has called it."""
+        ...
+
+    def broadcast(self, obj: T, src: int = 0, timeout: float | None = None) -> T:
+        """Rank ``src``'s ``obj`` on every rank (small, msgpack-able or picklable plain data)."""
+        ...
+
+    def all_gather(self, obj: T, timeout: float | None = None) -> list[T]:
+        """Every rank's ``obj``, in rank order."""
+        ...
+
+    def agree_step(self, newest: int | None, timeout: float | None = None) -> int | None:
+        """The step every rank restores: the smallest of the ranks' ``newest`` (the newest step each can
+        get from some tier), or None when some rank has none."""
+        ...
+
+    def decide(self, fn: Callable[[], T], timeout: float | None = None) -> T:
+        """Run ``fn`` on one rank (rank 0) and return its result on every rank."""
+        ...
+
+
+class SoloCoordinator:
+    """Every rank decides alone: the behaviour of a single process, and of ranks that share nothing.
+
+    Args:
+        rank: this process's rank (default: torch.distributed's, else 0).
+        world_size: the number of ranks (default: torch.distributed's, else 1).
+
+    Raises:
+        ConfigError: ``rank`` is not in ``[0, world_size)`` or does not fit a rank directory's name.
+    """
+
+    def __init__(self, rank: int | None = None, world_size: int | None = None) -> None:
+        dr, dw = dist_rank()
+        self.rank = dr if rank is None else rank
+        self.world_size = dw if world_size is None else world_size
+        for what, v in (("rank", self.rank), ("world_size", self.world_size)):
+            if type(v) is not int:
+                raise ConfigError(f"{what}: expected an int, got {v!r}")
+        if not 0 <= self.rank < self.world_size:
+            raise ConfigError(f"rank: {self.rank} is not in [0, {self.world_size})")
+        if self.rank >= MAX_RANK:
+            raise ConfigError(f"rank: {self.rank}: a file tier names ranks with 5 digits (at most {MAX_RANK - 1})")
+
+    def barrier(self, timeout: float | None = None) -> None:
+        """Nothing to wait for."""
+
+    def broadcast(self, obj: T, src: int = 0, timeout: float | None = None) -> T:
+        return obj
+
+    def all_gather(self, obj: T, timeout: float | None = None) -> list[T]:
+        return [obj]
+
+    def agree_step(self, newest: int | None, timeout: float | None = None) -> int | None:
+        return newest
+
+    def decide(self, fn: Callable[[], T], timeout: float | None = None) -> T:
+        return fn()
+
+    def __repr__(self) -> str:
+        return f"SoloCoordinator(rank={self.rank}, world_size={self.world_size})"
+
+
+def agreed_step(coordinator: Coordinator, newest: int | None, timeout: float | None = None) -> int | None:
+    """The step to restore when none is given, from this rank's ``newest`` committed step: None (restore
+    this rank's newest step that restores) when the ranks agree on it, else the step they agreed on.
+
+    Raises:
+        CheckpointNotFoundError: some rank of the job has no committed checkpoint.
+    """
+    agreed = coordinator.agree_step(newest, timeout)
+    if agreed == newest:
+        return None
+    if agreed is None:
+        raise CheckpointNotFoundError(f"rank {coordinator.rank}: some rank of the job has no committed checkpoint")
+    log.info(
+        "restore: step %d, the newest step every rank holds (rank %d's newest: %s)", agreed, coordinator.rank, newest
+    )
+    return agreed
+
+
+def dist_rank() -> tuple[int, int]:
+    """torch.distributed's (rank, world size) when a process group is initialized, else (0, 1)."""
+    try:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            return dist.get_rank(), dist.get_world_size()
+    except Exception:  # pragma: no cover - a broken torch.distributed is not a process group
+        pass
+    return 0, 1
