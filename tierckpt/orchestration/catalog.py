@@ -71,7 +71,10 @@ class Catalog:
         self.changed = threading.Condition(threading.RLock())
         self._sent = {t.name: Sent(0, now) for t in self.tiers[1:]}
         self._newest: int | None = None  # newest step committed or saved (listed at the first save)
-        self._cached: dict[str, set[int]] = {}  # tiers whose listing is not cheap: their committed steps
+        # tiers whose listing is not cheap: their committed steps (listed once, then followed), and
+        # whether that one listing happened (commits made meanwhile are kept, evictions forgotten)
+        self._cached: dict[str, set[int]] = {t.name: set() for t in self.tiers if not t.capabilities.cheap_listing}
+        self._listed: set[str] = set()
         self._states: dict[int, dict[str, str]] = {}
         self._errors: dict[int, dict[str, BaseException]] = {}
         self._pins: Counter[tuple[int, str]] = Counter()
@@ -183,17 +186,18 @@ class Catalog:
     def committed(self, tier: Tier) -> list[int]:
         """The steps of this rank committed on ``tier``, oldest first ([] with a warning when it cannot list)."""
         with self.changed:
-            cached = self._cached.get(tier.name)
-            if cached is not None:
-                return sorted(cached)
+            if tier.name in self._listed:
+                return sorted(self._cached[tier.name])
         try:
             steps = [k.step for k in tier.list_committed(self.rank) if k.rank == self.rank]
         except OSError as e:
             log.warning("tier %r cannot list its checkpoints: %s", tier.name, e)
             return []
-        if not tier.capabilities.cheap_listing:
-            with self.changed:
-                self._cached.setdefault(tier.name, set(steps))
+        with self.changed:
+            if tier.name in self._cached:  # a step evicted since the listing is evicted again: a no-op
+                self._cached[tier.name] |= set(steps)
+                self._listed.add(tier.name)
+                return sorted(self._cached[tier.name])
         return steps
 
     def committed_all(self) -> dict[str, list[int]]:

@@ -1,0 +1,90 @@
+"""What the mover reads of a tier's declared write limits: the chunk size within its part sizes, and the
+order of writes to a tier that takes them in order only (tierckpt.orchestration.blobcopy)."""
+
+from __future__ import annotations
+
+import errno
+from concurrent.futures import Future
+from dataclasses import replace
+
+import pytest
+
+from tierckpt.orchestration.blobcopy import write_chunk, writer_for
+from tierckpt.tiers.base import TierWriter
+from tierckpt.tiers.host import HostTier
+
+MiB = 1 << 20
+
+
+def tier(**caps: object) -> HostTier:
+    t = HostTier("obj", 64 * MiB)
+    t.capabilities = replace(t.capabilities, **caps)  # type: ignore[arg-type]  # the test's declarations
+    return t
+
+
+class Recording(TierWriter):
+    """Records the writes it is handed; each completes when the test says (or at once)."""
+
+    def __init__(self, fail_at: int | None = None) -> None:
+        self.writes: list[tuple[int, int, int]] = []
+        self.pending: list[Future[int]] = []
+        self.fail_at = fail_at
+
+    def write(self, blob: int, offset: int, addr: int, nbytes: int) -> Future[int]:
+        assert all(f.done() for f in self.pending), "a write was handed over before the previous one completed"
+        self.writes.append((blob, offset, nbytes))
+        f: Future[int] = Future()
+        if self.fail_at == len(self.writes) - 1:
+            f.set_exception(OSError(errno.EIO, "upload failed"))
+        else:
+            f.set_result(nbytes)
+        self.pending.append(f)
+        return f
+
+    def commit(self, manifest: bytes) -> None:
+        self.committed = manifest
+
+    def abort(self) -> None:
+        self.aborted = True
+
+
+def test_the_write_chunk_stays_within_the_declared_part_sizes() -> None:
+    t = tier(min_part_bytes=8 * MiB, max_part_bytes=16 * MiB)
+    t.chunk_bytes = 1 * MiB
+    assert write_chunk(t, 4096) == 8 * MiB
+    t.chunk_bytes = 64 * MiB
+    assert write_chunk(t, 4096) == 16 * MiB
+    t.chunk_bytes = 10 * MiB + 100
+    assert write_chunk(t, 4096) == 10 * MiB  # a multiple of the alignment
+    assert write_chunk(tier(), 4096) == HostTier.chunk_bytes
+
+
+def test_a_tier_with_random_writes_gets_the_writer_as_it_is() -> None:
+    inner = Recording()
+    assert writer_for(tier(), inner) is inner
+
+
+def test_a_sequential_tier_gets_each_blobs_writes_in_order_one_at_a_time() -> None:
+    inner = Recording()
+    w = writer_for(tier(sequential_writes=True), inner)
+    for blob, off, n in [(0, 0, 10), (0, 10, 5), (1, 0, 7), (3, 0, 1)]:  # blob 2 is empty: skipped
+        assert w.write(blob, off, 0, n).result() == n
+    w.commit(b"m")
+    assert inner.writes == [(0, 0, 10), (0, 10, 5), (1, 0, 7), (3, 0, 1)] and inner.committed == b"m"
+
+
+@pytest.mark.parametrize(("blob", "off"), [(0, 20), (0, 0), (1, 5)])
+def test_a_sequential_tier_refuses_a_write_out_of_order(blob: int, off: int) -> None:
+    w = writer_for(tier(sequential_writes=True), Recording())
+    w.write(0, 0, 0, 10)
+    with pytest.raises(ValueError, match="takes writes in order only"):
+        w.write(blob, off, 0, 5)
+
+
+def test_after_a_failed_write_a_sequential_tier_gets_no_more() -> None:
+    inner = Recording(fail_at=0)
+    w = writer_for(tier(sequential_writes=True), inner)
+    first = w.write(0, 0, 0, 10)
+    second = w.write(0, 10, 0, 10)
+    assert isinstance(second.exception(), OSError) and second is first
+    assert inner.writes == [(0, 0, 10)]
