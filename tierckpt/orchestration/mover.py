@@ -27,7 +27,7 @@ from tierckpt.policies.placement import Copy, CopyPlan, MakeRoom, Policy, Retain
 from tierckpt.policies.retention import RetentionPlan
 from tierckpt.tiers.base import CheckpointKey, Tier, TierWriter
 
-__all__ = ["Mover", "resolved"]
+__all__ = ["Mover", "Room", "resolved"]
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +37,27 @@ def resolved(value: object = None) -> Future[None]:
     f: Future[None] = Future()
     f.set_result(value)  # type: ignore[arg-type]  # the value is only ever read as "done, no error"
     return f
+
+
+class Room:
+    """What the mover lends a job that writes a checkpoint to one tier itself (a save's packing job):
+    the tier, room on it (:meth:`reserve`, which makes room as the tier's full-tier plan says) and its
+    worker's staging buffers."""
+
+    def __init__(self, mover: Mover, tier: Tier) -> None:
+        self.tier = tier
+        self._mover = mover
+
+    def reserve(self, key: CheckpointKey, blobs: Sequence[BlobEntry]) -> TierWriter:
+        """A writer for ``key`` on the tier (see :meth:`Mover.reserve`)."""
+        return self._mover.reserve(self.tier, key, blobs)
+
+    def staging(self) -> StagingPool:
+        """The tier's worker's staging buffers (only that worker's thread uses them)."""
+        return self._mover.workers[self.tier.name].pool()
+
+
+Job = Callable[[Room], None]
 
 
 class _Pins:
@@ -106,7 +127,7 @@ class Mover:
         done: Future[None],
         sources: Mapping[str, Future[None]],
         blobs: Sequence[BlobEntry] | None = None,
-        fallback: Callable[[], None] | None = None,
+        fallback: Job | None = None,
     ) -> None:
         """Queue one copy of a plan: from the first of ``c.sources`` whose future (in ``sources``)
         succeeds; ``fallback`` writes the checkpoint by other means when every source failed (only where
@@ -116,20 +137,21 @@ class Mover:
         )
 
     # -- jobs -------------------------------------------------------------------------------------------
-    def run_commit(
-        self, tier: str, step: int, job: Callable[[], None], done: Future[None], announce: bool = True
-    ) -> Future[None]:
-        """Run ``job`` (reserve, write, commit on ``tier``) on the tier's worker; record the outcome in the
+    def run_commit(self, tier: str, step: int, job: Job, done: Future[None], announce: bool = True) -> Future[None]:
+        """Run ``job`` (reserve, write, commit on ``tier``, with the :class:`Room` the mover lends it) on
+        the tier's worker; record the outcome in the
         catalog and in ``done``; apply retention afterwards. With ``announce`` the step shows as
         ``writing`` as soon as the job starts; otherwise the job says so itself (a transfer, once its
         source has committed)."""
+
+        room = Room(self, self.tiers[tier])
 
         def run() -> None:
             if announce:
                 self.catalog.set(step, tier, "writing")
             error: BaseException | None = None
             try:
-                job()
+                job(room)
             except BaseException as e:
                 error = e
                 self.catalog.set(step, tier, "failed", e)
@@ -168,7 +190,7 @@ class Mover:
         done: Future[None],
         blobs: Sequence[BlobEntry] | None = None,
         promoted: bool = False,
-        fallback: Callable[[], None] | None = None,
+        fallback: Job | None = None,
     ) -> None:
         """Queue a copy of ``key`` to ``dst`` from the first of ``sources`` (nearest first) whose future
         succeeds. The sources are pinned until the copy is over (the ones not needed are released as
@@ -180,7 +202,7 @@ class Mover:
             first = sources[0][0]
             sources[0][1].add_done_callback(lambda f: pins.release(keep=first) if f.exception() is None else None)
 
-        def job() -> None:
+        def job(room: Room) -> None:
             try:
                 try:
                     src = self._pick_source(key, dst, sources)
@@ -190,7 +212,7 @@ class Mover:
                     self.catalog.set(key.step, dst, "writing")
                     pins.release()
                     log.warning("step %d: every tier above %r failed; writing it there directly", key.step, dst)
-                    fallback()
+                    fallback(room)
                     return
                 pins.release(keep=src)
                 self.catalog.set(key.step, dst, "writing")

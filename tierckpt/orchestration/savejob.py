@@ -16,14 +16,14 @@ The lifecycle of one save:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 from tierckpt.errors import TierckptError
 from tierckpt.format.layout import Layout, plan, round_up
 from tierckpt.format.manifest import BlobEntry
 from tierckpt.format.tree import FlatState
 from tierckpt.orchestration.handles import SaveHandle
-from tierckpt.orchestration.mover import Mover
+from tierckpt.orchestration.mover import Mover, Room
 from tierckpt.orchestration.packing import build_manifest, pack_and_write
 from tierckpt.orchestration.process import gc_paused
 from tierckpt.policies.placement import SavePlan
@@ -33,7 +33,8 @@ __all__ = ["SaveJob"]
 
 
 class SaveJob:
-    """One save of one rank's state, executed by the mover as its plan says.
+    """One save of one rank's state, executed by the mover as its plan says (the packing runs in the
+    :class:`~tierckpt.orchestration.mover.Room` the mover lends it: it never reaches back into the mover).
 
     Args:
         mover: executes the copies.
@@ -72,17 +73,15 @@ class SaveJob:
         """Queue the stage-and-commit on the top tier, then every demotion (see the module docstring)."""
         top, *lower = self.plan.copies
         durable = self.handle.durable
-        self.mover.run_commit(top.dst, self.key.step, self._stage_into(top.dst), durable[top.dst])
+        self.mover.run_commit(top.dst, self.key.step, self._stage, durable[top.dst])
         for c in lower:
-            self.mover.copy(self.key, c, durable[c.dst], durable, self.blobs, fallback=self._stage_into(c.dst))
+            self.mover.copy(self.key, c, durable[c.dst], durable, self.blobs, fallback=self._stage)
 
-    def _stage_into(self, name: str) -> Callable[[], None]:
-        return lambda: self._stage(self.mover.tiers[name])
-
-    def _stage(self, tier: Tier) -> None:
+    def _stage(self, room: Room) -> None:
         """Reserve room on ``tier``, pack the caller's tensors into it, commit. A failure on the save's
         last destination (no fallback comes after it) also fails ``staged``."""
-        handle, first = self.handle, tier.name == self.plan.tiers[0]
+        tier, handle = room.tier, self.handle
+        first = tier.name == self.plan.tiers[0]
         writer: TierWriter | None = None
         try:
             if not first and handle.staged.done():
@@ -91,8 +90,8 @@ class SaveJob:
                     "the caller may have changed it since, so it is not packed again"
                 )
             with gc_paused():
-                writer = self.mover.reserve(tier, self.key, self.blobs)
-                writer.commit(self._pack(tier, writer))
+                writer = room.reserve(self.key, self.blobs)
+                writer.commit(self._pack(room, writer))
         except BaseException as e:
             if writer is not None:
                 writer.abort()
@@ -100,11 +99,10 @@ class SaveJob:
                 handle.staged.set_exception(e)
             raise
 
-    def _pack(self, tier: Tier, writer: TierWriter) -> bytes:
+    def _pack(self, room: Room, writer: TierWriter) -> bytes:
         """Pack the state into ``writer``; return the manifest (encoded while the last chunks are still
         being written, or after a tier that packs itself, such as gpu, returned the checksums)."""
-        flat, layout, key = self.flat, self.layout, self.key
-        pool = self.mover.workers[tier.name].pool
+        flat, layout, key, tier, pool = self.flat, self.layout, self.key, room.tier, room.staging
         srcs = [r.tensor for r in flat.tensors]
         manifest = b""
 
