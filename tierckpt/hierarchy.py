@@ -331,7 +331,7 @@ class Hierarchy:
         with self._lock:
             done = self._mover.execute(plan)
             top = done[to]
-            top.add_done_callback(lambda f: out.set_exception(e) if (e := f.exception()) else out.set_result(to))
+            top.add_done_callback(lambda f: out.set_exception(err) if (err := f.exception()) else out.set_result(to))
             self._pending.add_promotion(info.step, out, [f for n, f in done.items() if n != to])
         return out
 

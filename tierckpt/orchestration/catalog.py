@@ -3,6 +3,7 @@ errors, the tiers each save was sent to, and what the tiers hold (:class:`Catalo
 
 from __future__ import annotations
 
+import builtins
 import logging
 import threading
 from collections import Counter
@@ -73,14 +74,16 @@ class Catalog:
         self._newest: int | None = None  # newest step committed or saved (listed at the first save)
         # tiers whose listing is not cheap: their committed steps (listed once, then followed), and
         # whether that one listing happened (commits made meanwhile are kept, evictions forgotten)
-        self._cached: dict[str, set[int]] = {t.name: set() for t in self.tiers if not t.capabilities.cheap_listing}
-        self._listed: set[str] = set()
+        self._cached: dict[str, builtins.set[int]] = {
+            t.name: set() for t in self.tiers if not t.capabilities.cheap_listing
+        }
+        self._listed: builtins.set[str] = set()
         self._states: dict[int, dict[str, str]] = {}
         self._errors: dict[int, dict[str, BaseException]] = {}
         self._pins: Counter[tuple[int, str]] = Counter()
-        self._promoted: set[tuple[int, str]] = set()
-        self._latest: set[tuple[int, str]] = set()  # the copies of the newest save (in time)
-        self._wanted: dict[int, set[str]] = {}
+        self._promoted: builtins.set[tuple[int, str]] = set()
+        self._latest: builtins.set[tuple[int, str]] = set()  # the copies of the newest save (in time)
+        self._wanted: dict[int, builtins.set[str]] = {}
 
     def plan(self, step: int, tiers: Iterable[str]) -> None:
         """A save or promotion of ``step`` will go to ``tiers``: they become ``pending``; for a step saved by
@@ -122,7 +125,7 @@ class Catalog:
         with self.changed:
             return {s: dict(d) for s, d in self._errors.items()}
 
-    def wanted(self) -> dict[int, set[str]]:
+    def wanted(self) -> dict[int, builtins.set[str]]:
         """Per step saved by this hierarchy, the tiers the policy sent it to (failed ones included)."""
         with self.changed:
             return {s: set(d) for s, d in self._wanted.items()}
@@ -157,17 +160,17 @@ class Catalog:
             self._latest = {(step, t) for t in names}
             self._wanted[step] = names
 
-    def protected(self) -> set[tuple[int, str]]:
+    def protected(self) -> builtins.set[tuple[int, str]]:
         """Copies retention must not evict now: pinned by a transfer, freshly promoted, or of the newest
         save."""
         with self.changed:
             return set(self._pins) | self._promoted | self._latest
 
-    def pinned_on(self, tier: str) -> set[int]:
+    def pinned_on(self, tier: str) -> builtins.set[int]:
         with self.changed:
             return {s for s, t in self._pins if t == tier}
 
-    def prune(self, alive: set[int]) -> None:
+    def prune(self, alive: builtins.set[int]) -> None:
         """Forget steps held by no tier that no transfer is working on (keeps memory bounded)."""
         newest = max(alive, default=-1)
         with self.changed:

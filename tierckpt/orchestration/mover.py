@@ -9,6 +9,7 @@ room on a full tier as its plan says.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 from collections.abc import Callable, Mapping, Sequence
@@ -102,7 +103,7 @@ class Mover:
         self.catalog = catalog
         self.coordinator = coordinator
         self.rank = coordinator.rank
-        self.workers = {t.name: Worker(t.name, lambda t=t: staging(t)) for t in tiers}
+        self.workers = {t.name: Worker(t.name, functools.partial(staging, t)) for t in tiers}
         self._shared = {t.name for t in tiers if t.capabilities.shared}
         self._evict_lock = threading.Lock()
         self._full_logged: set[str] = set()

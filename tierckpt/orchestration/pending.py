@@ -9,6 +9,7 @@ import time
 from collections.abc import Iterable
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
+from typing import Any
 
 from tierckpt.orchestration.handles import SaveHandle
 
@@ -66,7 +67,7 @@ class Pending:
     def settle(self, deadline: float | None) -> bool:
         """Wait (until ``deadline``, a monotonic time) for everything; True if all of it ended."""
         with self._lock:
-            futs = [f for h in self._handles for f in (h.staged, *h.durable.values())]
+            futs: list[Future[Any]] = [f for h in self._handles for f in (h.staged, *h.durable.values())]
             futs += [*self.promotions.values(), *self._extra, *self._fills]
         for f in futs:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
