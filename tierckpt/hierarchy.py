@@ -54,7 +54,7 @@ log = logging.getLogger(__name__)
 # A save's staging pool: 6 slots of one io chunk (32 MiB by default, 192 MiB in all). A virtual disk
 # here completes a whole queue of writes at once, so the packer must have slots free to fill while
 # a full queue is in flight; 3 slots of 64 MiB (the same memory) left the disk idle while they were
-# refilled (docs/benchmarks.md, "Six staging slots").
+# refilled (docs/benchmarks-journal.md, "Six staging slots").
 _STAGING_SLOTS = 6
 
 
