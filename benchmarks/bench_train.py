@@ -25,7 +25,7 @@ the optimizer state) with a checkpoint every ``--every`` steps:
 Blocking time = time in the save call plus time waiting before the update. A GIL probe measures a
 pure-Python loop and a matmul loop while tierckpt stages and demotes a checkpoint in the background,
 relative to the same loop alone. Results: a markdown table and JSON lines in ``--out``. See
-docs/benchmarks.md, "Training loop (issue #3)".
+docs/benchmarks.md, "Training loop".
 """
 
 from __future__ import annotations

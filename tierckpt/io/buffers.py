@@ -94,7 +94,7 @@ def _anonymous_map(nbytes: int) -> mmap.mmap:
     An I/O buffer of 4 KiB pages is physically scattered, so the block layer splits an O_DIRECT request
     at the device's segment limit (254 pages on virtio-blk: ~1 MiB), and each piece costs the device
     (or the VM's host) a request. On this project's VMs, 16 MiB reads into 4 KiB-page buffers ran at
-    1.0-1.3 GB/s, into huge-page buffers at 3.5-4.2 GB/s, as fast as the raw read (docs/benchmarks.md,
+    1.0-1.3 GB/s, into huge-page buffers at 3.5-4.2 GB/s, as fast as the raw read (docs/benchmarks-journal.md,
     "Huge-page I/O buffers").
     Huge pages also fault in 512x fewer times. Where THP is off (``never``), the advice is a no-op.
     The kernel maps anonymous regions of 2 MiB or more at a 2 MiB boundary (Linux 6.7+); elsewhere
