@@ -51,7 +51,7 @@ class DcpSave(Peer):
 
     requires = ("torch.distributed.checkpoint",)
     durability = "FileSystemWriter sync_files=True: each data file and .metadata fsynced (directory not)"
-    note = "load fills a template of torch.empty_like tensors built before the timer; non-tensor values pickled"
+    note = "load fills a template of torch.zeros_like tensors (a live target) built before the timer; non-tensor values pickled"
 
     def __init__(self, threads: int = 1) -> None:
         self.threads = threads
@@ -159,7 +159,7 @@ class TorchSnapshot(Peer):
 
     requires = ("torchsnapshot",)
     durability = "no fsync of its own: the harness fsyncs every file and directory after it (timed)"
-    note = "restore fills a template of torch.empty_like tensors built before the timer"
+    note = "restore fills a template of torch.zeros_like tensors (a live target) built before the timer"
 
     def __init__(self, asynchronous: bool = False) -> None:
         self.asynchronous = asynchronous
