@@ -61,7 +61,8 @@ def populate(addr: int, nbytes: int) -> None:
 
 def ptr_mv(addr: int, nbytes: int, *, writable: bool = True) -> memoryview:
     """A flat byte memoryview of ``nbytes`` at ``addr``. It owns nothing: keep the memory alive."""
-    return _PyMemoryView_FromMemory(addr, nbytes, _PyBUF_WRITE if writable else _PyBUF_READ)
+    mv: memoryview = _PyMemoryView_FromMemory(addr, nbytes, _PyBUF_WRITE if writable else _PyBUF_READ)
+    return mv
 
 
 def _pin_ok() -> bool:
