@@ -99,7 +99,7 @@ class Records:
 
     __slots__ = ("table",)
 
-    def __init__(self, table: array) -> None:
+    def __init__(self, table: array[int]) -> None:
         self.table = table
 
     def set_dst(self, k: int, addr: int) -> None:
