@@ -25,7 +25,8 @@ import logging
 import random
 import sys
 from collections import OrderedDict
-from typing import TYPE_CHECKING, Any
+from types import ModuleType
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -154,7 +155,7 @@ class TrainState:
         if self.rng:
             target[RNG] = None
         self.load_state_dict(h.restore(step, into=target, tier=tier, allow_pickle=allow_pickle, strict=True))
-        return h.last_restore[0]  # type: ignore[index]
+        return cast("tuple[int, str]", h.last_restore)[0]  # set by the restore that just returned
 
 
 def rng_state() -> dict[str, Any]:
@@ -194,7 +195,7 @@ def set_rng_state(state: Any) -> None:
         StateError: ``state`` is not what :func:`rng_state` returns (names the part); nothing is changed.
     """
     py, cpu, npy, cuda = _check_rng(state)
-    np = None
+    np: ModuleType | None = None
     if npy is not None:
         try:
             import numpy as np
@@ -202,7 +203,7 @@ def set_rng_state(state: Any) -> None:
             log.info("the checkpoint holds numpy's RNG state, but numpy is not installed: skipped")
     random.setstate((py["version"], tuple(py["state"].tolist()), py["gauss_next"]))
     torch.set_rng_state(cpu)
-    if np is not None:
+    if np is not None and npy is not None:  # np is only imported for a numpy state
         keys = npy["keys"].numpy().astype(np.uint32)
         np.random.set_state((npy["bit_generator"], keys, npy["pos"], npy["has_gauss"], npy["cached_gaussian"]))
     for dev, s in cuda.items():
@@ -250,7 +251,7 @@ def _plain(v: Any) -> Any:
     return v if np is None else _convert(v, np.generic)
 
 
-def _convert(v: Any, generic: type) -> Any:
+def _convert(v: Any, generic: type[Any]) -> Any:
     tv = type(v)
     if tv is torch.Tensor or tv is int or tv is float or tv is str or v is None:
         return v

@@ -38,13 +38,15 @@ class StrictLoader(yaml.SafeLoader):
 
     def compose_mapping_node(self, anchor: Any) -> Any:
         node = super().compose_mapping_node(anchor)
-        node.own_pairs = list(node.value)  # before a merge (<<) that uses this node prepends its keys
+        # The mapping's own keys, kept before a merge (<<) that uses this node prepends its keys.
+        node.own_pairs = list(node.value)  # type: ignore[attr-defined]  # our field: PyYAML's Node declares none
         return node
 
     def construct_mapping(self, node: Any, deep: bool = False) -> Any:
         if isinstance(node, yaml.MappingNode):
             seen: set[Any] = set()
-            for key_node, _ in getattr(node, "own_pairs", node.value):
+            pairs: list[tuple[yaml.Node, yaml.Node]] = node.value  # typed, so that getattr's result is iterable
+            for key_node, _ in getattr(node, "own_pairs", pairs):
                 if key_node.tag == "tag:yaml.org,2002:merge":
                     continue  # several << keys merge several mappings, as safe_load does
                 key = self.construct_object(key_node, deep=True)

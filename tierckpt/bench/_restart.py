@@ -66,7 +66,8 @@ def _run_forked(cfg_path: str, mode: str, init_secs: float) -> list[Any]:
     _, status = os.waitpid(pid, 0)
     if not data:
         return ["error", f"the restart process exited without a result (wait status {status})"]
-    return json.loads(data)  # type: ignore[no-any-return]
+    got: list[Any] = json.loads(data)  # the child writes one JSON list
+    return got
 
 
 def serve() -> int:

@@ -105,8 +105,8 @@ def _raw(rec: Recorder, wl: str, op: str, cache: str | None) -> tuple[str, float
 
 def _ahead(rec: Recorder, wl: str, op: str, cache: str | None, ours: float, field_: str = "gbps") -> str:
     peers = [p for p in _peer_names(rec, wl) if not p.startswith(LIMITS + OURS)]
-    vals = {p: rec.summary(wl, p, op, cache, field_, "median") for p in peers}
-    vals = {p: v for p, v in vals.items() if v is not None}
+    got = {p: rec.summary(wl, p, op, cache, field_, "median") for p in peers}
+    vals = {p: v for p, v in got.items() if v is not None}
     if not vals:
         return "no peer ran"
     better = [f"{p} {v:.2f}" for p, v in vals.items() if v >= ours]

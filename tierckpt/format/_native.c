@@ -89,7 +89,7 @@ static int need_hash(void) {
 }
 
 PyDoc_STRVAR(set_hash_doc,
-             "set_hash(address)\n--\n\n"
+             "set_hash(address, /)\n--\n\n"
              "Use the function at ``address`` (``uint64_t f(const void *, size_t)``, XXH3_64bits) as the "
              "checksum.");
 
@@ -104,7 +104,7 @@ static PyObject *set_hash(PyObject *self, PyObject *arg) {
 }
 
 PyDoc_STRVAR(digest_doc,
-             "digest(buffer, address=None)\n--\n\n"
+             "digest(buffer, address=None, /)\n--\n\n"
              "The checksum of a buffer's bytes (GIL released), by the function at ``address`` if given (to "
              "check a candidate before set_hash), else by the one set.");
 
@@ -131,7 +131,7 @@ static PyObject *digest(PyObject *self, PyObject *args) {
     return PyLong_FromUnsignedLongLong(h);
 }
 
-PyDoc_STRVAR(is_zero_doc, "is_zero(address, nbytes)\n--\n\nWhether ``nbytes`` at ``address`` are all zero.");
+PyDoc_STRVAR(is_zero_doc, "is_zero(address, nbytes, /)\n--\n\nWhether ``nbytes`` at ``address`` are all zero.");
 
 static PyObject *is_zero(PyObject *self, PyObject *args) {
     unsigned long long addr, n;
@@ -251,7 +251,7 @@ static void run_split(job_t *j, int threads) {
 
 PyDoc_STRVAR(
     scatter_doc,
-    "scatter(recs, k, stop, base, p0, n, cursor, max_len, threads=1) -> (k, cursor, err, a, b)\n--\n\n"
+    "scatter(recs, k, stop, base, p0, n, cursor, max_len, threads=1, /) -> (k, cursor, err, a, b)\n--\n\n"
     "Verify, and copy out, the tensors of a piece of a blob: bytes [p0, p0 + n) of the blob, found at\n"
     "address ``base``. ``recs`` holds 4 uint64 per tensor (offset, length, checksum, destination), in\n"
     "blob order. From record ``k`` on (not past ``stop``), for every tensor wholly inside the piece\n"
@@ -284,7 +284,7 @@ static PyObject *scatter(PyObject *self, PyObject *args) {
 
 PyDoc_STRVAR(
     gather_doc,
-    "gather(recs, k, stop, base, p0, n, cursor, max_len, hash) -> (k, cursor)\n--\n\n"
+    "gather(recs, k, stop, base, p0, n, cursor, max_len, hash, /) -> (k, cursor)\n--\n\n"
     "Pack tensors into a piece of a blob being written: bytes [p0, p0 + n) of the blob, at address\n"
     "``base``. ``recs`` (writable) holds 4 uint64 per tensor (offset, length, checksum, source), in\n"
     "blob order. From record ``k`` on (not past ``stop``), for every tensor wholly inside the piece,\n"
@@ -319,7 +319,7 @@ static PyObject *gather(PyObject *self, PyObject *args) {
 }
 
 PyDoc_STRVAR(hash_into_doc,
-             "hash_into(recs, k, stop, base)\n--\n\n"
+             "hash_into(recs, k, stop, base, /)\n--\n\n"
              "Store in records [k, stop) of ``recs`` (writable) the checksum of each tensor's bytes, found\n"
              "at ``base`` + its offset (GIL released).");
 

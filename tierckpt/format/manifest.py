@@ -133,7 +133,7 @@ def encode_manifest(m: Manifest) -> bytes:
         tensors: Any = [[t.path, t.dtype, list(t.shape), t.blob, t.offset, t.length, t.checksum] for t in m.tensors]
     else:
         tensors = encode_table(m.tensors)
-    payload = msgpack.packb(
+    payload: bytes = msgpack.packb(
         {
             "step": m.step,
             "rank": m.rank,

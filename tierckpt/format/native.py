@@ -52,7 +52,7 @@ def _load() -> ModuleType | None:
         log.debug("TIERCKPT_NATIVE is off: using the Python loops")
         return None
     try:
-        from tierckpt.format import _native  # type: ignore[attr-defined]
+        from tierckpt.format import _native
     except ImportError as e:
         log.debug("tierckpt.format._native is not built (%s): using the Python loops", e)
         return None
@@ -61,6 +61,8 @@ def _load() -> ModuleType | None:
         try:
             addr = ctypes.cast(getattr(ctypes.CDLL(path), symbol), ctypes.c_void_p).value
         except (OSError, AttributeError):
+            continue
+        if addr is None:  # a null symbol: nothing to call
             continue
         if all(_native.digest(probe[:n], addr) == xxhash.xxh3_64_intdigest(probe[:n]) for n in _PROBE_LENGTHS):
             _native.set_hash(addr)
@@ -97,7 +99,7 @@ class Records:
 
     __slots__ = ("table",)
 
-    def __init__(self, table: array) -> None:
+    def __init__(self, table: array[int]) -> None:
         self.table = table
 
     def set_dst(self, k: int, addr: int) -> None:

@@ -140,7 +140,7 @@ class TensorTable(Sequence[TensorEntry]):
             return NotImplemented
         return len(self) == len(other) and all(a == b for a, b in zip(self, other))
 
-    __hash__ = None  # type: ignore[assignment]
+    __hash__ = None  # type: ignore[assignment]  # unhashable, as list is: __eq__ compares contents
 
     def __repr__(self) -> str:
         return f"TensorTable({len(self)} tensors, {sum(self.lengths)} bytes)"
@@ -276,9 +276,9 @@ def decode_table(d: Any, blob_sizes: Sequence[int]) -> TensorTable:
         blob_t = torch.frombuffer(blobs_a, dtype=torch.int32).long() & 0xFFFFFFFF  # the column is unsigned
         cols = (blob_t, torch.frombuffer(offsets_a, dtype=torch.int64), len_t, isz_t)
     if n and one_d and max(dl) < 1 << 58:  # 1-d, and dims x itemsize cannot overflow
-        i = _first(torch.frombuffer(dims, dtype=torch.int64) * isz_t != len_t)
-        if i is not None:
-            raise _bad(f"tensor {paths[i]}: length {lengths[i]} != {numels[i]} x {isz[dt_idx[i]]} bytes")
+        bad = _first(torch.frombuffer(dims, dtype=torch.int64) * isz_t != len_t)
+        if bad is not None:
+            raise _bad(f"tensor {paths[bad]}: length {lengths[bad]} != {numels[bad]} x {isz[dt_idx[bad]]} bytes")
     else:
         for i, (k, e, ln) in enumerate(zip(dt_idx, numels, lengths)):
             if e * isz[k] != ln:
@@ -340,8 +340,8 @@ def check_extents(
     size = torch.tensor(list(blob_sizes), dtype=torch.int64)[blob.clamp(max=nb - 1)]
     i = _first(used & (off > size - ln))
     if i is not None:
-        o, n = t.offsets[i], t.lengths[i]
-        raise _bad(f"tensor {t.paths[i]}: extent [{o}, {o + n}) exceeds blob size {blob_sizes[t.blobs[i]]}")
+        start, end = t.offsets[i], t.offsets[i] + t.lengths[i]
+        raise _bad(f"tensor {t.paths[i]}: extent [{start}, {end}) exceeds blob size {blob_sizes[t.blobs[i]]}")
     ids = used.nonzero().flatten()
     b, o = blob[ids], off[ids]
     if not bool(((b[1:] > b[:-1]) | ((b[1:] == b[:-1]) & (o[1:] >= o[:-1]))).all()):  # writers keep disk order

@@ -148,7 +148,7 @@ class SysRing:
             cq = self._mmap(cq_size, _IORING_OFF_CQ_RING)
         self._sqes = self._mmap(p.sq_entries * _SQE.size, _IORING_OFF_SQES)
         self._cq = cq
-        self._sq_entries = p.sq_entries
+        self._sq_entries: int = p.sq_entries
         self._sq_mask = ctypes.c_uint32.from_buffer(sq, so.ring_mask).value
         self._cq_mask = ctypes.c_uint32.from_buffer(cq, co.ring_mask).value
         self._sq_khead = ctypes.c_uint32.from_buffer(sq, so.head)
@@ -164,7 +164,7 @@ class SysRing:
         self._sqe_tail = self._sq_ktail.value  # local tail: prepared but maybe not yet published
 
     def _enter(self, to_submit: int, min_complete: int, flags: int) -> int:
-        ret = _syscall(self._nr_enter, self.ring_fd, to_submit, min_complete, flags, 0, 0)
+        ret: int = _syscall(self._nr_enter, self.ring_fd, to_submit, min_complete, flags, 0, 0)
         return _check(ret, "io_uring_enter")
 
     def sq_space_left(self) -> int:

@@ -16,7 +16,7 @@ import errno
 import mmap
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import torch
@@ -26,6 +26,7 @@ __all__ = ["MappedBuffer", "StagingPool", "aligned_empty", "memmove", "populate"
 _PyMemoryView_FromMemory = ctypes.pythonapi.PyMemoryView_FromMemory
 _PyMemoryView_FromMemory.restype = ctypes.py_object
 _PyMemoryView_FromMemory.argtypes = [ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int]
+_from_memory: Callable[[int, int, int], memoryview] = _PyMemoryView_FromMemory  # the same function, typed
 _PyBUF_READ, _PyBUF_WRITE = 0x100, 0x200
 
 memmove = ctypes.memmove  # releases the GIL; single-threaded (no OpenMP barrier stalls, URING.md §9)
@@ -61,7 +62,7 @@ def populate(addr: int, nbytes: int) -> None:
 
 def ptr_mv(addr: int, nbytes: int, *, writable: bool = True) -> memoryview:
     """A flat byte memoryview of ``nbytes`` at ``addr``. It owns nothing: keep the memory alive."""
-    return _PyMemoryView_FromMemory(addr, nbytes, _PyBUF_WRITE if writable else _PyBUF_READ)
+    return _from_memory(addr, nbytes, _PyBUF_WRITE if writable else _PyBUF_READ)
 
 
 def _pin_ok() -> bool:
