@@ -152,8 +152,7 @@ def test_full_host_fails_when_asked_to(tmp_path: Path) -> None:
     gate = threading.Event()
     ssd = FaultyTier(LocalTier("ssd", tmp_path / "ssd", _engine()), gates={"commit": gate})
     host = HostTier("host", capacity_bytes=2 * MiB)
-    host.on_full = "fail"
-    with Hierarchy([host, ssd]) as h:
+    with Hierarchy([host, ssd], policy={"on_full": {"host": "fail"}}) as h:
         state = {"w": torch.ones(MiB // 4)}
         h.save(state, step=1).wait(tier="host")
         h.save(state, step=2).wait(tier="host")

@@ -151,9 +151,8 @@ def test_held_copies_fill_a_host_tier(tmp_path: Path, on_full: str) -> None:
     fails too); nothing held is dropped. The pfs recovers: step 5 is packed straight into the pfs, which
     releases the held copies 1 and 2, and step 6 fits in memory again."""
     host = HostTier("host", capacity_bytes=3 * (64 * KiB + 4 * KiB) + 8 * KiB)
-    host.on_full = on_full
     pfs = FaultyTier(PfsTier("pfs", tmp_path / "pfs", make_engine("threads", 4)), fail={"write": EIO})
-    with Hierarchy([host, pfs], policy={"keep": {"host": 1}}) as h:
+    with Hierarchy([host, pfs], policy={"keep": {"host": 1}, "on_full": {"host": on_full}}) as h:
         for s in (1, 2, 3):
             with pytest.raises(OSError):
                 h.save(state(s), step=s).wait()
