@@ -1,5 +1,5 @@
-"""Checks of single configuration values shared by :mod:`tierckpt.config` and the tier kinds: bounded
-reprs for error messages, and paths with ``~`` and ``$VAR`` expanded as a shell would."""
+"""Checks of single configuration values shared by :mod:`tierckpt.config` and the tier kinds: sizes,
+bounded reprs for error messages, and paths with ``~`` and ``$VAR`` expanded as a shell would."""
 
 from __future__ import annotations
 
@@ -11,9 +11,19 @@ from typing import Any
 
 from tierckpt.errors import ConfigError
 
-__all__ = ["expand_path", "no_nul", "resolve_path", "short"]
+__all__ = ["expand_path", "format_size", "no_nul", "parse_size", "resolve_path", "short"]
 
 _ENV_RE = re.compile(r"\$(\w+|\{[^}]*\})", re.ASCII)  # what os.path.expandvars replaces
+_UNITS = {
+    "": 1, "b": 1,
+    "k": 1 << 10, "kib": 1 << 10, "kb": 1000,
+    "m": 1 << 20, "mib": 1 << 20, "mb": 1000**2,
+    "g": 1 << 30, "gib": 1 << 30, "gb": 1000**3,
+    "t": 1 << 40, "tib": 1 << 40, "tb": 1000**4,
+}  # fmt: skip
+_MAX_SIZE = (1 << 63) - 1
+# ASCII only: \d and \s would also take Unicode digits (and int() would read them)
+_SIZE_RE = re.compile(r"\s*([0-9]+)(?:\.([0-9]+))?\s*([A-Za-z]*)\s*", re.ASCII)
 
 
 class _Repr(reprlib.Repr):
@@ -30,6 +40,48 @@ def short(value: Any) -> str:
     """``repr(value)`` for an error message, bounded: YAML aliases make a 200-byte file hold a list
     whose full repr is gigabytes, and a bad size may be 5000 digits long."""
     return _REPR.repr(value)
+
+
+def parse_size(value: Any, key: str) -> int:
+    """Parse ``64GiB``, ``100 MB``, ``4096`` or an int into bytes.
+
+    A fraction (``1.5GiB``) must come to a whole number of bytes; the arithmetic is exact.
+
+    Raises:
+        ConfigError: naming ``key`` when the value is not a size from 0 to 2**63 - 1 bytes.
+    """
+    if isinstance(value, bool):
+        raise ConfigError(f"{key}: expected a size like '64GiB', got {short(value)}")
+    if isinstance(value, int):
+        if value < 0:
+            raise ConfigError(f"{key}: expected a non-negative size, got {short(value)}")
+        if value > _MAX_SIZE:
+            raise ConfigError(f"{key}: expected a size below 8EiB (2**63 bytes), got {short(value)}")
+        return value
+    m = _SIZE_RE.fullmatch(value) if isinstance(value, str) else None
+    if m is None or m.group(3).lower() not in _UNITS:
+        raise ConfigError(f"{key}: expected a size like '64GiB', got {short(value)}")
+    whole, frac = m.group(1).lstrip("0"), (m.group(2) or "").rstrip("0")
+    # Bound the digits before int() (which refuses over 4300): 20 whole digits exceed 2**63, and a
+    # fraction of more than 40 digits (2**-40 has 40) never makes whole bytes with any unit.
+    if len(whole) > 19:
+        raise ConfigError(f"{key}: expected a size below 8EiB (2**63 bytes), got {short(value)}")
+    n, rest = 0, 1
+    if len(frac) <= 40:
+        n, rest = divmod(int(whole + frac or "0") * _UNITS[m.group(3).lower()], 10 ** len(frac))
+    if rest:
+        raise ConfigError(f"{key}: expected a whole number of bytes, got {short(value)}")
+    if n > _MAX_SIZE:
+        raise ConfigError(f"{key}: expected a size below 8EiB (2**63 bytes), got {short(value)}")
+    return n
+
+
+def format_size(n: int) -> str:
+    """Format bytes the way :func:`parse_size` reads them back (``1.5GiB``)."""
+    for unit, mult in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= mult:
+            return f"{n / mult:.3g}{unit}"
+    return f"{n}B"
 
 
 def no_nul(value: str, key: str) -> None:

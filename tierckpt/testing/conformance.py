@@ -361,7 +361,9 @@ class TierConformanceTests:
     def test_readers_race_evictions_and_replacements(self, tier: Tier) -> None:
         size, key = 4 * _align(tier), CheckpointKey(5)
         _write(tier, key, [_version(size, 0)], b"version 0")
-        done, errors, seen = threading.Event(), [], []
+        done = threading.Event()
+        errors: list[BaseException] = []
+        seen: list[int | None] = []  # the version each read found (None: gone)
 
         def writer() -> None:  # until 6 versions are written and 8 copies read (at most 200 versions)
             try:

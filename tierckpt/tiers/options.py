@@ -25,8 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tierckpt.config import TierConfig, parse_size
-from tierckpt.configvalues import resolve_path, short
+from tierckpt.config import TierConfig
+from tierckpt.configvalues import parse_size, resolve_path, short
 from tierckpt.errors import ConfigError
 
 __all__ = [
@@ -115,7 +115,7 @@ def refuse_location(cfg: TierConfig, why: str) -> None:
 
 # -- value parsers for Option.parse ---------------------------------------------------------------------
 def size(lo: int = 0, hi: int | None = None) -> Parser:
-    """A size such as ``8MiB`` or ``4096`` (:func:`tierckpt.config.parse_size`), in ``[lo, hi]``."""
+    """A size such as ``8MiB`` or ``4096`` (:func:`tierckpt.configvalues.parse_size`), in ``[lo, hi]``."""
 
     def parse(v: Any, key: str) -> int:
         n = parse_size(v, key)
