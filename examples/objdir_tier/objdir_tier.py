@@ -89,9 +89,12 @@ class Upload:
 class Bucket:
     """A toy object store in a directory: PUT, multipart uploads, ranged GET, HEAD, LIST by prefix, DELETE."""
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, *, readonly: bool = False) -> None:
         self.root = root
-        (root / _UPLOADS).mkdir(parents=True, exist_ok=True)
+        if readonly and not root.is_dir():
+            raise FileNotFoundError(f"no bucket at {root}")
+        if not readonly:
+            (root / _UPLOADS).mkdir(parents=True, exist_ok=True)
 
     def put(self, key: str, data: bytes) -> None:
         up = Upload(self)
@@ -164,6 +167,7 @@ class ObjdirTier(Tier):
         part_size: smallest write except a blob's last.
         capacity_bytes: most bytes of committed checkpoints and reservations, or None.
         blob_bytes: preferred blob size, or None for 256 MiB.
+        readonly: only look (``tierckpt ls``): the directory must exist, and nothing is created.
     """
 
     kind = "objdir"
@@ -177,9 +181,10 @@ class ObjdirTier(Tier):
         part_size: int = 8 << 20,
         capacity_bytes: int | None = None,
         blob_bytes: int | None = None,
+        readonly: bool = False,
     ) -> None:
         super().__init__(name)
-        self.bucket = Bucket(Path(root))
+        self.bucket = Bucket(Path(root), readonly=readonly)
         self.capacity_bytes = capacity_bytes
         self.preferred_blob_bytes = blob_bytes or self.preferred_blob_bytes
         self.chunk_bytes = max(part_size, 8 << 20)
@@ -205,7 +210,7 @@ class ObjdirTier(Tier):
         if url.scheme != "objdir" or url.netloc or not url.path.startswith("/") or url.query or url.fragment:
             raise ConfigError(f"{cfg.key}.path: expected a location like objdir:///absolute/path, got {cfg.location!r}")
         return cls(cfg.name, unquote(url.path), part_size=opts["part_size"], capacity_bytes=cfg.capacity_bytes,
-                   blob_bytes=cfg.blob_bytes)  # fmt: skip
+                   blob_bytes=cfg.blob_bytes, readonly=cfg.readonly)  # fmt: skip
 
     def describe(self) -> str:
         return f"objdir://{self.bucket.root} (objects, parts of {self.capabilities.min_part_bytes} bytes)"

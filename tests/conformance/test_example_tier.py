@@ -64,11 +64,19 @@ def test_hierarchy_saves_to_and_restores_from_it(tmp_path: Path) -> None:
         for s, state in states.items():
             h.save(state, step=s).wait()
         assert [c.step for c in h.checkpoints() if "obj" in c.tiers] == [2, 3]  # keep: 2 evicted step 1
+    with Hierarchy.from_yaml(yml, readonly=True) as h:  # what `tierckpt ls` opens
+        assert [c.step for c in h.checkpoints()] == [2, 3]
     with Hierarchy.from_yaml(yml) as h:  # a new process: host is empty, obj holds steps 2 and 3
         for s in (2, 3):
             back = h.restore(step=s)
             assert torch.equal(back["w"], states[s]["w"]) and back["step"] == s
             assert h.last_restore == (s, "obj")
+
+
+def test_readonly_needs_the_bucket(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="no bucket at"):
+        Hierarchy.from_yaml(config(tmp_path, f"objdir://{tmp_path}/missing"), readonly=True)
+    assert not (tmp_path / "missing").exists()
 
 
 @pytest.mark.parametrize(
