@@ -154,7 +154,7 @@ class HostTier(Tier):
             if held is not None:
                 held.readers += 1
                 return held
-        raise CheckpointNotFoundError(f"tier {self.name!r} holds no checkpoint for step {key.step} rank {key.rank}")
+        raise self._not_found(key)
 
     def _repin(self, held: _Held) -> None:
         with self._lock:
@@ -178,8 +178,11 @@ class HostTier(Tier):
         with self._lock:
             held = self._held.get(key)
         if held is None:
-            raise CheckpointNotFoundError(f"tier {self.name!r} holds no checkpoint for step {key.step} rank {key.rank}")
+            raise self._not_found(key)
         return held
+
+    def _not_found(self, key: CheckpointKey) -> CheckpointNotFoundError:
+        return CheckpointNotFoundError(f"tier {self.name!r} holds no checkpoint for step {key.step} rank {key.rank}")
 
     def read_manifest(self, key: CheckpointKey) -> bytes:
         return self._get(key).manifest
