@@ -365,10 +365,10 @@ class TierConformanceTests:
         errors: list[BaseException] = []
         seen: list[int | None] = []  # the version each read found (None: gone)
 
-        def writer() -> None:  # until 6 versions are written and 8 copies read (at most 200 versions)
+        def writer() -> None:  # until 6 versions are written and 4 copies read whole (at most 200 versions)
             try:
                 for v in range(1, 200):
-                    if v > 6 and len(seen) >= 8:
+                    if v > 6 and sum(x is not None for x in seen) >= 4:
                         break
                     if v % 3 == 0:
                         tier.evict(key)
@@ -387,7 +387,8 @@ class TierConformanceTests:
             done.wait()
             t.join()
         assert not errors
-        assert len(seen) >= 8 and set(seen) - {None}, seen
+        whole = sum(x is not None for x in seen)
+        assert whole >= 4, f"{whole} of {len(seen)} reads found a copy while 200 versions were written"
 
 
 def _version(size: int, v: int) -> torch.Tensor:
