@@ -11,6 +11,7 @@ import torch
 from tierckpt import ConfigError, Hierarchy
 from tierckpt.config import load_config, parse_config
 from tierckpt.tiers.host import HostTier
+from tierckpt.tiers.options import local_directory
 
 ROOT = Path(__file__).resolve().parent.parent
 TIER_PRESETS = sorted((ROOT / "tiers").glob("*.yaml"))
@@ -25,13 +26,14 @@ def test_presets_exist() -> None:
 def test_tier_preset_loads(path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("USER", "tester")  # the dgx presets put their directories under $USER
     cfg = load_config(path)
-    assert cfg.tiers and all(t.path is None or t.path.is_absolute() for t in cfg.tiers)
+    assert cfg.tiers and all(t.location is None or local_directory(t).is_absolute() for t in cfg.tiers)
 
 
 def test_a_preset_path_with_an_unset_variable_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("USER", raising=False)
+    cfg = load_config(ROOT / "tiers" / "dgx-lustre.yaml")  # the kind resolves the path, when it is built
     with pytest.raises(ConfigError, match=r"dgx-lustre.yaml: tiers\[1\].path: \$USER is not set"):
-        load_config(ROOT / "tiers" / "dgx-lustre.yaml")
+        local_directory(cfg.tiers[1])
 
 
 @pytest.mark.parametrize("path", POLICY_PRESETS, ids=lambda p: p.name)

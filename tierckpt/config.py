@@ -6,24 +6,32 @@ Schema (docs/config.md has every key)::
       - {name: host, kind: host, capacity: 2GiB}
       - {name: ssd,  kind: local, path: /scratch/ckpt, capacity: 100GiB}
       - {name: pfs,  kind: pfs,   path: /lustre/me/ckpt, io: {queue_depth: 32}}
+      - {name: obj,  kind: s3,    path: s3://bucket/prefix, options: {endpoint: https://s3.example}}
     io: {engine: auto, direct: true, queue_depth: 16, chunk: 32MiB}
     layout: {align: 4KiB, blob_size: 1GiB}
     policy:
       keep: {host: 1, ssd: 2}
       demote: {pfs: {every: 5, every_secs: 3600, on_close: true}}
       promote: {on_restore: true}
+      on_full: {host: wait, ssd: fail}
+
+A tier entry's ``path`` (its location) and ``options`` are the kind's to read: this module keeps them as
+written (see :class:`TierConfig`), and each kind's ``from_config`` parses them
+(:mod:`tierckpt.tiers.options`), so importing the config imports no tier kind.
 """
 
 from __future__ import annotations
 
 import os
 import re
-import reprlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
+from tierckpt.configvalues import expand_path, format_size, no_nul, parse_size
+from tierckpt.configvalues import short as _short
 from tierckpt.errors import ConfigError
 from tierckpt.yamlfile import YAMLFileError, load_yaml
 
@@ -51,76 +59,7 @@ ENV_ENGINE = "TIERCKPT_ENGINE"
 #: how long a lease holder on another host may go without renewing before it counts as gone (docs/jobs.md)
 LEASE_STALE_SECS = 60.0
 
-_UNITS = {
-    "": 1, "b": 1,
-    "k": 1 << 10, "kib": 1 << 10, "kb": 1000,
-    "m": 1 << 20, "mib": 1 << 20, "mb": 1000**2,
-    "g": 1 << 30, "gib": 1 << 30, "gb": 1000**3,
-    "t": 1 << 40, "tib": 1 << 40, "tb": 1000**4,
-}  # fmt: skip
-_MAX_SIZE = (1 << 63) - 1
-# ASCII only: \d and \s would also take Unicode digits (and int() would read them)
-_SIZE_RE = re.compile(r"\s*([0-9]+)(?:\.([0-9]+))?\s*([A-Za-z]*)\s*", re.ASCII)
 _NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")  # used with fullmatch: "ssd\n" is no name
-_ENV_RE = re.compile(r"\$(\w+|\{[^}]*\})", re.ASCII)  # what os.path.expandvars replaces
-
-
-class _Repr(reprlib.Repr):
-    def repr_int(self, x: int, level: int) -> str:
-        # repr() refuses an int of over 4300 digits (and 0x<5000 hex digits> is valid YAML)
-        return super().repr_int(x, level) if x.bit_length() <= 128 else f"<an integer of {x.bit_length()} bits>"
-
-
-_REPR = _Repr()
-_REPR.maxlevel, _REPR.maxstring, _REPR.maxlong, _REPR.maxother = 3, 40, 40, 40
-
-
-def _short(value: Any) -> str:
-    """``repr(value)`` for an error message, bounded: YAML aliases make a 200-byte file hold a list
-    whose full repr is gigabytes, and a bad size may be 5000 digits long."""
-    return _REPR.repr(value)
-
-
-def parse_size(value: Any, key: str) -> int:
-    """Parse ``64GiB``, ``100 MB``, ``4096`` or an int into bytes.
-
-    A fraction (``1.5GiB``) must come to a whole number of bytes; the arithmetic is exact.
-
-    Raises:
-        ConfigError: naming ``key`` when the value is not a size from 0 to 2**63 - 1 bytes.
-    """
-    if isinstance(value, bool):
-        raise ConfigError(f"{key}: expected a size like '64GiB', got {_short(value)}")
-    if isinstance(value, int):
-        if value < 0:
-            raise ConfigError(f"{key}: expected a non-negative size, got {_short(value)}")
-        if value > _MAX_SIZE:
-            raise ConfigError(f"{key}: expected a size below 8EiB (2**63 bytes), got {_short(value)}")
-        return value
-    m = _SIZE_RE.fullmatch(value) if isinstance(value, str) else None
-    if m is None or m.group(3).lower() not in _UNITS:
-        raise ConfigError(f"{key}: expected a size like '64GiB', got {_short(value)}")
-    whole, frac = m.group(1).lstrip("0"), (m.group(2) or "").rstrip("0")
-    # Bound the digits before int() (which refuses over 4300): 20 whole digits exceed 2**63, and a
-    # fraction of more than 40 digits (2**-40 has 40) never makes whole bytes with any unit.
-    if len(whole) > 19:
-        raise ConfigError(f"{key}: expected a size below 8EiB (2**63 bytes), got {_short(value)}")
-    n, rest = 0, 1
-    if len(frac) <= 40:
-        n, rest = divmod(int(whole + frac or "0") * _UNITS[m.group(3).lower()], 10 ** len(frac))
-    if rest:
-        raise ConfigError(f"{key}: expected a whole number of bytes, got {_short(value)}")
-    if n > _MAX_SIZE:
-        raise ConfigError(f"{key}: expected a size below 8EiB (2**63 bytes), got {_short(value)}")
-    return n
-
-
-def format_size(n: int) -> str:
-    """Format bytes the way :func:`parse_size` reads them back (``1.5GiB``)."""
-    for unit, mult in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if n >= mult:
-            return f"{n / mult:.3g}{unit}"
-    return f"{n}B"
 
 
 @dataclass(frozen=True)
@@ -168,18 +107,26 @@ class LayoutConfig:
 
 @dataclass(frozen=True)
 class TierConfig:
-    """One tier entry.
+    """One tier entry, as the kind's ``from_config`` receives it.
+
+    The common keys are parsed here; the location and the options are the kind's to read: a file tier
+    resolves ``location`` as a directory (relative to ``base_dir``, ``~`` and ``$VAR`` expanded:
+    :func:`tierckpt.tiers.options.local_directory`), an object-store tier parses it as a URL, and every
+    kind checks ``options`` against what it takes (:func:`tierckpt.tiers.options.check_options`).
 
     Attributes:
         name: unique name used in policies and records.
         kind: registered kind (``host``, ``local``, ``pfs`` or a plugin's).
-        path: directory for file tiers (absolute, or relative to the YAML file).
+        location: the entry's ``path:`` exactly as written (a directory, a URL such as
+            ``s3://bucket/prefix``), or None; not expanded nor resolved.
+        base_dir: what a relative location is relative to: the YAML file's folder (else the
+            ``base_dir`` given to :func:`parse_config`, else the current directory).
+        options: the entry's ``options:`` mapping as written (read-only), for the kind to validate.
         capacity_bytes: upper bound on bytes this tier may hold, or None for unbounded.
         blob_bytes: preferred blob size on this tier, or None for the kind's default.
         io: I/O settings, the hierarchy's merged with this entry's overrides.
-        on_full: when the tier is full and nothing can be evicted yet: ``wait`` for the background
-            mover to free room (backpressure), or ``fail`` the save at once.
-        key: where the entry came from (``tiers[1]``), for error messages.
+        key: where the entry came from (``tiers[1]``; ``h.yaml: tiers[1]`` from :func:`load_config`),
+            for error messages.
         readonly: opened by a tool that only reads (``tierckpt ls``): a file tier's directory must
             exist, and nothing is created, swept or written (and no lease is taken).
         job: the job identity a writable file tier leases its directory for (None: from the
@@ -190,11 +137,12 @@ class TierConfig:
 
     name: str
     kind: str
-    path: Path | None = None
+    location: str | None = None
+    base_dir: Path = field(default_factory=Path.cwd)
+    options: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
     capacity_bytes: int | None = None
     blob_bytes: int | None = None
     io: IOConfig = field(default_factory=IOConfig)
-    on_full: str = "wait"
     key: str = "tiers[?]"
     readonly: bool = False
     job: str | None = None
@@ -225,8 +173,9 @@ class PolicyConfig:
         demote: tier name → its cadence (absent: every save goes there).
         promote_on_restore: a restore that reads from a lower tier also copies the checkpoint up to the
             top tier, in the background.
-        on_full: tier name → ``wait`` (backpressure, the default) or ``fail`` when the tier is full and
-            nothing can be evicted yet.
+        on_full: tier name → what a save does when that tier is full and none of its copies can be
+            evicted yet: ``wait`` for the background mover to free room (backpressure), or ``fail`` that
+            tier's copy at once with TierFullError (absent: ``wait``).
     """
 
     keep: Mapping[str, int] = field(default_factory=dict)
@@ -291,8 +240,8 @@ def parse_config(data: Any, base_dir: str | os.PathLike[str] | None = None) -> H
 
     Args:
         data: the parsed YAML document.
-        base_dir: directory that relative tier paths are resolved against (the YAML file's folder);
-            defaults to the current directory.
+        base_dir: what relative tier locations and policy presets are relative to (the YAML file's
+            folder); defaults to the current directory. Each :class:`TierConfig` carries it.
 
     Raises:
         ConfigError: naming the first bad key, e.g. ``tiers[1].capacity: expected a size like '64GiB', got 'lots'``.
@@ -318,60 +267,78 @@ def parse_config(data: Any, base_dir: str | os.PathLike[str] | None = None) -> H
     if not isinstance(tiers_raw, list) or not tiers_raw:
         raise ConfigError(f"tiers: expected a non-empty list of tier entries, got {_short(tiers_raw)}")
     if base_dir is not None:
-        _no_nul(os.fspath(base_dir), "base_dir")
+        no_nul(os.fspath(base_dir), "base_dir")
     base = Path(base_dir) if base_dir is not None else Path.cwd()
     tiers: list[TierConfig] = []
+    on_full: dict[str, tuple[str, str]] = {}  # tier name -> (its entry's on_full, the entry's key)
     for i, t in enumerate(tiers_raw):
-        key = f"tiers[{i}]"
-        t = _check_keys(t, key, {"name", "kind", "path", "capacity", "blob_size", "io", "on_full"}, {"name", "kind"})
-        name, kind = t["name"], t["kind"]
-        if not isinstance(name, str) or not _NAME_RE.fullmatch(name):
-            raise ConfigError(f"{key}.name: expected a name of letters, digits, '_', '-', '.', got {_short(name)}")
-        if any(x.name == name for x in tiers):
-            raise ConfigError(f"{key}.name: tier name {_short(name)} is used twice")
-        if not isinstance(kind, str) or not kind:
-            raise ConfigError(f"{key}.kind: expected a tier kind such as 'host', 'local' or 'pfs', got {_short(kind)}")
-        path = None
-        if "path" in t:
-            if not isinstance(t["path"], str) or not t["path"]:
-                raise ConfigError(f"{key}.path: expected a directory path, got {_short(t['path'])}")
-            p = _expand_path(t["path"], f"{key}.path")
-            path = p if p.is_absolute() else (base / p).resolve()
-        capacity = None
-        if "capacity" in t:
-            capacity = parse_size(t["capacity"], f"{key}.capacity")
-            if capacity == 0:
-                raise ConfigError(f"{key}.capacity: expected a positive size, got {_short(t['capacity'])}")
-        tiers.append(
-            TierConfig(
-                name=name,
-                kind=kind,
-                path=path,
-                capacity_bytes=capacity,
-                blob_bytes=_blob_size(t["blob_size"], f"{key}.blob_size") if "blob_size" in t else None,
-                io=_parse_io(t["io"], f"{key}.io", io) if "io" in t else io,
-                on_full=_choice(t.get("on_full", "wait"), f"{key}.on_full", ON_FULL),
-                key=key,
-                lease_stale_secs=stale_secs,
-            )
-        )
+        tier = _parse_tier(t, f"tiers[{i}]", tiers, base, io, stale_secs)
+        if "on_full" in t:
+            on_full[tier.name] = (_choice(t["on_full"], f"{tier.key}.on_full", ON_FULL), tier.key)
+        tiers.append(tier)
     policy = (
         parse_policy(_policy_mapping(d["policy"], base), [t.name for t in tiers]) if "policy" in d else PolicyConfig()
     )
-    on_full = {t.name: t.on_full for t in tiers if t.on_full != "wait"}
-    if on_full:
-        policy = replace(policy, on_full={**policy.on_full, **on_full})
-    return HierarchyConfig(tiers=tuple(tiers), io=io, layout=layout, policy=policy)
+    return HierarchyConfig(tiers=tuple(tiers), io=io, layout=layout, policy=_fold_on_full(policy, on_full))
 
 
-def _no_nul(value: str, key: str) -> None:
-    """No path of the operating system holds a NUL byte (``open`` would raise a bare ValueError).
+_TIER_KEYS = {"name", "kind", "path", "capacity", "blob_size", "io", "on_full", "options"}
+
+
+def _parse_tier(t: Any, key: str, before: list[TierConfig], base: Path, io: IOConfig, stale_secs: float) -> TierConfig:
+    """One ``tiers[i]`` entry: the common keys checked, ``path`` and ``options`` kept for the kind."""
+    t = _check_keys(t, key, _TIER_KEYS, {"name", "kind"})
+    name, kind = t["name"], t["kind"]
+    if not isinstance(name, str) or not _NAME_RE.fullmatch(name):
+        raise ConfigError(f"{key}.name: expected a name of letters, digits, '_', '-', '.', got {_short(name)}")
+    if any(x.name == name for x in before):
+        raise ConfigError(f"{key}.name: tier name {_short(name)} is used twice")
+    if not isinstance(kind, str) or not kind:
+        raise ConfigError(f"{key}.kind: expected a tier kind such as 'host', 'local' or 'pfs', got {_short(kind)}")
+    location = t.get("path")
+    if location is not None:
+        if not isinstance(location, str) or not location:
+            raise ConfigError(f"{key}.path: expected a directory path or a URL, got {_short(location)}")
+        no_nul(location, f"{key}.path")  # no location of any kind holds one
+    options = t.get("options", {})
+    if not isinstance(options, Mapping):
+        raise ConfigError(f"{key}.options: expected a mapping, got {type(options).__name__} {_short(options)}")
+    for k in options:
+        if not isinstance(k, str):
+            raise ConfigError(f"{key}.options: option names are strings, got {_short(k)}")
+    capacity = None
+    if "capacity" in t:
+        capacity = parse_size(t["capacity"], f"{key}.capacity")
+        if capacity == 0:
+            raise ConfigError(f"{key}.capacity: expected a positive size, got {_short(t['capacity'])}")
+    return TierConfig(
+        name=name,
+        kind=kind,
+        location=location,
+        base_dir=base,
+        options=MappingProxyType(dict(options)),
+        capacity_bytes=capacity,
+        blob_bytes=_blob_size(t["blob_size"], f"{key}.blob_size") if "blob_size" in t else None,
+        io=_parse_io(t["io"], f"{key}.io", io) if "io" in t else io,
+        key=key,
+        lease_stale_secs=stale_secs,
+    )
+
+
+def _fold_on_full(policy: PolicyConfig, entries: Mapping[str, tuple[str, str]]) -> PolicyConfig:
+    """A tier entry's ``on_full`` is policy: fold it into ``policy.on_full``.
 
     Raises:
-        ConfigError: naming ``key`` when ``value`` holds one.
+        ConfigError: naming both keys when the entry and ``policy.on_full`` disagree.
     """
-    if "\0" in value:
-        raise ConfigError(f"{key}: a path cannot contain a NUL byte, got {_short(value)}")
+    merged = dict(policy.on_full)
+    for name, (value, key) in entries.items():
+        if merged.get(name, value) != value:
+            raise ConfigError(
+                f"{key}.on_full: {value!r} contradicts policy.on_full.{name}: {merged[name]!r} (give it once)"
+            )
+        merged[name] = value
+    return replace(policy, on_full=merged) if merged != policy.on_full else policy
 
 
 def _parse_lease(value: Any) -> float:
@@ -382,29 +349,10 @@ def _parse_lease(value: Any) -> float:
     return float(secs)
 
 
-def _expand_path(value: str, key: str) -> Path:
-    """Expand a leading ``~`` / ``~user``, then ``$VAR`` and ``${VAR}``, as a shell would.
-
-    Raises:
-        ConfigError: naming ``key`` and the variable when one is not set or is empty (``$SCRATCH/ckpt``
-            would otherwise name a directory ``$SCRATCH``, or ``/ckpt``).
-    """
-    _no_nul(value, key)
-    head, sep, tail = value.partition("/") if value.startswith("~") else ("", "", value)
-
-    def var(m: re.Match[str]) -> str:
-        got = os.environ.get(m.group(1)[1:-1] if m.group(1).startswith("{") else m.group(1))
-        if not got:
-            raise ConfigError(f"{key}: {m.group(0)} is {'empty' if got == '' else 'not set'}")
-        return got
-
-    return Path(os.path.expanduser(head) + sep + _ENV_RE.sub(var, tail))
-
-
 def _policy_mapping(value: Any, base: Path) -> Mapping[str, Any]:
     """``policy:`` is a mapping, or the path of a YAML preset (e.g. ``policies/keep-last-2.yaml``)."""
     if isinstance(value, str):
-        p = _expand_path(value, "policy")
+        p = expand_path(value, "policy")
         p = p if p.is_absolute() else base / p
         try:
             value = load_yaml(p)
@@ -412,7 +360,10 @@ def _policy_mapping(value: Any, base: Path) -> Mapping[str, Any]:
             raise ConfigError(f"policy: cannot read policy preset {p}: {e.strerror or e}") from e
         except YAMLFileError as e:
             raise ConfigError(f"policy: {p}: {e}") from e
-    return _check_keys(value, "policy", {"keep", "demote", "promote", "on_full"})
+    return _check_keys(value, "policy", _POLICY_KEYS)
+
+
+_POLICY_KEYS = {"keep", "demote", "promote", "on_full"}
 
 
 def _choice(v: Any, key: str, choices: tuple[str, ...]) -> str:
@@ -433,7 +384,7 @@ def parse_policy(data: Any, tiers: list[str]) -> PolicyConfig:
     Raises:
         ConfigError: naming the bad key, e.g. ``policy.demote.pfs.every: expected an integer in [1, ...]``.
     """
-    pd = _check_keys(data, "policy", {"keep", "demote", "promote", "on_full"})
+    pd = _check_keys(data, "policy", _POLICY_KEYS)
     names = set(tiers)
     keep: dict[str, int] = {}
     if "keep" in pd:
@@ -463,8 +414,8 @@ def parse_policy(data: Any, tiers: list[str]) -> PolicyConfig:
         on_restore = _bool(prd.get("on_restore", False), "policy.promote.on_restore")
     on_full: dict[str, str] = {}
     if "on_full" in pd:
-        od = _check_keys(pd["on_full"], "policy.on_full", names)
-        on_full = {k: _choice(v, f"policy.on_full.{k}", ON_FULL) for k, v in od.items()}
+        fd = _check_keys(pd["on_full"], "policy.on_full", names)
+        on_full = {k: _choice(v, f"policy.on_full.{k}", ON_FULL) for k, v in fd.items()}
     return PolicyConfig(keep=keep, demote=demote, promote_on_restore=on_restore, on_full=on_full)
 
 
@@ -476,13 +427,13 @@ def _blob_size(v: Any, key: str) -> int:
 
 
 def load_config(path: str | os.PathLike[str]) -> HierarchyConfig:
-    """Read a YAML file and validate it; relative tier paths resolve against the file's folder.
+    """Read a YAML file and validate it; relative tier locations are relative to the file's folder.
 
     Raises:
         ConfigError: the file is missing (or its name holds a NUL byte), is not UTF-8 YAML (or repeats a key in a mapping, or nests
             deeper than 100), or holds an invalid config.
     """
-    _no_nul(os.fspath(path), "config file")
+    no_nul(os.fspath(path), "config file")
     p = Path(path)
     try:
         data = load_yaml(p)
@@ -491,6 +442,8 @@ def load_config(path: str | os.PathLike[str]) -> HierarchyConfig:
     except YAMLFileError as e:
         raise ConfigError(f"{p}: {e}") from e
     try:
-        return parse_config(data, base_dir=p.resolve().parent)
+        cfg = parse_config(data, base_dir=p.resolve().parent)
     except ConfigError as e:
         raise ConfigError(f"{p}: {e}") from None
+    # what the kinds find wrong when they build their tiers names the file too
+    return replace(cfg, tiers=tuple(replace(t, key=f"{p}: {t.key}") for t in cfg.tiers))

@@ -1,8 +1,15 @@
 """Tier kinds → classes, like fsspec's registry.
 
-Built-in kinds are lazy dotted paths, so importing tierckpt imports no tier module (and never CUDA or
-liburing). Third-party packages add kinds through the ``tierckpt.tiers`` entry-point group, or call
-:func:`register_tier`. Registering a different class under a taken kind raises unless ``clobber=True``.
+Kinds are lazy: built-ins are dotted paths (``"tierckpt.tiers.local:LocalTier"``), and this module
+imports no tier module (nor torch, CUDA or liburing). :func:`available_kinds` reads names only; a kind's
+module is imported by :func:`get_tier_class` when a hierarchy is built with it. Third-party packages
+add kinds through the ``tierckpt.tiers`` entry-point group::
+
+    [project.entry-points."tierckpt.tiers"]
+    objdir = "objdir_tier:ObjdirTier"
+
+or call :func:`register_tier` (with a class or a ``"module:Class"`` path). Registering a different
+class under a taken kind raises unless ``clobber=True``. docs/tiers.md is the guide to writing a kind.
 """
 
 from __future__ import annotations
@@ -54,7 +61,8 @@ def get_tier_class(kind: str, key: str = "kind") -> type:
     """The class for ``kind``, importing it on first use.
 
     Raises:
-        ConfigError: naming ``key`` when the kind is unknown or its module does not import.
+        ConfigError: naming ``key`` when the kind is unknown, its module does not import, or what it
+            names is not a :class:`~tierckpt.tiers.base.Tier` subclass.
     """
     if kind in _registry:
         return _registry[kind]
@@ -66,5 +74,9 @@ def get_tier_class(kind: str, key: str = "kind") -> type:
         cls = getattr(importlib.import_module(mod_name), attr)
     except (ImportError, AttributeError) as e:
         raise ConfigError(f"{key}: tier kind {kind!r} ({target}) cannot be imported: {e}") from e
+    from tierckpt.tiers.base import Tier  # only now: a kind is being used
+
+    if not (isinstance(cls, type) and issubclass(cls, Tier)):
+        raise ConfigError(f"{key}: tier kind {kind!r} ({target}) is not a tierckpt.tiers.base.Tier subclass")
     _registry[kind] = cls
     return cls

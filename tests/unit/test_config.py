@@ -6,6 +6,7 @@ import pytest
 
 from tierckpt import ConfigError, Hierarchy
 from tierckpt.config import format_size, load_config, parse_config, parse_size
+from tierckpt.tiers.options import local_directory
 
 BASE = {"tiers": [{"name": "host", "kind": "host"}, {"name": "ssd", "kind": "local", "path": "/tmp/x"}]}
 
@@ -110,9 +111,10 @@ def test_per_tier_io_overrides_and_relative_paths(tmp_path: Path) -> None:
     )
     cfg = load_config(yml)
     ssd, pfs = cfg.tiers
-    assert ssd.path == (tmp_path / "data" / "ssd").resolve()
+    assert ssd.location == "../data/ssd" and ssd.base_dir == yml.parent.resolve()  # kept as written
+    assert local_directory(ssd) == (tmp_path / "data" / "ssd").resolve()  # resolved by the kind
     assert ssd.io.queue_depth == 4 and ssd.io.chunk_bytes == 8 << 20 and ssd.io.engine == "threads"
-    assert pfs.io.queue_depth == 16 and str(pfs.path) == "/abs/pfs"
+    assert pfs.io.queue_depth == 16 and str(local_directory(pfs)) == "/abs/pfs"
 
 
 def test_yaml_errors_name_the_file(tmp_path: Path) -> None:
@@ -147,7 +149,7 @@ def test_policy_keys_reach_the_hierarchy(tmp_path: Path) -> None:
         },
     }
     with Hierarchy.from_config(cfg) as h:
-        assert h.policy.on_full == {"host": "fail"} and h.placement.on_full == {"host": "fail"}
+        assert h.policy.on_full == {"host": "fail"}  # the tier entry's on_full is policy
         assert h.policy.promote_on_restore
         from tierckpt.policies import AnyOf, Every, EverySecs, Never
 
@@ -206,10 +208,13 @@ def test_unset_path_variables_are_errors(tmp_path: Path, monkeypatch: pytest.Mon
         ("/a/${NOT_SET_SCRATCH}/ckpt", r"tiers\[1\]\.path: \$\{NOT_SET_SCRATCH\} is not set"),
         ("$EMPTY_SCRATCH/ckpt", r"tiers\[1\]\.path: \$EMPTY_SCRATCH is empty"),
     ]:
+        cfg = {"tiers": [BASE["tiers"][0], {"name": "ssd", "kind": "local", "path": path}]}
         with pytest.raises(ConfigError, match=message):
-            parse_config({"tiers": [BASE["tiers"][0], {"name": "ssd", "kind": "local", "path": path}]})
+            local_directory(parse_config(cfg).tiers[1])  # the kind resolves its location
+        with pytest.raises(ConfigError, match=message):
+            Hierarchy.from_config(cfg)
     ssd = parse_config({"tiers": [{"name": "ssd", "kind": "local", "path": "${SCRATCH_DIR}/a/$SCRATCH_DIR"}]}).tiers[0]
-    assert ssd.path == Path(f"{tmp_path}/a/{tmp_path}")
+    assert local_directory(ssd) == Path(f"{tmp_path}/a/{tmp_path}")
     with pytest.raises(ConfigError, match=r"^policy: \$NOT_SET_SCRATCH is not set"):
         parse_config(with_(policy="$NOT_SET_SCRATCH/keep.yaml"), base_dir=tmp_path)
 
@@ -239,3 +244,70 @@ def test_nul_bytes_in_paths_name_the_key(tmp_path: Path) -> None:
         ConfigError, match=r"h\.yaml: tiers\[0\]\.path: a path cannot contain a NUL byte, got 'a\\x00b'"
     ):
         load_config(tmp_path / "h.yaml")
+
+
+def test_location_and_options_are_the_kinds(tmp_path: Path) -> None:
+    """config.py keeps ``path:`` as written (a URL stays a URL) and ``options:`` as given, read-only."""
+    cfg = parse_config(
+        {"tiers": [{"name": "obj", "kind": "s3", "path": "s3://bucket/pre/fix", "options": {"endpoint": "http://x"}}]},
+        base_dir=tmp_path,
+    )
+    (obj,) = cfg.tiers
+    assert obj.location == "s3://bucket/pre/fix" and obj.base_dir == tmp_path
+    assert dict(obj.options) == {"endpoint": "http://x"}
+    with pytest.raises(TypeError):
+        obj.options["endpoint"] = "changed"  # type: ignore[index]
+    assert parse_config(BASE).tiers[0].options == {} and parse_config(BASE).tiers[0].location is None
+
+
+@pytest.mark.parametrize(
+    ("entry", "message"),
+    [({"name": "h", "kind": "host", "options": [1]}, r"^tiers\[0\]\.options: expected a mapping, got list"),
+     ({"name": "h", "kind": "host", "options": {1: 2}}, r"^tiers\[0\]\.options: option names are strings, got 1"),
+     ({"name": "h", "kind": "host", "path": ""}, r"^tiers\[0\]\.path: expected a directory path or a URL"),
+     ({"name": "h", "kind": "host", "path": 3}, r"^tiers\[0\]\.path: expected a directory path or a URL")],
+)  # fmt: skip
+def test_options_and_location_shape(entry: dict, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        parse_config({"tiers": [entry]})
+
+
+@pytest.mark.parametrize(
+    ("entry", "message"),
+    [({"name": "h", "kind": "host", "options": {"pinned": True}}, r"^tiers\[0\]\.options\.pinned: unknown option \(a host tier takes: none\)"),
+     ({"name": "s", "kind": "local", "path": "/tmp/x", "options": {"bucket": "b"}}, r"^tiers\[0\]\.options\.bucket: unknown option \(a local tier takes: none\)"),
+     ({"name": "p", "kind": "pfs", "path": "s3://bucket/p"}, r"^tiers\[0\]\.path: a pfs tier takes a directory, not a URL, got 's3://bucket/p'"),
+     ({"name": "g", "kind": "gpu", "options": {"device": "tpu:0"}}, r"^tiers\[0\]\.options\.device: expected a string matching"),
+     ({"name": "g", "kind": "gpu", "options": {"dev": "cuda:0"}}, r"^tiers\[0\]\.options\.dev: unknown option \(a gpu tier takes: device\)")],
+)  # fmt: skip
+def test_builtin_kinds_check_their_options_and_location(entry: dict, message: str, tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=message):
+        Hierarchy.from_config({"tiers": [entry]})
+    assert not Path("s3:").exists()
+
+
+def test_on_full_is_policy(tmp_path: Path) -> None:
+    tiers = [{"name": "host", "kind": "host"}, {"name": "ssd", "kind": "local", "path": str(tmp_path)}]
+    assert parse_config({"tiers": tiers}).policy.on_full == {}
+    cfg = parse_config({"tiers": tiers, "policy": {"on_full": {"ssd": "fail"}}})
+    assert cfg.policy.on_full == {"ssd": "fail"}
+    legacy = [{**tiers[0], "on_full": "fail"}, tiers[1]]  # the tier entry's key still works, folded in
+    assert parse_config({"tiers": legacy}).policy.on_full == {"host": "fail"}
+    both = parse_config({"tiers": legacy, "policy": {"on_full": {"host": "fail", "ssd": "wait"}}})
+    assert both.policy.on_full == {"host": "fail", "ssd": "wait"}
+    for policy, message in [
+        ({"on_full": {"host": "wait"}}, r"^tiers\[0\]\.on_full: 'fail' contradicts policy\.on_full\.host: 'wait'"),
+        ({"on_full": {"nvme": "wait"}}, r"^policy\.on_full\.nvme: unknown key \(allowed: host, ssd\)"),
+        ({"on_full": {"ssd": "drop"}}, r"^policy\.on_full\.ssd: expected one of wait, fail, got 'drop'"),
+        ({"on_full": "fail"}, r"^policy\.on_full: expected a mapping"),
+    ]:
+        with pytest.raises(ConfigError, match=message):
+            parse_config({"tiers": legacy, "policy": policy})
+    (tmp_path / "p.yaml").write_text("on_full: {ssd: fail}\n")  # a preset may set it too
+    assert parse_config({"tiers": tiers, "policy": "p.yaml"}, base_dir=tmp_path).policy.on_full == {"ssd": "fail"}
+
+
+def test_kind_errors_from_a_file_name_the_file(tmp_path: Path) -> None:
+    (tmp_path / "h.yaml").write_text("tiers:\n  - {name: ssd, kind: local, path: $NOT_SET_AT_ALL/x}\n")
+    with pytest.raises(ConfigError, match=r"h\.yaml: tiers\[0\]\.path: \$NOT_SET_AT_ALL is not set"):
+        Hierarchy.from_yaml(tmp_path / "h.yaml")

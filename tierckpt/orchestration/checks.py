@@ -64,7 +64,7 @@ def check_policy_names(
     Raises:
         ConfigError: naming the key.
     """
-    for section, keys in (("keep", policy.keep), ("demote", policy.demote)):
+    for section, keys in (("keep", policy.keep), ("demote", policy.demote), ("on_full", policy.on_full)):
         for name in keys:
             if name not in names:
                 raise ConfigError(f"policy.{section}.{name}: no tier of that name (tiers: {', '.join(names)})")

@@ -5,9 +5,14 @@ from __future__ import annotations
 import threading
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
+from typing import TYPE_CHECKING
 
+from tierckpt.errors import ConfigError
 from tierckpt.format.manifest import BlobEntry
-from tierckpt.tiers.base import CheckpointKey, Tier, TierReader, TierWriter
+from tierckpt.tiers.base import CheckpointKey, EngineSource, Tier, TierCopy, TierReader, TierWriter
+
+if TYPE_CHECKING:
+    from tierckpt.config import TierConfig
 
 __all__ = ["FaultyTier"]
 
@@ -42,13 +47,24 @@ class FaultyTier(Tier):
         if unknown:
             raise ValueError(f"cannot inject into {sorted(unknown)}; methods: {', '.join(METHODS)}")
         self.inner, self.fail, self.after, self.gates = inner, dict(fail), after, dict(gates)
-        self.on_full = inner.on_full
         self.kind = f"faulty-{inner.kind}"
         self.capabilities = inner.capabilities
         self.preferred_blob_bytes = inner.preferred_blob_bytes
         self.chunk_bytes = inner.chunk_bytes
         self.calls: dict[str, int] = dict.fromkeys(METHODS, 0)
         self._lock = threading.Lock()
+
+    @classmethod
+    def from_config(cls, cfg: TierConfig, engines: EngineSource) -> FaultyTier:
+        """Not buildable from a config: it wraps a tier built in Python, with Python exceptions.
+
+        Raises:
+            ConfigError: always, naming ``tiers[i].kind``.
+        """
+        raise ConfigError(
+            f"{cfg.key}.kind: a FaultyTier wraps a tier object built in Python (FaultyTier(inner, fail=...)) "
+            f"and cannot be built from a config"
+        )
 
     def _hit(self, method: str) -> BaseException | None:
         gate = self.gates.get(method)
@@ -83,6 +99,9 @@ class FaultyTier(Tier):
     def reader(self, key: CheckpointKey, blobs: Sequence[BlobEntry]) -> TierReader:
         return _FaultyReader(self, self.inner.reader(key, blobs))
 
+    def open_copy(self, key: CheckpointKey) -> TierCopy:
+        return _FaultyCopy(self, key, self.inner.open_copy(key))
+
     def evict(self, key: CheckpointKey, *, free: bool = True) -> None:
         self._check("evict")
         self.inner.evict(key, free=free)
@@ -105,6 +124,24 @@ def _failed(err: BaseException) -> Future[int]:
     f: Future[int] = Future()
     f.set_exception(err)
     return f
+
+
+class _FaultyCopy(TierCopy):
+    """The inner tier's copy (a snapshot where it is one), with the wrapper's faults."""
+
+    def __init__(self, tier: FaultyTier, key: CheckpointKey, inner: TierCopy) -> None:
+        super().__init__(tier, key)
+        self.ftier, self.inner = tier, inner
+
+    def read_manifest(self) -> bytes:
+        self.ftier._check("read_manifest")
+        return self.inner.read_manifest()
+
+    def reader(self, blobs: Sequence[BlobEntry]) -> TierReader:
+        return _FaultyReader(self.ftier, self.inner.reader(blobs))
+
+    def close(self) -> None:
+        self.inner.close()
 
 
 class _FaultyWriter(TierWriter):

@@ -1,5 +1,24 @@
-"""Tier kinds. Import a kind's module only when it is used (see :mod:`tierckpt.registry`)."""
+"""Tier kinds. Import a kind's module only when it is used (see :mod:`tierckpt.registry`); docs/tiers.md
+is the guide to writing one."""
 
-from tierckpt.tiers.base import CheckpointKey, Tier, TierCapabilities, TierReader, TierWriter
+from tierckpt.tiers.base import (
+    DEVICES,
+    CheckpointKey,
+    EngineSource,
+    Tier,
+    TierCapabilities,
+    TierCopy,
+    TierReader,
+    TierWriter,
+)
 
-__all__ = ["CheckpointKey", "Tier", "TierCapabilities", "TierReader", "TierWriter"]
+__all__ = [
+    "DEVICES",
+    "CheckpointKey",
+    "EngineSource",
+    "Tier",
+    "TierCapabilities",
+    "TierCopy",
+    "TierReader",
+    "TierWriter",
+]

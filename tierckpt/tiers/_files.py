@@ -32,13 +32,14 @@ from concurrent.futures import Future
 from pathlib import Path
 
 from tierckpt.config import LEASE_STALE_SECS, IOConfig, TierConfig, default_io
-from tierckpt.errors import ConfigError, TierFullError, TierIOError
+from tierckpt.errors import TierFullError, TierIOError
 from tierckpt.format.manifest import BlobEntry
 from tierckpt.io.engine import IOEngine, make_engine
 from tierckpt.io.fsutil import fsync_dir, probe_direct
 from tierckpt.tiers._fileread import MANIFEST_NAME, FileCopy, io_error
 from tierckpt.tiers._lease import Lease
 from tierckpt.tiers.base import CheckpointKey, EngineSource, Tier, TierCapabilities, TierReader, TierWriter
+from tierckpt.tiers.options import check_options, local_directory
 
 __all__ = ["FileTier"]
 
@@ -116,7 +117,7 @@ class FileTier(Tier):
         engine: I/O engine for blob reads and writes (None: the hierarchy's, see :meth:`use_io`).
         direct: use O_DIRECT where the file system allows it (None: as the hierarchy's ``io``).
         chunk_bytes: size of one I/O operation (None: as the hierarchy's ``io``).
-        capacity_bytes: most bytes of committed checkpoints, or None.
+        capacity_bytes: most bytes of committed checkpoints and of those this process is writing, or None.
         blob_bytes: preferred blob size, or None for the kind's default.
         readonly: only read: the directory must exist; nothing is created or swept, no lease taken.
         job: the job identity to lease the directory for (default: from the environment; docs/jobs.md).
@@ -169,10 +170,9 @@ class FileTier(Tier):
         self.capacity_bytes = capacity_bytes
         if blob_bytes:
             self.preferred_blob_bytes = blob_bytes
-        self.capabilities = TierCapabilities(
-            persistent=True, shared=self.shared, device="file", atomic_rename=True, alignment_bytes=align
-        )
+        self.capabilities = TierCapabilities(persistent=True, shared=self.shared, device="file", alignment_bytes=align)
         self._lock = threading.Lock()
+        self._reserved = 0  # bytes of checkpoints being written by this process (counted against capacity)
         self._evicted: list[Path] = []  # renamed away by evict(free=False), deleted by reclaim()
         self._junk: set[Path] = set()  # rank-like entries that are not checkpoints (warned about once)
         if not readonly:
@@ -220,11 +220,12 @@ class FileTier(Tier):
 
     @classmethod
     def from_config(cls, cfg: TierConfig, engines: EngineSource) -> FileTier:
-        if cfg.path is None:
-            raise ConfigError(f"{cfg.key}.path: a {cls.kind} tier needs a directory path")
+        """The location is the directory (``~``, ``$VAR`` expanded; relative to the YAML file); no options."""
+        path = local_directory(cfg)
+        check_options(cfg, {})
         return cls(
             cfg.name,
-            cfg.path,
+            path,
             engines.get(cfg.io.engine, cfg.io.queue_depth),
             direct=cfg.io.direct,
             chunk_bytes=cfg.io.chunk_bytes,
@@ -353,13 +354,25 @@ class FileTier(Tier):
         self._check_lease()
         need = sum(b.size for b in blobs)
         if self.capacity_bytes is not None:
-            used = self.used_bytes()
-            if used + need > self.capacity_bytes:
-                raise TierFullError(
-                    f"tier {self.name!r}: checkpoint of step {key.step} needs {need} bytes, "
-                    f"{max(0, self.capacity_bytes - used)} of capacity {self.capacity_bytes} are free"
-                )
-        return _FileWriter(self, key, blobs)
+            used = self.used_bytes()  # listed outside the lock: a commit meanwhile counts twice, not never
+            with self._lock:
+                if used + self._reserved + need > self.capacity_bytes:
+                    raise TierFullError(
+                        f"tier {self.name!r}: checkpoint of step {key.step} needs {need} bytes, "
+                        f"{max(0, self.capacity_bytes - used - self._reserved)} of capacity "
+                        f"{self.capacity_bytes} are free"
+                    )
+                self._reserved += need
+        try:
+            return _FileWriter(self, key, blobs, need if self.capacity_bytes is not None else 0)
+        except BaseException:
+            self._unreserve(need if self.capacity_bytes is not None else 0)
+            raise
+
+    def _unreserve(self, nbytes: int) -> None:
+        if nbytes:
+            with self._lock:
+                self._reserved -= nbytes
 
     def reader(self, key: CheckpointKey, blobs: Sequence[BlobEntry]) -> TierReader:
         with self.open_copy(key) as copy:
@@ -400,8 +413,9 @@ class FileTier(Tier):
 
 
 class _FileWriter(TierWriter):
-    def __init__(self, tier: FileTier, key: CheckpointKey, blobs: Sequence[BlobEntry]) -> None:
+    def __init__(self, tier: FileTier, key: CheckpointKey, blobs: Sequence[BlobEntry], reserved: int) -> None:
         self.tier, self.key, self.blobs = tier, key, list(blobs)
+        self._reserved = reserved  # given back to the tier's capacity once committed or aborted
         self.step_dir = tier.path / step_dir_name(key.step)
         self.tmp = self.step_dir / _scratch("tmp", key.rank)
         self.fds: list[int] = []
@@ -422,6 +436,7 @@ class _FileWriter(TierWriter):
                 if b.size:
                     os.posix_fallocate(fd, 0, b.size)  # ENOSPC now, not halfway; parallel O_DIRECT writes
         except OSError as e:
+            self._reserved = 0  # reserve() gives it back when the writer cannot start
             self.abort()
             raise io_error(tier.name, f"cannot start step {key.step} in {self.step_dir}", e) from e
 
@@ -452,6 +467,11 @@ class _FileWriter(TierWriter):
             self.abort()
             raise io_error(self.tier.name, f"cannot commit step {self.key.step}", e) from e
         self._open = False
+        self._give_back()
+
+    def _give_back(self) -> None:
+        reserved, self._reserved = self._reserved, 0
+        self.tier._unreserve(reserved)
 
     def _replace(self, final: Path) -> None:
         """Put the new copy in place of an existing one without a moment where neither is listed."""
@@ -473,3 +493,4 @@ class _FileWriter(TierWriter):
             shutil.rmtree(self.tmp, ignore_errors=True)
             with contextlib.suppress(OSError):
                 self.step_dir.rmdir()
+            self._give_back()

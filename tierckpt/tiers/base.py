@@ -62,30 +62,88 @@ if TYPE_CHECKING:
     from tierckpt.io.buffers import StagingPool
     from tierckpt.io.engine import IOEngine
 
-__all__ = ["CheckpointKey", "EngineSource", "Tier", "TierCapabilities", "TierCopy", "TierReader", "TierWriter"]
+__all__ = [
+    "DEVICES",
+    "CheckpointKey",
+    "EngineSource",
+    "Tier",
+    "TierCapabilities",
+    "TierCopy",
+    "TierReader",
+    "TierWriter",
+]
+
+
+DEVICES = ("cpu", "cuda", "file", "object")
+"""Where a tier's bytes live: process memory, CUDA device memory, files, an object store."""
 
 
 @dataclass(frozen=True)
 class TierCapabilities:
-    """What a tier is, declared once.
+    """What a tier is and what its writes need, declared once; each field says who reads it.
+
+    Not declared: how a tier makes its commit atomic (a rename, a swap, a commit marker written last).
+    That is the tier's own business; the contract is that ``commit`` publishes the whole checkpoint at
+    once and that a half-written copy is never listed, and nothing above the tier acts differently.
 
     Attributes:
-        persistent: survives the end of the process.
-        shared: visible from other nodes (a parallel file system, an object store).
-        device: where the bytes live: ``cpu`` (process memory), ``cuda`` or ``file``.
-        atomic_rename: publishes by rename; otherwise by a commit marker.
-        alignment_bytes: buffers, offsets and lengths of writes and reads must be multiples of this.
+        persistent: survives the end of the process. Read by the hierarchy at build: a hierarchy with
+            no persistent tier warns (its checkpoints die with the process).
+        shared: visible from other nodes (a parallel file system, an object store). Routes the tier's
+            eviction decisions through the hierarchy's Coordinator (every rank evicts the same steps);
+            a restore reads a shared tier's blobs with every staging slot.
+        device: where the bytes live, one of :data:`DEVICES`: ``cpu`` (process memory), ``cuda``,
+            ``file`` or ``object`` (an object store).
+        alignment_bytes: buffers, offsets and lengths of writes and reads must be multiples of this (a
+            power of two; 1: none). Sets the checkpoint's alignment (the largest of the layout's and
+            every tier's).
+        sequential_writes: each blob must be written front to back: its writes arrive in increasing
+            offset order, contiguous, each issued once the previous one completed, one blob after
+            another (a streaming or multipart upload). Makes the mover issue this tier's writes in
+            order, one at a time per blob. False: any order, many in flight.
+        min_part_bytes: the smallest write the tier accepts, except a blob's last (an S3 multipart
+            part is at least 5 MiB). With ``max_part_bytes``, bounds the chunk size of writes to the tier.
+        max_part_bytes: the largest write the tier accepts (None: no bound); at least
+            ``alignment_bytes`` and ``min_part_bytes``.
+        cheap_listing: ``list_committed`` / ``holds`` cost no more than a local metadata lookup. False
+            (an object store's LIST costs a round trip and money): retention uses the hierarchy's
+            record of what it committed instead of listing the tier after every commit.
+
+    Raises:
+        ValueError: naming the field, e.g. a ``device`` outside :data:`DEVICES` (listing them), an
+            alignment that is not a power of two, or ``min_part_bytes > max_part_bytes``.
     """
 
     persistent: bool
     shared: bool
     device: str
-    atomic_rename: bool
     alignment_bytes: int
     sequential_writes: bool = False
     min_part_bytes: int = 0
     max_part_bytes: int | None = None
     cheap_listing: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("persistent", "shared", "sequential_writes", "cheap_listing"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"TierCapabilities.{name}: expected True or False, got {getattr(self, name)!r}")
+        if self.device not in DEVICES:
+            raise ValueError(f"TierCapabilities.device: expected one of {', '.join(DEVICES)}, got {self.device!r}")
+        align = self.alignment_bytes
+        if not _is_int(align) or align < 1 or align & (align - 1) or align > 1 << 30:
+            raise ValueError(f"TierCapabilities.alignment_bytes: expected a power of two from 1 to 1GiB, got {align!r}")
+        if not _is_int(self.min_part_bytes) or self.min_part_bytes < 0:
+            raise ValueError(f"TierCapabilities.min_part_bytes: expected an int >= 0, got {self.min_part_bytes!r}")
+        top = self.max_part_bytes
+        if top is not None and (not _is_int(top) or top < max(align, self.min_part_bytes, 1)):
+            raise ValueError(
+                f"TierCapabilities.max_part_bytes: expected None or an int >= alignment_bytes ({align}) and "
+                f">= min_part_bytes ({self.min_part_bytes}), got {top!r}"
+            )
+
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
 
 
 @dataclass(frozen=True, order=True)
@@ -153,9 +211,11 @@ class TierReader(ABC):
 class TierCopy:
     """One committed copy of a checkpoint, opened for reading by :meth:`Tier.open_copy`; a context manager.
 
-    This default reads through the tier's own :meth:`Tier.read_manifest` and :meth:`Tier.reader` (right
-    for tiers only this process changes, such as memory tiers). Tiers that other processes change
-    override :meth:`Tier.open_copy` to return a snapshot (see the module docstring).
+    This default reads through the tier's own :meth:`Tier.read_manifest` and :meth:`Tier.reader`, at
+    different times: it is no snapshot, since a replace between the two would pair one version's
+    manifest with another's blobs. Every tier whose copies can be replaced or evicted while they are
+    read (by another thread or process) overrides :meth:`Tier.open_copy` to return a snapshot (see the
+    module docstring); the conformance suite checks it.
 
     Args:
         tier: the tier.
@@ -191,22 +251,34 @@ class Tier(ABC):
         name: the tier's name in the hierarchy (policies and records use it).
         preferred_blob_bytes: blob size this tier writes best (the hierarchy takes the largest).
         chunk_bytes: size of one I/O operation on this tier.
-        on_full: when full with nothing evictable yet, ``wait`` for the mover (backpressure) or ``fail``.
+
+    What a full tier does (wait for room or fail) is policy, not the tier's: ``policy.on_full``.
     """
 
     kind: str = "abstract"
     capabilities: TierCapabilities
     preferred_blob_bytes: int = 256 << 20
     chunk_bytes: int = 32 << 20
-    on_full: str = "wait"
 
     def __init__(self, name: str) -> None:
         self.name = name
 
     @classmethod
+    @abstractmethod
     def from_config(cls, cfg: TierConfig, engines: EngineSource) -> Tier:
-        """Build the tier from its validated config entry; raise ConfigError naming ``cfg.key`` fields."""
-        raise NotImplementedError(f"tier kind {cls.kind!r} cannot be built from a config")
+        """Build the tier from its config entry (``Hierarchy.from_config`` calls it for each entry).
+
+        The common keys are checked already; the kind checks its own ``cfg.options``
+        (:func:`tierckpt.tiers.options.check_options`) and parses its own ``cfg.location`` (a directory:
+        :func:`tierckpt.tiers.options.local_directory`; a URL: the kind's own parsing).
+
+        Args:
+            cfg: the entry.
+            engines: the hierarchy's shared I/O engines (``engines.get(cfg.io.engine, cfg.io.queue_depth)``).
+
+        Raises:
+            ConfigError: naming the key (``tiers[1].path: ...``, ``tiers[1].options.bucket: ...``).
+        """
 
     def use_io(self, engines: EngineSource, io: IOConfig) -> None:  # noqa: B027 - optional hook
         """Called once by the hierarchy the tier joins: take what the constructor left unset (a file

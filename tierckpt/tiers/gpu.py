@@ -29,8 +29,11 @@ from tierckpt.format.tree import FlatState
 from tierckpt.io.buffers import StagingPool, ptr_mv
 from tierckpt.tiers.base import EngineSource, TierCapabilities, TierWriter
 from tierckpt.tiers.host import HostTier, _HostReader, _HostWriter, done_future
+from tierckpt.tiers.options import Option, check_options, refuse_location, text
 
 __all__ = ["GpuTier", "device_copy"]
+
+OPTIONS = {"device": Option(text(r"cuda(:[0-9]{1,4})?"), default=None, doc="the CUDA device, e.g. cuda:1")}
 
 _EMPTY_DIGEST = xxhash.xxh3_64_intdigest(b"")
 _streams: dict[torch.device, torch.cuda.Stream] = {}
@@ -87,6 +90,7 @@ class GpuTier(HostTier):
 
     Raises:
         ConfigError: no CUDA device and ``device`` was not given.
+        ValueError: ``device`` is neither a CUDA device nor ``cpu``.
     """
 
     kind = "gpu"
@@ -98,22 +102,31 @@ class GpuTier(HostTier):
                 raise ConfigError(f"tier {name!r}: kind gpu needs a CUDA device (torch.cuda.is_available() is False)")
             device = f"cuda:{torch.cuda.current_device()}"
         self.device = torch.device(device)
+        if self.device.type not in ("cuda", "cpu"):
+            raise ValueError(f"tier {name!r}: device must be a CUDA device (or cpu, for tests), got {device!r}")
         if capacity_bytes is None and self.device.type == "cuda":
             capacity_bytes = torch.cuda.mem_get_info(self.device)[0] // 4
         super().__init__(name, capacity_bytes)
         self.capabilities = TierCapabilities(
-            persistent=False, shared=False, device=self.device.type, atomic_rename=True, alignment_bytes=4096
+            persistent=False, shared=False, device=self.device.type, alignment_bytes=4096
         )
         self._writer_cls = _GpuWriter
         self._reader_cls = _GpuReader
 
     @classmethod
     def from_config(cls, cfg: TierConfig, engines: EngineSource) -> GpuTier:
-        if cfg.path is not None:
-            raise ConfigError(f"{cfg.key}.path: a gpu tier keeps checkpoints in device memory and takes no path")
+        """A gpu tier takes no location; ``options: {device: cuda:1}`` picks the device (default: the
+        current one)."""
+        refuse_location(cfg, "a gpu tier keeps checkpoints in device memory and takes no path")
+        device = check_options(cfg, OPTIONS)["device"]
         if not torch.cuda.is_available():
             raise ConfigError(f"{cfg.key}.kind: gpu needs a CUDA device, and torch.cuda.is_available() is False")
-        tier = cls(cfg.name, cfg.capacity_bytes)
+        index = torch.device(device).index if device is not None else None
+        if index is not None and index >= torch.cuda.device_count():
+            raise ConfigError(
+                f"{cfg.key}.options.device: {device} does not exist ({torch.cuda.device_count()} CUDA devices)"
+            )
+        tier = cls(cfg.name, cfg.capacity_bytes, device)
         if cfg.blob_bytes:
             tier.preferred_blob_bytes = cfg.blob_bytes
         return tier

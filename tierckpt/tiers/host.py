@@ -3,23 +3,37 @@
 Blobs live in aligned (pinned where CUDA exists) buffers that the save path packs into directly, so a
 save to host memory is one copy. Freed buffers are kept for reuse by the next checkpoint of the same
 size, within the capacity. Not persistent: a new process starts empty.
+
+A copy opened for reading (:meth:`HostTier.open_copy`) is a snapshot: it holds the committed version's
+manifest and buffers, and buffers that an eviction or a replacing save releases while a copy or reader
+still holds them are not reused until the last one is closed (or collected).
 """
 
 from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Sequence
+import weakref
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 
 import torch
 
 from tierckpt.config import TierConfig
-from tierckpt.errors import CheckpointNotFoundError, ConfigError, TierFullError
+from tierckpt.errors import CheckpointNotFoundError, CorruptCheckpointError, TierFullError
 from tierckpt.format.manifest import BlobEntry
 from tierckpt.io.buffers import aligned_empty, memmove
-from tierckpt.tiers.base import CheckpointKey, EngineSource, Tier, TierCapabilities, TierReader, TierWriter
+from tierckpt.tiers.base import (
+    CheckpointKey,
+    EngineSource,
+    Tier,
+    TierCapabilities,
+    TierCopy,
+    TierReader,
+    TierWriter,
+)
+from tierckpt.tiers.options import check_options, refuse_location
 
 __all__ = ["HostTier", "done_future"]
 
@@ -38,11 +52,16 @@ def _default_capacity() -> int:
         return 8 << 30
 
 
-@dataclass
+@dataclass(eq=False)
 class _Held:
+    """One committed version; ``readers``: copies and readers holding it open; ``retired``: no longer
+    committed (its buffers are reused once ``readers`` is back to 0)."""
+
     manifest: bytes
     blobs: list[torch.Tensor]
     nbytes: int
+    readers: int = 0
+    retired: bool = False
 
 
 class HostTier(Tier):
@@ -60,9 +79,7 @@ class HostTier(Tier):
     def __init__(self, name: str = "host", capacity_bytes: int | None = None) -> None:
         super().__init__(name)
         self.capacity_bytes = _default_capacity() if capacity_bytes is None else capacity_bytes
-        self.capabilities = TierCapabilities(
-            persistent=False, shared=False, device="cpu", atomic_rename=True, alignment_bytes=4096
-        )
+        self.capabilities = TierCapabilities(persistent=False, shared=False, device="cpu", alignment_bytes=4096)
         self._lock = threading.Lock()
         self._held: dict[CheckpointKey, _Held] = {}
         self._reserved = 0
@@ -72,8 +89,9 @@ class HostTier(Tier):
 
     @classmethod
     def from_config(cls, cfg: TierConfig, engines: EngineSource) -> HostTier:
-        if cfg.path is not None:
-            raise ConfigError(f"{cfg.key}.path: a host tier keeps checkpoints in memory and takes no path")
+        """A host tier takes no location and no options."""
+        refuse_location(cfg, "a host tier keeps checkpoints in memory and takes no path")
+        check_options(cfg, {})
         tier = cls(cfg.name, cfg.capacity_bytes)
         if cfg.blob_bytes:
             tier.preferred_blob_bytes = cfg.blob_bytes
@@ -118,9 +136,35 @@ class HostTier(Tier):
                 old = self._held.pop(key, None)
                 self._held[key] = held
                 if old is not None:
-                    self._free.extend(old.blobs)
+                    self._retire(old)
             else:
                 self._free.extend(bufs)
+
+    def _retire(self, held: _Held) -> None:
+        """Called with the lock held, for a version no longer committed: its buffers are reused by later
+        checkpoints once no copy or reader holds them."""
+        held.retired = True
+        if not held.readers:
+            self._free.extend(held.blobs)
+
+    def _pin(self, key: CheckpointKey) -> _Held:
+        """The committed version of ``key``, held for a reader until :meth:`_unpin`."""
+        with self._lock:
+            held = self._held.get(key)
+            if held is not None:
+                held.readers += 1
+                return held
+        raise self._not_found(key)
+
+    def _repin(self, held: _Held) -> None:
+        with self._lock:
+            held.readers += 1
+
+    def _unpin(self, held: _Held) -> None:
+        with self._lock:
+            held.readers -= 1
+            if held.retired and not held.readers:
+                self._free.extend(held.blobs)
 
     def list_committed(self, rank: int | None = None) -> list[CheckpointKey]:
         with self._lock:
@@ -134,20 +178,28 @@ class HostTier(Tier):
         with self._lock:
             held = self._held.get(key)
         if held is None:
-            raise CheckpointNotFoundError(f"tier {self.name!r} holds no checkpoint for step {key.step} rank {key.rank}")
+            raise self._not_found(key)
         return held
+
+    def _not_found(self, key: CheckpointKey) -> CheckpointNotFoundError:
+        return CheckpointNotFoundError(f"tier {self.name!r} holds no checkpoint for step {key.step} rank {key.rank}")
 
     def read_manifest(self, key: CheckpointKey) -> bytes:
         return self._get(key).manifest
 
     def reader(self, key: CheckpointKey, blobs: Sequence[BlobEntry]) -> TierReader:
-        return self._reader_cls(self._get(key))
+        with self.open_copy(key) as copy:
+            return copy.reader(blobs)
+
+    def open_copy(self, key: CheckpointKey) -> TierCopy:
+        """A snapshot of ``key``'s committed version (see the module docstring)."""
+        return _HostCopy(self, key)
 
     def evict(self, key: CheckpointKey, *, free: bool = True) -> None:  # freeing memory is cheap: always
         with self._lock:
             held = self._held.pop(key, None)
             if held is not None:
-                self._free.extend(held.blobs)
+                self._retire(held)
 
     def describe(self) -> str:
         return f"process memory, capacity {self.capacity_bytes} bytes"
@@ -187,9 +239,43 @@ class _HostWriter(TierWriter):
             self._tier._finish(self._key, None, self._reserved, self._bufs)
 
 
+class _HostCopy(TierCopy):
+    """One committed version of a checkpoint on a :class:`HostTier`, held from open to close."""
+
+    def __init__(self, tier: HostTier, key: CheckpointKey) -> None:
+        super().__init__(tier, key)
+        self._tier = tier
+        self._held = tier._pin(key)
+        self._release = weakref.finalize(self, tier._unpin, self._held)
+
+    def read_manifest(self) -> bytes:
+        return self._held.manifest
+
+    def reader(self, blobs: Sequence[BlobEntry]) -> TierReader:
+        bufs = self._held.blobs
+        for i, b in enumerate(blobs):
+            have = bufs[i].numel() if i < len(bufs) else None
+            if have is None or have < b.size:
+                raise CorruptCheckpointError(
+                    f"blob {b.name} holds {have or 0} bytes, its manifest declares {b.size}",
+                    tier=self._tier.name,
+                    step=self.key.step,
+                    blob=b.name,
+                )
+        self._tier._repin(self._held)
+        return self._tier._reader_cls(self._held, self._tier._unpin)
+
+    def close(self) -> None:
+        self._release()
+
+
 class _HostReader(TierReader):
-    def __init__(self, held: _Held) -> None:
+    def __init__(self, held: _Held, unpin: Callable[[_Held], None]) -> None:
         self._held = held
+        self._release = weakref.finalize(self, unpin, held)
+
+    def close(self) -> None:
+        self._release()
 
     def buffer(self, blob: int) -> torch.Tensor:
         return self._held.blobs[blob]
