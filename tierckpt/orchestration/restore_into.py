@@ -33,7 +33,7 @@ from tierckpt.format.native import THREADS, Records, all_zero, native, records
 from tierckpt.format.table import blob_spans
 from tierckpt.format.tree import resolve_tree
 from tierckpt.io.buffers import StagingPool, memmove, ptr_mv
-from tierckpt.orchestration.matching import plan
+from tierckpt.orchestration.matching import match_target
 from tierckpt.orchestration.restore import load_head, load_rest
 from tierckpt.tiers.base import CheckpointKey, Tier, TierReader
 
@@ -125,7 +125,7 @@ def restore_into(
             stream.fill()
             m = load_rest(tier, key, head)
             stream.attach(m)
-            todo = plan(m, target, stream.addrs, allow_pickle=allow_pickle, tier=tier, key=key, strict=strict)
+            todo = match_target(m, target, stream.addrs, allow_pickle=allow_pickle, tier=tier, key=key, strict=strict)
             stream.read_direct()
             if not tier.capabilities.shared:  # a striped shared file wants every slot reading
                 stream.reads = _STEADY_READS
@@ -139,7 +139,9 @@ def restore_into(
             if dst.numel():
                 dst.copy_(fresh)
     for container, k, v in todo.assigns:
-        container[k] = resolve_tree(v, todo.ref, todo.made.__getitem__, len(m.tensors))  # references checked by plan
+        container[k] = resolve_tree(
+            v, todo.ref, todo.made.__getitem__, len(m.tensors)
+        )  # references checked by match_target
     return target
 
 
