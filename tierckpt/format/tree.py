@@ -206,8 +206,9 @@ class _ExtDecoder:
 
     def decode(self, code: int, data: bytes) -> Any:
         """The value of one ext: ``code`` and its payload ``data``."""
-        if code == EXT_INT:
-            return self.int_value(data)
+        if code == EXT_INT:  # the one ext a version-3 tree holds many of (every int value): inline
+            v = int(data.decode("ascii"))
+            return Int(v) if self.plain_refs else self.wide_int(v)
         if code == EXT_TENSOR:
             return self.tensor_ref(data)
         if code in (EXT_TUPLE, EXT_ODICT, EXT_SIZE):
@@ -223,11 +224,9 @@ class _ExtDecoder:
             return self.pickled(data)
         raise CorruptCheckpointError(f"tree: unknown ext type {code}")
 
-    def int_value(self, data: bytes) -> Any:
-        v = int(data.decode("ascii"))
-        if self.plain_refs:
-            return Int(v)
-        if _I64_MIN <= v <= _U64_MAX:  # versions 1-2 wrote ext 5 only for ints outside 64 bits
+    def wide_int(self, v: int) -> int:
+        """An ext-5 int of a version 1-2 tree (which writes only ints outside 64 bits so)."""
+        if _I64_MIN <= v <= _U64_MAX:
             raise CorruptCheckpointError(f"tree: ext-5 int {v} in a version-{self.version} tree")
         return v
 
