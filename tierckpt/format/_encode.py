@@ -168,7 +168,7 @@ class Walk:
         if hit is None:
             seen[p] = len(self.tensors)
             return None
-        if type(hit) is int:  # the second tensor at this address: key the first one by identity too
+        if isinstance(hit, int):  # the second tensor at this address: key the first one by identity too
             first, first_obj = self.originals[hit]
             hit = seen[p] = {(id(first_obj),) if first.numel() == 0 else _identity(first): hit}
         ident = (id(obj),) if t.numel() == 0 else _identity(t)

@@ -97,9 +97,8 @@ class _Walk:
         by_name = {name: dtype_from_name(name) for name in set(t.dtypes)}
         self.dtypes = [by_name[name] for name in t.dtypes]
         self.ref, self.addrs, self.strict, self.tier, self.step = ref, addrs, strict, tier, step
-        self.direct: list[torch.Tensor | None] = [
-            None
-        ] * self.n  # the target tensor each tensor's bytes go straight into
+        # the target tensor each tensor's bytes go straight into
+        self.direct: list[torch.Tensor | None] = [None] * self.n
         # target tensors (and their key paths) that take the bytes from a fresh tensor
         self.slow: list[tuple[torch.Tensor, int, tuple[Any, ...]]] = []
         self.assigns: list[tuple[Any, Any, Any]] = []
@@ -123,6 +122,7 @@ class _Walk:
             )
 
     def match_dict(self, dst: dict[Any, Any], src: Any, path: tuple[Any, ...]) -> None:
+        """Match a target dict key by key; a tensor of the right shape and dtype costs no call."""
         if not isinstance(src, dict):
             self.problems.append(
                 f"{format_path(path, 'target')}: target is a dict, checkpoint has {_describe(src, self.ref)}"
@@ -135,20 +135,12 @@ class _Walk:
         for k in dst:
             if k not in src:
                 self.only_target.append((*path, k))
-        R, n, dtypes, shapes, direct, addrs, slow = (
-            self.ref,
-            self.n,
-            self.dtypes,
-            self.shapes,
-            self.direct,
-            self.addrs,
-            self.slow,
-        )
-        Tensor = torch.Tensor
+        R, n, dtypes, shapes, Tensor = self.ref, self.n, self.dtypes, self.shapes, torch.Tensor
+        direct, addrs, slow = self.direct, self.addrs, self.slow
         for k, v in src.items():
             d = dst.get(k, _ABSENT)
             if type(v) is R and type(d) is Tensor and 0 <= v < n and d.dtype is dtypes[v] and d.shape == shapes[v]:
-                # the common case, inline: place(d, v)
+                # the common case, inline (match_tensor does the same for a tensor in a list)
                 if direct[v] is None and d.is_cpu and d.is_contiguous() and in_storage(d, d.data_ptr(), d.nbytes):
                     addrs[v] = d.data_ptr()
                     direct[v] = d
@@ -164,6 +156,7 @@ class _Walk:
                 self.assigns.append((dst, k, v))
 
     def match_list(self, dst: list[Any], src: Any, path: tuple[Any, ...]) -> None:
+        """Match a target list item by item (the checkpoint's must be a list as long)."""
         if not isinstance(src, list) or len(src) != len(dst):
             self.problems.append(
                 f"{format_path(path, 'target')}: target is a list of {len(dst)}, checkpoint has {_describe(src, self.ref)}"
@@ -176,6 +169,8 @@ class _Walk:
                 self.assigns.append((dst, i, s))
 
     def match_tensor(self, dst: torch.Tensor, src: Any, path: tuple[Any, ...]) -> None:
+        """Match a target tensor with a checkpoint tensor of its shape and dtype; stream into it if it
+        is CPU, contiguous, readable memory that no other reference took already."""
         where = format_path(path, "target")
         if type(src) is not self.ref:
             self.problems.append(f"{where}: target is a tensor, checkpoint has {_describe(src, self.ref)}")

@@ -184,7 +184,8 @@ class _Packer:
         self.inflight: deque[_Inflight] = deque()
         self.staged = 0  # chunks in flight that hold a staging slot
         self.k, self.nk = 0, len(self.order)  # position in order
-        self.src, self.held = 0, None  # address of the tensor being packed (0: none) and its CPU copy, kept alive
+        self.src = 0  # address of the tensor being packed (0: none)
+        self.held: torch.Tensor | None = None  # its CPU copy, if one was made, kept alive meanwhile
         self.hasher = xxhash.xxh3_64()
         self.recs: Records | None = None
         self.gather = native.gather if native is not None else None
