@@ -140,42 +140,49 @@ class Walk:
 
     def tensor(self, obj: torch.Tensor, path: str) -> int | msgpack.ExtType:
         """The reference to tensor ``obj`` (as found in the state), added to :attr:`tensors` unless the
-        same tensor was met before."""
-        t, p, nb = _readable(obj, path)
-        idx = self.known(t, obj, p)
-        if idx is None:
-            idx = len(self.tensors)
-            self.originals.append((t, obj))
-            if t.requires_grad:
-                t = t.detach()
-            if t.is_neg() or t.is_conj():
-                t = _resolved(t, path)
-            self.tensors.append(TensorRef(path, t))
-            self.nbytes.append(nb)
-        return idx if self.plain_refs else _tensor_ref(idx)
+        same tensor was met before.
 
-    def known(self, t: torch.Tensor, obj: torch.Tensor, p: int) -> int | None:
-        """The index of the tensor met before that ``t`` (``obj`` in the state, at address ``p``) is, or
-        None, having recorded ``t`` under the index it is about to get.
-
-        Deduplicates by the address of the first element; only tensors that share it (the same
-        object twice, tied weights, views starting at the same byte) pay for the full identity.
-        A zero-size tensor owns no byte at its address (empty ones all sit at 0), so it is keyed
-        by the object alone: ``originals`` keeps each alive, so its id is not reused meanwhile.
+        Deduplicates by the address of the first element: only tensors that share it (the same object
+        twice, tied weights, views starting at the same byte) pay for the full identity (:meth:`known`).
         """
+        t, p, nb = _readable(obj, path)
+        tensors = self.tensors
+        idx = len(tensors)
         seen = self.seen
         hit = seen.get(p)
         if hit is None:
-            seen[p] = len(self.tensors)
-            return None
+            seen[p] = idx
+        else:
+            first = self.known(hit, t, obj, p, idx)
+            if first is not None:
+                return first if self.plain_refs else _tensor_ref(first)
+        self.originals.append((t, obj))
+        if t.requires_grad:
+            t = t.detach()
+        if t.is_neg() or t.is_conj():
+            t = _resolved(t, path)
+        tensors.append(TensorRef(path, t))
+        self.nbytes.append(nb)
+        return idx if self.plain_refs else _tensor_ref(idx)
+
+    def known(
+        self, hit: int | dict[tuple[Any, ...], int], t: torch.Tensor, obj: torch.Tensor, p: int, idx: int
+    ) -> int | None:
+        """Of the tensors met before at address ``p`` (``hit``: the index of the one, or their indices
+        by identity), the index of the one that ``t`` (``obj`` in the state) is; else None, having
+        recorded ``t`` there under ``idx``.
+
+        A zero-size tensor owns no byte at its address (empty ones all sit at 0), so it is keyed by
+        the object alone: ``originals`` keeps each alive, so its id is not reused meanwhile.
+        """
         if isinstance(hit, int):  # the second tensor at this address: key the first one by identity too
             first, first_obj = self.originals[hit]
-            hit = seen[p] = {(id(first_obj),) if first.numel() == 0 else _identity(first): hit}
+            hit = self.seen[p] = {(id(first_obj),) if first.numel() == 0 else _identity(first): hit}
         ident = (id(obj),) if t.numel() == 0 else _identity(t)
-        idx = hit.get(ident)
-        if idx is None:
-            hit[ident] = len(self.tensors)
-        return idx
+        found = hit.get(ident)
+        if found is None:
+            hit[ident] = idx
+        return found
 
 
 def _pack(v: Any) -> bytes:
