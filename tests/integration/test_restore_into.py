@@ -308,7 +308,7 @@ def spy_reads(
 ) -> dict[str, Any]:
     """Count the blob reads of ``tier``'s readers and how many run at once. Read number ``fail_at``
     (or with ``"engine"``, the first one submitted outside the main thread) raises OSError instead."""
-    seen: dict[str, Any] = {"reads": 0, "running": 0, "most": 0, "most_after_plan": 0, "planned": False}
+    seen: dict[str, Any] = {"reads": 0, "running": 0, "most": 0, "most_after_match": 0, "matched": False}
     seen["fail_at"] = fail_at
     lock = threading.Lock()
     t = h.tier(tier)
@@ -330,8 +330,8 @@ def spy_reads(
                     raise OSError(5, "injected submission failure")
                 seen["running"] += 1
                 seen["most"] = max(seen["most"], seen["running"])
-                if seen["planned"]:
-                    seen["most_after_plan"] = max(seen["most_after_plan"], seen["running"])
+                if seen["matched"]:
+                    seen["most_after_match"] = max(seen["most_after_match"], seen["running"])
             fut = read(*a)
 
             def landed(_: Any) -> None:
@@ -347,14 +347,14 @@ def spy_reads(
     monkeypatch.setattr(t, "open_copy", opened)
     import tierckpt.orchestration.restore_into as ri
 
-    plan = ri.plan
+    match_target = ri.match_target
 
-    def planned(*a: Any, **k: Any) -> Any:
-        out = plan(*a, **k)
-        seen["planned"] = True
+    def matched(*a: Any, **k: Any) -> Any:
+        out = match_target(*a, **k)
+        seen["matched"] = True
         return out
 
-    monkeypatch.setattr(ri, "plan", planned)
+    monkeypatch.setattr(ri, "match_target", matched)
     return seen
 
 
@@ -395,7 +395,7 @@ def test_after_the_match_few_reads_run_at_once(tmp_path: Path, monkeypatch: pyte
         seen = spy_reads(h, "ssd", monkeypatch)
         assert_same(state, h.restore(into=zeros_like(state)))
         assert seen["reads"] > 8 and seen["running"] == 0
-        assert 1 <= seen["most_after_plan"] <= ri._STEADY_READS < seen["most"] <= 8
+        assert 1 <= seen["most_after_match"] <= ri._STEADY_READS < seen["most"] <= 8
 
 
 @pytest.mark.parametrize("engine", ["threads", "uring"])

@@ -14,7 +14,7 @@ import tierckpt
 ROOT = Path(tierckpt.__file__).parent
 # lowest first: a module may import its own layer and the layers below it, never one above
 LAYERS: list[set[str]] = [
-    {"errors", "yamlfile", "config", "format", "io", "policies"},
+    {"errors", "yamlfile", "config", "configvalues", "format", "io", "policies"},
     {"tiers", "registry"},
     {"orchestration"},
     {"hierarchy", "resume"},

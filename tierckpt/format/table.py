@@ -221,21 +221,7 @@ def decode_table(d: Any, blob_sizes: Sequence[int]) -> TensorTable:
     Raises:
         CorruptCheckpointError: naming the first offending tensor by its key path.
     """
-    if not isinstance(d, dict) or set(d) != set(TABLE_KEYS):
-        raise _bad("tensors is not a version-2 table (keys differ)")
-    n = d["count"]
-    if type(n) is not int or not 0 <= n < 1 << 32:
-        raise _bad(f"tensors.count {n!r} is invalid")
-    paths, names = d["path"], d["dtype_names"]
-    # Checks run as C-level calls over whole columns (set/map, bytes.translate, torch ops): a loop in
-    # Python over 20,000 entries costs milliseconds, and a restore waits for this table.
-    if not (isinstance(paths, list) and len(paths) == n and set(map(type, paths)) <= {str}):
-        raise _bad(f"tensors.path is not a list of {n} strings")
-    if not (isinstance(names, list) and len(names) <= 255 and all(type(s) is str for s in names)):
-        raise _bad("tensors.dtype_names is not a list of strings")
-    for name in names:
-        if name not in DTYPES:
-            raise _bad(f"unknown dtype {name!r}")
+    n, paths, names = _header(d)
     dt_idx = _column(d, "dtype", n, 1)
     ndim = _column(d, "ndim", n, 1)
     if dt_idx.translate(None, bytes(range(len(names)))):  # an index byte that is not a valid one
@@ -257,36 +243,55 @@ def decode_table(d: Any, blob_sizes: Sequence[int]) -> TensorTable:
         if col and _above_i64(arr):
             i = col.index(max(col))
             raise _bad(f"tensor {paths[i]}: bad extent ({what} {col[i]})")
-
-    # shapes, and length == prod(shape) x itemsize
-    dl = dims.tolist()
-    if n and one_d:
-        shapes: list[tuple[int, ...]] = list(zip(dl))  # 1-tuples, built in C
-        numels = dl
-    else:
-        it = iter(dl)
-        shapes = [tuple(itertools.islice(it, k)) for k in ndim]
-        numels = [math.prod(s) for s in shapes]
+    shapes, numels = _shapes(dims.tolist(), ndim, one_d)
     isz = [DTYPES[s].itemsize for s in names]
-    dtypes = list(map(names.__getitem__, dt_idx))
     cols = None
     if n:  # the columns as tensors over the decoded arrays: no list-to-tensor conversion of 20,000 items
         isz_t = torch.tensor(isz, dtype=torch.int64)[torch.frombuffer(bytearray(dt_idx), dtype=torch.uint8).long()]
         len_t = torch.frombuffer(lengths_a, dtype=torch.int64)  # below 2**63, checked above
         blob_t = torch.frombuffer(blobs_a, dtype=torch.int32).long() & 0xFFFFFFFF  # the column is unsigned
         cols = (blob_t, torch.frombuffer(offsets_a, dtype=torch.int64), len_t, isz_t)
-    if n and one_d and max(dl) < 1 << 58:  # 1-d, and dims x itemsize cannot overflow
-        bad = _first(torch.frombuffer(dims, dtype=torch.int64) * isz_t != len_t)
+    # length == prod(shape) x itemsize
+    if cols is not None and one_d and max(numels) < 1 << 58:  # 1-d, and dims x itemsize cannot overflow
+        bad = _first(torch.frombuffer(dims, dtype=torch.int64) * cols[3] != cols[2])
         if bad is not None:
             raise _bad(f"tensor {paths[bad]}: length {lengths[bad]} != {numels[bad]} x {isz[dt_idx[bad]]} bytes")
     else:
         for i, (k, e, ln) in enumerate(zip(dt_idx, numels, lengths)):
             if e * isz[k] != ln:
                 raise _bad(f"tensor {paths[i]}: length {ln} != {e} x {isz[k]} bytes")
-
-    table = TensorTable(paths, dtypes, shapes, blobs, offsets, lengths, checksums)
+    table = TensorTable(paths, list(map(names.__getitem__, dt_idx)), shapes, blobs, offsets, lengths, checksums)
     check_extents(table, blob_sizes, cols=cols)
     return table
+
+
+def _header(d: Any) -> tuple[int, list[str], list[str]]:
+    """``(count, paths, dtype names)`` of a version-2 table, checked (the columns are checked by the caller)."""
+    if not isinstance(d, dict) or set(d) != set(TABLE_KEYS):
+        raise _bad("tensors is not a version-2 table (keys differ)")
+    n = d["count"]
+    if type(n) is not int or not 0 <= n < 1 << 32:
+        raise _bad(f"tensors.count {n!r} is invalid")
+    paths, names = d["path"], d["dtype_names"]
+    # Checks run as C-level calls over whole columns (set/map, bytes.translate, torch ops): a loop in
+    # Python over 20,000 entries costs milliseconds, and a restore waits for this table.
+    if not (isinstance(paths, list) and len(paths) == n and set(map(type, paths)) <= {str}):
+        raise _bad(f"tensors.path is not a list of {n} strings")
+    if not (isinstance(names, list) and len(names) <= 255 and all(type(s) is str for s in names)):
+        raise _bad("tensors.dtype_names is not a list of strings")
+    for name in names:
+        if name not in DTYPES:
+            raise _bad(f"unknown dtype {name!r}")
+    return n, paths, names
+
+
+def _shapes(dl: list[int], ndim: bytes, one_d: bool) -> tuple[list[tuple[int, ...]], list[int]]:
+    """Each tensor's shape and element count from the ``dims`` column ``dl`` (``ndim[i]`` dims each)."""
+    if dl and one_d:
+        return list(zip(dl)), dl  # 1-tuples, built in C
+    it = iter(dl)
+    shapes = [tuple(itertools.islice(it, k)) for k in ndim]
+    return shapes, [math.prod(s) for s in shapes]
 
 
 def _above_i64(a: array[int]) -> bool:

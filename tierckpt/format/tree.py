@@ -29,15 +29,14 @@ import struct
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any
 
-import msgpack
 import torch
 
 from tierckpt.errors import CorruptCheckpointError, StateError
 from tierckpt.format._decode import EXT_CODES, decode_levels
 from tierckpt.format._diagnose import _I64_MIN, _U64_MAX, diagnose, format_path
-from tierckpt.format._memory import as_plain, in_storage, unreadable
+from tierckpt.format._encode import MAX_NESTING, TensorRef, Walk, encode
 from tierckpt.format.manifest import FORMAT_VERSION, READ_VERSIONS
 from tierckpt.format.table import ALL_DTYPES
 
@@ -58,22 +57,6 @@ __all__ = [
 
 EXT_TUPLE, EXT_TENSOR, EXT_PICKLE, EXT_ODICT, EXT_INT, EXT_DTYPE, EXT_DEVICE, EXT_SIZE = EXT_CODES
 PLAIN_REFS = 3  #: the first format version whose tree references tensors with plain ints
-_PLAIN = (type(None), bool, int, float, str, bytes)
-_PLAIN_SMALL = frozenset((type(None), bool, float, str, bytes))  # stored as themselves, whatever the value
-#: Containers (dict, list, tuple) nested deeper than this are refused: msgpack stops at 511, and
-#: rebuilding the state takes two Python frames per level (the default limit is 1000 in all).
-MAX_NESTING = 256
-
-
-class _TooDeep(Exception):
-    """The walk went past :data:`MAX_NESTING` (caught by :func:`flatten`, which finds out why)."""
-
-
-class TensorRef(NamedTuple):
-    """A tensor found in the state: its first key path and the tensor itself (detached, CPU or device)."""
-
-    path: str
-    tensor: torch.Tensor
 
 
 @dataclass(frozen=True)
@@ -111,70 +94,6 @@ class Opaque:
         self.value = value
 
 
-_TENSOR_REFS: list[msgpack.ExtType] = []  # ext-2 references by index, built once (ExtType() costs ~1 us)
-
-
-_N_SMALL_INTS = 1024  # ext-5 ints built once: ids, counters and sizes are mostly small
-_SMALL_INTS = [msgpack.ExtType(EXT_INT, str(i).encode()) for i in range(_N_SMALL_INTS)]
-
-
-def _tensor_ref(i: int) -> msgpack.ExtType:
-    if i >= len(_TENSOR_REFS):
-        _TENSOR_REFS.extend(
-            msgpack.ExtType(EXT_TENSOR, struct.pack(">I", k)) for k in range(len(_TENSOR_REFS), max(i + 1, 1024, 2 * i))
-        )
-    return _TENSOR_REFS[i]
-
-
-def _identity(t: torch.Tensor) -> tuple[Any, ...]:
-    """What makes two tensors at the same address the same tensor (a conjugate or negative view of
-    the same bytes is a different value)."""
-    return (t.device, t.dtype, t.storage_offset(), t.shape, t.stride(), t.is_conj(), t.is_neg())
-
-
-def _readable(t: torch.Tensor, path: str) -> tuple[torch.Tensor, int, int]:
-    """``(t, t.data_ptr(), t.nbytes)`` for a tensor whose bytes :func:`flatten` may read (all in its
-    storage's memory: format/_memory.py); a subclass becomes the plain tensor it is, if it is one.
-
-    Raises:
-        StateError: naming ``path`` and what the tensor is.
-    """
-    tt = type(t)
-    if tt is not torch.Tensor and tt is not torch.nn.Parameter:
-        plain = as_plain(t)
-        if type(plain) is str:
-            raise StateError(f"{path}: cannot save {plain}")
-        t = plain  # type: ignore[assignment]
-    try:
-        if t.layout is torch.strided and not (t.is_quantized or t.is_meta or t.is_nested):
-            nb, p = t.nbytes, t.data_ptr()
-            if not nb:
-                return t, p, nb
-            # in_storage(t, p, nb), inline for the common case: ~1 us per tensor, a third of the walk's
-            st = t.untyped_storage()
-            base = st.data_ptr()
-            if base and base <= p and (p + nb <= base + st.nbytes() if t.is_contiguous() else in_storage(t, p, nb)):
-                return t, p, nb
-    except (RuntimeError, TypeError):  # data_ptr() or untyped_storage() of a tensor that has no storage
-        pass
-    raise StateError(f"{path}: cannot save {unreadable(t) or 'a tensor whose memory cannot be read'}")
-
-
-def _resolved(t: torch.Tensor, path: str) -> torch.Tensor:
-    """The value of a conjugate or negative view (a copy), as torch computes it.
-
-    Raises:
-        StateError: torch cannot compute it for this dtype (e.g. no negation for ``torch.bits16``).
-    """
-    try:
-        return t.resolve_conj().resolve_neg()
-    except (RuntimeError, TypeError) as e:  # NotImplementedError is a RuntimeError
-        kind = "negative" if t.is_neg() else "conjugate"
-        raise StateError(
-            f"{path}: cannot save a {kind} view of a {t.dtype} tensor: torch cannot compute its value ({e})"
-        ) from e
-
-
 def flatten(state: Any, *, allow_pickle: bool = False, version: int = FORMAT_VERSION) -> FlatState:
     """Walk ``state`` and split it into a msgpack tree and a list of tensors.
 
@@ -201,129 +120,11 @@ def flatten(state: Any, *, allow_pickle: bool = False, version: int = FORMAT_VER
     """
     if version not in READ_VERSIONS:
         raise ValueError(f"cannot write format version {version} (this writer knows {READ_VERSIONS})")
-    plain_refs = version >= PLAIN_REFS
-    tensors: list[TensorRef] = []
-    originals: list[tuple[torch.Tensor, Any]] = []  # tensor i before detach / resolve, and as found in the state
-    nbytes: list[int] = []
-    depth = 0  # containers open on the walk's path
-    seen: dict[int, int | dict[tuple[Any, ...], int]] = {}  # data_ptr -> index, or identity -> index
-    has_pickle = False
-    Tensor = torch.Tensor
-
-    # Key paths travel down the walk as formatted strings (``state['a'][0]``), extended only where a
-    # container or a tensor is found: plain leaves, most of a state, never pay for a repr.
-    def refuse(path: str, what: str) -> StateError:
-        return StateError(
-            f"{path}: cannot save {what}; tierckpt stores tensors and plain values "
-            "(None, bool, int, float, str, bytes, list, tuple, dict); pass allow_pickle=True to pickle it"
-        )
-
-    def pickled(v: Any, path: str, what: str) -> msgpack.ExtType:
-        nonlocal has_pickle
-        if not allow_pickle:
-            raise refuse(path, what)
-        try:
-            data = pickle.dumps(v, protocol=pickle.HIGHEST_PROTOCOL)
-        except Exception as e:
-            raise StateError(f"{path}: cannot pickle {what}: {e}") from e
-        has_pickle = True
-        return msgpack.ExtType(EXT_PICKLE, data)
-
-    def pack(v: Any) -> bytes:
-        return msgpack.packb(v, use_bin_type=True, strict_types=True)
-
-    def walk(v: Any, path: str) -> Any:
-        tv = type(v)
-        if tv in _PLAIN:
-            if tv is int and (plain_refs or not _I64_MIN <= v <= _U64_MAX):
-                return _SMALL_INTS[v] if 0 <= v < _N_SMALL_INTS else msgpack.ExtType(EXT_INT, str(v).encode())
-            return v
-        if isinstance(v, Tensor):
-            return tensor_ref(v, path)
-        if tv is list or tv is tuple or tv is dict or tv is OrderedDict:
-            nonlocal depth
-            if depth >= MAX_NESTING:
-                raise _TooDeep  # a cycle, or a state that a restore could not rebuild: diagnose() says which
-            depth += 1
-            out = container(v, tv, path)
-            depth -= 1
-            return out
-        if tv is torch.dtype:
-            return msgpack.ExtType(EXT_DTYPE, str(v).removeprefix("torch.").encode())
-        if tv is torch.device:
-            return msgpack.ExtType(EXT_DEVICE, str(v).encode())
-        if tv is torch.Size:
-            return msgpack.ExtType(EXT_SIZE, pack(list(v)))
-        what = f"a value of type {tv.__module__}.{tv.__qualname__}"
-        if tv.__module__ == "numpy":  # a numpy scalar or array: there is a route without pickle
-            what += " (save x.item() for a numpy scalar, torch.from_numpy(x) for an array; tierckpt.TrainState does the first, docs/resume.md)"
-        return pickled(v, path, what)
-
-    def container(v: Any, tv: type, path: str) -> Any:
-        if tv is list:
-            return [x if type(x) in _PLAIN_SMALL else walk(x, f"{path}[{i}]") for i, x in enumerate(v)]
-        if tv is tuple:
-            return msgpack.ExtType(EXT_TUPLE, pack([walk(x, f"{path}[{i}]") for i, x in enumerate(v)]))
-        items = []
-        for k, x in v.items():
-            tk = type(k)
-            if tk is not str and (tk is not int or not _I64_MIN <= k <= _U64_MAX):
-                if tk is int:
-                    return pickled(v, path, f"a dict with an int key {k} (outside 64 bits)")
-                return pickled(v, path, f"a dict with a {tk.__name__} key {k!r}")
-            items.append((k, x if type(x) in _PLAIN_SMALL else walk(x, f"{path}[{k!r}]")))
-        if tv is dict:
-            return dict(items)
-        return msgpack.ExtType(EXT_ODICT, pack([list(kv) for kv in items]))
-
-    def tensor_ref(t: torch.Tensor, path: str) -> int | msgpack.ExtType:
-        obj = t  # as found in the state
-        t, p, nb = _readable(t, path)
-        # Deduplicate by the address of the first element; only tensors that share it (the same
-        # object twice, tied weights, views starting at the same byte) pay for the full identity.
-        # A zero-size tensor owns no byte at its address (empty ones all sit at 0), so it is keyed
-        # by the object alone: ``originals`` keeps each alive, so its id is not reused meanwhile.
-        hit = seen.get(p)
-        if hit is not None:
-            if type(hit) is int:  # the second tensor at this address: key the first one by identity too
-                first, first_obj = originals[hit]
-                hit = seen[p] = {(id(first_obj),) if first.numel() == 0 else _identity(first): hit}
-            ident = (id(obj),) if t.numel() == 0 else _identity(t)
-            idx = hit.get(ident)
-            if idx is not None:
-                return idx if plain_refs else _tensor_ref(idx)
-            hit[ident] = len(tensors)
-        else:
-            seen[p] = len(tensors)
-        idx = len(tensors)
-        originals.append((t, obj))
-        if t.requires_grad:
-            t = t.detach()
-        if t.is_neg() or t.is_conj():
-            t = _resolved(t, path)
-        tensors.append(TensorRef(path, t))
-        nbytes.append(nb)
-        return idx if plain_refs else _tensor_ref(idx)
-
-    # What msgpack or the stack refuses (a str that is not UTF-8, a cycle, deep nesting) is caught here
-    # and only then diagnosed by a slow walk, so the common path pays nothing for it. The diagnosis runs
-    # outside the except clauses so that the error does not hold the failed walk's frames.
-    failed = ""
-    try:
-        tree = pack(walk(state, "state"))
-    except UnicodeEncodeError:
-        failed = "utf8"
-    except (RecursionError, _TooDeep):
-        failed = "depth"
-    except ValueError as e:
-        if "recursion limit" not in str(e):  # msgpack's own nesting limit
-            raise
-        failed = "depth"
-    finally:
-        walk = None  # type: ignore[assignment]  # it referred to itself: that cycle kept all it holds until a GC pass
+    walk = Walk(allow_pickle=allow_pickle, plain_refs=version >= PLAIN_REFS)
+    tree, failed = encode(walk, state)
     if failed:
         raise diagnose(state, failed, MAX_NESTING)
-    return FlatState(tree=tree, tensors=tuple(tensors), has_pickle=has_pickle, nbytes=tuple(nbytes))
+    return FlatState(tree=tree, tensors=tuple(walk.tensors), has_pickle=walk.has_pickle, nbytes=tuple(walk.nbytes))
 
 
 def unflatten(
@@ -374,59 +175,86 @@ def decode_tree(
             reference is out of range, a row is never referenced, or an int inside 64 bits is ext 5.
         StateError: the tree holds pickled values and ``allow_pickle`` is False.
     """
-    plain_refs = version >= PLAIN_REFS
-    marks = bytearray(0 if plain_refs else n_tensors)  # versions 1-2: which rows the tree references
-    pickles = 0
-
-    def make_hook(defer: Callable[[int, bytes], Any]) -> Callable[[int, bytes], Any]:
-        def hook(code: int, data: bytes) -> Any:
-            nonlocal pickles
-            if code == EXT_INT:
-                v = int(data.decode("ascii"))
-                if plain_refs:
-                    return Int(v)
-                if _I64_MIN <= v <= _U64_MAX:  # versions 1-2 wrote ext 5 only for ints outside 64 bits
-                    raise CorruptCheckpointError(f"tree: ext-5 int {v} in a version-{version} tree")
-                return v
-            if code == EXT_TENSOR:
-                if plain_refs:
-                    raise CorruptCheckpointError(f"tree: ext-2 tensor reference in a version-{version} tree")
-                if len(data) != 4:
-                    raise CorruptCheckpointError("tree: malformed tensor reference")
-                (i,) = struct.unpack(">I", data)
-                marks[check_ref(i, n_tensors)] = 1
-                return Ref(i)
-            if code in (EXT_TUPLE, EXT_ODICT, EXT_SIZE):
-                return defer(code, data)
-            if code == EXT_DTYPE:
-                dt = ALL_DTYPES.get(data.decode("ascii"))
-                if dt is None:
-                    raise CorruptCheckpointError(f"tree: unknown dtype {bytes(data[:40])!r}")
-                return dt
-            if code == EXT_DEVICE:
-                return torch.device(data.decode("ascii"))
-            if code == EXT_PICKLE:
-                if not allow_pickle:
-                    raise StateError(
-                        "checkpoint holds pickled values; pass allow_pickle=True to restore() if you trust its source"
-                    )
-                pickles += 1
-                return Opaque(pickle.loads(data) if unpickle else bytes(data))
-            raise CorruptCheckpointError(f"tree: unknown ext type {code}")
-
-        return hook
-
+    ext = _ExtDecoder(version, n_tensors, allow_pickle=allow_pickle, unpickle=unpickle)
     try:
-        value = decode_levels(tree, make_hook, MAX_NESTING)
+        value = decode_levels(tree, ext.hook, MAX_NESTING)
     except (StateError, CorruptCheckpointError):
         raise
     except Exception as e:
         raise CorruptCheckpointError(f"tree: cannot decode: {e}") from e
-    if not pickles and marks.count(0):
-        # Writers reference every row of the table (only a dict pickled whole can orphan the tensors
-        # the walk met in it first): so a version-3 tree read as version 2 is refused, never misread.
-        raise CorruptCheckpointError(f"tree: tensor {marks.index(0)} of the table is not referenced")
-    return value, (int if plain_refs else Ref)
+    ext.check_all_referenced()
+    return value, (int if ext.plain_refs else Ref)
+
+
+class _ExtDecoder:
+    """The msgpack ext hook of one :func:`decode_tree`: what each ext type of the table in this
+    module's docstring decodes to, with the checks its version calls for."""
+
+    def __init__(self, version: int, n_tensors: int, *, allow_pickle: bool, unpickle: bool) -> None:
+        self.version, self.n_tensors = version, n_tensors
+        self.allow_pickle, self.unpickle = allow_pickle, unpickle
+        self.plain_refs = version >= PLAIN_REFS
+        self.marks = bytearray(0 if self.plain_refs else n_tensors)  # versions 1-2: which rows the tree references
+        self.pickles = 0
+        self.defer: Callable[[int, bytes], Any]  # set by hook(), before msgpack calls decode()
+
+    def hook(self, defer: Callable[[int, bytes], Any]) -> Callable[[int, bytes], Any]:
+        """The ext hook for :func:`~tierckpt.format._decode.decode_levels`, which decodes the payloads
+        that ``defer`` sets aside (tuples, OrderedDicts, sizes) one level at a time."""
+        self.defer = defer
+        return self.decode
+
+    def decode(self, code: int, data: bytes) -> Any:
+        """The value of one ext: ``code`` and its payload ``data``."""
+        if code == EXT_INT:  # the one ext a version-3 tree holds many of (every int value): inline
+            v = int(data.decode("ascii"))
+            return Int(v) if self.plain_refs else self.wide_int(v)
+        if code == EXT_TENSOR:
+            return self.tensor_ref(data)
+        if code in (EXT_TUPLE, EXT_ODICT, EXT_SIZE):
+            return self.defer(code, data)
+        if code == EXT_DTYPE:
+            dt = ALL_DTYPES.get(data.decode("ascii"))
+            if dt is None:
+                raise CorruptCheckpointError(f"tree: unknown dtype {bytes(data[:40])!r}")
+            return dt
+        if code == EXT_DEVICE:
+            return torch.device(data.decode("ascii"))
+        if code == EXT_PICKLE:
+            return self.pickled(data)
+        raise CorruptCheckpointError(f"tree: unknown ext type {code}")
+
+    def wide_int(self, v: int) -> int:
+        """An ext-5 int of a version 1-2 tree (which writes only ints outside 64 bits so)."""
+        if _I64_MIN <= v <= _U64_MAX:
+            raise CorruptCheckpointError(f"tree: ext-5 int {v} in a version-{self.version} tree")
+        return v
+
+    def tensor_ref(self, data: bytes) -> Ref:
+        if self.plain_refs:
+            raise CorruptCheckpointError(f"tree: ext-2 tensor reference in a version-{self.version} tree")
+        if len(data) != 4:
+            raise CorruptCheckpointError("tree: malformed tensor reference")
+        (i,) = struct.unpack(">I", data)
+        self.marks[check_ref(i, self.n_tensors)] = 1
+        return Ref(i)
+
+    def pickled(self, data: bytes) -> Opaque:
+        if not self.allow_pickle:
+            raise StateError(
+                "checkpoint holds pickled values; pass allow_pickle=True to restore() if you trust its source"
+            )
+        self.pickles += 1
+        return Opaque(pickle.loads(data) if self.unpickle else bytes(data))
+
+    def check_all_referenced(self) -> None:
+        """Versions 1-2: raise unless the tree referenced every row of the table.
+
+        Writers reference every row (only a dict pickled whole can orphan the tensors the walk met in
+        it first): so a version-3 tree read as version 2 is refused, never misread.
+        """
+        if not self.pickles and self.marks.count(0):
+            raise CorruptCheckpointError(f"tree: tensor {self.marks.index(0)} of the table is not referenced")
 
 
 def resolve_tree(value: Any, ref: type[int], tensor_at: Callable[[int], torch.Tensor], n_tensors: int) -> Any:

@@ -53,36 +53,14 @@ def choose_and_read(
         else:
             todo = [i for i in infos if i.step == step]
         if not todo:
-            if skipped:
-                newest = max(skipped)
-                also = {s: f for s, f in sorted(skipped.items(), reverse=True) if s != newest}
-                raise unusable(newest, skipped[newest], steps, also=also)
-            if relists and step is not None:
-                raise CheckpointEvictedError(
-                    f"step {step} was evicted or replaced by another process while it was being opened "
-                    f"(committed steps on {where} now: {steps})"
-                )
-            if step is None or not steps:
-                raise CheckpointNotFoundError(f"no committed checkpoint for {where}")
-            raise CheckpointNotFoundError(f"step {step} is not committed (committed steps: {steps})")
+            raise _nothing_to_read(step, steps, skipped, relisted=relists > 0, where=where)
         info = todo[0]
         failures: Failures = []
-        for name in info.tiers:
-            try:
-                state = read(info.step, name)
-            except CheckpointNotFoundError as e:
-                log.info("step %d on tier %r went away while being opened (%s)", info.step, name, e)
-                failures.append((name, e))
-                continue
-            except (CorruptCheckpointError, OSError) as e:
-                log.warning("step %d on tier %r is unusable (%s); trying the next tier", info.step, name, e)
-                failures.append((name, e))
-                continue
-            if failures:
-                log.warning("restored step %d from tier %r instead", info.step, name)
+        got = _read_any(info, read, failures)
+        if got is not None:
             if skipped:
                 log.warning("restored step %d: newer steps %s are unusable on every tier", info.step, sorted(skipped))
-            return state, info.step, name
+            return got[0], info.step, got[1]
         if any(isinstance(e, CheckpointNotFoundError) for _, e in failures):
             relists += 1
             if relists > MAX_RELISTS:
@@ -101,6 +79,44 @@ def choose_and_read(
                 "step %d is unusable on every tier that holds it (%s); trying step %d",
                 info.step, _describe(failures), older[-1],
             )  # fmt: skip
+
+
+def _read_any(info: CheckpointInfo, read: Callable[[int, str], Any], failures: Failures) -> tuple[Any, str] | None:
+    """``(state, tier)`` from the first of ``info``'s tiers whose copy reads, or None; each tier that
+    fails is added to ``failures``."""
+    for name in info.tiers:
+        try:
+            state = read(info.step, name)
+        except CheckpointNotFoundError as e:
+            log.info("step %d on tier %r went away while being opened (%s)", info.step, name, e)
+            failures.append((name, e))
+            continue
+        except (CorruptCheckpointError, OSError) as e:
+            log.warning("step %d on tier %r is unusable (%s); trying the next tier", info.step, name, e)
+            failures.append((name, e))
+            continue
+        if failures:
+            log.warning("restored step %d from tier %r instead", info.step, name)
+        return state, name
+    return None
+
+
+def _nothing_to_read(
+    step: int | None, steps: Sequence[int], skipped: dict[int, Failures], *, relisted: bool, where: str
+) -> BaseException:
+    """The error when no listed step is left to try (``skipped``: those unusable on every tier)."""
+    if skipped:
+        newest = max(skipped)
+        also = {s: f for s, f in sorted(skipped.items(), reverse=True) if s != newest}
+        return unusable(newest, skipped[newest], steps, also=also)
+    if relisted and step is not None:
+        return CheckpointEvictedError(
+            f"step {step} was evicted or replaced by another process while it was being opened "
+            f"(committed steps on {where} now: {steps})"
+        )
+    if step is None or not steps:
+        return CheckpointNotFoundError(f"no committed checkpoint for {where}")
+    return CheckpointNotFoundError(f"step {step} is not committed (committed steps: {steps})")
 
 
 def _describe(failures: Failures) -> str:

@@ -26,7 +26,7 @@ from tierckpt.format.tree import Int, Opaque, check_ref, format_path
 from tierckpt.orchestration.restore import load_tree
 from tierckpt.tiers.base import CheckpointKey, Tier
 
-__all__ = ["Plan", "plan"]
+__all__ = ["Match", "match_target"]
 
 log = logging.getLogger(__name__)
 
@@ -35,8 +35,8 @@ _SHOWN = 20  # mismatches a StateError lists (the rest are counted)
 
 
 @dataclass
-class Plan:
-    """What :func:`plan` decided.
+class Match:
+    """How a checkpoint's tensors reach the target, as :func:`match_target` decided.
 
     Attributes:
         made: fresh tensors by manifest index (for assigned values, and for what cannot be streamed into).
@@ -52,7 +52,7 @@ class Plan:
     ref: type[int]
 
 
-def plan(
+def match_target(
     m: Manifest,
     target: Any,
     addrs: list[int],
@@ -61,7 +61,7 @@ def plan(
     tier: Tier,
     key: CheckpointKey,
     strict: bool = True,
-) -> Plan:
+) -> Match:
     """Match ``target`` with the checkpoint and fill ``addrs`` (where each tensor's bytes go).
 
     A checkpoint tensor is streamed straight into the target tensor it matches when it is referenced
@@ -79,125 +79,157 @@ def plan(
         CorruptCheckpointError: the tree is malformed or references a tensor the table lacks (names
             the tier).
     """
-    t = m.tensors
-    n = len(t)
-    shapes, lengths = t.shapes, t.lengths
-    by_name = {name: dtype_from_name(name) for name in set(t.dtypes)}
-    dtypes = [by_name[name] for name in t.dtypes]
-    source, R = load_tree(tier, key, m, allow_pickle=allow_pickle)
-    direct: list[torch.Tensor | None] = [None] * n  # the target tensor each tensor's bytes go straight into
-    slow: list[tuple[torch.Tensor, int, tuple[Any, ...]]] = []  # target tensors (and their key paths) that take
-    # the bytes from a fresh tensor
-    assigns: list[tuple[Any, Any, Any]] = []
-    Tensor = torch.Tensor
+    source, ref = load_tree(tier, key, m, allow_pickle=allow_pickle)
+    walk = _Walk(m, ref, addrs, strict=strict, tier=tier.name, step=key.step)
+    walk.walk(target, source, ())
+    walk.check(source)
+    return walk.allocate()
 
-    def place(d: torch.Tensor, i: int, path: tuple[Any, ...]) -> None:
-        if direct[i] is None and d.is_cpu and d.is_contiguous() and unreadable(d) is None:
-            addrs[i] = d.data_ptr()
-            direct[i] = d
-        else:
-            slow.append((d, i, path))
 
-    problems: list[str] = []  # every mismatch, raised together once the walk is done
-    only_target: list[tuple[Any, ...]] = []  # key paths only the target has
-    only_source: list[tuple[Any, ...]] = []  # key paths only the checkpoint has
-    skipped: list[tuple[Any, ...]] = []  # checkpoint values under an empty target dict (strict)
+class _Walk:
+    """One :func:`match_target`: the walk over the target and the checkpoint's tree side by side, and
+    what it found. Key paths are tuples, formatted only for an error: a walk over 20,000 tensors must
+    not pay for them."""
 
-    def walk(dst: Any, src: Any, path: tuple[Any, ...]) -> None:
-        # key paths are formatted only for an error: a walk over 20,000 tensors must not pay for them
+    def __init__(self, m: Manifest, ref: type[int], addrs: list[int], *, strict: bool, tier: str, step: int) -> None:
+        t = m.tensors
+        self.n, self.shapes, self.lengths = len(t), t.shapes, t.lengths
+        by_name = {name: dtype_from_name(name) for name in set(t.dtypes)}
+        self.dtypes = [by_name[name] for name in t.dtypes]
+        self.ref, self.addrs, self.strict, self.tier, self.step = ref, addrs, strict, tier, step
+        # the target tensor each tensor's bytes go straight into
+        self.direct: list[torch.Tensor | None] = [None] * self.n
+        # target tensors (and their key paths) that take the bytes from a fresh tensor
+        self.slow: list[tuple[torch.Tensor, int, tuple[Any, ...]]] = []
+        self.assigns: list[tuple[Any, Any, Any]] = []
+        self.problems: list[str] = []  # every mismatch, raised together once the walk is done
+        self.only_target: list[tuple[Any, ...]] = []  # key paths only the target has
+        self.only_source: list[tuple[Any, ...]] = []  # key paths only the checkpoint has
+        self.skipped: list[tuple[Any, ...]] = []  # checkpoint values under an empty target dict (strict)
+        self.in_assigns: set[int] = set()  # tensors referenced inside assigned values (set by check())
+
+    def walk(self, dst: Any, src: Any, path: tuple[Any, ...]) -> None:
+        """Match target value ``dst`` with checkpoint value ``src``, found at ``path``."""
         if isinstance(dst, dict):
-            if not isinstance(src, dict):
-                problems.append(f"{format_path(path, 'target')}: target is a dict, checkpoint has {_describe(src, R)}")
-                return
-            if strict and not dst and src:
-                problems.append(_empty_dict(path, len(src)))
-                skipped.append(path)
-                return
-            for k in dst:
-                if k not in src:
-                    only_target.append((*path, k))
-            for k, v in src.items():
-                d = dst.get(k, _ABSENT)
-                if type(v) is R and type(d) is Tensor and 0 <= v < n and d.dtype is dtypes[v] and d.shape == shapes[v]:
-                    # the common case, inline: place(d, v)
-                    if direct[v] is None and d.is_cpu and d.is_contiguous() and in_storage(d, d.data_ptr(), d.nbytes):
-                        addrs[v] = d.data_ptr()
-                        direct[v] = d
-                    else:
-                        slow.append((d, v, (*path, k)))
-                elif _descend(d, v):
-                    walk(d, v, (*path, k))
-                elif d is _ABSENT:
-                    only_source.append((*path, k))
-                    if not strict:
-                        assigns.append((dst, k, v))
-                else:
-                    assigns.append((dst, k, v))
+            self.match_dict(dst, src, path)
         elif isinstance(dst, list):
-            if not isinstance(src, list) or len(src) != len(dst):
-                problems.append(
-                    f"{format_path(path, 'target')}: target is a list of {len(dst)}, checkpoint has {_describe(src, R)}"
-                )
-                return
-            for i, (d, s) in enumerate(zip(dst, src)):
-                if _descend(d, s):
-                    walk(d, s, (*path, i))
-                else:
-                    assigns.append((dst, i, s))
-        elif isinstance(dst, Tensor):
-            where = format_path(path, "target")
-            if type(src) is not R:
-                problems.append(f"{where}: target is a tensor, checkpoint has {_describe(src, R)}")
-                return
-            check_ref(src, n, tier=tier.name, step=key.step)
-            if dst.shape != shapes[src] or dst.dtype != dtypes[src]:
-                problems.append(
-                    f"{where}: target is {dst.dtype} {tuple(dst.shape)}, checkpoint has {dtypes[src]} {tuple(shapes[src])}"
-                )
-                return
-            place(dst, src, path)
+            self.match_list(dst, src, path)
+        elif isinstance(dst, torch.Tensor):
+            self.match_tensor(dst, src, path)
         else:
-            problems.append(
+            self.problems.append(
                 f"{format_path(path, 'target')}: cannot restore into a {type(dst).__name__}; pass a dict or a list"
             )
 
-    try:
-        walk(target, source, ())
-    finally:
-        walk = place = None  # type: ignore[assignment]  # walk referred to itself: a cycle holding the target until a GC pass
-    in_assigns: set[int] = set()  # tensors referenced inside assigned values
-    for _, _, v in assigns:
-        _refs(v, R, in_assigns)
-    unused: set[int] = set()  # and inside values not assigned (a bad reference there is damage too)
-    for p in [*only_source, *skipped] if strict else ():
-        _refs(_at(source, p), R, unused)
-    for i in in_assigns | unused:
-        check_ref(i, n, tier=tier.name, step=key.step)
-    _check_keys(problems, only_target, only_source, strict=strict, step=key.step)
-    # a tensor referenced twice (two target tensors, or one and an assigned value) is not streamed into
-    for d, _, p in slow:  # the few that are not plain CPU memory: copy_() must be able to fill them later
-        why = _unwritable(d)
-        if why is not None:
-            raise StateError(f"{format_path(p, 'target')}: cannot restore into {why}")
-    shared = in_assigns.union(i for _, i, _ in slow)
-    slow += [(d, i, ()) for i in shared if (d := direct[i]) is not None]
-    made: dict[int, torch.Tensor] = {}
-    later: list[tuple[torch.Tensor, torch.Tensor]] = []
-    for d, i, _ in slow:
-        f = made.get(i)
-        if f is None:
-            f = made[i] = torch.empty(shapes[i], dtype=dtypes[i])  # not touched until the bytes arrive
+    def match_dict(self, dst: dict[Any, Any], src: Any, path: tuple[Any, ...]) -> None:
+        """Match a target dict key by key; a tensor of the right shape and dtype costs no call."""
+        if not isinstance(src, dict):
+            self.problems.append(
+                f"{format_path(path, 'target')}: target is a dict, checkpoint has {_describe(src, self.ref)}"
+            )
+            return
+        if self.strict and not dst and src:
+            self.problems.append(_empty_dict(path, len(src)))
+            self.skipped.append(path)
+            return
+        for k in dst:
+            if k not in src:
+                self.only_target.append((*path, k))
+        R, n, dtypes, shapes, Tensor = self.ref, self.n, self.dtypes, self.shapes, torch.Tensor
+        direct, addrs, slow = self.direct, self.addrs, self.slow
+        for k, v in src.items():
+            d = dst.get(k, _ABSENT)
+            if type(v) is R and type(d) is Tensor and 0 <= v < n and d.dtype is dtypes[v] and d.shape == shapes[v]:
+                # the common case, inline (match_tensor does the same for a tensor in a list)
+                if direct[v] is None and d.is_cpu and d.is_contiguous() and in_storage(d, d.data_ptr(), d.nbytes):
+                    addrs[v] = d.data_ptr()
+                    direct[v] = d
+                else:
+                    slow.append((d, v, (*path, k)))
+            elif _descend(d, v):
+                self.walk(d, v, (*path, k))
+            elif d is _ABSENT:
+                self.only_source.append((*path, k))
+                if not self.strict:
+                    self.assigns.append((dst, k, v))
+            else:
+                self.assigns.append((dst, k, v))
+
+    def match_list(self, dst: list[Any], src: Any, path: tuple[Any, ...]) -> None:
+        """Match a target list item by item (the checkpoint's must be a list as long)."""
+        if not isinstance(src, list) or len(src) != len(dst):
+            self.problems.append(
+                f"{format_path(path, 'target')}: target is a list of {len(dst)}, checkpoint has {_describe(src, self.ref)}"
+            )
+            return
+        for i, (d, s) in enumerate(zip(dst, src)):
+            if _descend(d, s):
+                self.walk(d, s, (*path, i))
+            else:
+                self.assigns.append((dst, i, s))
+
+    def match_tensor(self, dst: torch.Tensor, src: Any, path: tuple[Any, ...]) -> None:
+        """Match a target tensor with a checkpoint tensor of its shape and dtype; stream into it if it
+        is CPU, contiguous, readable memory that no other reference took already."""
+        where = format_path(path, "target")
+        if type(src) is not self.ref:
+            self.problems.append(f"{where}: target is a tensor, checkpoint has {_describe(src, self.ref)}")
+            return
+        check_ref(src, self.n, tier=self.tier, step=self.step)
+        shape, dtype = self.shapes[src], self.dtypes[src]
+        if dst.shape != shape or dst.dtype != dtype:
+            self.problems.append(
+                f"{where}: target is {dst.dtype} {tuple(dst.shape)}, checkpoint has {dtype} {tuple(shape)}"
+            )
+            return
+        if self.direct[src] is None and dst.is_cpu and dst.is_contiguous() and unreadable(dst) is None:
+            self.addrs[src] = dst.data_ptr()
+            self.direct[src] = dst
+        else:
+            self.slow.append((dst, src, path))
+
+    def check(self, source: Any) -> None:
+        """Raise what the walk found wrong: a tensor reference out of range in a value to assign (or,
+        with ``strict``, one left out), mismatches and unmatched keys (:func:`_check_keys`), a target
+        tensor that cannot be filled by a copy."""
+        R = self.ref
+        for _, _, v in self.assigns:
+            _refs(v, R, self.in_assigns)
+        unused: set[int] = set()  # and inside values not assigned (a bad reference there is damage too)
+        for p in [*self.only_source, *self.skipped] if self.strict else ():
+            _refs(_at(source, p), R, unused)
+        for i in self.in_assigns | unused:
+            check_ref(i, self.n, tier=self.tier, step=self.step)
+        _check_keys(self.problems, self.only_target, self.only_source, strict=self.strict, step=self.step)
+        for d, _, p in self.slow:  # the few that are not plain CPU memory: copy_() must be able to fill them later
+            why = _unwritable(d)
+            if why is not None:
+                raise StateError(f"{format_path(p, 'target')}: cannot restore into {why}")
+
+    def allocate(self) -> Match:
+        """Fresh tensors for what is not streamed straight into the target (pointing ``addrs`` at them),
+        and the copies to make from them once everything is verified."""
+        shapes, dtypes, direct, addrs = self.shapes, self.dtypes, self.direct, self.addrs
+        # a tensor referenced twice (two target tensors, or one and an assigned value) is not streamed into
+        shared = self.in_assigns.union(i for _, i, _ in self.slow)
+        slow = self.slow + [(d, i, ()) for i in shared if (d := direct[i]) is not None]
+        made: dict[int, torch.Tensor] = {}
+        later: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for d, i, _ in slow:
+            f = made.get(i)
+            if f is None:
+                f = made[i] = torch.empty(shapes[i], dtype=dtypes[i])  # not touched until the bytes arrive
+                addrs[i] = f.data_ptr()
+            later.append((d, f))
+        for i in self.in_assigns.difference(made):
+            f = made[i] = torch.empty(shapes[i], dtype=dtypes[i])
             addrs[i] = f.data_ptr()
-        later.append((d, f))
-    for i in in_assigns.difference(made):
-        f = made[i] = torch.empty(shapes[i], dtype=dtypes[i])
-        addrs[i] = f.data_ptr()
-    for i in range(n):
-        if direct[i] is None and lengths[i] and i not in made:
-            # never referenced (only a hand-made manifest): verified into scratch and dropped
-            f = made[i] = torch.empty(lengths[i], dtype=torch.uint8)
-            addrs[i] = f.data_ptr()
-    return Plan(made, later, assigns, R)
+        for i in range(self.n):
+            if direct[i] is None and self.lengths[i] and i not in made:
+                # never referenced (only a hand-made manifest): verified into scratch and dropped
+                f = made[i] = torch.empty(self.lengths[i], dtype=torch.uint8)
+                addrs[i] = f.data_ptr()
+        return Match(made, later, self.assigns, self.ref)
 
 
 def _at(tree: Any, path: tuple[Any, ...]) -> Any:

@@ -117,165 +117,246 @@ def pack_and_write(
     ``on_packed(checksums)`` once every checksum is known too, before the writes still in flight are
     waited for (the manifest is built then, while the disk writes the last chunks).
     """
-    tensors, e_blob, e_off, e_len = flat.tensors, layout.blobs, layout.offsets, layout.lengths
-    checksums = [_EMPTY_DIGEST] * len(tensors)
+    packer = _Packer(flat, layout, writers, failed, pool, chunk_bytes)
+    try:
+        packer.pack()
+        if on_staged is not None:
+            on_staged()
+        if packer.defer:
+            packer.hash_in_place()
+        if on_packed is not None:
+            on_packed(packer.checksums)
+    finally:
+        packer.drain()
+    return packer.checksums
+
+
+def _packing_order(layout: Layout) -> list[int]:
+    """The non-empty tensors by (blob, offset): the order their bytes are packed in."""
+    e_blob, e_off, e_len = layout.blobs, layout.offsets, layout.lengths
     order = [i for i, n in enumerate(e_len) if n]
     order.sort(key=e_off.__getitem__)
     order.sort(key=e_blob.__getitem__)  # stable: (blob, offset); linear when plan() made the layout
-    mem = next(
+    return order
+
+
+def _memory_tier(writers: dict[str, TierWriter], failed: dict[str, BaseException], layout: Layout) -> str | None:
+    """The writer whose own blob buffers the tensors are packed into (a memory tier's), if any."""
+    return next(
         (n for n, w in writers.items() if n not in failed and layout.blob_sizes and w.buffer(0) is not None),
         None,
     )
-    # Packing into a memory tier's own buffers with no other writer: copy now, hash after ``on_staged``
-    # (the bytes no longer change then), so the caller's wait is the copies alone, and each copy is one
-    # GIL-free call per piece instead of a copy and a hash per block.
-    defer = mem is not None and all(n == mem or n in failed for n in writers)
-    piece_bytes = max(layout.align, chunk_bytes // _PIECES // layout.align * layout.align)
-    inflight: deque[tuple[StagingPool | None, object, list[tuple[str, Future[int]]]]] = deque()
-    staged = 0  # chunks in flight that hold a staging slot
 
-    def drain_one() -> None:
-        nonlocal staged
-        owner, slot, futs = inflight.popleft()
-        for name, f in futs:
-            try:
-                f.result()
-            except BaseException as e:
-                if name not in failed:
-                    log.error("writing to tier %r failed: %s", name, e)
-                    failed[name] = e
-        if owner is not None:
-            staged -= 1
-            owner.release(slot)  # type: ignore[arg-type]
 
-    def submit(b: int, off: int, addr: int, n: int, futs: list[tuple[str, Future[int]]]) -> None:
-        for name, w in writers.items():
-            if name in failed or name == mem:
+_Inflight = tuple[StagingPool | None, object, list[tuple[str, Future[int]]]]  # (pool, slot, writes) of a chunk
+
+
+class _Packer:
+    """One :func:`pack_and_write`: walks the blobs chunk by chunk and piece by piece, packing the tensors
+    (position :attr:`k` of :attr:`order` is the next, or the one partly packed) and handing each piece
+    to the writers.
+
+    The C loop packs (and hashes) runs of whole tensors straight from the caller's memory, without the
+    GIL; a tensor that is not a contiguous CPU one (source 0), or larger than a block, is packed in
+    Python (:meth:`copy_extent`). Packing into a memory tier's own buffers with no other writer
+    (:attr:`defer`): copy now, hash after ``on_staged`` (the bytes no longer change then), so the
+    caller's wait is the copies alone, and each copy is one GIL-free call per piece instead of a copy
+    and a hash per block.
+    """
+
+    def __init__(
+        self,
+        flat: FlatState,
+        layout: Layout,
+        writers: dict[str, TierWriter],
+        failed: dict[str, BaseException],
+        pool: Callable[[], StagingPool],
+        chunk_bytes: int,
+    ) -> None:
+        self.tensors, self.layout, self.writers, self.failed, self.pool = flat.tensors, layout, writers, failed, pool
+        self.e_blob, self.e_off, self.e_len = layout.blobs, layout.offsets, layout.lengths
+        self.chunk_bytes = chunk_bytes
+        self.piece_bytes = max(layout.align, chunk_bytes // _PIECES // layout.align * layout.align)
+        self.checksums = [_EMPTY_DIGEST] * len(self.tensors)
+        self.order = _packing_order(layout)
+        self.mem = _memory_tier(writers, failed, layout)
+        self.defer = self.mem is not None and all(n == self.mem or n in failed for n in writers)
+        self.inflight: deque[_Inflight] = deque()
+        self.staged = 0  # chunks in flight that hold a staging slot
+        self.k, self.nk = 0, len(self.order)  # position in order
+        self.src = 0  # address of the tensor being packed (0: none)
+        self.held: torch.Tensor | None = None  # its CPU copy, if one was made, kept alive meanwhile
+        self.hasher = xxhash.xxh3_64()
+        self.recs: Records | None = None
+        self.gather = native.gather if native is not None else None
+        self.spans: dict[int, tuple[int, int]] = {}
+        self.done: list[tuple[int, int]] = []  # [k0, k1) ranges of order packed by the C loop
+        # positions of order whose source address recs holds: set piece by piece, just ahead of the C
+        # loop, so the first write does not wait for a pass over every tensor (~1-2 us each, 20-40 ms
+        # for 20,000 tensors) and the rest of that pass runs while the disk writes
+        self.filled = 0
+        if self.gather is not None:
+            self.recs = records(self.order, self.e_off, self.e_len, self.checksums)
+            self.spans = blob_spans(self.order, self.e_blob)
+        self.max_len = (1 << 64) - 1 if self.defer else _BLOCK_BYTES
+
+    def pack(self) -> None:
+        """Pack every chunk of every blob and hand it to the writers; then (unless :attr:`defer`) every
+        checksum is known."""
+        for b, size in enumerate(self.layout.blob_sizes):
+            primary = self.writers[self.mem].buffer(b) if self.mem is not None else None
+            for c0 in range(0, size, self.chunk_bytes):
+                self.pack_chunk(b, c0, min(size, c0 + self.chunk_bytes), primary)
+        if self.recs is not None and not self.defer:
+            table, order, checksums = self.recs.table, self.order, self.checksums
+            for k0, k1 in self.done:
+                for pos in range(k0, k1):
+                    checksums[order[pos]] = table[4 * pos + 2]
+
+    def pack_chunk(self, b: int, c0: int, c1: int, primary: torch.Tensor | None) -> None:
+        """Pack bytes ``[c0, c1)`` of blob ``b`` into ``primary`` (the memory tier's buffer) or a staging
+        slot, handing each piece to the writers as soon as it is packed."""
+        base, owner, slot = self.chunk_memory(c0, primary)
+        futs: list[tuple[str, Future[int]]] = []
+        self.inflight.append((owner, slot, futs))
+        view = ptr_mv(base + c0, c1 - c0)  # the chunk; sliced below, cheaper than a view each time
+        for p0 in range(c0, c1, self.piece_bytes):
+            p1 = min(c1, p0 + self.piece_bytes)
+            self.pack_piece(b, base, view, c0, p0, p1)
+            self.submit(b, p0, base + p0, p1 - p0, futs)
+
+    def chunk_memory(self, c0: int, primary: torch.Tensor | None) -> tuple[int, StagingPool | None, object]:
+        """``(base, pool, slot)``: where the chunk starting at blob offset ``c0`` is packed (``base`` +
+        blob offset), and the staging slot it holds (None, None when packing in place)."""
+        if primary is not None:
+            return primary.data_ptr(), None, None  # pack in place: blob offsets are buffer offsets
+        owner = self.pool()
+        while self.staged >= owner.slots:
+            self.drain_one()
+        slot = owner.acquire()
+        self.staged += 1
+        return slot.data_ptr() - c0, owner, slot  # so that base + blob offset lands in the slot
+
+    def pack_piece(self, b: int, base: int, view: memoryview, c0: int, p0: int, p1: int) -> None:
+        """Pack bytes ``[p0, p1)`` of blob ``b`` (``view`` is the chunk from ``c0``): every tensor extent
+        in them, zeros in between."""
+        e_blob, e_off, e_len, order, nk = self.e_blob, self.e_off, self.e_len, self.order, self.nk
+        cursor = p0  # bytes before it are packed
+        while self.k < nk:
+            if self.recs is not None and not self.src:
+                cursor = self.gather_run(b, base, p0, p1, cursor)
+                if self.k == nk:
+                    break
+            i = order[self.k]
+            off = e_off[i]
+            if e_blob[i] != b or off >= p1:
+                break
+            end = off + e_len[i]
+            a, z = max(off, p0), min(end, p1)
+            if a > cursor:
+                _zero(view, cursor - c0, a - c0)
+            cursor = z
+            if not self.copy_extent(i, base, view, c0, off, end, a, z):
+                break  # the extent goes on in the next piece
+        if cursor < p1:
+            _zero(view, cursor - c0, p1 - c0)
+
+    def gather_run(self, b: int, base: int, p0: int, p1: int, cursor: int) -> int:
+        """Pack with the C loop the run of whole tensors of piece ``[p0, p1)`` from position :attr:`k`
+        on (zeroing the gaps from ``cursor``); returns the new cursor."""
+        recs: Records = self.recs  # type: ignore[assignment]  # called only with the C loop
+        if self.filled < self.nk:
+            self.filled = _fill_sources(
+                recs, self.tensors, self.order, self.e_blob, self.e_off, self.e_len, self.filled, b, p1
+            )
+        k0 = self.k
+        stop = self.spans.get(b, (k0, k0))[1]
+        gather = self.gather  # _native.gather(recs, k, stop, base, p0, n, cursor, max_len, hash) -> (k, cursor)
+        self.k, cursor = gather(recs.table, k0, stop, base + p0, p0, p1 - p0, cursor, self.max_len, not self.defer)  # type: ignore[misc]
+        if self.k > k0:
+            self.done.append((k0, self.k))
+        return cursor
+
+    def copy_extent(self, i: int, base: int, view: memoryview, c0: int, off: int, end: int, a: int, z: int) -> bool:
+        """Copy (and hash, unless :attr:`defer`) bytes ``[a, z)`` of tensor ``i``, whose extent is
+        ``[off, end)``; True once the whole tensor is packed (its checksum known), and :attr:`k` moved on."""
+        if not self.src:
+            self.src = self.source_of(i)
+            if a == off and z == end and (self.defer or z - a <= _BLOCK_BYTES):  # the whole tensor at once
+                memmove(base + a, self.src, z - a)
+                if not self.defer:
+                    self.checksums[i] = xxh3_64_intdigest(view[a - c0 : z - c0])
+                self.src, self.held, self.k = 0, None, self.k + 1
+                return True
+            self.hasher.reset()
+        src = self.src
+        if self.defer:
+            memmove(base + a, src + a - off, z - a)
+        else:
+            for q in range(a, z, _BLOCK_BYTES):
+                n = min(_BLOCK_BYTES, z - q)
+                memmove(base + q, src + q - off, n)
+                self.hasher.update(view[q - c0 : q - c0 + n])
+        if z < end:
+            return False
+        if not self.defer:
+            self.checksums[i] = self.hasher.intdigest()
+        self.src, self.held, self.k = 0, None, self.k + 1
+        return True
+
+    def source_of(self, i: int) -> int:
+        """The address of tensor ``i``'s bytes, made a contiguous CPU copy if needed (kept alive in
+        :attr:`held` until it is packed)."""
+        held = self.held = contiguous_cpu(self.tensors[i].tensor)
+        if held.nbytes != self.e_len[i]:
+            raise _resized(self.tensors[i], held.nbytes, self.e_len[i])
+        return held.data_ptr()
+
+    def submit(self, b: int, off: int, addr: int, n: int, futs: list[tuple[str, Future[int]]]) -> None:
+        """Hand bytes ``[off, off + n)`` of blob ``b`` (at ``addr``) to every writer still writing."""
+        for name, w in self.writers.items():
+            if name in self.failed or name == self.mem:
                 continue
             try:
                 futs.append((name, w.write(b, off, addr, n)))
             except BaseException as e:
                 log.error("writing to tier %r failed: %s", name, e)
-                failed[name] = e
+                self.failed[name] = e
 
-    k, nk = 0, len(order)  # position in order
-    src, held = 0, None  # address of the tensor being packed (0: none) and its CPU copy, kept alive
-    hasher = xxhash.xxh3_64()
-    # The C loop packs (and hashes) runs of whole tensors straight from the caller's memory, without the
-    # GIL; a tensor that is not a contiguous CPU one (source 0), or larger than a block, is packed below.
-    recs, gather = None, native.gather if native is not None else None
-    spans: dict[int, tuple[int, int]] = {}
-    done: list[tuple[int, int]] = []  # [k0, k1) ranges of order packed by the C loop
-    filled = 0  # positions of order whose source address recs holds: set piece by piece, just ahead of
-    # the C loop, so the first write does not wait for a pass over every tensor (~1-2 us each, 20-40 ms
-    # for 20,000 tensors) and the rest of that pass runs while the disk writes
-    if gather is not None:
-        recs = records(order, e_off, e_len, checksums)
-        spans = blob_spans(order, e_blob)
-    max_len = (1 << 64) - 1 if defer else _BLOCK_BYTES
-    try:
-        for b, size in enumerate(layout.blob_sizes):
-            primary = writers[mem].buffer(b) if mem is not None else None
-            for c0 in range(0, size, chunk_bytes):
-                c1 = min(size, c0 + chunk_bytes)
-                owner: StagingPool | None = None
-                slot = None
-                if primary is not None:
-                    base = primary.data_ptr()  # pack in place: blob offsets are buffer offsets
-                else:
-                    owner = pool()
-                    while staged >= owner.slots:
-                        drain_one()
-                    slot = owner.acquire()
-                    staged += 1
-                    base = slot.data_ptr() - c0  # so that base + blob offset lands in the slot
-                futs: list[tuple[str, Future[int]]] = []
-                inflight.append((owner, slot, futs))
-                view = ptr_mv(base + c0, c1 - c0)  # the chunk; sliced below, cheaper than a view each time
-                for p0 in range(c0, c1, piece_bytes):
-                    p1 = min(c1, p0 + piece_bytes)
-                    cursor = p0
-                    while k < nk:
-                        if recs is not None and not src:
-                            if filled < nk:
-                                filled = _fill_sources(recs, tensors, order, e_blob, e_off, e_len, filled, b, p1)
-                            k0 = k
-                            k, cursor = gather(
-                                recs.table,
-                                k,
-                                spans.get(b, (k, k))[1],
-                                base + p0,
-                                p0,
-                                p1 - p0,
-                                cursor,
-                                max_len,
-                                not defer,
-                            )  # type: ignore[misc]
-                            if k > k0:
-                                done.append((k0, k))
-                            if k == nk:
-                                break
-                        i = order[k]
-                        off = e_off[i]
-                        if e_blob[i] != b or off >= p1:
-                            break
-                        end = off + e_len[i]
-                        a, z = max(off, p0), min(end, p1)
-                        if a > cursor:
-                            _zero(view, cursor - c0, a - c0)
-                        if not src:
-                            held = contiguous_cpu(tensors[i].tensor)
-                            if held.nbytes != e_len[i]:
-                                raise _resized(tensors[i], held.nbytes, e_len[i])
-                            src = held.data_ptr()
-                            if a == off and z == end and (defer or z - a <= _BLOCK_BYTES):  # whole tensor
-                                memmove(base + a, src, z - a)
-                                if not defer:
-                                    checksums[i] = xxh3_64_intdigest(view[a - c0 : z - c0])
-                                src, held, cursor, k = 0, None, z, k + 1
-                                continue
-                            hasher.reset()
-                        if defer:
-                            memmove(base + a, src + a - off, z - a)
-                        else:
-                            for q in range(a, z, _BLOCK_BYTES):
-                                n = min(_BLOCK_BYTES, z - q)
-                                memmove(base + q, src + q - off, n)
-                                hasher.update(view[q - c0 : q - c0 + n])
-                        cursor = z
-                        if z < end:
-                            break  # the extent goes on in the next piece
-                        if not defer:
-                            checksums[i] = hasher.intdigest()
-                        src, held, k = 0, None, k + 1
-                    if cursor < p1:
-                        _zero(view, cursor - c0, p1 - c0)
-                    submit(b, p0, base + p0, p1 - p0, futs)
-                del view
-        if recs is not None and not defer:
-            table = recs.table
-            for k0, k1 in done:
-                for pos in range(k0, k1):
-                    checksums[order[pos]] = table[4 * pos + 2]
-        if on_staged is not None:
-            on_staged()
-        if defer:
-            bases = [writers[mem].buffer(b).data_ptr() for b in range(len(layout.blob_sizes))]  # type: ignore[index, union-attr]
-            if recs is not None:  # one GIL-free call per blob
-                for b, base in enumerate(bases):
-                    native.hash_into(recs.table, *spans.get(b, (0, 0)), base)  # type: ignore[union-attr]
-                table = recs.table
-                for pos, i in enumerate(order):
-                    checksums[i] = table[4 * pos + 2]
-            else:
-                for i in order:
-                    checksums[i] = xxh3_64_intdigest(ptr_mv(bases[e_blob[i]] + e_off[i], e_len[i], writable=False))
-        if on_packed is not None:
-            on_packed(checksums)
-    finally:
-        while inflight:
-            drain_one()
-    return checksums
+    def hash_in_place(self) -> None:
+        """With :attr:`defer`: every checksum, from the memory tier's buffers (one GIL-free call per
+        blob with the C loop)."""
+        bases = [self.writers[self.mem].buffer(b).data_ptr() for b in range(len(self.layout.blob_sizes))]  # type: ignore[index, union-attr]
+        checksums, order = self.checksums, self.order
+        if self.recs is not None:
+            table = self.recs.table
+            for b, base in enumerate(bases):
+                native.hash_into(table, *self.spans.get(b, (0, 0)), base)  # type: ignore[union-attr]
+            for pos, i in enumerate(order):
+                checksums[i] = table[4 * pos + 2]
+        else:
+            e_blob, e_off, e_len = self.e_blob, self.e_off, self.e_len
+            for i in order:
+                checksums[i] = xxh3_64_intdigest(ptr_mv(bases[e_blob[i]] + e_off[i], e_len[i], writable=False))
+
+    def drain(self) -> None:
+        """Wait for every write still in flight."""
+        while self.inflight:
+            self.drain_one()
+
+    def drain_one(self) -> None:
+        """Wait for the oldest chunk's writes (recording a failed writer) and free its staging slot."""
+        owner, slot, futs = self.inflight.popleft()
+        for name, f in futs:
+            try:
+                f.result()
+            except BaseException as e:
+                if name not in self.failed:
+                    log.error("writing to tier %r failed: %s", name, e)
+                    self.failed[name] = e
+        if owner is not None:
+            self.staged -= 1
+            owner.release(slot)  # type: ignore[arg-type]
 
 
 def build_manifest(

@@ -157,68 +157,79 @@ def _read_blobs(
     return bufs
 
 
-def _verifier(tier: Tier, key: CheckpointKey, m: Manifest) -> Callable[[int, MappedBuffer, int], list[int]]:
+class _Verifier:
     """Checks every tensor's checksum, and that every byte no tensor covers is zero (format.md: gaps
     and padding are zero), so that damage anywhere in a blob is found.
 
-    The returned function is called with a blob's received prefix (``upto`` bytes, growing); it checks
-    what lies wholly inside it and was not checked yet, and returns the indices of the tensors checked.
-    With :mod:`tierckpt.format.native`, each call is one GIL-free C loop.
+    :meth:`verify` is called with a blob's received prefix (``upto`` bytes, growing); it checks what
+    lies wholly inside it and was not checked yet. With :mod:`tierckpt.format.native`, each call is
+    one GIL-free C loop.
     """
-    t = m.tensors
-    order = t.order()  # non-empty tensors by (blob, offset)
-    blob_of, offsets, lengths, checksums = t.blobs, t.offsets, t.lengths, t.checksums
-    span = blob_spans(order, blob_of)
-    done = [(span.get(bi, (0, 0))[0], 0) for bi in range(len(m.blobs))]  # per blob: next position, bytes checked
-    digest, zeros, nz = xxhash.xxh3_64_intdigest, _ZEROS, len(_ZEROS)
-    recs = records(order, offsets, lengths, checksums).table if native is not None else None
 
-    def verify(bi: int, buf: MappedBuffer, upto: int) -> list[int]:
-        k, end = done[bi]
-        k0, stop = k, span.get(bi, (0, 0))[1]
-        if recs is not None:
-            k, end, err, g0, g1 = native.scatter(recs, k, stop, buf.addr, 0, upto, end, upto, THREADS)  # type: ignore[union-attr]
+    def __init__(self, tier: Tier, key: CheckpointKey, m: Manifest) -> None:
+        self.tier, self.key, self.m = tier, key, m
+        t = m.tensors
+        self.order = t.order()  # non-empty tensors by (blob, offset)
+        self.span = blob_spans(self.order, t.blobs)
+        # per blob: next position in order, bytes checked
+        self.done = [(self.span.get(bi, (0, 0))[0], 0) for bi in range(len(m.blobs))]
+        self.recs = records(self.order, t.offsets, t.lengths, t.checksums).table if native is not None else None
+
+    def verify(self, bi: int, buf: MappedBuffer, upto: int) -> list[int]:
+        """Check what the first ``upto`` bytes of blob ``bi`` (in ``buf``) complete; return the indices
+        of the tensors checked."""
+        k, end = self.done[bi]
+        k0, stop = k, self.span.get(bi, (0, 0))[1]
+        if self.recs is not None:
+            k, end, err, g0, g1 = native.scatter(self.recs, k, stop, buf.addr, 0, upto, end, upto, THREADS)  # type: ignore[union-attr]
             if err == 1:
-                _mismatch(bi, order[k])
+                self._mismatch(bi, self.order[k])
             elif err == 2:
-                _padding_error(bi, g0, g1)
+                self._padding_error(bi, g0, g1)
         else:
-            view = ptr_mv(buf.addr, buf.nbytes, writable=False)  # sliced per tensor: cheaper than a view each
-            while k < stop:
-                i = order[k]
-                o = offsets[i]
-                end_i = o + lengths[i]
-                if end_i > upto:
-                    break
-                if o != end and (
-                    view[end:o].tobytes() != zeros[: o - end]
-                    if o - end <= nz
-                    else not all_zero(buf.addr + end, o - end)
-                ):
-                    _padding_error(bi, end, o)
-                if digest(view[o:end_i]) != checksums[i]:
-                    _mismatch(bi, i)
-                end = end_i
-                k += 1
-        size = m.blobs[bi].size
+            k, end = self._verify_python(bi, buf, upto, k, stop, end)
+        size = self.m.blobs[bi].size
         if k == stop and upto >= size and size > end:
             if not all_zero(buf.addr + end, size - end):
-                _padding_error(bi, end, size)
+                self._padding_error(bi, end, size)
             end = size
-        done[bi] = (k, end)
-        return order[k0:k]
+        self.done[bi] = (k, end)
+        return self.order[k0:k]
 
-    def _mismatch(bi: int, i: int) -> None:
+    def _verify_python(self, bi: int, buf: MappedBuffer, upto: int, k: int, stop: int, end: int) -> tuple[int, int]:
+        """:meth:`verify` without the C loop, from position ``k`` (bytes checked up to ``end``): returns
+        the new ``(k, end)``."""
+        t = self.m.tensors
+        order, offsets, lengths, checksums = self.order, t.offsets, t.lengths, t.checksums
+        digest, zeros, nz = xxhash.xxh3_64_intdigest, _ZEROS, len(_ZEROS)
+        view = ptr_mv(buf.addr, buf.nbytes, writable=False)  # sliced per tensor: cheaper than a view each
+        while k < stop:
+            i = order[k]
+            o = offsets[i]
+            end_i = o + lengths[i]
+            if end_i > upto:
+                break
+            if o != end and (
+                view[end:o].tobytes() != zeros[: o - end] if o - end <= nz else not all_zero(buf.addr + end, o - end)
+            ):
+                self._padding_error(bi, end, o)
+            if digest(view[o:end_i]) != checksums[i]:
+                self._mismatch(bi, i)
+            end = end_i
+            k += 1
+        return k, end
+
+    def _mismatch(self, bi: int, i: int) -> None:
         raise CorruptCheckpointError(
-            "checksum mismatch", tier=tier.name, step=key.step, blob=m.blobs[bi].name, key=t.paths[i]
-        )
+            "checksum mismatch", tier=self.tier.name, step=self.key.step, blob=self.m.blobs[bi].name,
+            key=self.m.tensors.paths[i],
+        )  # fmt: skip
 
-    def _padding_error(bi: int, start: int, stop: int) -> None:
+    def _padding_error(self, bi: int, start: int, stop: int) -> None:
         raise CorruptCheckpointError(
-            f"padding bytes [{start}, {stop}) are not zero", tier=tier.name, step=key.step, blob=m.blobs[bi].name
-        )
-
-    return verify
+            f"padding bytes [{start}, {stop}) are not zero",
+            tier=self.tier.name, step=self.key.step, blob=self.m.blobs[bi].name,
+        )  # fmt: skip
 
 
 def _no_tensor(i: int) -> Any:
@@ -235,8 +246,9 @@ def verify_checkpoint(tier: Tier, key: CheckpointKey) -> Manifest:
             resolve_tree(value, ref, _no_tensor, len(m.tensors))
         except CorruptCheckpointError as e:
             raise _located(e, tier, key) from None
-        verify = _verifier(tier, key, m)
-        _read_blobs(tier, key, m, copy.reader(m.blobs), verify)  # every blob open, its size checked first
+        _read_blobs(
+            tier, key, m, copy.reader(m.blobs), _Verifier(tier, key, m).verify
+        )  # every blob open, its size checked first
     return m
 
 
@@ -251,7 +263,7 @@ def read_checkpoint(tier: Tier, key: CheckpointKey, *, allow_pickle: bool = Fals
         m = load_manifest(tier, key, allow_pickle=allow_pickle, copy=copy)
         tree, ref = load_tree(tier, key, m, allow_pickle=allow_pickle)  # valid before a blob is opened
         cache: dict[int, torch.Tensor] = {}
-        verify = _verifier(tier, key, m)
+        verify = _Verifier(tier, key, m).verify
 
         t = m.tensors
         dtypes = [dtype_from_name(d) for d in t.dtypes]

@@ -33,7 +33,7 @@ from tierckpt.format.native import THREADS, Records, all_zero, native, records
 from tierckpt.format.table import blob_spans
 from tierckpt.format.tree import resolve_tree
 from tierckpt.io.buffers import StagingPool, memmove, ptr_mv
-from tierckpt.orchestration.matching import plan
+from tierckpt.orchestration.matching import Match, match_target
 from tierckpt.orchestration.restore import load_head, load_rest
 from tierckpt.tiers.base import CheckpointKey, Tier, TierReader
 
@@ -125,7 +125,7 @@ def restore_into(
             stream.fill()
             m = load_rest(tier, key, head)
             stream.attach(m)
-            todo = plan(m, target, stream.addrs, allow_pickle=allow_pickle, tier=tier, key=key, strict=strict)
+            todo = match_target(m, target, stream.addrs, allow_pickle=allow_pickle, tier=tier, key=key, strict=strict)
             stream.read_direct()
             if not tier.capabilities.shared:  # a striped shared file wants every slot reading
                 stream.reads = _STEADY_READS
@@ -134,13 +134,19 @@ def restore_into(
             stream.close()
     finally:
         reader.close()
+    _apply(todo, len(m.tensors))
+    return target
+
+
+def _apply(todo: Match, n_tensors: int) -> None:
+    """Once every byte is verified: the copies into the target tensors that were not streamed into,
+    and the assignments of the values the target leaves to the checkpoint."""
     with torch.no_grad():
         for dst, fresh in todo.later:
             if dst.numel():
                 dst.copy_(fresh)
-    for container, k, v in todo.assigns:
-        container[k] = resolve_tree(v, todo.ref, todo.made.__getitem__, len(m.tensors))  # references checked by plan
-    return target
+    for container, k, v in todo.assigns:  # references checked by match_target
+        container[k] = resolve_tree(v, todo.ref, todo.made.__getitem__, n_tensors)
 
 
 class _Stream:
@@ -323,7 +329,7 @@ class _Stream:
 
         Bytes are hashed where they arrived, then copied (the copy reads them from the cache), so a
         small tensor's target only ever receives verified bytes; a large one is verified once its
-        last block is in.
+        last block is in (:meth:`_consume_part`).
         """
         t = self.m.tensors
         order, blobs, offsets, lengths, addrs, sums = self.order, t.blobs, t.offsets, t.lengths, self.addrs, t.checksums
@@ -337,10 +343,8 @@ class _Stream:
             while k < nk:
                 if recs is not None:  # whole small tensors of this piece: in C, without the GIL
                     k, cursor, err, g0, g1 = scatter(recs.table, k, stop, base, p0, n, cursor, _BLOCK_BYTES, THREADS)  # type: ignore[misc]
-                    if err == 1:
-                        self._mismatch(bi, order[k])
-                    elif err == 2:
-                        self._padding_error(bi, g0, g1)
+                    if err:
+                        self._scatter_error(bi, k, err, g0, g1)
                     if k == nk:
                         break
                 i = order[k]
@@ -359,26 +363,41 @@ class _Stream:
                     copy(addrs[i], base + s0, end - o)
                     cursor, k = end, k + 1
                     continue
-                a, z = max(o, p0), min(end, p1)
-                if a == o:
-                    self.hasher.reset()
-                if addrs[i] - o == base - p0:  # read straight into the destination: hash only
-                    self.hasher.update(view[a - p0 : z - p0])
-                else:
-                    for q in range(a, z, _BLOCK_BYTES):
-                        c = min(_BLOCK_BYTES, z - q)
-                        self.hasher.update(view[q - p0 : q - p0 + c])
-                        copy(addrs[i] + q - o, base + q - p0, c)
-                cursor = z
-                if z < end:
+                cursor = min(end, p1)
+                if not self._consume_part(bi, i, view, base, p0, o, end):
                     return  # the tensor goes on in the next piece
-                if self.hasher.intdigest() != sums[i]:
-                    self._mismatch(bi, i)
                 k += 1
             if cursor < p1:
                 self._check_zero(bi, base, cursor - p0, n, p0)
         finally:
             self.k = k
+
+    def _consume_part(self, bi: int, i: int, view: memoryview, base: int, p0: int, o: int, end: int) -> bool:
+        """Hash and copy the part of tensor ``i`` (extent ``[o, end)``) that piece ``view`` (blob
+        ``bi`` from ``p0``, at ``base``) holds, in blocks; True once its last byte is in and verified."""
+        a, z = max(o, p0), min(end, p0 + len(view))
+        hasher, dst = self.hasher, self.addrs[i]
+        if a == o:
+            hasher.reset()
+        if dst - o == base - p0:  # read straight into the destination: hash only
+            hasher.update(view[a - p0 : z - p0])
+        else:
+            for q in range(a, z, _BLOCK_BYTES):
+                c = min(_BLOCK_BYTES, z - q)
+                hasher.update(view[q - p0 : q - p0 + c])
+                memmove(dst + q - o, base + q - p0, c)
+        if z < end:
+            return False
+        if hasher.intdigest() != self.m.tensors.checksums[i]:
+            self._mismatch(bi, i)
+        return True
+
+    def _scatter_error(self, bi: int, k: int, err: int, g0: int, g1: int) -> None:
+        """Raise what the C loop found at position ``k``: 1, a checksum mismatch; 2, padding ``[g0, g1)``
+        that is not zero."""
+        if err == 1:
+            self._mismatch(bi, self.order[k])
+        self._padding_error(bi, g0, g1)
 
     def _check_zero(self, bi: int, base: int, start: int, stop: int, base_off: int) -> None:
         if not all_zero(base + start, stop - start):
