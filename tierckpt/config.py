@@ -194,7 +194,7 @@ class HierarchyConfig:
     policy: PolicyConfig = field(default_factory=PolicyConfig)
 
 
-def _check_keys(d: Any, key: str, allowed: set[str], required: set[str] = frozenset()) -> Mapping[str, Any]:  # type: ignore[assignment]
+def _check_keys(d: Any, key: str, allowed: set[str], required: set[str] = frozenset()) -> Mapping[str, Any]:  # type: ignore[assignment]  # a frozenset default for a set parameter: never mutated
     if not isinstance(d, Mapping):
         raise ConfigError(f"{key}: expected a mapping, got {type(d).__name__} {_short(d)}")
     for k in d:
@@ -369,7 +369,7 @@ _POLICY_KEYS = {"keep", "demote", "promote", "on_full"}
 def _choice(v: Any, key: str, choices: tuple[str, ...]) -> str:
     if v not in choices:
         raise ConfigError(f"{key}: expected one of {', '.join(choices)}, got {_short(v)}")
-    return v  # type: ignore[no-any-return]
+    return v  # type: ignore[no-any-return]  # v is one of the str choices (checked above)
 
 
 def _bool(v: Any, key: str) -> bool:

@@ -16,8 +16,12 @@ from __future__ import annotations
 
 import importlib
 from importlib.metadata import entry_points
+from typing import TYPE_CHECKING
 
 from tierckpt.errors import ConfigError
+
+if TYPE_CHECKING:
+    from tierckpt.tiers.base import Tier
 
 __all__ = ["available_kinds", "get_tier_class", "register_tier"]
 
@@ -29,7 +33,7 @@ _known: dict[str, str] = {
     "local": "tierckpt.tiers.local:LocalTier",
     "pfs": "tierckpt.tiers.pfs:PfsTier",
 }
-_registry: dict[str, type] = {}
+_registry: dict[str, type[Tier]] = {}
 
 
 def register_tier(kind: str, cls: type | str, *, clobber: bool = False) -> None:
@@ -57,7 +61,7 @@ def available_kinds() -> list[str]:
     return sorted(set(_known) | set(_registry) | set(_entry_points()))
 
 
-def get_tier_class(kind: str, key: str = "kind") -> type:
+def get_tier_class(kind: str, key: str = "kind") -> type[Tier]:
     """The class for ``kind``, importing it on first use.
 
     Raises:
@@ -74,9 +78,9 @@ def get_tier_class(kind: str, key: str = "kind") -> type:
         cls = getattr(importlib.import_module(mod_name), attr)
     except (ImportError, AttributeError) as e:
         raise ConfigError(f"{key}: tier kind {kind!r} ({target}) cannot be imported: {e}") from e
-    from tierckpt.tiers.base import Tier  # only now: a kind is being used
+    from tierckpt.tiers.base import Tier as _Tier  # only now: a kind is being used
 
-    if not (isinstance(cls, type) and issubclass(cls, Tier)):
+    if not (isinstance(cls, type) and issubclass(cls, _Tier)):
         raise ConfigError(f"{key}: tier kind {kind!r} ({target}) is not a tierckpt.tiers.base.Tier subclass")
     _registry[kind] = cls
     return cls

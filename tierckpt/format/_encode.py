@@ -186,7 +186,8 @@ class Walk:
 
 
 def _pack(v: Any) -> bytes:
-    return msgpack.packb(v, use_bin_type=True, strict_types=True)
+    out: bytes = msgpack.packb(v, use_bin_type=True, strict_types=True)
+    return out
 
 
 def _refuse(path: str, what: str) -> StateError:
@@ -229,7 +230,7 @@ def _readable(t: torch.Tensor, path: str) -> tuple[torch.Tensor, int, int]:
         plain = as_plain(t)
         if type(plain) is str:
             raise StateError(f"{path}: cannot save {plain}")
-        t = plain  # type: ignore[assignment]
+        t = plain  # type: ignore[assignment]  # the plain tensor replaces the subclass for the rest of the walk
     try:
         if t.layout is torch.strided and not (t.is_quantized or t.is_meta or t.is_nested):
             nb, p = t.nbytes, t.data_ptr()

@@ -144,7 +144,7 @@ def unusable(
     corrupt = [e for _, e in failures if isinstance(e, CorruptCheckpointError)]
     if len(corrupt) == len(failures):
         err: BaseException = CorruptCheckpointError(msg, step=step)
-        err.tier, err.blob, err.key = corrupt[0].tier, corrupt[0].blob, corrupt[0].key  # type: ignore[attr-defined]
+        err.tier, err.blob, err.key = corrupt[0].tier, corrupt[0].blob, corrupt[0].key  # type: ignore[attr-defined]  # the error's location attributes are set after construction (CorruptCheckpointError's, via BaseException)
     else:
         io = next(e for _, e in failures if not isinstance(e, CorruptCheckpointError))
         err = TierIOError(getattr(io, "errno", None), msg)

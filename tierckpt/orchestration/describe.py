@@ -94,7 +94,7 @@ def describe(m: Manifest, tier: str) -> dict[str, Any]:
     """
     tree, ref = decode_tree(m.tree, len(m.tensors), m.version, allow_pickle=True, unpickle=False)
     uses, values = _walk(tree, ref, len(m.tensors))
-    tensors = []
+    tensors: list[dict[str, Any]] = []
     for i, t in enumerate(m.tensors):
         keys = uses.get(i, [t.path])
         tensors.append({

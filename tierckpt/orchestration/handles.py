@@ -33,8 +33,8 @@ class SaveHandle:
         """Failures so far, by tier name (``"staged"`` for a failure before any tier got the bytes)."""
         out: dict[str, BaseException] = {}
         if self.staged.done() and self.staged.exception() is not None:
-            out["staged"] = self.staged.exception()  # type: ignore[assignment]
-        out.update({n: f.exception() for n, f in self.durable.items() if f.done() and f.exception() is not None})  # type: ignore[misc]
+            out["staged"] = self.staged.exception()  # type: ignore[assignment]  # done and not None: checked on the line above
+        out.update({n: f.exception() for n, f in self.durable.items() if f.done() and f.exception() is not None})  # type: ignore[misc]  # the filter keeps only futures whose exception() is not None
         return out
 
     def wait(self, tier: str | None = None, timeout: float | None = None) -> None:

@@ -272,7 +272,7 @@ class _Packer:
         k0 = self.k
         stop = self.spans.get(b, (k0, k0))[1]
         gather = self.gather  # _native.gather(recs, k, stop, base, p0, n, cursor, max_len, hash) -> (k, cursor)
-        self.k, cursor = gather(recs.table, k0, stop, base + p0, p0, p1 - p0, cursor, self.max_len, not self.defer)  # type: ignore[misc]
+        self.k, cursor = gather(recs.table, k0, stop, base + p0, p0, p1 - p0, cursor, self.max_len, not self.defer)  # type: ignore[misc]  # self.gather is set only when the C loop exists (checked by the caller)
         if self.k > k0:
             self.done.append((k0, self.k))
         return cursor
@@ -326,12 +326,12 @@ class _Packer:
     def hash_in_place(self) -> None:
         """With :attr:`defer`: every checksum, from the memory tier's buffers (one GIL-free call per
         blob with the C loop)."""
-        bases = [self.writers[self.mem].buffer(b).data_ptr() for b in range(len(self.layout.blob_sizes))]  # type: ignore[index, union-attr]
+        bases = [self.writers[self.mem].buffer(b).data_ptr() for b in range(len(self.layout.blob_sizes))]  # type: ignore[index, union-attr]  # deferred hashing only happens with a memory tier, whose writer has buffers
         checksums, order = self.checksums, self.order
         if self.recs is not None:
             table = self.recs.table
             for b, base in enumerate(bases):
-                native.hash_into(table, *self.spans.get(b, (0, 0)), base)  # type: ignore[union-attr]
+                native.hash_into(table, *self.spans.get(b, (0, 0)), base)  # type: ignore[union-attr]  # recs is not None only when the C loop (native) exists
             for pos, i in enumerate(order):
                 checksums[i] = table[4 * pos + 2]
         else:
@@ -356,7 +356,7 @@ class _Packer:
                     self.failed[name] = e
         if owner is not None:
             self.staged -= 1
-            owner.release(slot)  # type: ignore[arg-type]
+            owner.release(slot)  # type: ignore[arg-type]  # owner is the pool the slot came from: a StagingPool
 
 
 def build_manifest(

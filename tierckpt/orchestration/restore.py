@@ -181,7 +181,7 @@ class _Verifier:
         k, end = self.done[bi]
         k0, stop = k, self.span.get(bi, (0, 0))[1]
         if self.recs is not None:
-            k, end, err, g0, g1 = native.scatter(self.recs, k, stop, buf.addr, 0, upto, end, upto, THREADS)  # type: ignore[union-attr]
+            k, end, err, g0, g1 = native.scatter(self.recs, k, stop, buf.addr, 0, upto, end, upto, THREADS)  # type: ignore[union-attr]  # the C path runs only when native is not None
             if err == 1:
                 self._mismatch(bi, self.order[k])
             elif err == 2:

@@ -257,17 +257,17 @@ class _Stream:
     def _submit(self) -> None:  # with self.lock held
         pool = self.pool
         while (
-            self.todo and self.running < self.reads and len(self.inflight) < pool.slots  # type: ignore[union-attr]
+            self.todo and self.running < self.reads and len(self.inflight) < pool.slots  # type: ignore[union-attr]  # pool is set once the manifest is attached, before any read is submitted
             and not self.closed and self.error is None
         ):  # fmt: skip
             bi, off, n, dest = self.todo.popleft()
             slot = None if dest else pool.acquire()  # type: ignore[union-attr]  # never waits: one is free
-            base = dest or slot.data_ptr()  # type: ignore[union-attr]
+            base = dest or slot.data_ptr()  # type: ignore[union-attr]  # a read without a direct destination always has a staging slot
             try:
                 fut = self.reader.read(bi, off, base, n)
             except BaseException:
                 if slot is not None:
-                    pool.release(slot)  # type: ignore[union-attr]
+                    pool.release(slot)  # type: ignore[union-attr]  # the pool exists while reads are in flight
                 raise
             self.running += 1
             self.inflight.append((bi, off, n, slot, fut, base))
@@ -290,7 +290,7 @@ class _Stream:
         if self.in_memory:
             for bi, (b, buf) in enumerate(zip(self.head.blobs, self.bufs)):
                 if b.size:
-                    self.consume(bi, 0, b.size, buf.data_ptr())  # type: ignore[union-attr]
+                    self.consume(bi, 0, b.size, buf.data_ptr())  # type: ignore[union-attr]  # a memory tier's reader has a buffer for every blob
         else:
             while True:
                 self.fill()
@@ -308,7 +308,7 @@ class _Stream:
                 with self.lock:
                     self.inflight.popleft()
                     if slot is not None:
-                        self.pool.release(slot)  # type: ignore[union-attr]
+                        self.pool.release(slot)  # type: ignore[union-attr]  # the pool exists while reads are in flight
         if self.k != len(self.order):  # pragma: no cover - the manifest's validation rules this out
             raise CorruptCheckpointError("blobs end before the tensors do", tier=self.tier.name, step=self.key.step)
 
@@ -322,7 +322,7 @@ class _Stream:
             with contextlib.suppress(BaseException):
                 fut.exception()
             if slot is not None:
-                self.pool.release(slot)  # type: ignore[union-attr]
+                self.pool.release(slot)  # type: ignore[union-attr]  # the pool exists while reads are in flight
 
     def consume(self, bi: int, p0: int, n: int, base: int) -> None:
         """Take bytes ``[p0, p0 + n)`` of blob ``bi``, found at address ``base``; pieces come in order.
@@ -342,7 +342,7 @@ class _Stream:
         try:
             while k < nk:
                 if recs is not None:  # whole small tensors of this piece: in C, without the GIL
-                    k, cursor, err, g0, g1 = scatter(recs.table, k, stop, base, p0, n, cursor, _BLOCK_BYTES, THREADS)  # type: ignore[misc]
+                    k, cursor, err, g0, g1 = scatter(recs.table, k, stop, base, p0, n, cursor, _BLOCK_BYTES, THREADS)  # type: ignore[misc]  # scatter is the C loop's, set only where it exists
                     if err:
                         self._scatter_error(bi, k, err, g0, g1)
                     if k == nk:

@@ -7,6 +7,8 @@ from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
 from typing import TYPE_CHECKING
 
+import torch
+
 from tierckpt.errors import ConfigError
 from tierckpt.format.manifest import BlobEntry
 from tierckpt.tiers.base import CheckpointKey, EngineSource, Tier, TierCopy, TierReader, TierWriter
@@ -148,7 +150,7 @@ class _FaultyWriter(TierWriter):
     def __init__(self, tier: FaultyTier, inner: TierWriter) -> None:
         self.tier, self.inner = tier, inner
 
-    def buffer(self, blob: int):  # type: ignore[no-untyped-def]
+    def buffer(self, blob: int) -> torch.Tensor | None:
         return None if "write" in self.tier.fail or "write" in self.tier.gates else self.inner.buffer(blob)
 
     def write(self, blob: int, offset: int, addr: int, nbytes: int) -> Future[int]:
@@ -170,7 +172,7 @@ class _FaultyReader(TierReader):
     def __init__(self, tier: FaultyTier, inner: TierReader) -> None:
         self.tier, self.inner = tier, inner
 
-    def buffer(self, blob: int):  # type: ignore[no-untyped-def]
+    def buffer(self, blob: int) -> torch.Tensor | None:
         return None if "read" in self.tier.fail or "read" in self.tier.gates else self.inner.buffer(blob)
 
     def read(self, blob: int, offset: int, addr: int, nbytes: int) -> Future[int]:

@@ -293,7 +293,7 @@ class FileTier(Tier):
         ``rank`` on a shared tier, so that a rank does not look at every other rank's copies."""
         out = []
         for step in self._step_dirs():
-            s = int(_STEP_RE.fullmatch(step.name).group(1))  # type: ignore[union-attr]
+            s = int(_STEP_RE.fullmatch(step.name).group(1))  # type: ignore[union-attr]  # the name matched _STEP_RE when the entry was listed
             try:
                 with os.scandir(step) as it:
                     entries = [e for e in it if _RANK_RE.fullmatch(e.name)]

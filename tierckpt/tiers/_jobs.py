@@ -194,7 +194,7 @@ def hierarchy_job(tiers: Sequence[object], job: str | None) -> str:
     Raises:
         ConfigError: the tiers' leases are held for different jobs, or not for ``job``.
     """
-    held = {t.name: t.lease.job.value for t in tiers if getattr(t, "lease", None) is not None}  # type: ignore[attr-defined]
+    held = {t.name: t.lease.job.value for t in tiers if getattr(t, "lease", None) is not None}  # type: ignore[attr-defined]  # file tiers have a lease; other tiers are skipped by the getattr
     want = resolve_job(job).value if job is not None or not held else None
     for name, value in held.items():
         want = want or value

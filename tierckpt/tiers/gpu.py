@@ -66,6 +66,16 @@ def device_copy(dst: torch.Tensor, src: torch.Tensor, nbytes: int) -> None:
     stream.synchronize()
 
 
+def _own_buffer(writer: TierWriter, blob: int) -> torch.Tensor:
+    """The blob's device buffer of a writer this tier reserved (its writers always have one)."""
+    buf = writer.buffer(blob)
+    if buf is None:
+        raise TypeError(
+            f"GpuTier.pack: {type(writer).__name__} has no buffer for blob {blob} (not a gpu tier's writer)"
+        )
+    return buf
+
+
 def _host_view(addr: int, nbytes: int) -> torch.Tensor:
     return torch.frombuffer(ptr_mv(addr, nbytes), dtype=torch.uint8)
 
@@ -154,7 +164,7 @@ class GpuTier(HostTier):
         uploaded. Gaps and padding are zeroed. ``on_staged`` runs once the copies out of the caller's
         tensors are complete; the checksums are computed afterwards from the packed blobs.
         """
-        bufs = [writer.buffer(b) for b in range(len(layout.blob_sizes))]
+        bufs = [_own_buffer(writer, b) for b in range(len(layout.blob_sizes))]
         stream = side_stream(self.device)
         if stream is not None:
             stream.wait_stream(torch.cuda.current_stream(self.device))  # the state as the caller queued it
