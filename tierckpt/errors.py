@@ -137,9 +137,12 @@ class TierBusyError(TierckptError, BlockingIOError):
         return str(self.strerror)
 
 
-class CoordinationError(TierckptError, TimeoutError):
+class CoordinationError(TierckptError, RuntimeError):
     """The ranks of a job could not agree in time (a rank died, hung or left): the step or restore in
     question fails on every rank that waited, naming the ranks that did not answer; training goes on.
+
+    Not an ``OSError`` (nor a ``TimeoutError``, which is one): a restore must not take it for a damaged
+    copy and try the next tier, and a tier's I/O error handling must not swallow it.
 
     Attributes:
         ranks: the ranks that did not answer (empty when unknown).

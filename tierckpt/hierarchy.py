@@ -49,7 +49,7 @@ from tierckpt.orchestration.restore_into import RestoreStaging
 from tierckpt.orchestration.savejob import SaveJob
 from tierckpt.orchestration.verify import holds, verify_copies
 from tierckpt.policies.demotion import Demotion
-from tierckpt.policies.placement import Close, CopyPlan, Policy, Prefetch, Save, SavePlan, place
+from tierckpt.policies.placement import Close, CopyPlan, Policy, Prefetch, Restored, Save, SavePlan, place
 from tierckpt.policies.retention import RetentionPolicy
 from tierckpt.registry import get_tier_class
 from tierckpt.tiers._jobs import hierarchy_job, resolve_job
@@ -146,7 +146,6 @@ class Hierarchy:
         self._catalog = Catalog(self._tiers, self.rank, now=_clock())
         self._mover = Mover(self._tiers, self.placement, self._catalog, self.coordinator, self._staging)
         self._pending = Pending()
-        self._warned_order = False
         self._lock = threading.RLock()
         self._closed = False
         self.last_restore: tuple[int, str] | None = None
@@ -259,7 +258,7 @@ class Hierarchy:
         key = CheckpointKey(step, self.rank)
         with self._lock:
             plan = self._plan_save(key)
-            self._check_order(step)
+            self._catalog.saw_step(step)
             handle = SaveHandle(step, plan.tiers)
             self._pending.add_save(handle)
             self._catalog.plan(step, plan.tiers)
@@ -279,24 +278,15 @@ class Hierarchy:
         if key.step <= self._catalog.newest_step():
             holders = [t.name for t in self._tiers[1:] if holds(t, key)]
         view = self._catalog.view()
-        plan = self.coordinator.decide(lambda: place(Save(key.step, _clock(), holders), self.placement, view))
+
+        def decide() -> SavePlan:
+            return place(Save(key.step, _clock(), holders), self.placement, view)
+
+        # a plan from counts alone is the same on every rank; one that reads the clock is one rank's
+        plan = self.coordinator.decide(f"save/{key.step}", decide) if self.placement.reads_clock else decide()
         if plan.replaced:
             log.info("step %d is saved again: its older copies on %s are replaced too", key.step, list(plan.replaced))
         return plan
-
-    def _check_order(self, step: int) -> None:
-        """Warn once when a save's step is older than one already committed: ``restore()`` without a
-        step still picks the newer one (a job that went back to an older step should remove the steps
-        it abandoned, or restore by step)."""
-        newest = self._catalog.newest_step()
-        if step < newest and not self._warned_order:
-            self._warned_order = True
-            log.warning(
-                "saving step %d, older than step %d already saved: restore() without a step picks step %d; "
-                "keep: windows count steps by number (this save is kept until a later save replaces it)",
-                step, newest, newest,
-            )  # fmt: skip
-        self._catalog.saw_step(step)
 
     # -- promotion ------------------------------------------------------------------------------------------
     def prefetch(self, step: int | None = None, to: str | None = None) -> Future[str]:
@@ -324,15 +314,20 @@ class Hierarchy:
         except CheckpointNotFoundError as e:
             out.set_exception(e)
             return out
-        plan: CopyPlan = place(Prefetch(info.step, to, info.tiers), self.placement, self._catalog.view())
-        if plan.there is not None:  # already there, or higher
+        return self._promote(place(Prefetch(info.step, to, info.tiers), self.placement, self._catalog.view()), to)
+
+    def _promote(self, plan: CopyPlan, to: str) -> Future[str]:
+        """Execute a promotion plan; the future resolves to ``to`` once it has committed the copy."""
+        out: Future[str] = Future()
+        if plan.there is not None or plan.step is None:  # already there, or higher
             out.set_result(to)
             return out
         with self._lock:
             done = self._mover.execute(plan)
-            top = done[to]
-            top.add_done_callback(lambda f: out.set_exception(err) if (err := f.exception()) else out.set_result(to))
-            self._pending.add_promotion(info.step, out, [f for n, f in done.items() if n != to])
+            done[to].add_done_callback(
+                lambda f: out.set_exception(err) if (err := f.exception()) else out.set_result(to)
+            )
+            self._pending.add_promotion(plan.step, out, [f for n, f in done.items() if n != to])
         return out
 
     # -- read side ---------------------------------------------------------------------------------------
@@ -401,14 +396,12 @@ class Hierarchy:
             check_step(step)
         if tier is not None:
             self.tier(tier)
+        asked = step
         if step is None:  # every rank restores the same step: this one's newest, or the one they agreed on
             infos = self._catalog.committed_steps(tier)
             step = agreed_step(self.coordinator, infos[-1].step if infos else None)
         if tier is None and self._pending.any_climbing():
-            climbing = self._pending.climbing(self._locate(step).step)
-            if climbing is not None:
-                log.info("restore: waiting for the prefetch of a step")
-                climbing.exception()
+            self._pending.wait_climbing(self._locate(step).step)
 
         def read(s: int, name: str) -> Any:
             key = CheckpointKey(s, self.rank)
@@ -419,8 +412,13 @@ class Hierarchy:
         where = f"rank {self.rank} on " + (f"tier {tier!r}" if tier else "any tier")
         state, got, name = choose_and_read(lambda: self._catalog.committed_steps(tier), read, step, where)
         self.last_restore = (got, name)
-        if tier is None and self.placement.promote_on_restore and self._index[name] > 0 and not self.readonly:
-            self.prefetch(got)
+        if asked is None:  # a rank that fell back to an older step: every rank restores the same one
+            agreed = agreed_step(self.coordinator, got)
+            if agreed is not None:
+                log.warning("restore: step %d is the newest step every rank could read; reading it", agreed)
+                return self.restore(agreed, into=into, allow_pickle=allow_pickle, tier=tier, strict=strict)
+        if tier is None and not self.readonly:  # promote_on_restore
+            self._promote(place(Restored(got, name), self.placement, self._catalog.view()), self._tiers[0].name)
         return state
 
     def inspect(self, step: int | None = None) -> tuple[str, Manifest]:

@@ -89,3 +89,26 @@ def test_readonly_needs_the_bucket(tmp_path: Path) -> None:
 def test_it_checks_its_location_and_options(tmp_path: Path, location: str, options: str, message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         Hierarchy.from_yaml(config(tmp_path, location, options))
+
+
+@pytest.mark.parametrize("where", ["top", "fallback"])
+def test_packing_into_it_honours_its_part_size(tmp_path: Path, where: str) -> None:
+    """The default part_size (8 MiB) above the hierarchy's io chunk: packing straight into the tier (as
+    the top tier, or as the fallback when the host above refuses the save) writes parts of at least
+    that size, in order; a 20 MiB state spans several parts and a short last one."""
+    state = {"w": torch.randn(5 << 20, generator=torch.Generator().manual_seed(7))}  # 20 MiB
+    obj = ObjdirTier("obj", tmp_path / "bucket")
+    tiers: list[Tier] = [obj] if where == "top" else []
+    policy = {}
+    if where == "fallback":
+        from tierckpt.tiers.host import HostTier
+
+        tiers = [HostTier("host", capacity_bytes=1 << 20), obj]
+        policy = {"on_full": {"host": "fail"}}
+    with Hierarchy(tiers, policy=policy) as h:
+        handle = h.save(state, step=1)
+        if where == "fallback":
+            with pytest.raises(OSError):
+                handle.wait(tier="host")
+        handle.wait(tier="obj")
+        assert torch.equal(h.restore(step=1, tier="obj")["w"], state["w"])

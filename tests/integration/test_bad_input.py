@@ -87,7 +87,7 @@ def test_a_step_saved_again_replaces_its_older_copies_on_tiers_it_would_skip(tmp
 def test_two_tiers_in_one_directory_are_refused(tmp_path: Path) -> None:
     config = cfg(tmp_path, "ssd", "pfs")
     config["tiers"][1]["path"] = str(tmp_path / "ssd") + "/"
-    with pytest.raises(ConfigError, match=r"tiers\[1\].path: .* is the directory of tiers\[0\] \('ssd'\)"):
+    with pytest.raises(ConfigError, match=r"tiers\[1\].path: .* is the location of tiers\[0\] \('ssd'\)"):
         Hierarchy.from_config(config)
     os.symlink(tmp_path / "ssd", tmp_path / "link")
     config["tiers"][1]["path"] = str(tmp_path / "link")

@@ -15,7 +15,6 @@ from tierckpt.errors import CheckpointNotFoundError, ConfigError
 from tierckpt.io.engine import make_engine
 from tierckpt.orchestration.coordinator import Coordinator, SoloCoordinator
 from tierckpt.policies import SavePlan
-from tierckpt.policies.retention import RetentionPlan
 from tierckpt.tiers.host import HostTier
 from tierckpt.tiers.pfs import PfsTier
 
@@ -29,23 +28,25 @@ class Rank0Says(SoloCoordinator):
     def __init__(self, step: int | None = -1, override: Callable[[Any], Any] | None = None) -> None:
         super().__init__(rank=1, world_size=2)
         self.step, self.override = step, override
-        self.decisions: list[Any] = []
+        self.decisions: list[tuple[str, Any]] = []
+        self.asked: list[int | None] = []
 
     def agree_step(self, newest: int | None, timeout: float | None = None) -> int | None:
+        self.asked.append(newest)
         return newest if self.step == -1 else self.step
 
-    def decide(self, fn: Callable[[], T], timeout: float | None = None) -> T:
+    def decide(self, key: str, fn: Callable[[], T], timeout: float | None = None) -> T:
         out = fn()
         if self.override is not None:
             out = self.override(out)
-        self.decisions.append(out)
+        self.decisions.append((key, out))
         return out
 
 
 def test_the_solo_coordinator_is_a_coordinator_and_checks_its_rank() -> None:
     c = SoloCoordinator(rank=0, world_size=1)
     assert isinstance(c, Coordinator)
-    assert c.decide(lambda: 3) == 3 and c.agree_step(5) == 5 and c.all_gather("x") == ["x"]
+    assert c.decide("k", lambda: 3) == 3 and c.agree_step(5) == 5 and c.all_gather("x") == ["x"]
     with pytest.raises(ConfigError, match=r"rank: 2 is not in \[0, 2\)"):
         SoloCoordinator(rank=2, world_size=2)
 
@@ -62,7 +63,7 @@ def test_every_rank_restores_the_step_the_ranks_agreed_on(tmp_path: Path) -> Non
         assert h.restore(step=2)["s"].item() == 2  # an explicit step is not negotiated
 
 
-def test_where_a_save_goes_is_the_deciding_ranks_plan(tmp_path: Path) -> None:
+def test_where_a_save_goes_by_the_clock_is_the_deciding_ranks_plan(tmp_path: Path) -> None:
     def top_only(plan: Any) -> Any:  # the deciding rank's clock said the pfs is not due
         if isinstance(plan, SavePlan):
             return SavePlan(plan.step, plan.copies[:1], plan.sent)
@@ -70,12 +71,38 @@ def test_where_a_save_goes_is_the_deciding_ranks_plan(tmp_path: Path) -> None:
 
     coord = Rank0Says(override=top_only)
     pfs = PfsTier("pfs", tmp_path / "pfs", make_engine("threads", 2))
-    with Hierarchy([HostTier("host"), pfs], coordinator=coord) as h:
+    policy = {"demote": {"pfs": {"every_secs": 0.001}}}
+    with Hierarchy([HostTier("host"), pfs], policy=policy, coordinator=coord) as h:
         handle = h.save({"w": torch.ones(4)}, step=1)
         handle.wait()
         assert list(handle.durable) == ["host"]
         assert [c.tiers for c in h.checkpoints()] == [("host",)]
-    assert any(isinstance(d, SavePlan) for d in coord.decisions)
+    assert [k for k, d in coord.decisions if isinstance(d, SavePlan)] == ["save/1"]
+
+
+def test_a_plan_from_counts_alone_is_made_by_each_rank(tmp_path: Path) -> None:
+    coord = Rank0Says()
+    pfs = PfsTier("pfs", tmp_path / "pfs", make_engine("threads", 2))
+    with Hierarchy([HostTier("host"), pfs], policy={"demote": {"pfs": {"every": 2}}}, coordinator=coord) as h:
+        for s in (1, 2):
+            h.save({"w": torch.ones(4)}, step=s).wait()
+    assert not [k for k, _ in coord.decisions if k.startswith("save/")]  # no collective per save
+
+
+def test_ranks_agree_again_when_one_fell_back_to_an_older_step(tmp_path: Path) -> None:
+    """This rank reads its newest step 3; another rank could only read step 2: all restore step 2."""
+
+    class OtherRankFellBack(Rank0Says):
+        def agree_step(self, newest: int | None, timeout: float | None = None) -> int | None:
+            self.asked.append(newest)
+            return newest if len(self.asked) == 1 else 2
+
+    coord = OtherRankFellBack()
+    with Hierarchy([HostTier("host")], coordinator=coord) as h:
+        for s in (1, 2, 3):
+            h.save({"s": torch.tensor([s])}, step=s).wait()
+        assert h.restore()["s"].item() == 2 and h.last_restore == (2, "host")
+    assert coord.asked == [3, 3]
 
 
 def test_what_a_shared_tier_evicts_is_the_deciding_ranks_plan(tmp_path: Path) -> None:
@@ -89,4 +116,5 @@ def test_what_a_shared_tier_evicts_is_the_deciding_ranks_plan(tmp_path: Path) ->
             h.save({"s": torch.tensor([s])}, step=s).wait()
         on = {n: [c.step for c in h.checkpoints() if n in c.tiers] for n in ("host", "pfs")}
     assert on == {"host": [3], "pfs": [1, 2, 3]}  # the host (not shared) follows its own window
-    assert not any(isinstance(d, RetentionPlan) for d in coord.decisions)
+    keys = [k for k, _ in coord.decisions]
+    assert "retain/pfs/3" in keys and all(k.startswith("retain/") for k in keys)

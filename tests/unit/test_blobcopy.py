@@ -9,11 +9,13 @@ from dataclasses import replace
 
 import pytest
 
+from tierckpt.format.manifest import BlobEntry
 from tierckpt.orchestration.blobcopy import write_chunk, writer_for
 from tierckpt.tiers.base import TierWriter
 from tierckpt.tiers.host import HostTier
 
 MiB = 1 << 20
+BLOBS = [BlobEntry(f"blob-{i:05d}.bin", n) for i, n in enumerate([15, 7, 0, 1])]
 
 
 def tier(**caps: object) -> HostTier:
@@ -57,25 +59,28 @@ def test_the_write_chunk_stays_within_the_declared_part_sizes() -> None:
     t.chunk_bytes = 10 * MiB + 100
     assert write_chunk(t, 4096) == 10 * MiB  # a multiple of the alignment
     assert write_chunk(tier(), 4096) == HostTier.chunk_bytes
+    odd = tier(min_part_bytes=5 * MiB + 1)
+    odd.chunk_bytes = 1 * MiB
+    assert write_chunk(odd, 4096) == 5 * MiB + 4096  # rounded up to the alignment, never below the minimum
 
 
 def test_a_tier_with_random_writes_gets_the_writer_as_it_is() -> None:
     inner = Recording()
-    assert writer_for(tier(), inner) is inner
+    assert writer_for(tier(), inner, BLOBS) is inner
 
 
 def test_a_sequential_tier_gets_each_blobs_writes_in_order_one_at_a_time() -> None:
     inner = Recording()
-    w = writer_for(tier(sequential_writes=True), inner)
+    w = writer_for(tier(sequential_writes=True), inner, BLOBS)
     for blob, off, n in [(0, 0, 10), (0, 10, 5), (1, 0, 7), (3, 0, 1)]:  # blob 2 is empty: skipped
         assert w.write(blob, off, 0, n).result() == n
     w.commit(b"m")
     assert inner.writes == [(0, 0, 10), (0, 10, 5), (1, 0, 7), (3, 0, 1)] and inner.committed == b"m"
 
 
-@pytest.mark.parametrize(("blob", "off"), [(0, 20), (0, 0), (1, 5)])
+@pytest.mark.parametrize(("blob", "off"), [(0, 20), (0, 0), (1, 5), (1, 0), (3, 0)])
 def test_a_sequential_tier_refuses_a_write_out_of_order(blob: int, off: int) -> None:
-    w = writer_for(tier(sequential_writes=True), Recording())
+    w = writer_for(tier(sequential_writes=True), Recording(), BLOBS)
     w.write(0, 0, 0, 10)
     with pytest.raises(ValueError, match="takes writes in order only"):
         w.write(blob, off, 0, 5)
@@ -83,8 +88,9 @@ def test_a_sequential_tier_refuses_a_write_out_of_order(blob: int, off: int) -> 
 
 def test_after_a_failed_write_a_sequential_tier_gets_no_more() -> None:
     inner = Recording(fail_at=0)
-    w = writer_for(tier(sequential_writes=True), inner)
+    w = writer_for(tier(sequential_writes=True), inner, BLOBS)
     first = w.write(0, 0, 0, 10)
-    second = w.write(0, 10, 0, 10)
-    assert isinstance(second.exception(), OSError) and second is first
+    second = w.write(0, 10, 0, 5)
+    third = w.write(1, 0, 0, 7)  # the tier's error, not an ordering one
+    assert isinstance(second.exception(), OSError) and second is first and third is first
     assert inner.writes == [(0, 0, 10)]

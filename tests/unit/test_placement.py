@@ -18,6 +18,7 @@ from tierckpt.policies import (
     Never,
     Policy,
     Prefetch,
+    Restored,
     Retain,
     Save,
     Sent,
@@ -94,6 +95,18 @@ def test_prefetch_reads_the_fastest_holder_and_stops_where_the_step_already_is()
     )
     already = place(Prefetch(9, "ssd", holders={"host", "pfs"}), policy(), CatalogView())
     assert already.copies == () and already.there == "host"
+
+
+def test_a_restore_from_a_lower_tier_promotes_it_only_when_the_policy_says_so() -> None:
+    assert place(Restored(3, "pfs"), policy(), CatalogView()).copies == ()
+    promoted = place(Restored(3, "pfs"), policy(promote_on_restore=True), CatalogView())
+    assert promoted.copies == (Copy("host", ("pfs",), promoted=True), Copy("ssd", ("host", "pfs"), promoted=True))
+    assert place(Restored(3, "host"), policy(promote_on_restore=True), CatalogView()).copies == ()
+
+
+def test_only_a_cadence_in_seconds_makes_the_save_plan_read_the_clock() -> None:
+    assert not policy(demotion={"ssd": Demotion(Every(2)), "pfs": Demotion(Never(), on_close=True)}).reads_clock
+    assert policy(demotion={"pfs": Demotion(Every(2) | EverySecs(60))}).reads_clock
 
 
 # -- close -------------------------------------------------------------------------------------------------

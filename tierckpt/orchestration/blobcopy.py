@@ -157,35 +157,47 @@ def write_chunk(tier: Tier, align: int) -> int:
     chunk = max(tier.chunk_bytes, caps.min_part_bytes)
     if caps.max_part_bytes is not None:
         chunk = min(chunk, caps.max_part_bytes)
-    return max(align, chunk // align * align)
+    chunk = max(align, chunk // align * align)
+    return chunk if chunk >= caps.min_part_bytes else -(-caps.min_part_bytes // align) * align
 
 
-def writer_for(tier: Tier, writer: TierWriter) -> TierWriter:
+def writer_for(tier: Tier, writer: TierWriter, blobs: Sequence[BlobEntry]) -> TierWriter:
     """``writer``, or for a tier that takes writes in order only (``capabilities.sequential_writes``) a
     writer that hands it each write once the one before has completed, and refuses a write out of order."""
-    return _InOrder(tier, writer) if tier.capabilities.sequential_writes else writer
+    return _InOrder(tier, writer, [b.size for b in blobs]) if tier.capabilities.sequential_writes else writer
 
 
 class _InOrder(TierWriter):
-    """Each blob's writes in increasing offset order, one blob after another, one write at a time."""
+    """Each blob's writes in increasing offset order, contiguous, one blob after another (empty blobs
+    skipped), one write at a time. After a failed write every later one fails with the same error."""
 
-    def __init__(self, tier: Tier, inner: TierWriter) -> None:
-        self._tier, self._inner = tier, inner
+    def __init__(self, tier: Tier, inner: TierWriter, sizes: Sequence[int]) -> None:
+        self._tier, self._inner, self._sizes = tier, inner, list(sizes)
         self._at = (0, 0)  # (blob, offset) the next write must start at
         self._last: Future[int] | None = None
 
     def buffer(self, blob: int) -> torch.Tensor | None:
         return self._inner.buffer(blob)
 
-    def write(self, blob: int, offset: int, addr: int, nbytes: int) -> Future[int]:
+    def _next(self, blob: int, offset: int) -> bool:
+        """Whether a write at (blob, offset) comes next: where the last one ended, or at the start of
+        the next non-empty blob once the current one is complete."""
         b, o = self._at
-        if (blob, offset) != (b, o) and (blob <= b or offset != 0):
+        if (blob, offset) == (b, o):
+            return True
+        done = o >= self._sizes[b] if b < len(self._sizes) else True
+        skipped = all(self._sizes[i] == 0 for i in range(b + 1, min(blob, len(self._sizes))))
+        return offset == 0 and blob > b and done and skipped
+
+    def write(self, blob: int, offset: int, addr: int, nbytes: int) -> Future[int]:
+        if self._last is not None and self._last.exception() is not None:  # waits for it to be in
+            return self._last  # the tier's previous write failed: so does this one, with its error
+        if not self._next(blob, offset):
+            b, o = self._at
             raise ValueError(
                 f"tier {self._tier.name!r} takes writes in order only: got blob {blob} offset {offset}, "
-                f"expected blob {b} offset {o} (or the next blob from offset 0)"
+                f"expected blob {b} offset {o} (or the next blob from offset 0 once blob {b} is complete)"
             )
-        if self._last is not None and self._last.exception() is not None:  # waits for it to be in
-            return self._last  # the tier's previous write failed: so does this one
         self._last = self._inner.write(blob, offset, addr, nbytes)
         self._at = (blob, offset + nbytes)
         return self._last

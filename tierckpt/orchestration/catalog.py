@@ -72,6 +72,7 @@ class Catalog:
         self.changed = threading.Condition(threading.RLock())
         self._sent = {t.name: Sent(0, now) for t in self.tiers[1:]}
         self._newest: int | None = None  # newest step committed or saved (listed at the first save)
+        self._warned_order = False
         # tiers whose listing is not cheap: their committed steps (listed once, then followed), and
         # whether that one listing happened (commits made meanwhile are kept, evictions forgotten)
         self._cached: dict[str, builtins.set[int]] = {
@@ -260,8 +261,17 @@ class Catalog:
         return self._newest
 
     def saw_step(self, step: int) -> None:
-        """A save of ``step`` was made."""
+        """A save of ``step`` was made. Warns once when it is older than one already committed:
+        ``restore()`` without a step still picks the newer one (a job that went back to an older step
+        should remove the steps it abandoned, or restore by step)."""
         newest = self.newest_step()
+        if step < newest and not self._warned_order:
+            self._warned_order = True
+            log.warning(
+                "saving step %d, older than step %d already saved: restore() without a step picks step %d; "
+                "keep: windows count steps by number (this save is kept until a later save replaces it)",
+                step, newest, newest,
+            )  # fmt: skip
         with self.changed:
             self._newest = max(newest, step)
 

@@ -4,7 +4,6 @@ what the tiers declare, the names its policies use, and the steps it is asked fo
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -40,14 +39,13 @@ def check_tiers(tiers: Sequence[Tier]) -> list[str]:
         raise ConfigError(f"tiers: names must be unique, got {names}")
     seen: dict[str, int] = {}
     for i, t in enumerate(tiers):
-        path = getattr(t, "path", None)
-        if path is None:
+        where = t.location()
+        if where is None:
             continue
-        real = os.path.realpath(path)
-        if real in seen:
-            j = seen[real]
-            raise ConfigError(f"tiers[{i}].path: {path} is the directory of tiers[{j}] ({names[j]!r})")
-        seen[real] = i
+        if where in seen:
+            j = seen[where]
+            raise ConfigError(f"tiers[{i}].path: {where} is the location of tiers[{j}] ({names[j]!r})")
+        seen[where] = i
     if not any(t.capabilities.persistent for t in tiers):
         log.warning(
             "no tier of %s is persistent: its checkpoints are lost when this process ends (add a file tier)",

@@ -10,8 +10,12 @@ A hierarchy asks its coordinator
 :class:`SoloCoordinator` is the implementation used today: every rank decides alone, as in a single
 process (or in a job whose ranks share nothing). A multi-rank implementation (torch.distributed, on a
 process group of its own and never on the training thread's collectives) supplies the same methods with
-real collectives; every method takes a ``timeout`` and raises :class:`~tierckpt.errors.CoordinationError`
-naming the ranks that did not answer, so a dead rank fails a step instead of hanging the job.
+real collectives (or the rendezvous store); every method takes a ``timeout`` (None: the coordinator's
+own default, set when it is built) and raises :class:`~tierckpt.errors.CoordinationError` naming the
+ranks that did not answer, so a dead rank fails a step instead of hanging the job. Decisions are named
+(``decide(key, fn)``): the background workers of different ranks reach them in different orders, so an
+implementation matches them by key (e.g. rank 0 writes the answer under the key in the store), never by
+call order.
 """
 
 from __future__ import annotations
@@ -58,8 +62,9 @@ class Coordinator(Protocol):
         get from some tier), or None when some rank has none."""
         ...
 
-    def decide(self, fn: Callable[[], T], timeout: float | None = None) -> T:
-        """Run ``fn`` on one rank (rank 0) and return its result on every rank."""
+    def decide(self, key: str, fn: Callable[[], T], timeout: float | None = None) -> T:
+        """Run ``fn`` on one rank (rank 0) and return its result on every rank; ``key`` names the
+        decision, the same on every rank and unique in the job (``save/100``, ``retain/pfs/100``)."""
         ...
 
 
@@ -98,7 +103,7 @@ class SoloCoordinator:
     def agree_step(self, newest: int | None, timeout: float | None = None) -> int | None:
         return newest
 
-    def decide(self, fn: Callable[[], T], timeout: float | None = None) -> T:
+    def decide(self, key: str, fn: Callable[[], T], timeout: float | None = None) -> T:
         return fn()
 
     def __repr__(self) -> str:

@@ -164,7 +164,7 @@ class Mover:
             try:
                 # before the future resolves: after handle.wait(), retention has run (the evicted copies
                 # are unlisted); their files are deleted after it, so a blocking save does not wait for that
-                evicted = self.apply_retention(free=False)
+                evicted = self.apply_retention(free=False, after=(tier, step))
             except Exception as e:  # retention problems are logged, never raised into a save
                 log.warning("retention after step %d on tier %r failed: %s", step, tier, e)
             if not done.done():
@@ -268,7 +268,7 @@ class Mover:
         (``on_full: wait``, backpressure); or fail (``on_full: fail``, or nothing will free room)."""
         while True:
             try:
-                return writer_for(tier, tier.reserve(key, blobs))
+                return writer_for(tier, tier.reserve(key, blobs), blobs)
             except TierFullError as full:
                 self.apply_retention()
                 committed = self.catalog.committed_all()
@@ -280,6 +280,8 @@ class Mover:
                     continue
                 with self.catalog.changed:  # decided again under the lock: no unpin is missed
                     room = place(event, self.policy, self.catalog.view(committed, self.held.copies()))
+                    if room.victims:  # a copy became evictable meanwhile
+                        continue
                     if not room.wait:
                         explained = self.held.explain_full(tier.name, full)
                         if explained is full:
@@ -303,14 +305,17 @@ class Mover:
             return
         self.catalog.forget(step, tier.name)
 
-    def apply_retention(self, free: bool = True) -> set[str]:
+    def apply_retention(self, free: bool = True, after: tuple[str, int] | None = None) -> set[str]:
         """Evict what the retention plan says now; return the names of the tiers evicted from.
         ``free=False``: the copies are only unlisted, and the caller frees their space with
-        ``Tier.reclaim()``. Evictions from shared tiers are the coordinator's decision (one rank's plan)."""
+        ``Tier.reclaim()``. Evictions from shared tiers are the coordinator's decision (one rank's plan),
+        named after the commit that triggered the pass (``after``: tier, step), which every rank makes;
+        a pass no commit triggered (a full tier's) leaves shared tiers to the next one in a job of
+        several ranks."""
         with self._evict_lock:
             committed = self.catalog.committed_all()
             plan = place(Retain(), self.policy, self.catalog.view(committed))
-            plan = self._agree_shared(plan)
+            plan = self._agree_shared(plan, after)
             self.held.update(plan.held)
             for name, step in plan.evict:
                 log.debug("retention: evicting step %d from tier %r", step, name)
@@ -319,12 +324,16 @@ class Mover:
             self.catalog.prune({s for n, steps in committed.items() for s in steps if (n, s) not in gone})
             return {name for name, _ in plan.evict}
 
-    def _agree_shared(self, plan: RetentionPlan) -> RetentionPlan:
+    def _agree_shared(self, plan: RetentionPlan, after: tuple[str, int] | None) -> RetentionPlan:
         """``plan`` with its evictions from shared tiers replaced by the coordinator's decision."""
         if not self._shared:
             return plan
-        shared = self.coordinator.decide(lambda: [(n, s) for n, s in plan.evict if n in self._shared])
         own = [(n, s) for n, s in plan.evict if n not in self._shared]
+        mine = [(n, s) for n, s in plan.evict if n in self._shared]
+        if after is None:
+            shared = mine if self.coordinator.world_size == 1 else []
+        else:
+            shared = self.coordinator.decide(f"retain/{after[0]}/{after[1]}", lambda: mine)
         return RetentionPlan(own + [(n, s) for n, s in shared if n in self._shared], plan.held)
 
     def close(self, timeout: float | None = None) -> None:

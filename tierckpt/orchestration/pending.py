@@ -53,6 +53,13 @@ class Pending:
             f = self.promotions.get(step)
         return f if f is not None and not f.done() else None
 
+    def wait_climbing(self, step: int) -> None:
+        """Wait for the prefetch of ``step`` still running, if any (its failure stays in its future)."""
+        climbing = self.climbing(step)
+        if climbing is not None:
+            log.info("restore: waiting for the prefetch of step %d", step)
+            climbing.exception()
+
     def any_climbing(self) -> bool:
         with self._lock:
             return any(not f.done() for f in self.promotions.values())

@@ -121,7 +121,8 @@ class SaveJob:
             encode(checksums)
             return manifest
         failed: dict[str, BaseException] = {}
-        pack_and_write(flat, layout, {tier.name: writer}, failed, pool, pool().slot_bytes, on_staged, encode)
+        chunk, min_write = pool().slot_bytes, tier.capabilities.min_part_bytes
+        pack_and_write(flat, layout, {tier.name: writer}, failed, pool, chunk, on_staged, encode, min_write)
         if failed:
             raise failed[tier.name]
         return manifest

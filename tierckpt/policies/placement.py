@@ -10,6 +10,7 @@ event                  plan
 =====================  ===================================================================
 :class:`Save`          :class:`SavePlan`: the destination tiers, each copy's sources in order
 :class:`Prefetch`      :class:`CopyPlan`: the fill order up the chain
+:class:`Restored`      :class:`CopyPlan`: the promotion after a restore (``promote_on_restore``)
 :class:`Close`         :class:`CopyPlan`: the ``on_close`` copies of the newest step
 :class:`Retain`        :class:`~tierckpt.policies.retention.RetentionPlan`: evictions and held copies
 :class:`MakeRoom`      :class:`RoomPlan`: the capacity victim, or wait, or fail
@@ -22,7 +23,7 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, overload
 
-from tierckpt.policies.demotion import Cadence, Demotion
+from tierckpt.policies.demotion import AnyOf, Cadence, Demotion, Every, Never
 from tierckpt.policies.retention import (
     KeepAll,
     KeepLatest,
@@ -43,6 +44,7 @@ __all__ = [
     "MakeRoom",
     "Policy",
     "Prefetch",
+    "Restored",
     "Retain",
     "RoomPlan",
     "Save",
@@ -96,6 +98,12 @@ class Policy:
             dict(config.on_full),
             config.promote_on_restore,
         )
+
+    @property
+    def reads_clock(self) -> bool:
+        """Whether a save's plan depends on the time (a demotion rule with ``every_secs``, or one this
+        module does not know): only then must the ranks of a job share one rank's plan."""
+        return any(_reads_clock(d.rule) for d in self.demotion.values())
 
     def __post_init__(self) -> None:
         if not self.tiers or len(set(self.tiers)) != len(self.tiers):
@@ -158,6 +166,14 @@ class Prefetch:
     step: int
     to: str
     holders: Collection[str]
+
+
+@dataclass(frozen=True)
+class Restored:
+    """A restore (from any tier it liked) read ``step`` from tier ``read_from``."""
+
+    step: int
+    read_from: str
 
 
 @dataclass(frozen=True)
@@ -260,13 +276,13 @@ class RoomPlan:
 @overload
 def place(event: Save, policy: Policy, catalog: CatalogView) -> SavePlan: ...
 @overload
-def place(event: Prefetch | Close, policy: Policy, catalog: CatalogView) -> CopyPlan: ...
+def place(event: Prefetch | Restored | Close, policy: Policy, catalog: CatalogView) -> CopyPlan: ...
 @overload
 def place(event: Retain, policy: Policy, catalog: CatalogView) -> RetentionPlan: ...
 @overload
 def place(event: MakeRoom, policy: Policy, catalog: CatalogView) -> RoomPlan: ...
 def place(
-    event: Save | Prefetch | Close | Retain | MakeRoom, policy: Policy, catalog: CatalogView
+    event: Save | Prefetch | Restored | Close | Retain | MakeRoom, policy: Policy, catalog: CatalogView
 ) -> SavePlan | CopyPlan | RetentionPlan | RoomPlan:
     """Decide what moves where for ``event``: the one place such decisions are made (pure, no I/O).
 
@@ -282,6 +298,10 @@ def place(
         return _place_save(event, policy, catalog)
     if isinstance(event, Prefetch):
         return _place_prefetch(event, policy)
+    if isinstance(event, Restored):  # promote_on_restore: up to the top tier, as a prefetch would
+        if not policy.promote_on_restore:
+            return CopyPlan(event.step, there=event.read_from)
+        return _place_prefetch(Prefetch(event.step, policy.tiers[0], {event.read_from}), policy)
     if isinstance(event, Close):
         return _place_close(event, policy)
     if isinstance(event, Retain):
@@ -291,6 +311,12 @@ def place(
     if isinstance(event, MakeRoom):
         return _place_room(event, policy, catalog)
     raise TypeError(f"place: unknown event {event!r}")
+
+
+def _reads_clock(rule: object) -> bool:
+    if isinstance(rule, AnyOf):
+        return any(_reads_clock(r) for r in rule.rules)
+    return not isinstance(rule, (Every, Never))
 
 
 def _place_save(event: Save, policy: Policy, catalog: CatalogView) -> SavePlan:

@@ -118,6 +118,9 @@ class FaultyTier(Tier):
     def describe(self) -> str:
         return f"faulty({self.inner.describe()})"
 
+    def location(self) -> str | None:
+        return self.inner.location()
+
     def close(self) -> None:
         self.inner.close()
 

@@ -239,6 +239,9 @@ class FileTier(Tier):
     def describe(self) -> str:
         return f"{self.path} ({'O_DIRECT' if self.direct else 'buffered'}, {self.engine.name} engine)"
 
+    def location(self) -> str:
+        return os.path.realpath(self.path)
+
     # -- housekeeping ---------------------------------------------------------------------------------
     def _sweep(self) -> None:
         """Remove scratch directories left by dead processes of this host (crashed saves/evictions)."""

@@ -38,7 +38,8 @@ rename), then frees it; ``tier.evict(key, free=False)`` leaves the freeing to th
 blocking save does not wait while gigabytes of files are deleted). A crash at any point leaves either
 the old state or the new one.
 
-Capabilities are declared data, checked once when the hierarchy is built, never asserted in the data path.
+Capabilities are declared data, validated when they are made (``TierCapabilities``) and read by the
+hierarchy when it is built or a copy is planned (docs/tiers.md says who reads each).
 """
 
 from __future__ import annotations
@@ -364,6 +365,13 @@ class Tier(ABC):
     def describe(self) -> str:
         """Where the tier keeps its bytes, for humans."""
         return self.kind
+
+    def location(self) -> str | None:
+        """Optional: where the tier keeps its bytes, as a string two tiers that would share copies both
+        return (a resolved directory, a bucket URL with its prefix); None (the default) for a place of
+        its own, such as process memory. A hierarchy refuses two tiers at one location: each one's
+        retention would evict the other's copies."""
+        return None
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release resources (the hierarchy closes shared engines itself)."""
