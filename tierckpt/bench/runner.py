@@ -25,7 +25,7 @@ from tierckpt.bench import plots
 from tierckpt.bench.compare import Harness, Progress, all_peers, select_peers, total_units
 from tierckpt.bench.metrics import Recorder
 from tierckpt.bench.options import SIZES, WORKLOADS, add_arguments
-from tierckpt.bench.peers import RawBuffers
+from tierckpt.bench.peers import Peer, RawBuffers
 from tierckpt.bench.prefetch import PrefetchResult, default_factors, run_prefetch
 from tierckpt.bench.rawio import fio_available
 from tierckpt.bench.report import comparison, machine_line
@@ -99,21 +99,50 @@ def _workload(name: str, sizes: dict[str, int], key: str | None = None) -> Workl
                           mixed_small=sizes["mixed_small"])  # fmt: skip
 
 
+def _options(args: argparse.Namespace) -> tuple[dict[str, int], list[str], list[float] | None, int]:
+    """The sizes, workloads, prefetch init times and prefetch repeats the options ask for (``args.repeats``
+    defaulted: 2 with ``--quick`` for what costs seconds, while the ~0.1 s prefetch restarts keep 3 for
+    their median).
+
+    Raises:
+        ValueError, ConfigError: a bad option, named.
+    """
+    pf_repeats = 3 if args.repeats is None else args.repeats
+    args.repeats = (2 if args.quick else 3) if args.repeats is None else args.repeats
+    sizes = _sizes(args)
+    wls = [w.strip() for w in args.workloads.split(",") if w.strip()]
+    bad = set(wls) - set(WORKLOADS)
+    if bad or args.repeats < 1:
+        raise ValueError(f"--workloads: unknown {sorted(bad)}" if bad else "--repeats must be at least 1")
+    init_secs = [float(x) for x in args.prefetch_t.split(",")] if args.prefetch_t else None
+    return sizes, wls, init_secs, pf_repeats
+
+
+def _compare(
+    harness: Harness, names: list[str], sizes: dict[str, int], peers: list[Peer], rec: Recorder, progress: Progress
+) -> list[Workload]:
+    """Build each workload and measure every peer on it; the workloads' descriptions (without the state)."""
+    built: list[Workload] = []
+    for name in names:
+        progress.describe(f"building {name}")
+        wl = _workload(name, sizes)
+        rec.emit({"kind": "workload", "workload": name, "bytes": wl.nbytes, "tensors": wl.ntensors,
+                  "describe": wl.describe})  # fmt: skip
+        progress.write(f"== {name}: {wl.ntensors} tensors, {wl.nbytes / 1e9:.3f} GB ({wl.describe})")
+        harness.run_workload(wl, peers)
+        built.append(Workload(wl.name, None, wl.nbytes, wl.ntensors, wl.describe))
+        del wl
+        gc.collect()
+    return built
+
+
 def run(args: argparse.Namespace) -> int:
     """Run what the options ask for; returns the exit status (2 on bad options)."""
     t_start = time.perf_counter()
-    # --quick: 2 repeats of what costs seconds; the prefetch restarts (~0.1 s each) keep 3 for their median
-    pf_repeats = 3 if args.repeats is None else args.repeats
-    args.repeats = (2 if args.quick else 3) if args.repeats is None else args.repeats
     # DCP warns on every call without a process group, from its own threads too; the report says how it ran.
     warnings.filterwarnings("ignore", category=UserWarning, module=r"torch\.distributed\.checkpoint")
     try:
-        sizes = _sizes(args)
-        wls = [w.strip() for w in args.workloads.split(",") if w.strip()]
-        bad = set(wls) - set(WORKLOADS)
-        if bad or args.repeats < 1:
-            raise ValueError(f"--workloads: unknown {sorted(bad)}" if bad else "--repeats must be at least 1")
-        init_secs = [float(x) for x in args.prefetch_t.split(",")] if args.prefetch_t else None
+        sizes, wls, init_secs, pf_repeats = _options(args)
     except (ValueError, ConfigError) as e:
         print(f"tierckpt bench: {e}", file=sys.stderr)
         return 2
@@ -123,8 +152,7 @@ def run(args: argparse.Namespace) -> int:
         Path(args.dir).mkdir(parents=True, exist_ok=True)
     scratch = Path(tempfile.mkdtemp(prefix="tierckpt-bench-", dir=args.dir or None))
     io = _io(args)
-    prefix = "sweep" if args.sweep else "prefetch" if args.prefetch else "bench"
-    rec = Recorder(out, prefix)
+    rec = Recorder(out, "sweep" if args.sweep else "prefetch" if args.prefetch else "bench")
     progress = Progress(0, enabled=False)
     engine = None
     try:
@@ -152,17 +180,7 @@ def run(args: argparse.Namespace) -> int:
         progress = Progress(total, enabled=not args.no_progress)
         rec.echo = progress.write
         harness = Harness(rec, scratch, args.repeats, args.cold, not args.no_check, progress)
-        built: list[Workload] = []
-        for name in compare_wls:
-            progress.describe(f"building {name}")
-            wl = _workload(name, sizes)
-            rec.emit({"kind": "workload", "workload": name, "bytes": wl.nbytes, "tensors": wl.ntensors,
-                      "describe": wl.describe})  # fmt: skip
-            progress.write(f"== {name}: {wl.ntensors} tensors, {wl.nbytes / 1e9:.3f} GB ({wl.describe})")
-            harness.run_workload(wl, peers)
-            built.append(Workload(wl.name, None, wl.nbytes, wl.ntensors, wl.describe))
-            del wl
-            gc.collect()
+        built = _compare(harness, compare_wls, sizes, peers, rec, progress)
         pf: PrefetchResult | None = None
         if run_pf:
             wl = _workload("llm", sizes, "prefetch_size")
@@ -180,14 +198,7 @@ def run(args: argparse.Namespace) -> int:
             del wl
         train_md = _run_train(args, out, scratch, rec, progress) if compare_wls and "train" in wls else []
         progress.close()
-        md = _report(args, info, rec, built, peers, harness.cold_methods, pf, sw, train_md, t_start)
-        md_path = rec.path.with_suffix(".md")
-        md_path.write_text(md + "\n")
-        print("\n" + md, flush=True)
-        _plots(rec, [w.name for w in built], pf, sw, md_path)
-        rec.emit({"kind": "end", "wall_secs": round(time.perf_counter() - t_start, 1),
-                  "loadavg_end": read_text("/proc/loadavg")})  # fmt: skip
-        print(f"\nresults: {rec.path}, {md_path}  (wall {time.perf_counter() - t_start:.0f} s)")
+        _finish(args, info, rec, built, peers, harness.cold_methods, pf, sw, train_md, t_start)
     finally:
         progress.close()
         if engine is not None:
@@ -196,12 +207,35 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _finish(
+    args: argparse.Namespace,
+    info: dict[str, Any],
+    rec: Recorder,
+    built: list[Workload],
+    peers: list[Peer],
+    cold: set[str],
+    pf: PrefetchResult | None,
+    sw: SweepResult | None,
+    train_md: list[str],
+    t_start: float,
+) -> None:
+    """Write and print the report, draw the plots, record the end."""
+    md = _report(args, info, rec, built, peers, cold, pf, sw, train_md, t_start)
+    md_path = rec.path.with_suffix(".md")
+    md_path.write_text(md + "\n")
+    print("\n" + md, flush=True)
+    _plots(rec, [w.name for w in built], pf, sw, md_path)
+    rec.emit({"kind": "end", "wall_secs": round(time.perf_counter() - t_start, 1),
+              "loadavg_end": read_text("/proc/loadavg")})  # fmt: skip
+    print(f"\nresults: {rec.path}, {md_path}  (wall {time.perf_counter() - t_start:.0f} s)")
+
+
 def _report(
     args: argparse.Namespace,
     info: dict[str, Any],
     rec: Recorder,
     built: list[Workload],
-    peers: list[Any],
+    peers: list[Peer],
     cold: set[str],
     pf: PrefetchResult | None,
     sw: SweepResult | None,
