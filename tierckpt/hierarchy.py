@@ -138,7 +138,6 @@ class Hierarchy:
         self.coordinator = coordinator or SoloCoordinator(rank, world_size)
         self.rank, self.world_size = self.coordinator.rank, self.coordinator.world_size
         self.placement = Policy.from_config(names, self.policy, retention, demotion)
-        self.retention, self.demotion = dict(self.placement.retention), dict(self.placement.demotion)
         self.align = max([self.layout.align_bytes] + [t.capabilities.alignment_bytes for t in tiers])
         self._engines = _engines or Engines()
         for t in self._tiers:  # tiers built from Python without an engine or io settings take this io's
@@ -150,6 +149,16 @@ class Hierarchy:
         self._closed = False
         self.last_restore: tuple[int, str] | None = None
         self._in_place = RestoreStaging()
+
+    @property
+    def retention(self) -> Mapping[str, RetentionPolicy]:
+        """Per tier, its retention policy (the placement policy's)."""
+        return self.placement.retention
+
+    @property
+    def demotion(self) -> Mapping[str, Demotion]:
+        """Per tier below the top one, its demotion policy (the placement policy's)."""
+        return self.placement.demotion
 
     # -- construction -----------------------------------------------------------------------------------
     @classmethod
@@ -396,12 +405,13 @@ class Hierarchy:
             check_step(step)
         if tier is not None:
             self.tier(tier)
-        asked = step
+        asked, listed = step, []
         if step is None:  # every rank restores the same step: this one's newest, or the one they agreed on
-            infos = self._catalog.committed_steps(tier)
-            step = agreed_step(self.coordinator, infos[-1].step if infos else None)
+            listed.append(self._catalog.committed_steps(tier))  # also the restore's first listing
+            step = agreed_step(self.coordinator, listed[0][-1].step if listed[0] else None)
         if tier is None and self._pending.any_climbing():
             self._pending.wait_climbing(self._locate(step).step)
+            listed.clear()  # the prefetch may have added a faster copy: list again
 
         def read(s: int, name: str) -> Any:
             key = CheckpointKey(s, self.rank)
@@ -410,7 +420,8 @@ class Hierarchy:
             return self._in_place.restore(self.tier(name), key, into, allow_pickle=allow_pickle, strict=strict)
 
         where = f"rank {self.rank} on " + (f"tier {tier!r}" if tier else "any tier")
-        state, got, name = choose_and_read(lambda: self._catalog.committed_steps(tier), read, step, where)
+        listing = lambda: listed.pop() if listed else self._catalog.committed_steps(tier)  # noqa: E731
+        state, got, name = choose_and_read(listing, read, step, where)
         self.last_restore = (got, name)
         if asked is None:  # a rank that fell back to an older step: every rank restores the same one
             agreed = agreed_step(self.coordinator, got)

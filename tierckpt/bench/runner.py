@@ -198,7 +198,8 @@ def run(args: argparse.Namespace) -> int:
             del wl
         train_md = _run_train(args, out, scratch, rec, progress) if compare_wls and "train" in wls else []
         progress.close()
-        _finish(args, info, rec, built, peers, harness.cold_methods, pf, sw, train_md, t_start)
+        md = _report(args, info, rec, built, peers, harness.cold_methods, pf, sw, train_md, t_start)
+        _finish(md, rec, built, pf, sw, t_start)
     finally:
         progress.close()
         if engine is not None:
@@ -208,19 +209,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _finish(
-    args: argparse.Namespace,
-    info: dict[str, Any],
-    rec: Recorder,
-    built: list[Workload],
-    peers: list[Peer],
-    cold: set[str],
-    pf: PrefetchResult | None,
-    sw: SweepResult | None,
-    train_md: list[str],
-    t_start: float,
+    md: str, rec: Recorder, built: list[Workload], pf: PrefetchResult | None, sw: SweepResult | None, t_start: float
 ) -> None:
-    """Write and print the report, draw the plots, record the end."""
-    md = _report(args, info, rec, built, peers, cold, pf, sw, train_md, t_start)
+    """Write and print the report ``md``, draw the plots, record the end."""
     md_path = rec.path.with_suffix(".md")
     md_path.write_text(md + "\n")
     print("\n" + md, flush=True)

@@ -192,10 +192,8 @@ class Catalog:
         with self.changed:
             if tier.name in self._listed:
                 return sorted(self._cached[tier.name])
-        try:
-            steps = [k.step for k in tier.list_committed(self.rank) if k.rank == self.rank]
-        except OSError as e:
-            log.warning("tier %r cannot list its checkpoints: %s", tier.name, e)
+        steps = self._list(tier)
+        if steps is None:
             return []
         with self.changed:
             if tier.name in self._cached:  # a step evicted since the listing is evicted again: a no-op
@@ -203,6 +201,14 @@ class Catalog:
                 self._listed.add(tier.name)
                 return sorted(self._cached[tier.name])
         return steps
+
+    def _list(self, tier: Tier) -> list[int] | None:
+        """This rank's steps as ``tier`` lists them now; None (with a warning) when it cannot list."""
+        try:
+            return [k.step for k in tier.list_committed(self.rank) if k.rank == self.rank]
+        except OSError as e:
+            log.warning("tier %r cannot list its checkpoints: %s", tier.name, e)
+            return None
 
     def committed_all(self) -> dict[str, list[int]]:
         """:meth:`committed` of every tier, fastest first."""
@@ -214,14 +220,8 @@ class Catalog:
         cannot list (e.g. its directory is gone) is logged and skipped."""
         committed: dict[int, list[str]] = {}
         for t in self.tiers:
-            try:
-                keys = t.list_committed(self.rank)
-            except OSError as e:
-                log.warning("tier %r cannot list its checkpoints: %s", t.name, e)
-                continue
-            for k in keys:
-                if k.rank == self.rank:
-                    committed.setdefault(k.step, []).append(t.name)
+            for step in self._list(t) or ():
+                committed.setdefault(step, []).append(t.name)
         tracked, errors = self.states(), self.errors()
         out = []
         for s in sorted(set(committed) | set(tracked)):

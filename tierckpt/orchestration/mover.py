@@ -33,10 +33,10 @@ __all__ = ["Mover", "Room", "resolved"]
 log = logging.getLogger(__name__)
 
 
-def resolved(value: object = None) -> Future[None]:
-    """A future already done (with ``value``)."""
+def resolved() -> Future[None]:
+    """A future already done, without error (a source that needs no waiting for)."""
     f: Future[None] = Future()
-    f.set_result(value)  # type: ignore[arg-type]  # the value is only ever read as "done, no error"
+    f.set_result(None)
     return f
 
 
