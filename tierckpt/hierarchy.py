@@ -286,13 +286,11 @@ class Hierarchy:
         holders: list[str] = []
         if key.step <= self._catalog.newest_step():
             holders = [t.name for t in self._tiers[1:] if holds(t, key)]
-        view = self._catalog.view()
-
-        def decide() -> SavePlan:
-            return place(Save(key.step, _clock(), holders), self.placement, view)
-
-        # a plan from counts alone is the same on every rank; one that reads the clock is one rank's
-        plan = self.coordinator.decide(f"save/{key.step}", decide) if self.placement.reads_clock else decide()
+        # a plan from counts alone is the same on every rank; one that reads the clock reads one rank's
+        now = _clock()
+        if self.placement.reads_clock:
+            now = float(self.coordinator.decide(self._mover.keys.next("save", key.step), _clock))
+        plan = place(Save(key.step, now, holders), self.placement, self._catalog.view())
         if plan.replaced:
             log.info("step %d is saved again: its older copies on %s are replaced too", key.step, list(plan.replaced))
         return plan

@@ -236,6 +236,22 @@ class ObjdirTier(Tier):
         live = {f"data/{k.partition('/')[2]}/" for k, _ in self.bucket.list("commits/")}
         return sum(n for k, n in self.bucket.list("data/") if k[: k.rfind("/") + 1] in live)
 
+    # -- commit records: one object per step (a PUT is atomic) --------------------------------------------
+    def write_record(self, step: int, data: bytes) -> None:
+        self.bucket.put(f"records/step-{step:012d}", data)
+
+    def read_record(self, step: int) -> bytes | None:
+        try:
+            return self.bucket.get(f"records/step-{step:012d}")
+        except FileNotFoundError:
+            return None
+
+    def remove_record(self, step: int) -> None:
+        self.bucket.delete(f"records/step-{step:012d}")
+
+    def list_records(self) -> list[int]:
+        return sorted(int(k.rpartition("-")[2]) for k, _ in self.bucket.list("records/step-"))
+
     # -- write -----------------------------------------------------------------------------------------
     def reserve(self, key: CheckpointKey, blobs: Sequence[BlobEntry]) -> TierWriter:
         need = sum(b.size for b in blobs)

@@ -54,7 +54,8 @@ def save_states(tier_dir: Path) -> int:
 
 
 def copy_committed(tier_dir: Path, dest: Path) -> list[Path]:
-    """Copy the committed copies' manifests and blobs from ``tier_dir`` to ``dest``; the files copied."""
+    """Copy the committed copies' manifests and blobs, and the steps' commit records, from ``tier_dir``
+    to ``dest``; the files copied."""
     copied = []
     for rank_dir in sorted(tier_dir.glob("step-" + "[0-9]" * 12 + "/rank-" + "[0-9]" * 5)):
         out = dest / rank_dir.relative_to(tier_dir)
@@ -62,6 +63,11 @@ def copy_committed(tier_dir: Path, dest: Path) -> list[Path]:
         for f in [rank_dir / "manifest", *sorted(rank_dir.glob("blob-*.bin"))]:
             shutil.copyfile(f, out / f.name)
             copied.append(out / f.name)
+    for record in sorted(tier_dir.glob("step-" + "[0-9]" * 12 + "/commit")):  # format version 5 on
+        out = dest / record.relative_to(tier_dir)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(record, out)
+        copied.append(out)
     return copied
 
 

@@ -14,7 +14,6 @@ from tierckpt import Hierarchy
 from tierckpt.errors import CheckpointNotFoundError, ConfigError
 from tierckpt.io.engine import make_engine
 from tierckpt.orchestration.coordinator import Coordinator, SoloCoordinator
-from tierckpt.policies import SavePlan
 from tierckpt.tiers.host import HostTier
 from tierckpt.tiers.pfs import PfsTier
 
@@ -42,6 +41,10 @@ class Rank0Says(SoloCoordinator):
         self.decisions.append((key, out))
         return out
 
+    def gather(self, key: str, value: Any, fn: Callable[[list[Any]], T], timeout: float | None = None) -> T:
+        """Rank 0 sent what this rank sent (the same copy), and its result is this rank's."""
+        return self.decide(key, lambda: fn([value] * self.world_size), timeout)
+
 
 def test_the_solo_coordinator_is_a_coordinator_and_checks_its_rank() -> None:
     c = SoloCoordinator(rank=0, world_size=1)
@@ -64,10 +67,8 @@ def test_every_rank_restores_the_step_the_ranks_agreed_on(tmp_path: Path) -> Non
 
 
 def test_where_a_save_goes_by_the_clock_is_the_deciding_ranks_plan(tmp_path: Path) -> None:
-    def top_only(plan: Any) -> Any:  # the deciding rank's clock said the pfs is not due
-        if isinstance(plan, SavePlan):
-            return SavePlan(plan.step, plan.copies[:1], plan.sent)
-        return plan
+    def top_only(now: Any) -> Any:  # the deciding rank's clock said the pfs is not due
+        return -1e9 if isinstance(now, float) else now
 
     coord = Rank0Says(override=top_only)
     pfs = PfsTier("pfs", tmp_path / "pfs", make_engine("threads", 2))
@@ -77,7 +78,7 @@ def test_where_a_save_goes_by_the_clock_is_the_deciding_ranks_plan(tmp_path: Pat
         handle.wait()
         assert list(handle.durable) == ["host"]
         assert [c.tiers for c in h.checkpoints()] == [("host",)]
-    assert [k for k, d in coord.decisions if isinstance(d, SavePlan)] == ["save/1"]
+    assert [k for k, d in coord.decisions if isinstance(d, float)] == ["save/1/1"]  # the clock, decided once
 
 
 def test_a_plan_from_counts_alone_is_made_by_each_rank(tmp_path: Path) -> None:
@@ -106,10 +107,14 @@ def test_ranks_agree_again_when_one_fell_back_to_an_older_step(tmp_path: Path) -
 
 
 def test_what_a_shared_tier_evicts_is_the_deciding_ranks_plan(tmp_path: Path) -> None:
-    def keep_shared(evictions: Any) -> Any:  # the deciding rank still needs every pfs copy
-        return [] if isinstance(evictions, list) else evictions
+    class KeepShared(Rank0Says):  # the deciding rank still needs every pfs copy: it evicts nothing
+        def decide(self, key: str, fn: Callable[[], T], timeout: float | None = None) -> T:
+            if key.startswith("retain/"):
+                self.decisions.append((key, []))
+                return []  # type: ignore[return-value]  # what rank 0 decided
+            return super().decide(key, fn, timeout)
 
-    coord = Rank0Says(override=keep_shared)
+    coord = KeepShared()
     pfs = PfsTier("pfs", tmp_path / "pfs", make_engine("threads", 2))
     with Hierarchy([HostTier("host"), pfs], policy={"keep": {"host": 1, "pfs": 1}}, coordinator=coord) as h:
         for s in (1, 2, 3):
@@ -117,4 +122,4 @@ def test_what_a_shared_tier_evicts_is_the_deciding_ranks_plan(tmp_path: Path) ->
         on = {n: [c.step for c in h.checkpoints() if n in c.tiers] for n in ("host", "pfs")}
     assert on == {"host": [3], "pfs": [1, 2, 3]}  # the host (not shared) follows its own window
     keys = [k for k, _ in coord.decisions]
-    assert "retain/pfs/3" in keys and all(k.startswith("retain/") for k in keys)
+    assert "retain/pfs/3/1" in keys and all(k.startswith(("retain/", "commit/")) for k in keys)

@@ -31,6 +31,7 @@ from tierckpt import (
 from tierckpt.bench.workloads import zeros_like_state
 from tierckpt.format.manifest import BlobEntry, Manifest, decode_manifest, encode_manifest
 from tierckpt.format.tree import flatten
+from tierckpt.testing.tamper import rewrite_manifest
 from tierckpt.tiers._lease import LEASE_DIR
 
 SCRATCH_PREFIXES = (".tmp-", ".old-", ".evict-")
@@ -378,7 +379,7 @@ def test_bad_manifest_is_corrupt_before_any_blob_is_read(
 ) -> None:
     one.save(small_state(), step=6).wait()
     mpath = rank_dir(one, "ssd", 6) / "manifest"
-    mpath.write_bytes(_garbage_manifests(mpath.read_bytes())[kind])
+    rewrite_manifest(mpath, _garbage_manifests(mpath.read_bytes())[kind])
     no_blob_reads(monkeypatch, one)
     with pytest.raises(CorruptCheckpointError) as ei:
         one.restore()
@@ -398,7 +399,7 @@ def test_manifest_with_unsafe_blob_name_is_refused(
     mpath = rank_dir(one, "ssd", 7) / "manifest"
     m = decode_manifest(mpath.read_bytes())
     bad = dataclasses.replace(m, blobs=(BlobEntry(name, m.blobs[0].size), *m.blobs[1:]))
-    mpath.write_bytes(encode_manifest(bad))  # correctly framed and checksummed: only the name is wrong
+    rewrite_manifest(mpath, encode_manifest(bad))  # correctly framed and checksummed: only the name is wrong
     no_blob_reads(monkeypatch, one)
     with pytest.raises(CorruptCheckpointError) as ei:
         one.restore()
@@ -411,7 +412,7 @@ def test_manifest_with_out_of_bounds_extent_is_refused(one: Hierarchy, monkeypat
     m = decode_manifest(mpath.read_bytes())
     t0 = m.tensors[0]
     moved = t0._replace(offset=m.blobs[t0.blob].size - t0.length // 2 // 64 * 64)
-    mpath.write_bytes(encode_manifest(dataclasses.replace(m, tensors=(moved, *m.tensors[1:]))))
+    rewrite_manifest(mpath, encode_manifest(dataclasses.replace(m, tensors=(moved, *m.tensors[1:]))))
     no_blob_reads(monkeypatch, one)
     with pytest.raises(CorruptCheckpointError, match="exceeds blob size"):
         one.restore()
@@ -427,10 +428,10 @@ def test_older_format_checkpoint_is_still_restored(one: Hierarchy, version: int)
     one.save(state, step=9).wait()
     mpath = rank_dir(one, "ssd", 9) / "manifest"
     m = decode_manifest(mpath.read_bytes())
-    assert m.version == 4
+    assert m.version == 5
     old = flatten(state, version=version).tree
     assert (old != m.tree) == (version < 3)
-    mpath.write_bytes(encode_manifest(dataclasses.replace(m, version=version, tree=old)))
+    rewrite_manifest(mpath, encode_manifest(dataclasses.replace(m, version=version, tree=old)))
     assert one.inspect(9)[1].version == version
     assert_same(state, one.restore(step=9))
     target = {k: v for k, v in zeros_like_state(state).items() if k != "meta"}
@@ -443,7 +444,7 @@ def test_older_format_checkpoint_is_still_restored(one: Hierarchy, version: int)
 def test_bad_manifest_on_fast_tier_falls_back(two: Hierarchy, caplog: pytest.LogCaptureFixture) -> None:
     state = small_state(9)
     two.save(state, step=6).wait()
-    (rank_dir(two, "ssd", 6) / "manifest").write_bytes(b"garbage")
+    rewrite_manifest(rank_dir(two, "ssd", 6) / "manifest", b"garbage")
     with caplog.at_level(logging.WARNING, logger="tierckpt"):
         assert_same(state, two.restore())
     assert any("ssd" in r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING)
@@ -570,7 +571,7 @@ def test_saving_a_step_twice_replaces_it(tmp_path: Path, two: Hierarchy) -> None
     for tier in ("ssd", "pfs"):
         assert_same(second, two.restore(10, tier=tier))
         step_dir = rank_dir(two, tier, 10).parent
-        assert os.listdir(step_dir) == ["rank-00000"]  # no scratch copy of the old one left
+        assert sorted(os.listdir(step_dir)) == ["commit", "rank-00000"]  # no scratch copy of the old one left
         _, m = two.inspect(10)
         assert sorted(os.listdir(rank_dir(two, tier, 10))) == sorted(["manifest", *(b.name for b in m.blobs)])
     assert len(blobs_first) > len(os.listdir(rank_dir(two, "ssd", 10)))  # the old extra blobs are gone

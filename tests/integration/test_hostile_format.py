@@ -26,6 +26,7 @@ from tierckpt import CorruptCheckpointError, Hierarchy, UnsupportedFormatError
 from tierckpt.format.manifest import decode_manifest, encode_manifest
 from tierckpt.format.tree import MAX_NESTING
 from tierckpt.io.engine import make_engine
+from tierckpt.testing.tamper import rewrite_manifest
 from tierckpt.tiers.host import HostTier
 from tierckpt.tiers.local import LocalTier
 
@@ -57,7 +58,7 @@ def with_tree(tmp_path: Path, tree: bytes, codec: str = "none") -> None:
     mpath = manifest_path(tmp_path)
     p = payload_of(mpath.read_bytes())
     p["tree"], p["tree_codec"] = tree, codec
-    mpath.write_bytes(frame(msgpack.packb(p, use_bin_type=True), 4))
+    rewrite_manifest(mpath, frame(msgpack.packb(p, use_bin_type=True), 4))
 
 
 def readers_refuse(tmp_path: Path, match: str) -> None:
@@ -111,9 +112,9 @@ def test_a_flipped_version_bit_of_a_version_3_file_is_refused(tmp_path: Path) ->
     for bit in range(16):
         flipped = bytearray(v3)
         flipped[8 + bit // 8] ^= 1 << bit % 8
-        mpath.write_bytes(flipped)
+        rewrite_manifest(mpath, flipped)
         readers_refuse(tmp_path, "manifest|tree")
-    mpath.write_bytes(v3)
+    rewrite_manifest(mpath, v3)
     with local(tmp_path) as h:
         assert torch.equal(h.restore()["w"], torch.arange(6.0)) and h.verify(1) == [(1, "ssd", None)]
 
@@ -123,8 +124,8 @@ def test_a_newer_intact_version_is_named_not_called_corrupt(tmp_path: Path) -> N
     with Hierarchy(tiers) as h:
         h.save({"w": torch.arange(6.0)}, step=1).wait()
         mpath = manifest_path(tmp_path)
-        mpath.write_bytes(frame(mpath.read_bytes()[24:-8], 5))  # intact, as a newer writer would frame it
-        with pytest.raises(UnsupportedFormatError, match=r"format version 5 by a newer tierckpt.*1, 2, 3, 4"):
+        rewrite_manifest(mpath, frame(mpath.read_bytes()[24:-8], 6))  # intact, as a newer writer would frame it
+        with pytest.raises(UnsupportedFormatError, match=r"format version 6 by a newer tierckpt.*1, 2, 3, 4, 5"):
             h.restore(tier="ssd")
         assert torch.equal(h.restore()["w"], torch.arange(6.0)) and h.last_restore == (1, "host")
         errs = {tier: err for _, tier, err in h.verify(1)}
@@ -132,8 +133,8 @@ def test_a_newer_intact_version_is_named_not_called_corrupt(tmp_path: Path) -> N
         assert errs["host"] is None
         damaged = bytearray(mpath.read_bytes())
         damaged[40] ^= 4  # the same newer file with one payload bit flipped: damage, not a newer format
-        mpath.write_bytes(damaged)
-        with pytest.raises(CorruptCheckpointError, match="version 5 is unknown .* checksum does not match"):
+        rewrite_manifest(mpath, damaged)
+        with pytest.raises(CorruptCheckpointError, match="version 6 is unknown .* checksum does not match"):
             h.restore(tier="ssd")
 
 

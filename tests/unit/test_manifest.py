@@ -144,22 +144,23 @@ def test_v2_table_validation_of_1d_tensors(mutate, message: str) -> None:  # typ
         decode_manifest(reframe(p, version=2))
 
 
-def test_v4_is_written_by_default_and_v1_to_v3_stay_readable() -> None:
+def test_v5_is_written_by_default_and_v1_to_v4_stay_readable() -> None:
     m = sample()
-    assert m.version == 4
-    assert struct.unpack_from("<H", encode_manifest(m), 8)[0] == 4
+    assert m.version == 5
+    assert struct.unpack_from("<H", encode_manifest(m), 8)[0] == 5
     assert isinstance(payload(version=3)["tensors"], dict)
     assert payload(version=3)["tensors"] == payload(version=2)["tensors"]  # v3 changed the tree only
     assert payload(version=4) == payload(version=3)  # v4 changed the checksum only
-    for v in (1, 2, 3):
+    assert payload(version=5) == payload(version=4)  # v5: copies are committed by their step's record
+    for v in (1, 2, 3, 4):
         old = sample(version=v)
         data = encode_manifest(old)
         assert struct.unpack_from("<H", data, 8)[0] == v
         back = decode_manifest(data)
         assert back == old and back.version == v
         assert list(back.tensors) == list(decode_manifest(encode_manifest(m)).tensors)
-    with pytest.raises(ValueError, match="version 5"):
-        encode_manifest(sample(version=5))
+    with pytest.raises(ValueError, match="version 6"):
+        encode_manifest(sample(version=6))
 
 
 def test_table_columns_and_rows_agree() -> None:
@@ -333,9 +334,9 @@ def test_v4_checksums_the_header_and_tells_newer_from_damaged() -> None:
         with pytest.raises(CorruptCheckpointError):
             decode_manifest(bytes(flipped))
     p = payload_of(data)
-    assert decode_manifest(reframe_v4(p)) == sample()
+    assert decode_manifest(reframe_v4(p, version=5)) == sample()
     with pytest.raises(
-        UnsupportedFormatError, match="format version 7 by a newer tierckpt; this reader knows versions 1, 2, 3, 4"
+        UnsupportedFormatError, match="format version 7 by a newer tierckpt; this reader knows versions 1, 2, 3, 4, 5"
     ):
         decode_manifest(reframe_v4(p, version=7))
     damaged = bytearray(reframe_v4(p, version=7))

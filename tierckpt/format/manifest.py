@@ -39,8 +39,8 @@ __all__ = [
 ]
 
 MAGIC = b"TIERCKPT"
-FORMAT_VERSION = 4
-READ_VERSIONS = (1, 2, 3, 4)
+FORMAT_VERSION = 5
+READ_VERSIONS = (1, 2, 3, 4, 5)
 #: The first version whose trailer checksums the header too. From it on the framing is fixed for every
 #: future version (docs/format.md, "Framing"), so a reader can tell a newer file from a damaged one.
 WHOLE_FILE_CHECKSUM = 4

@@ -12,7 +12,10 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from tierckpt.errors import CheckpointNotFoundError
+from tierckpt.format.manifest import HEADER, MAGIC
+from tierckpt.format.record import RECORDS_SINCE
 from tierckpt.policies.placement import CatalogView, Sent
+from tierckpt.tiers.base import CheckpointKey
 
 if TYPE_CHECKING:
     from tierckpt.tiers.base import Tier
@@ -85,6 +88,8 @@ class Catalog:
         self._promoted: builtins.set[tuple[int, str]] = set()
         self._latest: builtins.set[tuple[int, str]] = set()  # the copies of the newest save (in time)
         self._wanted: dict[int, builtins.set[str]] = {}
+        self._orphans: builtins.set[tuple[int, str]] = set()
+        self._legacy_copies: builtins.set[tuple[int, str]] = set()
 
     def plan(self, step: int, tiers: Iterable[str]) -> None:
         """A save or promotion of ``step`` will go to ``tiers``: they become ``pending``; for a step saved by
@@ -105,6 +110,8 @@ class Catalog:
             self._states.setdefault(step, {})[tier] = state
             if state == "committed" and tier in self._cached:
                 self._cached[tier].add(step)
+            if state == "writing":
+                self._legacy_copies.discard((step, tier))
             if state == "failed":
                 self._errors.setdefault(step, {})[tier] = error or RuntimeError("failed")
             self.changed.notify_all()
@@ -203,12 +210,50 @@ class Catalog:
         return steps
 
     def _list(self, tier: Tier) -> list[int] | None:
-        """This rank's steps as ``tier`` lists them now; None (with a warning) when it cannot list."""
+        """This rank's committed steps as ``tier`` lists them now: its copies of the steps whose commit
+        record the tier holds (docs/distributed.md), and copies written before records existed (format
+        version 4 and older). A copy of a later version without its step's record is not committed: a
+        commit in progress, or one that never completed (an orphan, see :meth:`orphans`). None (with a
+        warning) when the tier cannot list."""
         try:
-            return [k.step for k in tier.list_committed(self.rank) if k.rank == self.rank]
+            own = [k.step for k in tier.list_committed(self.rank) if k.rank == self.rank]
+            records = set(tier.list_records()) if own else set()
         except OSError as e:
             log.warning("tier %r cannot list its checkpoints: %s", tier.name, e)
             return None
+        out = []
+        for step in own:
+            if step in records or self._legacy(tier, step):
+                out.append(step)
+            elif self._states.get(step, {}).get(tier.name) not in ("pending", "writing"):
+                with self.changed:
+                    self._orphans.add((step, tier.name))
+        return out
+
+    def _legacy(self, tier: Tier, step: int) -> bool:
+        """Whether this rank's copy of ``step`` on ``tier`` predates commit records (remembered: it
+        stays so until this hierarchy writes the step again)."""
+        if (step, tier.name) in self._legacy_copies:
+            return True
+        try:
+            head = tier.read_manifest(CheckpointKey(step, self.rank))[: HEADER.size]
+        except OSError:
+            return False  # gone meanwhile, or unreadable: a restore would say why
+        if len(head) < HEADER.size or head[:8] != MAGIC:
+            return False
+        legacy = bool(HEADER.unpack(head)[1] < RECORDS_SINCE)
+        if legacy:
+            with self.changed:
+                self._legacy_copies.add((step, tier.name))
+        return legacy
+
+    def orphans(self) -> list[tuple[int, str]]:
+        """This rank's copies that were listed without their step's commit record and that this
+        hierarchy is not writing: left by a commit that never completed (a rank died, a process was
+        killed between its copy and the record); the mover evicts them."""
+        with self.changed:
+            out, self._orphans = sorted(self._orphans), set()
+        return out
 
     def committed_all(self) -> dict[str, list[int]]:
         """:meth:`committed` of every tier, fastest first."""

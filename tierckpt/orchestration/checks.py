@@ -46,6 +46,12 @@ def check_tiers(tiers: Sequence[Tier]) -> list[str]:
             j = seen[where]
             raise ConfigError(f"tiers[{i}].path: {where} is the location of tiers[{j}] ({names[j]!r})")
         seen[where] = i
+    for i, t in enumerate(tiers):
+        if t.capabilities.persistent and type(t).write_record is Tier.write_record:
+            raise ConfigError(
+                f"tiers[{i}] ({t.name!r}): tier kind {t.kind!r} is persistent but keeps no commit records: "
+                "it must implement Tier.write_record / read_record / remove_record / list_records (docs/tiers.md)"
+            )
     if not any(t.capabilities.persistent for t in tiers):
         log.warning(
             "no tier of %s is persistent: its checkpoints are lost when this process ends (add a file tier)",

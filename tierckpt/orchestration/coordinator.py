@@ -30,6 +30,7 @@ __all__ = ["Coordinator", "SoloCoordinator", "agreed_step", "dist_rank"]
 
 log = logging.getLogger("tierckpt.hierarchy")
 T = TypeVar("T")
+V = TypeVar("V")
 MAX_RANK = 10**5  #: file tiers name a rank with 5 decimal digits (docs/format.md)
 
 
@@ -105,6 +106,9 @@ class SoloCoordinator:
 
     def decide(self, key: str, fn: Callable[[], T], timeout: float | None = None) -> T:
         return fn()
+
+    def gather(self, key: str, value: V, fn: Callable[[list[V]], T], timeout: float | None = None) -> T:
+        return fn([value])
 
     def __repr__(self) -> str:
         return f"SoloCoordinator(rank={self.rank}, world_size={self.world_size})"

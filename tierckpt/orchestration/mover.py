@@ -15,11 +15,12 @@ import threading
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 
-from tierckpt.errors import TierckptError, TierFullError
+from tierckpt.errors import CheckpointNotFoundError, TierckptError, TierFullError
 from tierckpt.format.manifest import BlobEntry
 from tierckpt.io.buffers import StagingPool
 from tierckpt.orchestration.blobcopy import copy_blobs, write_chunk, writer_for
 from tierckpt.orchestration.catalog import Catalog
+from tierckpt.orchestration.commit import Commits, DecisionKeys
 from tierckpt.orchestration.coordinator import Coordinator
 from tierckpt.orchestration.held import HeldCopies
 from tierckpt.orchestration.restore import load_manifest
@@ -58,7 +59,10 @@ class Room:
         return self._mover.workers[self.tier.name].pool()
 
 
-Job = Callable[[Room], None]
+#: A job that writes a checkpoint to the room's tier: returns the manifest it committed (the mover then
+#: publishes the copy: :class:`~tierckpt.orchestration.commit.Commits`), or None for a copy that needs no
+#: commit of all ranks (a promotion, which copies the step's record along).
+Job = Callable[[Room], bytes | None]
 
 
 class _Pins:
@@ -108,6 +112,8 @@ class Mover:
         self._evict_lock = threading.Lock()
         self._full_logged: set[str] = set()
         self.held = HeldCopies(catalog)  # copies retention keeps beyond their window, and why
+        self.keys = DecisionKeys()
+        self.commits = Commits(coordinator, self.keys)
 
     # -- plans ------------------------------------------------------------------------------------------
     def execute(self, plan: CopyPlan) -> dict[str, Future[None]]:
@@ -146,13 +152,20 @@ class Mover:
         source has committed)."""
 
         room = Room(self, self.tiers[tier])
+        key = CheckpointKey(step, self.rank)
 
         def run() -> None:
             if announce:
                 self.catalog.set(step, tier, "writing")
             error: BaseException | None = None
             try:
-                job(room)
+                try:
+                    manifest = job(room)
+                except BaseException:
+                    self.commits.abandon(room.tier, key)
+                    raise
+                if manifest is not None:
+                    self.commits.publish(room.tier, key, manifest)
             except BaseException as e:
                 error = e
                 self.catalog.set(step, tier, "failed", e)
@@ -203,7 +216,7 @@ class Mover:
             first = sources[0][0]
             sources[0][1].add_done_callback(lambda f: pins.release(keep=first) if f.exception() is None else None)
 
-        def job(room: Room) -> None:
+        def job(room: Room) -> bytes | None:
             try:
                 try:
                     src = self._pick_source(key, dst, sources)
@@ -213,13 +226,18 @@ class Mover:
                     self.catalog.set(key.step, dst, "writing")
                     pins.release()
                     log.warning("step %d: every tier above %r failed; writing it there directly", key.step, dst)
-                    fallback(room)
-                    return
+                    return fallback(room)
                 pins.release(keep=src)
                 self.catalog.set(key.step, dst, "writing")
-                self._copy(key, self.tiers[src], self.tiers[dst], blobs)
-                if promoted:
+                manifest = self._copy(key, self.tiers[src], self.tiers[dst], blobs)
+                if promoted:  # a cache of this rank's copy: the step's record comes along, no commit of all ranks
+                    record = self.tiers[src].read_record(key.step)
+                    if record is None:
+                        raise CheckpointNotFoundError(f"step {key.step} lost its commit record on tier {src!r}")
+                    self.tiers[dst].write_record(key.step, record)
                     self.catalog.promoted(key.step, dst, True)
+                    return None
+                return manifest
             finally:
                 pins.release()
 
@@ -238,7 +256,8 @@ class Mover:
             causes[0][1] if causes else None
         )
 
-    def _copy(self, key: CheckpointKey, src: Tier, dst: Tier, blobs: Sequence[BlobEntry] | None) -> None:
+    def _copy(self, key: CheckpointKey, src: Tier, dst: Tier, blobs: Sequence[BlobEntry] | None) -> bytes:
+        """Copy ``key`` from ``src`` to ``dst`` blob by blob and commit it there; the manifest committed."""
         with src.open_copy(key) as copy:  # manifest and blobs of one copy; blob sizes checked at open
             manifest = copy.read_manifest()
             if blobs is None:
@@ -259,6 +278,7 @@ class Mover:
         except BaseException:
             writer.abort()
             raise
+        return manifest
 
     # -- room -------------------------------------------------------------------------------------------
     def reserve(self, tier: Tier, key: CheckpointKey, blobs: Sequence[BlobEntry]) -> TierWriter:
@@ -296,8 +316,12 @@ class Mover:
                     self.catalog.changed.wait(1.0)
 
     def _evict(self, tier: Tier, step: int, free: bool = True) -> None:
+        """Evict this rank's copy of ``step``: the step's record goes first (the step is unlisted at once,
+        for every rank); on a shared tier of a job of several ranks, rank 0 removed it when it decided."""
         self.catalog.set(step, tier.name, "evicting")
         try:
+            if not (tier.name in self._shared and self.coordinator.world_size > 1):
+                tier.remove_record(step)
             tier.evict(CheckpointKey(step, self.rank), free=free)
         except OSError as e:
             log.warning("cannot evict step %d from tier %r: %s", step, tier.name, e)
@@ -317,6 +341,7 @@ class Mover:
             plan = place(Retain(), self.policy, self.catalog.view(committed))
             plan = self._agree_shared(plan, after)
             self.held.update(plan.held)
+            self._evict_orphans()
             for name, step in plan.evict:
                 log.debug("retention: evicting step %d from tier %r", step, name)
                 self._evict(self.tiers[name], step, free=free)
@@ -330,11 +355,36 @@ class Mover:
             return plan
         own = [(n, s) for n, s in plan.evict if n not in self._shared]
         mine = [(n, s) for n, s in plan.evict if n in self._shared]
-        if after is None:
-            shared = mine if self.coordinator.world_size == 1 else []
+        if self.coordinator.world_size == 1:
+            shared = mine
+        elif after is None:
+            shared = []
         else:
-            shared = self.coordinator.decide(f"retain/{after[0]}/{after[1]}", lambda: mine)
+            shared = self.coordinator.decide(self.keys.next("retain", *after), lambda: self._unrecord(mine))
         return RetentionPlan(own + [(n, s) for n, s in shared if n in self._shared], plan.held)
+
+    def _evict_orphans(self) -> None:
+        """Evict this rank's copies whose commit never completed (see ``Catalog.orphans``): the sweep
+        that leaves nothing of a step some rank never finished."""
+        for step, name in self.catalog.orphans():
+            log.info("step %d on tier %r was never committed by every rank: removing this rank's copy", step, name)
+            try:
+                self.tiers[name].evict(CheckpointKey(step, self.rank))
+            except OSError as e:
+                log.warning("cannot remove the uncommitted copy of step %d from tier %r: %s", step, name, e)
+
+    def _unrecord(self, evict: list[tuple[str, int]]) -> list[tuple[str, int]]:
+        """Rank 0's part of a shared eviction: remove the steps' records (unlisted for every rank before
+        any rank evicts its copy); the evictions whose record could not be removed are left for later."""
+        done = []
+        for name, step in evict:
+            try:
+                self.tiers[name].remove_record(step)
+            except OSError as e:
+                log.warning("cannot remove the commit record of step %d on tier %r: %s", step, name, e)
+                continue
+            done.append((name, step))
+        return done
 
     def close(self, timeout: float | None = None) -> None:
         for w in self.workers.values():

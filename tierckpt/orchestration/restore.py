@@ -18,9 +18,10 @@ from typing import Any
 import torch
 import xxhash
 
-from tierckpt.errors import CorruptCheckpointError, StateError
+from tierckpt.errors import CheckpointNotFoundError, CorruptCheckpointError, StateError
 from tierckpt.format.manifest import Manifest, ManifestHead, decode_head, dtype_from_name
 from tierckpt.format.native import THREADS, all_zero, native, records
+from tierckpt.format.record import RECORDS_SINCE, decode_record
 from tierckpt.format.table import blob_spans
 from tierckpt.format.tree import decode_tree, resolve_tree
 from tierckpt.io.buffers import MappedBuffer, ptr_mv
@@ -58,10 +59,13 @@ def load_head(
     Raises:
         StateError: the checkpoint holds pickled values and ``allow_pickle`` is False.
     """
+    data = copy.read_manifest() if copy is not None else tier.read_manifest(key)
     try:
-        head = decode_head(copy.read_manifest() if copy is not None else tier.read_manifest(key))
+        head = decode_head(data)
     except CorruptCheckpointError as e:
         raise _located(e, tier, key) from None
+    if head.version >= RECORDS_SINCE:
+        check_committed(tier, key, data)
     if (head.step, head.rank) != (key.step, key.rank):
         raise CorruptCheckpointError(
             f"manifest says step {head.step} rank {head.rank}, stored as step {key.step} rank {key.rank}",
@@ -74,6 +78,30 @@ def load_head(
             "to restore() only if you trust where it came from"
         )
     return head
+
+
+def check_committed(tier: Tier, key: CheckpointKey, manifest: bytes) -> None:
+    """Check that ``manifest`` is the copy the step's commit record on ``tier`` names for ``key.rank``.
+
+    Raises:
+        CheckpointNotFoundError: the tier holds no record of the step (never committed, or evicted).
+        CorruptCheckpointError: the record is damaged, or names another copy (this one replaced it by a
+            save whose commit did not complete; it must not be mixed with the other ranks' copies).
+    """
+    data = tier.read_record(key.step)
+    if data is None:
+        raise CheckpointNotFoundError(f"step {key.step} is not committed on tier {tier.name!r} (no commit record)")
+    try:
+        record = decode_record(data, key.step)
+    except CorruptCheckpointError as e:
+        raise CorruptCheckpointError(str(e), tier=tier.name, step=key.step) from None
+    if not record.matches(key.rank, manifest):
+        raise CorruptCheckpointError(
+            f"rank {key.rank}'s copy is not the one the step's commit record names (of {record.world_size} "
+            "ranks): it was replaced by a save whose commit did not complete",
+            tier=tier.name,
+            step=key.step,
+        )
 
 
 def load_rest(tier: Tier, key: CheckpointKey, head: ManifestHead) -> Manifest:

@@ -77,9 +77,9 @@ class SaveJob:
         for c in lower:
             self.mover.copy(self.key, c, durable[c.dst], durable, self.blobs, fallback=self._stage)
 
-    def _stage(self, room: Room) -> None:
-        """Reserve room on ``tier``, pack the caller's tensors into it, commit. A failure on the save's
-        last destination (no fallback comes after it) also fails ``staged``."""
+    def _stage(self, room: Room) -> bytes:
+        """Reserve room on ``tier``, pack the caller's tensors into it, commit; the manifest committed. A
+        failure on the save's last destination (no fallback comes after it) also fails ``staged``."""
         tier, handle = room.tier, self.handle
         first = tier.name == self.plan.tiers[0]
         writer: TierWriter | None = None
@@ -91,7 +91,9 @@ class SaveJob:
                 )
             with gc_paused():
                 writer = room.reserve(self.key, self.blobs)
-                writer.commit(self._pack(room, writer))
+                manifest = self._pack(room, writer)
+                writer.commit(manifest)
+                return manifest
         except BaseException as e:
             if writer is not None:
                 writer.abort()

@@ -18,7 +18,10 @@ if TYPE_CHECKING:
 
 __all__ = ["FaultyTier"]
 
-METHODS = ("reserve", "write", "commit", "list_committed", "read_manifest", "read", "evict", "reclaim")
+METHODS = (
+    "reserve", "write", "commit", "list_committed", "read_manifest", "read", "evict", "reclaim",
+    "write_record", "read_record", "remove_record", "list_records",
+)  # fmt: skip
 
 
 class FaultyTier(Tier):
@@ -111,6 +114,22 @@ class FaultyTier(Tier):
     def reclaim(self) -> None:
         self._check("reclaim")
         self.inner.reclaim()
+
+    def write_record(self, step: int, data: bytes) -> None:
+        self._check("write_record")
+        self.inner.write_record(step, data)
+
+    def read_record(self, step: int) -> bytes | None:
+        self._check("read_record")
+        return self.inner.read_record(step)
+
+    def remove_record(self, step: int) -> None:
+        self._check("remove_record")
+        self.inner.remove_record(step)
+
+    def list_records(self) -> list[int]:
+        self._check("list_records")
+        return self.inner.list_records()
 
     def used_bytes(self) -> int:
         return self.inner.used_bytes()

@@ -48,7 +48,8 @@ log = logging.getLogger(__name__)
 # names are matched whole (fullmatch): "step-…\n" is junk, not a step
 _STEP_RE = re.compile(r"step-(\d{12})")
 _RANK_RE = re.compile(r"rank-(\d{5})")
-_SCRATCH_RE = re.compile(r"\.(tmp|old|evict)-rank-\d{5}-(.+)-(\d+)-[0-9a-f]+")
+_SCRATCH_RE = re.compile(r"\.(tmp|old|evict)-(?:rank-\d{5}|commit)-(.+)-(\d+)-[0-9a-f]+")
+RECORD_NAME = "commit"  # a step's commit record, beside its rank directories (docs/format.md)
 _HOST = socket.gethostname().replace("-", "_")[:32] or "host"
 _RENAME_EXCHANGE = 2
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
@@ -62,8 +63,9 @@ def rank_dir_name(rank: int) -> str:
     return f"rank-{rank:05d}"
 
 
-def _scratch(kind: str, rank: int) -> str:
-    return f".{kind}-rank-{rank:05d}-{_HOST}-{os.getpid()}-{secrets.token_hex(4)}"
+def _scratch(kind: str, rank: int | None) -> str:
+    what = "commit" if rank is None else f"rank-{rank:05d}"
+    return f".{kind}-{what}-{_HOST}-{os.getpid()}-{secrets.token_hex(4)}"
 
 
 def _pid_alive(pid: int) -> bool:
@@ -321,6 +323,54 @@ class FileTier(Tier):
         if os.path.islink(rank_dir.parent) or os.path.islink(rank_dir):
             return False  # links are not followed (list_committed warns about them)
         return self._has_manifest(rank_dir)
+
+    # -- commit records: step-N/commit ----------------------------------------------------------------
+    def _record_path(self, step: int) -> Path:
+        return self.path / step_dir_name(step) / RECORD_NAME
+
+    def write_record(self, step: int, data: bytes) -> None:
+        """Write ``step-N/commit`` under a scratch name, fsync it, rename it into place (replacing the
+        step's record) and fsync the step directory."""
+        self._check_lease()
+        final = self._record_path(step)
+        tmp = final.parent / _scratch("tmp", None)
+        try:
+            final.parent.mkdir(exist_ok=True)
+            _write_file(tmp, data)
+            os.rename(tmp, final)
+            fsync_dir(final.parent)
+        except OSError as e:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise io_error(self.name, f"cannot write the commit record of step {step}", e) from e
+
+    def read_record(self, step: int) -> bytes | None:
+        p = self._record_path(step)
+        if os.path.islink(p.parent) or os.path.islink(p):
+            return None  # links are not followed
+        try:
+            with open(p, "rb") as f:
+                return f.read(1 << 27)
+        except FileNotFoundError:
+            return None
+        except OSError as e:
+            raise io_error(self.name, f"cannot read the commit record of step {step}", e) from e
+
+    def remove_record(self, step: int) -> None:
+        self._check_lease()
+        p = self._record_path(step)
+        try:
+            os.unlink(p)
+        except FileNotFoundError:
+            return
+        except OSError as e:
+            raise io_error(self.name, f"cannot remove the commit record of step {step}", e) from e
+        with contextlib.suppress(OSError):
+            fsync_dir(p.parent)
+
+    def list_records(self) -> list[int]:
+        """Steps whose directory holds a ``commit`` file (one ``stat`` a step)."""
+        return [int(step.name[5:]) for step in self._step_dirs() if _is_file(step / RECORD_NAME)]
 
     def used_bytes(self) -> int:
         total = 0

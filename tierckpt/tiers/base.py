@@ -24,6 +24,18 @@ Read, by any thread or process::
                                           # target any memory, e.g. a caller's tensor (None: staging only)
     tier.read_manifest(key), tier.reader(key, blobs)   # the same, each opening the copy on its own
 
+Commit records, by the hierarchy (docs/distributed.md): once every rank's copy of a step is durable on
+the tier, one record per step says so (and names each rank's manifest). A step without its record is
+not committed, whatever copies the tier holds::
+
+    tier.write_record(step, data)         # atomically, replacing the step's record if there is one
+    tier.read_record(step)                # its bytes, or None
+    tier.remove_record(step)              # before a step's copies are evicted (missing: ignored)
+    tier.list_records()                   # steps that have one, oldest first
+
+Memory tiers keep records in the tier object (the default implementation); a persistent tier must
+store them with its copies (the file tiers: ``step-N/commit``).
+
 Readers take no lock and no lease: another process may evict or replace (save again) a checkpoint while
 it is read. A tier whose copies other processes can change (the file tiers) makes :meth:`Tier.open_copy`
 a snapshot: the manifest and every blob come from the one copy that was committed when it was opened,
@@ -321,6 +333,41 @@ class Tier(ABC):
             free: free its space now; with ``False`` it is only made unlistable at once, and
                 :meth:`reclaim` frees it later (tiers whose freeing is cheap free it anyway).
         """
+
+    # -- commit records (see the module docstring): in the tier object, for memory tiers --------------
+    def write_record(self, step: int, data: bytes) -> None:
+        """Publish ``step``'s commit record atomically (replacing the step's record if there is one).
+
+        A persistent tier must override the record methods and keep records durably with its copies;
+        this default keeps them in the tier object, which is right only for a tier whose copies do not
+        outlive the process."""
+        if self.capabilities.persistent:
+            raise NotImplementedError(f"tier kind {self.kind!r} keeps no commit records (Tier.write_record)")
+        self.__records()[step] = bytes(data)
+
+    def read_record(self, step: int) -> bytes | None:
+        """``step``'s commit record, or None when the tier holds none."""
+        if self.capabilities.persistent:
+            raise NotImplementedError(f"tier kind {self.kind!r} keeps no commit records (Tier.read_record)")
+        return self.__records().get(step)
+
+    def remove_record(self, step: int) -> None:
+        """Remove ``step``'s commit record (none: nothing to do): the step is no longer committed here."""
+        if self.capabilities.persistent:
+            raise NotImplementedError(f"tier kind {self.kind!r} keeps no commit records (Tier.remove_record)")
+        self.__records().pop(step, None)
+
+    def list_records(self) -> list[int]:
+        """The steps whose commit record the tier holds, oldest first."""
+        if self.capabilities.persistent:
+            raise NotImplementedError(f"tier kind {self.kind!r} keeps no commit records (Tier.list_records)")
+        return sorted(self.__records())
+
+    def __records(self) -> dict[int, bytes]:
+        records: dict[int, bytes] | None = self.__dict__.get("_memory_records")
+        if records is None:
+            records = self.__dict__.setdefault("_memory_records", {})
+        return records
 
     # -- optional methods: a tier overrides them where it can do better than the generic path ----------
     def pack(
