@@ -9,6 +9,7 @@ import random
 import threading
 import time
 from collections.abc import Callable
+from datetime import timedelta
 from typing import Any
 
 import pytest
@@ -236,3 +237,27 @@ def test_node_identity_comes_from_the_ranks_own_overrides() -> None:
         StoreCoordinator(store, 0, 1, node=-1)
     with pytest.raises(ConfigError, match="timeout"):
         StoreCoordinator(store, 0, 1, timeout=0)
+
+
+def _store(kind: str, tmp_path: Any) -> Any:
+    if kind == "file":
+        return dist.FileStore(str(tmp_path / "store"), -1)
+    if kind == "tcp":
+        return dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
+    return dist.PrefixStore("job", dist.HashStore())
+
+
+@pytest.mark.parametrize("kind", ["file", "tcp", "prefix"])
+def test_every_kind_of_store(kind: str, tmp_path: Any) -> None:
+    store = _store(kind, tmp_path)
+    cs = coordinators(3, store, timeout=0.5)
+
+    def body(r: int) -> Any:
+        got = [cs[r].gather("a", r, sum), cs[r].agree_step(5 - r)]
+        if r != 1:
+            with pytest.raises(CoordinationError) as e:
+                cs[r].gather("missed", r, sum)
+            got.append(e.value.ranks)
+        return [*got, cs[r].decide("b", lambda: "ok", timeout=10)]  # rank 1 is there long before rank 0
+
+    assert run_ranks(3, body) == [[3, 3, (1,), "ok"], [3, 3, "ok"], [3, 3, (1,), "ok"]]

@@ -7,15 +7,16 @@ A hierarchy asks its coordinator
 * which steps a shared tier evicts and whether a time-based demotion is due (:meth:`Coordinator.decide`:
   one rank places, every rank follows the plan it receives).
 
-:class:`SoloCoordinator` is the implementation used today: every rank decides alone, as in a single
-process (or in a job whose ranks share nothing). A multi-rank implementation (torch.distributed, on a
-process group of its own and never on the training thread's collectives) supplies the same methods with
-real collectives (or the rendezvous store); every method takes a ``timeout`` (None: the coordinator's
-own default, set when it is built) and raises :class:`~tierckpt.errors.CoordinationError` naming the
-ranks that did not answer, so a dead rank fails a step instead of hanging the job. Decisions are named
-(``decide(key, fn)``): the background workers of different ranks reach them in different orders, so an
-implementation matches them by key (e.g. rank 0 writes the answer under the key in the store), never by
-call order.
+:class:`SoloCoordinator`: every rank decides alone, as in a single process (or in a job whose ranks
+share nothing). :class:`~tierckpt.orchestration.distributed.StoreCoordinator` is the multi-rank one: it
+agrees through torch.distributed's key-value store (never the training thread's collectives), and a
+hierarchy picks it by default when a process group of several ranks is initialized. Every method takes a
+``timeout`` (None: the coordinator's own default, set when it is built) and raises
+:class:`~tierckpt.errors.CoordinationError` naming the ranks that did not answer, so a dead rank fails a
+step instead of hanging the job. Decisions are named (``decide(key, fn)``, ``gather(key, value, fn)``):
+the background workers of different ranks reach them in different orders, so an implementation matches
+them by key, never by call order; the foreground collectives (``barrier``, ``broadcast``, ``all_gather``,
+``agree_step``) are made by every rank in the same order, from the training thread.
 """
 
 from __future__ import annotations

@@ -102,7 +102,7 @@ class StoreCoordinator:
         self._local = threading.local()
         self._lock = threading.Lock()
         self._calls = 0  # foreground calls made so far: their keys
-        self._decided: deque[tuple[float, str]] = deque()  # rank 0: (when, key) whose entries may linger
+        self._decided: deque[tuple[float, str, bool]] = deque()  # rank 0: (when, key, ok) of its calls
         #: seconds after which rank 0 deletes whatever is left of a key (a failure's outcome, kept for
         #: the ranks that arrive late; the values of ranks that arrived after it)
         self.linger = 4 * self.timeout + 60.0
@@ -202,9 +202,19 @@ class StoreCoordinator:
 
     # -- rank 0 --------------------------------------------------------------------------------------------
     def _decide(self, key: str, value: Any, fn: Callable[[list[Any]], Any], wait: float) -> Any:
-        st, k = self._st(), self._names.of(key)
+        st = self._st()
         self._sweep(st)
-        self._decided.append((time.monotonic(), key))
+        ok = False
+        try:
+            out = self._decide_key(st, key, value, fn, wait)
+            ok = True
+            return out
+        finally:
+            with self._lock:
+                self._decided.append((time.monotonic(), key, ok))
+
+    def _decide_key(self, st: Store, key: str, value: Any, fn: Callable[[list[Any]], Any], wait: float) -> Any:
+        k = self._names.of(key)
         try:
             own = encode(value, self.max_bytes, key)
         except CoordinationError as e:
@@ -255,19 +265,21 @@ class StoreCoordinator:
         return self._op(st.get, k.result, what=key)  # type: ignore[no-any-return]  # the store gives bytes
 
     def _sweep(self, st: Store) -> None:
-        """Delete what lingers of keys decided long ago: a failed key's outcome (kept for the ranks that
-        arrive late), values of ranks that arrived after a failure, outcomes a dead rank never read."""
-        linger, due = self.linger, []
+        """Delete what lingers of keys decided :attr:`linger` seconds ago: the outcome of a failed key
+        (kept for the ranks that arrive late) and the values of ranks that arrived after it; an outcome
+        that a rank which died never read."""
+        due: list[tuple[float, str, bool]] = []
         with self._lock:
             while self._decided and (
-                time.monotonic() - self._decided[0][0] > linger or len(self._decided) > _SWEEP_KEEP
+                time.monotonic() - self._decided[0][0] > self.linger or len(self._decided) > _SWEEP_KEEP
             ):
-                due.append(self._decided.popleft()[1])
-        for key in due:
+                due.append(self._decided.popleft())
+        for _, key, ok in due:
             k = self._names.of(key)
-            if self._op(st.check, [k.result], what=k.key) or self._op(st.check, [k.values], what=k.key):
+            # after a success rank 0 deleted the values and the last reader the outcome: one check
+            if not ok or self._op(st.check, [k.result], what=key):
                 for name in k.all():
-                    self._op(st.delete_key, name, what=k.key)
+                    self._op(st.delete_key, name, what=key)
 
     # -- the other ranks -----------------------------------------------------------------------------------
     def _follow(self, key: str, value: Any, wait: float) -> Any:
@@ -281,7 +293,7 @@ class StoreCoordinator:
             if self._op(st.add, k.counter, 1, what=key) == self.world_size - 1:
                 self._op(st.set, k.full, b"1", what=key)
             # rank 0's failure naming a missing rank must come before this rank gives up on rank 0
-            if not self._wait(st, k.result, wait + min(5.0, wait / 4), key):
+            if not self._wait(st, k.result, wait + _grace(wait), key):
                 self._give_up(st, k, key, wait)
         payload = self._op(st.get, k.result, what=key)
         # the last reader of rank 0's outcome cleans up; an outcome a rank published because rank 0 did
@@ -295,7 +307,7 @@ class StoreCoordinator:
         """Rank 0 did not publish in time: claim the key and publish that (so that a rank 0 that comes
         back does not run the decision), or, when rank 0 claimed it and is deciding, wait once more."""
         gave_up = failure(
-            f"{key!r}: rank 0 did not answer within {wait + min(5.0, wait / 4):.1f} s (rank {self.rank} waited)",
+            f"{key!r}: rank 0 did not answer within {wait + _grace(wait):.1f} s (rank {self.rank} waited)",
             (0,),
             by=self.rank,
         )
@@ -319,6 +331,12 @@ class StoreCoordinator:
             f"StoreCoordinator(rank={self.rank}, world_size={self.world_size}, node={self.node}, "
             f"timeout={self.timeout:g}, generation={self.generation})"
         )
+
+
+def _grace(wait: float) -> float:
+    """How much longer than rank 0 the other ranks wait, so that rank 0's report naming a missing rank
+    reaches them before they give up on rank 0 itself."""
+    return min(5.0, 0.5 + wait / 4)
 
 
 def _ranks(ranks: tuple[int, ...]) -> str:
@@ -395,7 +413,7 @@ def shared_job(coordinator: Coordinator, job: str | None) -> str | None:
             environments.
         CoordinationError: some rank did not take part in time.
     """
-    if coordinator.world_size == 1 or isinstance(coordinator, SoloCoordinator):
+    if coordinator.world_size == 1:
         return job
     mine = resolve_job(job)
     explicit = None if mine.source == "process" else mine.value
@@ -408,4 +426,4 @@ def shared_job(coordinator: Coordinator, job: str | None) -> str | None:
             f"rank {two[1][1]} {two[1][0]!r} (give every rank the same job= or $TIERCKPT_JOB)"
         )
     agreed = next(iter(named)) if named else str(got[0][1])
-    return job if explicit == agreed else agreed
+    return job if agreed == mine.value else agreed
