@@ -49,7 +49,8 @@ def spawn(body: str, world_size: int, tmp: Path, *args: Any, limit: float = 60.0
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
     out = tmp / "results"
     out.mkdir(exist_ok=True)
-    ctx = mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")  # one server imports torch once; each rank is a fork of it
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "tierckpt.hierarchy", __name__])
     procs = [
         ctx.Process(target=_child, args=(body, r, world_size, store.port, str(out), args)) for r in range(world_size)
     ]
@@ -120,7 +121,7 @@ def die_or_fail(rank: int, world_size: int) -> list[Any]:
 
     c = distributed_coordinator(timeout=1.5)
     got: list[Any] = []
-    for key, dies in (("commit/ssd/5/1", 3), ("commit/ssd/6/1", 0)):
+    for key, dies in (("commit/ssd/5/1", 2), ("commit/ssd/6/1", 0)):
         if rank == dies:
             os.kill(os.getpid(), signal.SIGKILL)
         t0 = time.monotonic()
@@ -144,7 +145,7 @@ def hang(rank: int, world_size: int) -> list[Any]:
         c.gather("commit/pfs/9/1", rank, sum)
     except CoordinationError as e:
         got.append([list(e.ranks), str(e), time.monotonic() - t0])
-    got.append(c.gather("commit/pfs/10/1", rank, sum))  # the next save works once it is back
+    got.append(c.gather("commit/pfs/10/1", rank, sum, timeout=20))  # the next save works once it is back
     return got
 
 
@@ -171,16 +172,17 @@ def test_spawned_ranks_agree_share_the_job_and_fill_rank_and_node(world_size: in
 
 
 def test_a_dead_rank_fails_the_others_within_the_timeout_naming_it(tmp_path: Path) -> None:
-    got = spawn("die_or_fail", 4, tmp_path)
-    assert got[3] is None and got[0] is None  # killed
-    for r in (1, 2):
-        first, second = got[r]["ok"]  # type: ignore[index]
-        assert first[0] == [3] and "rank(s) 3 did not arrive within" in first[1] and first[2] < 1.5 + 3
-        assert second[0] == [0] and "rank 0 did not answer within" in second[1] and second[2] < 1.5 + 3
+    got = spawn("die_or_fail", 3, tmp_path)
+    assert got[2] is None and got[0] is None, got  # killed: rank 2 at the first key, rank 0 at the second
+    assert got[1] and "ok" in got[1], got
+    first, second = got[1]["ok"]  # type: ignore[index]
+    assert first[0] == [2] and "rank(s) 2 did not arrive within" in first[1] and first[2] < 1.5 + 3
+    assert second[0] == [0] and "rank 0 did not answer within" in second[1] and second[2] < 1.5 + 3
 
 
 def test_a_hung_rank_fails_that_call_naming_it_and_the_next_call_works(tmp_path: Path) -> None:
     got = spawn("hang", 3, tmp_path)
+    assert all(g and "ok" in g for g in got), got
     for r in (0, 1):
         (ranks, msg, took), total = got[r]["ok"]  # type: ignore[index]
         assert ranks == [2] and "'commit/pfs/9/1'" in msg and took < 1.0 + 1.5

@@ -63,10 +63,13 @@ def test_64_ranks_agree_on_every_kind_of_call_and_leave_the_store_as_they_found_
             c.decide("decision", lambda: f"rank {c.rank} decided"),
             c.all_gather(r * r)[-1],
             c.barrier(),
+            c.gather("sum", -r, sum),  # a key used again after its call succeeded
         )
 
     for got in run_ranks(64, body):
-        assert got == (2016, list(range(64)), 50, None, {"from": 5, "t": [1, 2]}, "rank 0 decided", 63 * 63, None)
+        assert got == (
+            2016, list(range(64)), 50, None, {"from": 5, "t": [1, 2]}, "rank 0 decided", 63 * 63, None, -2016,
+        )  # fmt: skip
     assert isinstance(cs[0], Coordinator)
     assert store.num_keys() == keys, "a successful call leaves nothing in the store"
 
@@ -261,3 +264,11 @@ def test_every_kind_of_store(kind: str, tmp_path: Any) -> None:
         return [*got, cs[r].decide("b", lambda: "ok", timeout=10)]  # rank 1 is there long before rank 0
 
     assert run_ranks(3, body) == [[3, 3, (1,), "ok"], [3, 3, "ok"], [3, 3, (1,), "ok"]]
+
+
+def test_a_rank_that_builds_no_coordinator_fails_the_others_constructors() -> None:
+    store = dist.HashStore()
+    got = run_ranks(2, lambda r: StoreCoordinator(store, r, 3, timeout=0.3))  # rank 2 never builds one
+    for e in got:
+        assert isinstance(e, CoordinationError) and e.ranks == (2,), e
+        assert "construction" in str(e) and "coordinator=SoloCoordinator()" in str(e)

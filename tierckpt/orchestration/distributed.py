@@ -108,7 +108,14 @@ class StoreCoordinator:
         self.linger = 4 * self.timeout + 60.0
         self.generation = (self._op(store.add, f"{prefix}/members", 1, what="construction") - 1) // world_size
         self._names = KeyNames(f"{prefix}/{self.generation}")
-        nodes = self.all_gather(self.node)
+        try:
+            nodes: list[int] = self.gather(self._next("construction"), self.node, list)
+        except CoordinationError as e:
+            raise CoordinationError(
+                f"{e}: every rank of the job builds its coordinator (its hierarchy) in the same order; to "
+                "build one on some ranks only, give it coordinator=SoloCoordinator()",
+                e.ranks,
+            ) from e
         self._on_node = [r for r, n in enumerate(nodes) if n == self.node]
         self.local_rank = self._on_node.index(self.rank)
 
@@ -150,7 +157,9 @@ class StoreCoordinator:
         result (as msgpack decodes it: tuples come back as lists).
 
         Args:
-            key: names the call: identical on every rank, unique in the job (``commit/ssd/100/3``).
+            key: names the call: identical on every rank, unique in the job (``commit/ssd/100/3``); a key
+                may be used again once its previous call succeeded, not after it failed (its outcome
+                stays for :attr:`linger` seconds, for the ranks that arrive late).
             value: small plain data (None, bool, int, float, str, bytes, lists and dicts of them).
             fn: the decision, run on rank 0 only.
             timeout: seconds to wait for the other ranks (None: the coordinator's).
@@ -215,10 +224,13 @@ class StoreCoordinator:
 
     def _decide_key(self, st: Store, key: str, value: Any, fn: Callable[[list[Any]], Any], wait: float) -> Any:
         k = self._names.of(key)
+        # claimed on arrival: a rank that times out meanwhile knows rank 0 is here and keeps waiting
+        if self._op(st.compare_set, k.claim, "", "0", what=key) != b"0":
+            return self._raise(self._result(st, k, key, wait))  # the others gave up on rank 0 first
         try:
             own = encode(value, self.max_bytes, key)
         except CoordinationError as e:
-            return self._raise(self._publish(st, k, failure(str(e), (0,)), "0"))
+            return self._raise(self._fail(st, k, failure(str(e), (0,))))
         start = time.monotonic()
         full = self._wait(st, k.full, wait, key)
         blob = self._op(st.get, k.values, what=key) if self._op(st.check, [k.values], what=key) else b""
@@ -233,30 +245,27 @@ class StoreCoordinator:
         elif not full and problem is None:
             log.debug("%s: every value arrived as the wait timed out", key)
         if problem is not None:
-            return self._raise(self._publish(st, k, problem, "0"))
-        won = self._op(st.compare_set, k.claim, "", "0", what=key)
-        if won != b"0":  # a rank gave up on rank 0 first: its failure is the outcome
-            return self._raise(self._result(st, k, key, wait))
+            return self._raise(self._fail(st, k, problem))
         try:
             out = fn([decode(own), *(decode(values[r]) for r in range(1, self.world_size))])
             payload = encode({"ok": out}, self._result_bytes, key)
         except Exception as e:
             failed = failure(f"{key!r}: rank 0's decision failed: {type(e).__name__}: {e}", ())
-            self._op(st.set, k.result, failed, what=key)
+            self._fail(st, k, failed)
             raise CoordinationError(decode(failed)["err"]) from e
         self._op(st.set, k.result, payload, what=key)
-        for name in (k.values, k.counter, k.full):
-            self._op(st.delete_key, name, what=key)
+        self._delete(st, k, k.values, k.counter, k.full)
         return decode(payload)["ok"]
 
-    def _publish(self, st: Store, k: Keys, payload: bytes, claimant: str) -> bytes:
-        """Publish ``payload`` as the outcome under ``k`` unless another rank claimed it first; the
-        outcome."""
-        won = self._op(st.compare_set, k.claim, "", claimant, what=k.key)
-        if won == claimant.encode():
-            self._op(st.set, k.result, payload, what=k.key)
-            return payload
-        return self._result(st, k, k.key, self.timeout)
+    def _fail(self, st: Store, k: Keys, outcome: bytes) -> bytes:
+        """Publish rank 0's failure (a rank arriving late reads only the outcome); the outcome."""
+        self._op(st.set, k.result, outcome, what=k.key)
+        self._delete(st, k, k.values, k.counter, k.full)
+        return outcome
+
+    def _delete(self, st: Store, k: Keys, *names: str) -> None:
+        for name in names:
+            self._op(st.delete_key, name, what=k.key)
 
     def _result(self, st: Store, k: Keys, key: str, wait: float) -> bytes:
         """The outcome another rank is publishing under ``k``."""
@@ -278,8 +287,7 @@ class StoreCoordinator:
             k = self._names.of(key)
             # after a success rank 0 deleted the values and the last reader the outcome: one check
             if not ok or self._op(st.check, [k.result], what=key):
-                for name in k.all():
-                    self._op(st.delete_key, name, what=key)
+                self._delete(st, k, *k.all())
 
     # -- the other ranks -----------------------------------------------------------------------------------
     def _follow(self, key: str, value: Any, wait: float) -> Any:
@@ -299,13 +307,13 @@ class StoreCoordinator:
         # the last reader of rank 0's outcome cleans up; an outcome a rank published because rank 0 did
         # not answer stays (its claim keeps a rank 0 that comes back from deciding) until rank 0 sweeps it
         if decode(payload).get("by", 0) == 0 and self._op(st.add, k.read, 1, what=key) == self.world_size - 1:
-            for name in (k.result, k.read, k.claim):
-                self._op(st.delete_key, name, what=key)
+            self._delete(st, k, k.result, k.read, k.claim)
         return self._raise(payload)
 
     def _give_up(self, st: Store, k: Keys, key: str, wait: float) -> None:
         """Rank 0 did not publish in time: claim the key and publish that (so that a rank 0 that comes
-        back does not run the decision), or, when rank 0 claimed it and is deciding, wait once more."""
+        back does not run the decision), or, when rank 0 claimed it on arrival (it is waiting for a rank,
+        or deciding), wait once more for its outcome."""
         gave_up = failure(
             f"{key!r}: rank 0 did not answer within {wait + _grace(wait):.1f} s (rank {self.rank} waited)",
             (0,),
@@ -314,9 +322,10 @@ class StoreCoordinator:
         won = self._op(st.compare_set, k.claim, "", str(self.rank), what=key)
         if won == str(self.rank).encode():
             self._op(st.set, k.result, gave_up, what=key)
-        elif won == b"0" and not self._wait(st, k.result, wait, key):
-            raise CoordinationError(f"{key!r}: rank 0 began deciding but did not finish within {wait:g} s", (0,))
-        elif not self._wait(st, k.result, wait, key):
+        elif won == b"0" and not self._wait(st, k.result, wait + _grace(wait), key):
+            # rank 0 is here (waiting for a rank, or deciding) but published nothing in time
+            raise CoordinationError(f"{key!r}: rank 0 arrived but published no outcome within {wait:g} s", (0,))
+        elif won != b"0" and not self._wait(st, k.result, wait, key):
             raise CoordinationError(decode(gave_up)["err"], (0,))
 
     def _raise(self, payload: bytes) -> Any:
