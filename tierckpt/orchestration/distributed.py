@@ -158,8 +158,9 @@ class StoreCoordinator:
 
         Args:
             key: names the call: identical on every rank, unique in the job (``commit/ssd/100/3``); a key
-                may be used again once its previous call succeeded, not after it failed (its outcome
-                stays for :attr:`linger` seconds, for the ranks that arrive late).
+                may be used again once every rank has returned from its previous call and that call
+                succeeded, not after it failed (its outcome stays for :attr:`linger` seconds, for the
+                ranks that arrive late).
             value: small plain data (None, bool, int, float, str, bytes, lists and dicts of them).
             fn: the decision, run on rank 0 only.
             timeout: seconds to wait for the other ranks (None: the coordinator's).
