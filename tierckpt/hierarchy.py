@@ -16,7 +16,7 @@ import threading
 import time
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
-from dataclasses import replace
+from dataclasses import asdict, replace
 from typing import TYPE_CHECKING, Any
 
 from tierckpt.config import (
@@ -50,7 +50,7 @@ from tierckpt.orchestration.restore_into import RestoreStaging
 from tierckpt.orchestration.savejob import SaveJob
 from tierckpt.orchestration.verify import holds, verify_copies
 from tierckpt.policies.demotion import Demotion
-from tierckpt.policies.placement import Close, CopyPlan, Policy, Prefetch, Restored, Save, SavePlan, place
+from tierckpt.policies.placement import Close, Copy, CopyPlan, Policy, Prefetch, Restored, Save, SavePlan, Sent, place
 from tierckpt.policies.retention import RetentionPolicy
 from tierckpt.registry import get_tier_class
 from tierckpt.tiers._jobs import hierarchy_job, resolve_job
@@ -322,7 +322,13 @@ class Hierarchy:
             return place(Save(key.step, _clock(), holders), self.placement, view)
 
         # a plan from counts alone is the same on every rank; one that reads the clock is one rank's
-        plan = self.coordinator.decide(f"save/{key.step}", decide) if self.placement.reads_clock else decide()
+        # (sent to the other ranks as plain data: a coordinator sends msgpack, never pickles)
+        if not self.placement.reads_clock:
+            plan = decide()
+        else:
+            d = self.coordinator.decide(f"save/{key.step}", lambda: asdict(decide()))
+            copies = tuple(Copy(c["dst"], tuple(c["sources"]), c["fallback"], c["promoted"]) for c in d["copies"])
+            plan = SavePlan(d["step"], copies, {n: Sent(**v) for n, v in d["sent"].items()}, tuple(d["replaced"]))
         if plan.replaced:
             log.info("step %d is saved again: its older copies on %s are replaced too", key.step, list(plan.replaced))
         return plan

@@ -82,6 +82,8 @@ def agree(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
             {"name": "pfs", "kind": "pfs", "path": tmp + "/pfs/{{shared}}"},
         ],
         "distributed": {"timeout": 20},
+        # a cadence that reads the clock: rank 0 plans each save; pfs keeps 1: rank 0 decides its evictions
+        "policy": {"demote": {"ssd": {"every_secs": 3600}}, "keep": {"pfs": 1}},
     }
     with Hierarchy.from_config(config) as h:
         c = h.coordinator
@@ -98,7 +100,8 @@ def agree(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
             t.start()
         for t in threads:
             t.join(30)
-        h.save({"w": torch.full((4,), float(rank)), "rank": rank}, step=3).wait()
+        for step in (2, 3):
+            h.save({"w": torch.full((4,), float(rank)), "rank": rank, "step": step}, step=step).wait()
         state = h.restore()
         return {
             "job": h.job,
@@ -112,7 +115,8 @@ def agree(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
             "local_rank": c.local_rank,
             "ssd": str(h.tier("ssd").location()),
             "pfs": str(h.tier("pfs").location()),
-            "restored": [state["rank"], state["w"].tolist()],
+            "restored": [state["step"], state["rank"], state["w"].tolist()],
+            "pfs_steps": sorted(c.step for c in h.checkpoints() if "pfs" in c.tiers),
         }
 
 
@@ -168,7 +172,8 @@ def test_spawned_ranks_agree_share_the_job_and_fill_rank_and_node(world_size: in
         assert (o["node"], o["on_node"], o["local_rank"]) == (r // 2, [r // 2 * 2, r // 2 * 2 + 1], r % 2)
         assert o["ssd"] == str(tmp_path / f"node{r // 2}" / "ssd")
         assert o["pfs"] == str(tmp_path / "pfs" / "{shared}")
-        assert o["restored"] == [r, [float(r)] * 4]
+        assert o["restored"] == [3, r, [float(r)] * 4]
+        assert o["pfs_steps"] == [3]
 
 
 def test_a_dead_rank_fails_the_others_within_the_timeout_naming_it(tmp_path: Path) -> None:
