@@ -30,7 +30,15 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
-from tierckpt.configvalues import expand_path, format_size, no_nul, parse_size
+from tierckpt.configvalues import (
+    check_node,
+    check_timeout,
+    expand_path,
+    expand_placeholders,
+    format_size,
+    no_nul,
+    parse_size,
+)
 from tierckpt.configvalues import short as _short
 from tierckpt.errors import ConfigError
 from tierckpt.yamlfile import YAMLFileError, load_yaml
@@ -40,6 +48,7 @@ __all__ = [
     "LEASE_STALE_SECS",
     "ON_FULL",
     "DemoteConfig",
+    "DistributedConfig",
     "HierarchyConfig",
     "IOConfig",
     "LayoutConfig",
@@ -133,6 +142,10 @@ class TierConfig:
             environment, docs/jobs.md); set by ``Hierarchy.from_config(job=...)``.
         lease_stale_secs: how long a lease holder on another host may go without renewing its lease
             before another job takes it over (``lease.stale_secs``).
+        rank: what ``{rank}`` in ``location`` stands for (None: this process's rank,
+            :func:`~tierckpt.configvalues.process_rank`); set by ``Hierarchy.from_config``.
+        node: what ``{node}`` stands for (None: this process's node,
+            :func:`~tierckpt.configvalues.node_identity`); set by ``Hierarchy.from_config``.
     """
 
     name: str
@@ -147,6 +160,23 @@ class TierConfig:
     readonly: bool = False
     job: str | None = None
     lease_stale_secs: float = LEASE_STALE_SECS
+    rank: int | None = None
+    node: int | None = None
+
+
+@dataclass(frozen=True)
+class DistributedConfig:
+    """How the ranks of a job agree (the ``distributed:`` section; docs/config.md).
+
+    Attributes:
+        timeout: seconds a rank waits for the others at each agreement (None: the coordinator's
+            default, 600 s).
+        node: this process's node index (None: from the environment, ``$TIERCKPT_NODE``,
+            ``$GROUP_RANK`` ...).
+    """
+
+    timeout: float | None = None
+    node: int | None = None
 
 
 @dataclass(frozen=True)
@@ -186,12 +216,13 @@ class PolicyConfig:
 
 @dataclass(frozen=True)
 class HierarchyConfig:
-    """A whole hierarchy: tiers fastest first, default I/O settings, layout and policy."""
+    """A whole hierarchy: tiers fastest first, default I/O settings, layout, policy and coordination."""
 
     tiers: tuple[TierConfig, ...]
     io: IOConfig = field(default_factory=IOConfig)
     layout: LayoutConfig = field(default_factory=LayoutConfig)
     policy: PolicyConfig = field(default_factory=PolicyConfig)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
 
 
 def _check_keys(d: Any, key: str, allowed: set[str], required: set[str] = frozenset()) -> Mapping[str, Any]:  # type: ignore[assignment]  # a frozenset default for a set parameter: never mutated
@@ -246,7 +277,7 @@ def parse_config(data: Any, base_dir: str | os.PathLike[str] | None = None) -> H
     Raises:
         ConfigError: naming the first bad key, e.g. ``tiers[1].capacity: expected a size like '64GiB', got 'lots'``.
     """
-    d = _check_keys(data, "config", {"tiers", "io", "layout", "policy", "lease"}, {"tiers"})
+    d = _check_keys(data, "config", {"tiers", "io", "layout", "policy", "lease", "distributed"}, {"tiers"})
     io = default_io()
     if "io" in d:
         io = _parse_io(d["io"], "io", io)
@@ -279,7 +310,19 @@ def parse_config(data: Any, base_dir: str | os.PathLike[str] | None = None) -> H
     policy = (
         parse_policy(_policy_mapping(d["policy"], base), [t.name for t in tiers]) if "policy" in d else PolicyConfig()
     )
-    return HierarchyConfig(tiers=tuple(tiers), io=io, layout=layout, policy=_fold_on_full(policy, on_full))
+    dist = _parse_distributed(d["distributed"]) if "distributed" in d else DistributedConfig()
+    return HierarchyConfig(
+        tiers=tuple(tiers), io=io, layout=layout, policy=_fold_on_full(policy, on_full), distributed=dist
+    )
+
+
+def _parse_distributed(value: Any) -> DistributedConfig:
+    """``distributed: {timeout: 600, node: 3}``."""
+    d = _check_keys(value, "distributed", {"timeout", "node"})
+    return DistributedConfig(
+        timeout=check_timeout(d["timeout"], "distributed.timeout") if "timeout" in d else None,
+        node=check_node(d["node"], "distributed.node") if "node" in d else None,
+    )
 
 
 _TIER_KEYS = {"name", "kind", "path", "capacity", "blob_size", "io", "on_full", "options"}
@@ -300,6 +343,7 @@ def _parse_tier(t: Any, key: str, before: list[TierConfig], base: Path, io: IOCo
         if not isinstance(location, str) or not location:
             raise ConfigError(f"{key}.path: expected a directory path or a URL, got {_short(location)}")
         no_nul(location, f"{key}.path")  # no location of any kind holds one
+        expand_placeholders(location, f"{key}.path", rank=0, node=0)  # {rank} and {node}: checked here
     options = t.get("options", {})
     if not isinstance(options, Mapping):
         raise ConfigError(f"{key}.options: expected a mapping, got {type(options).__name__} {_short(options)}")

@@ -11,7 +11,20 @@ from typing import Any
 
 from tierckpt.errors import ConfigError
 
-__all__ = ["expand_path", "format_size", "no_nul", "parse_size", "resolve_path", "short"]
+__all__ = [
+    "NODE_ENV_VARS",
+    "check_node",
+    "check_timeout",
+    "expand_path",
+    "expand_placeholders",
+    "format_size",
+    "no_nul",
+    "node_identity",
+    "parse_size",
+    "process_rank",
+    "resolve_path",
+    "short",
+]
 
 _ENV_RE = re.compile(r"\$(\w+|\{[^}]*\})", re.ASCII)  # what os.path.expandvars replaces
 _UNITS = {
@@ -121,3 +134,126 @@ def resolve_path(value: str, key: str, base_dir: str | os.PathLike[str]) -> Path
     """
     p = expand_path(value, key)
     return p if p.is_absolute() else (Path(base_dir) / p).resolve()
+
+
+def check_timeout(value: Any, key: str) -> float:
+    """A timeout: a positive number of seconds, at most a day.
+
+    Raises:
+        ConfigError: naming ``key``.
+    """
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 86400:
+        raise ConfigError(f"{key}: expected a number of seconds in (0, 86400], got {short(value)}")
+    return float(value)
+
+
+# -- a rank's node, and the {rank} / {node} placeholders of tier paths ----------------------------------------
+#: where a rank's node index comes from, in this order (docs/config.md, "distributed")
+NODE_ENV_VARS = ("TIERCKPT_NODE", "GROUP_RANK", "SLURM_NODEID")
+MAX_NODE = 10**5
+_PLACEHOLDERS = ("rank", "node")
+_FIELD_RE = re.compile(r"\{\{|\}\}|\$\{[^}]*\}|\{([^{}]*)\}|[{}]")
+
+
+def _env_int(var: str, lo: int) -> int | None:
+    raw = os.environ.get(var)
+    if raw is None or raw == "":
+        return None
+    if not re.fullmatch(r"\s*[0-9]{1,9}\s*", raw, re.ASCII) or int(raw) < lo:
+        raise ConfigError(f"${var}: expected an integer of at least {lo}, got {short(raw)}")
+    return int(raw)
+
+
+def check_node(node: Any, key: str) -> int:
+    """A node index: an int in ``[0, MAX_NODE)``.
+
+    Raises:
+        ConfigError: naming ``key``.
+    """
+    if isinstance(node, bool) or not isinstance(node, int) or not 0 <= node < MAX_NODE:
+        raise ConfigError(f"{key}: expected a node index, an integer in [0, {MAX_NODE - 1}], got {short(node)}")
+    return node
+
+
+def node_identity(rank: int, node: int | None = None) -> tuple[int, int]:
+    """This rank's ``(node, local_rank)``.
+
+    The node is ``node`` when given, else the first of :data:`NODE_ENV_VARS` that is set (``$TIERCKPT_NODE``
+    to override; torchrun's ``$GROUP_RANK``; SLURM's ``$SLURM_NODEID``), else ``rank // $LOCAL_WORLD_SIZE``,
+    else 0. The local rank is ``$LOCAL_RANK`` (or ``$SLURM_LOCALID``), else ``rank % $LOCAL_WORLD_SIZE``,
+    else ``rank`` (every rank on one node).
+
+    Raises:
+        ConfigError: naming the variable (or ``node``) whose value is not a non-negative integer.
+    """
+    lws = _env_int("LOCAL_WORLD_SIZE", 1)
+    if node is None:
+        for var in NODE_ENV_VARS:
+            node = _env_int(var, 0)
+            if node is not None:
+                check_node(node, f"${var}")
+                break
+    if node is None:
+        node = rank // lws if lws else 0
+    node = check_node(node, "node")
+    local = _env_int("LOCAL_RANK", 0)
+    local = _env_int("SLURM_LOCALID", 0) if local is None else local
+    return node, (rank % lws if lws else rank) if local is None else local
+
+
+def process_rank() -> int:
+    """This process's rank where no coordinator says: torch.distributed's when a process group is
+    initialized, else ``$RANK``, else 0.
+
+    Raises:
+        ConfigError: ``$RANK`` is not a non-negative integer.
+    """
+    try:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            return int(dist.get_rank())
+    except Exception:  # pragma: no cover - a broken torch.distributed is not a process group
+        pass
+    return _env_int("RANK", 0) or 0
+
+
+def expand_placeholders(value: str, key: str, rank: int | None = None, node: int | None = None) -> str:
+    """Replace ``{rank}`` and ``{node}`` in a tier's location (``{{`` and ``}}`` are literal braces;
+    ``${VAR}`` is left for :func:`expand_path`). Format specs work as in Python: ``{rank:05d}``.
+
+    Args:
+        value: the location as written.
+        key: where it came from, for errors (``tiers[1].path``).
+        rank: the rank (None: :func:`process_rank`, asked only when ``{rank}`` is used).
+        node: the node (None: :func:`node_identity`'s, asked only when ``{node}`` is used).
+
+    Raises:
+        ConfigError: naming ``key``: an unknown ``{name}``, a stray brace, or a bad format spec.
+    """
+
+    def field(m: re.Match[str]) -> str:
+        tok, inner = m.group(0), m.group(1)
+        if tok in ("{{", "}}"):
+            return tok[0]
+        if tok.startswith("$"):
+            return tok
+        if inner is None:
+            raise ConfigError(f"{key}: a lone {tok!r} in {short(value)} (write {tok * 2} for a literal brace)")
+        name, _, spec = inner.partition(":")
+        if name not in _PLACEHOLDERS:
+            raise ConfigError(
+                f"{key}: unknown placeholder {{{name}}} in {short(value)} (known: {{rank}}, {{node}}; "
+                "write {{ and }} for literal braces)"
+            )
+        got = values.get(name)
+        if got is None:
+            r = values["rank"] if values["rank"] is not None else process_rank()
+            got = values[name] = r if name == "rank" else node_identity(r)[0]
+        try:
+            return format(got, spec)
+        except ValueError as e:
+            raise ConfigError(f"{key}: bad format {{{inner}}} in {short(value)}: {e}") from None
+
+    values: dict[str, int | None] = {"rank": rank, "node": node}
+    return _FIELD_RE.sub(field, value)

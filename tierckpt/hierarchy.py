@@ -29,7 +29,7 @@ from tierckpt.config import (
     parse_config,
     parse_policy,
 )
-from tierckpt.errors import CheckpointNotFoundError, TierckptError
+from tierckpt.errors import CheckpointNotFoundError, ConfigError, TierckptError
 from tierckpt.format.layout import round_up
 from tierckpt.format.manifest import Manifest
 from tierckpt.format.tree import flatten
@@ -39,6 +39,7 @@ from tierckpt.orchestration.catalog import STATES, Catalog, CheckpointInfo
 from tierckpt.orchestration.checks import check_policy_names, check_step, check_tiers
 from tierckpt.orchestration.choose import choose_and_read
 from tierckpt.orchestration.coordinator import Coordinator, SoloCoordinator, agreed_step
+from tierckpt.orchestration.distributed import default_coordinator, shared_job
 from tierckpt.orchestration.engines import Engines
 from tierckpt.orchestration.handles import SaveHandle
 from tierckpt.orchestration.mover import Mover
@@ -96,7 +97,10 @@ class Hierarchy:
         job: the job identity its writable file tiers lease their directories for (docs/jobs.md):
             checked against the tiers' leases; default: theirs, else the environment's
             (``$TIERCKPT_JOB``, ``$TORCHELASTIC_RUN_ID``, ``$SLURM_JOB_ID`` …), else this process's own.
-        coordinator: how the ranks of a job agree (default: :class:`SoloCoordinator`, every rank alone).
+        coordinator: how the ranks of a job agree (default: a
+            :class:`~tierckpt.orchestration.distributed.StoreCoordinator` on torch.distributed's store
+            when a process group of several ranks is initialized and ``rank`` / ``world_size`` are not
+            given or are its own; else a :class:`SoloCoordinator`, every rank alone).
 
     Attributes:
         job: that identity (None for a read-only hierarchy, which leases nothing).
@@ -135,8 +139,15 @@ class Hierarchy:
         self._index = {n: i for i, n in enumerate(names)}
         self.io = io or default_io()
         self.layout = layout or LayoutConfig()
-        self.coordinator = coordinator or SoloCoordinator(rank, world_size)
+        self.coordinator = coordinator or default_coordinator(rank, world_size)
         self.rank, self.world_size = self.coordinator.rank, self.coordinator.world_size
+        if self.world_size > 1 and type(self.coordinator) is SoloCoordinator and not readonly:
+            raise ConfigError(
+                f"rank {self.rank} of {self.world_size}: the ranks of a job must agree on each commit (a step is "
+                "committed only once every rank's copy is in), and nothing connects these ones: initialize "
+                "torch.distributed first, or pass coordinator=StoreCoordinator(store, rank, world_size) over a "
+                "store every rank reaches (torch.distributed.TCPStore / FileStore; docs/distributed.md)"
+            )
         self.placement = Policy.from_config(names, self.policy, retention, demotion)
         self.align = max([self.layout.align_bytes] + [t.capabilities.alignment_bytes for t in tiers])
         self._engines = _engines or Engines()
@@ -169,8 +180,14 @@ class Hierarchy:
         *,
         readonly: bool = False,
         job: str | None = None,
+        coordinator: Coordinator | None = None,
     ) -> Hierarchy:
         """Build from a validated :class:`HierarchyConfig` or a mapping with the YAML schema.
+
+        The coordinator comes first (``coordinator``, else :func:`~tierckpt.orchestration.distributed.default_coordinator`
+        with the config's ``distributed:`` settings): its rank and node fill the tiers' ``{rank}`` and
+        ``{node}`` placeholders, and in a job of several ranks whose identity is not given (nor in the
+        environment), every rank takes rank 0's, so that they share their tiers' leases.
 
         Args:
             config: the hierarchy's settings.
@@ -181,24 +198,37 @@ class Hierarchy:
                 :meth:`prefetch` raise.
             job: the job identity to lease the file tiers' directories for (docs/jobs.md); default:
                 the environment's (``$TIERCKPT_JOB``, ``$TORCHELASTIC_RUN_ID``, ``$SLURM_JOB_ID`` …),
-                else one of this process alone.
+                else rank 0's (in a job of several ranks), else one of this process alone.
+            coordinator: how the ranks agree (default: as for :class:`Hierarchy`, with the config's
+                ``distributed.timeout`` and ``distributed.node``).
 
         Raises:
             ConfigError: naming the bad key.
             TierBusyError: another job holds the lease of a file tier's directory (naming it).
+            CoordinationError: some rank did not build its hierarchy in time.
         """
         cfg = config if isinstance(config, HierarchyConfig) else parse_config(config, base_dir)
+        coord = coordinator or default_coordinator(timeout=cfg.distributed.timeout, node=cfg.distributed.node)
+        cfg = replace(cfg, tiers=tuple(replace(t, rank=coord.rank, node=coord.node) for t in cfg.tiers))
         if readonly:
             cfg = replace(cfg, tiers=tuple(replace(t, readonly=True) for t in cfg.tiers))
         else:
             resolve_job(job)  # a bad identity (or $TIERCKPT_JOB) is refused before any directory is made
+            job = shared_job(coord, job)
             cfg = replace(cfg, tiers=tuple(replace(t, job=job or t.job) for t in cfg.tiers))
         engines = Engines()
         tiers: list[Tier] = []
         try:
             tiers += (get_tier_class(t.kind, f"{t.key}.kind").from_config(t, engines) for t in cfg.tiers)
             return cls(
-                tiers, policy=cfg.policy, io=cfg.io, layout=cfg.layout, readonly=readonly, job=job, _engines=engines
+                tiers,
+                policy=cfg.policy,
+                io=cfg.io,
+                layout=cfg.layout,
+                readonly=readonly,
+                job=job,
+                coordinator=coord,
+                _engines=engines,
             )
         except BaseException:
             for tier in tiers:
@@ -207,10 +237,17 @@ class Hierarchy:
             raise
 
     @classmethod
-    def from_yaml(cls, path: str | os.PathLike[str], *, readonly: bool = False, job: str | None = None) -> Hierarchy:
-        """Build from a YAML file; relative tier paths are relative to the file (``readonly``, ``job``: as
-        for :meth:`from_config`)."""
-        return cls.from_config(load_config(path), readonly=readonly, job=job)
+    def from_yaml(
+        cls,
+        path: str | os.PathLike[str],
+        *,
+        readonly: bool = False,
+        job: str | None = None,
+        coordinator: Coordinator | None = None,
+    ) -> Hierarchy:
+        """Build from a YAML file; relative tier paths are relative to the file (``readonly``, ``job``,
+        ``coordinator``: as for :meth:`from_config`)."""
+        return cls.from_config(load_config(path), readonly=readonly, job=job, coordinator=coordinator)
 
     @property
     def tiers(self) -> tuple[Tier, ...]:

@@ -26,3 +26,47 @@ def chain_config(tmp_path: Path) -> Callable[..., dict[str, Any]]:
         }
 
     return make
+
+
+def _run_ranks(n: int, body: Callable[[int], Any], timeout: float = 60.0) -> list[Any]:
+    """``body(rank)`` on ``n`` threads, one a rank; each rank's result, or the exception it raised."""
+    import threading
+
+    out: list[Any] = [None] * n
+
+    def one(r: int) -> None:
+        try:
+            out[r] = body(r)
+        except BaseException as e:  # handed to the test
+            out[r] = e
+
+    threads = [threading.Thread(target=one, args=(r,), daemon=True) for r in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout)
+    assert not any(t.is_alive() for t in threads), "a rank hung"
+    return out
+
+
+@pytest.fixture
+def run_ranks() -> Callable[..., list[Any]]:
+    """``run_ranks(n, body)``: a job of ``n`` ranks as threads of this process (see :func:`_run_ranks`)."""
+    return _run_ranks
+
+
+@pytest.fixture
+def coordinators() -> Callable[..., list[Any]]:
+    """``coordinators(n, timeout=…)``: one StoreCoordinator a rank on an in-process HashStore."""
+    import torch.distributed as dist
+
+    from tierckpt.orchestration.distributed import StoreCoordinator
+
+    def make(n: int, timeout: float = 20.0) -> list[Any]:
+        store = dist.HashStore()
+        got = _run_ranks(n, lambda r: StoreCoordinator(store, r, n, timeout=timeout))
+        for c in got:
+            assert isinstance(c, StoreCoordinator), c
+        return got
+
+    return make

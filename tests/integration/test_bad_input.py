@@ -177,7 +177,7 @@ def test_a_corrupt_copy_is_named_once(tmp_path: Path, monkeypatch: pytest.Monkey
 
 
 def test_a_rank_lists_its_own_copies_without_looking_at_other_ranks(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, run_ranks: Any, coordinators: Any
 ) -> None:
     """Checking each copy's manifest costs a stat; on a shared tier a rank must not pay it for every
     other rank's copies (1,000 ranks x 100 steps would be 100,000 metadata calls per listing)."""
@@ -185,22 +185,26 @@ def test_a_rank_lists_its_own_copies_without_looking_at_other_ranks(
     from tierckpt.tiers.pfs import PfsTier
 
     eng = make_engine("threads", 2)
+    cs = coordinators(2)
 
     def open_rank(rank: int) -> Hierarchy:
-        return Hierarchy([PfsTier("pfs", tmp_path / "pfs", eng)], rank=rank, world_size=2)
+        return Hierarchy([PfsTier("pfs", tmp_path / "pfs", eng, job="j")], coordinator=cs[rank], job="j")
+
+    def save(rank: int) -> None:
+        with open_rank(rank) as h:
+            for step in (1, 2):
+                h.save({"w": torch.full((2,), float(rank))}, step=step).wait()
 
     try:
-        for rank in (0, 1):
-            with open_rank(rank) as h:
-                for step in (1, 2):
-                    h.save({"w": torch.full((2,), float(rank))}, step=step).wait()
+        assert run_ranks(2, save) == [None, None]
         real, looked = os.stat, []
 
         def counting(p: Any, *a: Any, **k: Any) -> os.stat_result:
             looked.append(str(p))
             return real(p, *a, **k)
 
-        with open_rank(1) as h:
+        pfs = PfsTier("pfs", tmp_path / "pfs", eng, readonly=True)
+        with Hierarchy([pfs], rank=1, world_size=2, readonly=True) as h:  # rank 1 alone, reading
             monkeypatch.setattr(os, "stat", counting)
             assert [c.step for c in h.checkpoints()] == [1, 2]
             assert h.restore()["w"][0] == 1.0

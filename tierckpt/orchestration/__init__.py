@@ -13,6 +13,8 @@ Read top-down from :class:`tierckpt.Hierarchy` (the facade) into:
   (in place), :mod:`~tierckpt.orchestration.matching` (a target against a checkpoint),
   :mod:`~tierckpt.orchestration.choose` (which copy a restore reads), :mod:`~tierckpt.orchestration.verify`;
 * :mod:`~tierckpt.orchestration.coordinator` — the seam through which the ranks of a job agree;
+  :mod:`~tierckpt.orchestration.distributed` — its torch.distributed implementation, on the job's store
+  (:mod:`~tierckpt.orchestration.storekeys`: what it writes there);
 * :mod:`~tierckpt.orchestration.handles` (what ``save`` returns), :mod:`~tierckpt.orchestration.pending`
   (work in flight), :mod:`~tierckpt.orchestration.engines` (shared I/O engines),
   :mod:`~tierckpt.orchestration.process` (the GC pause, the SIGTERM flush),

@@ -7,15 +7,16 @@ A hierarchy asks its coordinator
 * which steps a shared tier evicts and whether a time-based demotion is due (:meth:`Coordinator.decide`:
   one rank places, every rank follows the plan it receives).
 
-:class:`SoloCoordinator` is the implementation used today: every rank decides alone, as in a single
-process (or in a job whose ranks share nothing). A multi-rank implementation (torch.distributed, on a
-process group of its own and never on the training thread's collectives) supplies the same methods with
-real collectives (or the rendezvous store); every method takes a ``timeout`` (None: the coordinator's
-own default, set when it is built) and raises :class:`~tierckpt.errors.CoordinationError` naming the
-ranks that did not answer, so a dead rank fails a step instead of hanging the job. Decisions are named
-(``decide(key, fn)``): the background workers of different ranks reach them in different orders, so an
-implementation matches them by key (e.g. rank 0 writes the answer under the key in the store), never by
-call order.
+:class:`SoloCoordinator`: every rank decides alone, as in a single process (or in a job whose ranks
+share nothing). :class:`~tierckpt.orchestration.distributed.StoreCoordinator` is the multi-rank one: it
+agrees through torch.distributed's key-value store (never the training thread's collectives), and a
+hierarchy picks it by default when a process group of several ranks is initialized. Every method takes a
+``timeout`` (None: the coordinator's own default, set when it is built) and raises
+:class:`~tierckpt.errors.CoordinationError` naming the ranks that did not answer, so a dead rank fails a
+step instead of hanging the job. Decisions are named (``decide(key, fn)``, ``gather(key, value, fn)``):
+the background workers of different ranks reach them in different orders, so an implementation matches
+them by key, never by call order; the foreground collectives (``barrier``, ``broadcast``, ``all_gather``,
+``agree_step``) are made by every rank in the same order, from the training thread.
 """
 
 from __future__ import annotations
@@ -24,9 +25,10 @@ import logging
 from collections.abc import Callable
 from typing import Protocol, TypeVar, runtime_checkable
 
+from tierckpt.configvalues import check_node, node_identity
 from tierckpt.errors import CheckpointNotFoundError, ConfigError
 
-__all__ = ["Coordinator", "SoloCoordinator", "agreed_step", "dist_rank"]
+__all__ = ["Coordinator", "SoloCoordinator", "agreed_step", "check_rank", "dist_rank"]
 
 log = logging.getLogger("tierckpt.hierarchy")
 T = TypeVar("T")
@@ -41,10 +43,18 @@ class Coordinator(Protocol):
     Attributes:
         rank: this process's rank in the job.
         world_size: the number of ranks.
+        node: this rank's node (ranks on one node share its node-local tiers).
+        local_rank: this rank's position among the ranks of its node.
     """
 
     rank: int
     world_size: int
+    node: int
+    local_rank: int
+
+    def ranks_on_node(self) -> list[int]:
+        """The global ranks on this rank's node, ascending."""
+        ...
 
     def barrier(self, timeout: float | None = None) -> None:
         """Return once every rank has called it."""
@@ -68,29 +78,44 @@ class Coordinator(Protocol):
         decision, the same on every rank and unique in the job (``save/100``, ``retain/pfs/100``)."""
         ...
 
+    def gather(self, key: str, value: V, fn: Callable[[list[V]], T], timeout: float | None = None) -> T:
+        """Every rank sends ``value`` (small plain data: None, bool, int, str, bytes, lists/dicts of
+        them); once all ranks have, rank 0 runs ``fn(values in rank order)`` and every rank returns its
+        result. ``key`` names the call (unique in the job, identical on every rank, e.g.
+        ``commit/ssd/100/3``); keyed calls may be made from any thread, in any order across keys."""
+        ...
+
 
 class SoloCoordinator:
     """Every rank decides alone: the behaviour of a single process, and of ranks that share nothing.
 
+    ``gather`` runs ``fn`` on this rank's value alone (``fn([value])``, whatever the world size), and
+    :meth:`ranks_on_node` is this rank alone.
+
     Args:
         rank: this process's rank (default: torch.distributed's, else 0).
         world_size: the number of ranks (default: torch.distributed's, else 1).
+        node: this rank's node (default: from the environment,
+            :func:`~tierckpt.configvalues.node_identity`).
 
     Raises:
-        ConfigError: ``rank`` is not in ``[0, world_size)`` or does not fit a rank directory's name.
+        ConfigError: ``rank`` is not in ``[0, world_size)`` or does not fit a rank directory's name; a
+            bad node (or node variable in the environment).
     """
 
-    def __init__(self, rank: int | None = None, world_size: int | None = None) -> None:
+    def __init__(self, rank: int | None = None, world_size: int | None = None, *, node: int | None = None) -> None:
         dr, dw = dist_rank()
         self.rank = dr if rank is None else rank
         self.world_size = dw if world_size is None else world_size
-        for what, v in (("rank", self.rank), ("world_size", self.world_size)):
-            if type(v) is not int:
-                raise ConfigError(f"{what}: expected an int, got {v!r}")
-        if not 0 <= self.rank < self.world_size:
-            raise ConfigError(f"rank: {self.rank} is not in [0, {self.world_size})")
+        if type(self.world_size) is not int or self.world_size < 1:
+            raise ConfigError(f"world_size: expected a positive int, got {self.world_size!r}")
+        check_rank(self.rank, self.world_size, "rank")
         if self.rank >= MAX_RANK:
             raise ConfigError(f"rank: {self.rank}: a file tier names ranks with 5 digits (at most {MAX_RANK - 1})")
+        self.node, self.local_rank = node_identity(self.rank, None if node is None else check_node(node, "node"))
+
+    def ranks_on_node(self) -> list[int]:
+        return [self.rank]
 
     def barrier(self, timeout: float | None = None) -> None:
         """Nothing to wait for."""
@@ -111,7 +136,20 @@ class SoloCoordinator:
         return fn([value])
 
     def __repr__(self) -> str:
-        return f"SoloCoordinator(rank={self.rank}, world_size={self.world_size})"
+        return f"SoloCoordinator(rank={self.rank}, world_size={self.world_size}, node={self.node})"
+
+
+def check_rank(rank: object, world_size: int, key: str) -> int:
+    """A rank of a job of ``world_size`` ranks.
+
+    Raises:
+        ConfigError: naming ``key`` when ``rank`` is not an int in ``[0, world_size)``.
+    """
+    if type(rank) is not int:
+        raise ConfigError(f"{key}: expected an int, got {rank!r}")
+    if not 0 <= rank < world_size:
+        raise ConfigError(f"{key}: {rank} is not in [0, {world_size})")
+    return rank
 
 
 def agreed_step(coordinator: Coordinator, newest: int | None, timeout: float | None = None) -> int | None:

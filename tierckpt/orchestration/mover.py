@@ -177,7 +177,8 @@ class Mover:
             try:
                 # before the future resolves: after handle.wait(), retention has run (the evicted copies
                 # are unlisted); their files are deleted after it, so a blocking save does not wait for that
-                evicted = self.apply_retention(free=False, after=(tier, step))
+                # (after a failed commit, which every rank saw fail, shared tiers wait for the next one)
+                evicted = self.apply_retention(free=False, after=(tier, step) if error is None else None)
             except Exception as e:  # retention problems are logged, never raised into a save
                 log.warning("retention after step %d on tier %r failed: %s", step, tier, e)
             if not done.done():

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from tierckpt.config import TierConfig
-from tierckpt.configvalues import parse_size, resolve_path, short
+from tierckpt.configvalues import expand_placeholders, parse_size, resolve_path, short
 from tierckpt.errors import ConfigError
 
 __all__ = [
@@ -41,6 +41,7 @@ __all__ = [
     "refuse_location",
     "size",
     "text",
+    "tier_location",
 ]
 
 Parser = Callable[[Any, str], Any]
@@ -88,19 +89,34 @@ def check_options(cfg: TierConfig, spec: Mapping[str, Option]) -> dict[str, Any]
     return out
 
 
-def local_directory(cfg: TierConfig) -> Path:
-    """A file tier's location as a directory: ``~`` and ``$VAR`` / ``${VAR}`` expanded, relative to
-    ``cfg.base_dir`` (the YAML file's folder), absolute.
+def tier_location(cfg: TierConfig) -> str | None:
+    """The entry's location with ``{rank}`` and ``{node}`` replaced by ``cfg.rank`` and ``cfg.node``
+    (``{{`` / ``}}``: literal braces); None when it has none.
 
     Raises:
-        ConfigError: naming ``tiers[i].path``: no location, a URL, a variable that is not set or empty.
+        ConfigError: naming ``tiers[i].path``: an unknown placeholder or a stray brace.
+    """
+    if cfg.location is None:
+        return None
+    return expand_placeholders(cfg.location, f"{cfg.key}.path", rank=cfg.rank, node=cfg.node)
+
+
+def local_directory(cfg: TierConfig) -> Path:
+    """A file tier's location as a directory: ``{rank}`` and ``{node}`` replaced (:func:`tier_location`),
+    ``~`` and ``$VAR`` / ``${VAR}`` expanded, relative to ``cfg.base_dir`` (the YAML file's folder),
+    absolute.
+
+    Raises:
+        ConfigError: naming ``tiers[i].path``: no location, a URL, a variable that is not set or empty,
+            an unknown placeholder.
     """
     key = f"{cfg.key}.path"
-    if cfg.location is None:
+    location = tier_location(cfg)
+    if location is None:
         raise ConfigError(f"{key}: a {cfg.kind} tier needs a directory path")
-    if _URL_RE.match(cfg.location):
-        raise ConfigError(f"{key}: a {cfg.kind} tier takes a directory, not a URL, got {short(cfg.location)}")
-    return resolve_path(cfg.location, key, cfg.base_dir)
+    if _URL_RE.match(location):
+        raise ConfigError(f"{key}: a {cfg.kind} tier takes a directory, not a URL, got {short(location)}")
+    return resolve_path(location, key, cfg.base_dir)
 
 
 def refuse_location(cfg: TierConfig, why: str) -> None:

@@ -1,0 +1,173 @@
+"""The global commit per tier (docs/distributed.md): ranks as threads of one process, agreeing through a
+StoreCoordinator on an in-process HashStore; two simulated nodes, each with its own node-local tier
+directory, and one shared pfs directory."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tierckpt import CorruptCheckpointError, Hierarchy
+from tierckpt.errors import CoordinationError, TierckptError
+from tierckpt.format.record import decode_record
+from tierckpt.io import make_engine
+from tierckpt.orchestration.distributed import StoreCoordinator
+from tierckpt.testing import FaultyTier
+from tierckpt.tiers.host import HostTier
+from tierckpt.tiers.local import LocalTier
+from tierckpt.tiers.pfs import PfsTier
+
+N = 4  # ranks; ranks 0-1 on node 0, 2-3 on node 1
+MiB = 1 << 20
+
+
+@pytest.fixture
+def engine() -> Any:
+    eng = make_engine("threads", 4)
+    yield eng
+    eng.close()
+
+
+def job(tmp_path: Path, run_ranks: Any, timeout: float = 20.0) -> list[StoreCoordinator]:
+    store = dist.HashStore()
+    return run_ranks(N, lambda r: StoreCoordinator(store, r, N, timeout=timeout, node=r // 2))
+
+
+def open_rank(tmp_path: Path, c: StoreCoordinator, engine: Any, *, pfs: Any = None, **kw: Any) -> Hierarchy:
+    tiers = [
+        HostTier("host", 64 * MiB),
+        LocalTier("ssd", tmp_path / f"node{c.node}" / "ssd", engine, job="j"),
+        pfs or PfsTier("pfs", tmp_path / "pfs", engine, job="j"),
+    ]
+    return Hierarchy(tiers, coordinator=c, job="j", **kw)
+
+
+def state(rank: int, step: int) -> dict[str, Any]:
+    return {"w": torch.full((1000,), float(100 * step + rank)), "step": step}
+
+
+def test_every_tier_lists_a_step_once_every_ranks_copy_is_in(tmp_path: Path, run_ranks: Any, engine: Any) -> None:
+    cs = job(tmp_path, run_ranks)
+
+    def body(r: int) -> Any:
+        with open_rank(tmp_path, cs[r], engine) as h:
+            for step in (1, 2, 3):
+                h.save(state(r, step), step=step).wait()
+            listed = [(c.step, c.tiers) for c in h.checkpoints()]
+            got = h.restore()
+            return listed, got["w"][0].item(), got["step"], h.last_restore
+
+    out = run_ranks(N, body)
+    for r, o in enumerate(out):
+        assert not isinstance(o, BaseException), o
+        listed, w, step, last = o
+        assert listed == out[0][0] and listed[-1] == (3, ("host", "ssd", "pfs"))
+        assert (w, step, last) == (300 + r, 3, (3, "host"))
+    step_dir = tmp_path / "pfs" / "step-000000000003"
+    assert sorted(os.listdir(step_dir)) == ["commit", *(f"rank-{r:05d}" for r in range(N))]
+    record = decode_record((step_dir / "commit").read_bytes(), 3)
+    assert record.world_size == N
+    for node in (0, 1):  # a node-local directory holds its own ranks' copies and the step's record
+        here = sorted(os.listdir(tmp_path / f"node{node}" / "ssd" / "step-000000000003"))
+        assert here == ["commit", f"rank-{2 * node:05d}", f"rank-{2 * node + 1:05d}"]
+
+
+def test_a_failed_copy_fails_the_step_on_every_rank_and_leaves_nothing(
+    tmp_path: Path, run_ranks: Any, engine: Any
+) -> None:
+    cs = job(tmp_path, run_ranks)
+
+    def body(r: int) -> Any:
+        pfs: Any = PfsTier("pfs", tmp_path / "pfs", engine, job="j")
+        if r == 2:  # rank 2's pfs copy of its first save fails
+            pfs = FaultyTier(pfs, fail={"commit": OSError(28, "No space left on device")})
+        with open_rank(tmp_path, cs[r], engine, pfs=pfs) as h:
+            first = h.save(state(r, 1), step=1)
+            with pytest.raises((TierckptError, OSError)) as ei:  # the injected error on rank 2
+                first.wait()
+            err = first.durable["pfs"].exception()
+            assert ei.value is err or ei.value.__cause__ is err or "pfs" in str(ei.value)
+            first.durable["ssd"].result(timeout=30)
+            if r == 2:
+                pfs.fail.clear()
+            h.save(state(r, 2), step=2).wait()
+            return err, [(c.step, c.tiers) for c in h.checkpoints()]
+
+    out = run_ranks(N, body)
+    assert not [o for o in out if isinstance(o, BaseException)], out
+    for r, (err, listed) in enumerate(out):
+        assert isinstance(err, OSError if r == 2 else TierckptError), err
+        if r != 2:
+            assert "ranks [2]" in str(err)
+        assert listed == [(1, ("host", "ssd")), (2, ("host", "ssd", "pfs"))]
+    assert not (tmp_path / "pfs" / "step-000000000001").exists()  # every rank removed its copy
+
+
+def test_a_rank_that_never_commits_fails_the_step_within_the_timeout(
+    tmp_path: Path, run_ranks: Any, engine: Any
+) -> None:
+    cs = job(tmp_path, run_ranks, timeout=2.0)
+
+    def body(r: int) -> Any:
+        pfs = PfsTier("pfs", tmp_path / "pfs", engine, job="j")
+        with Hierarchy([pfs], coordinator=cs[r], job="j") as h:
+            if r != 3:  # rank 3 is hung: it never saves step 1
+                t0 = time.monotonic()
+                first = h.save(state(r, 1), step=1)
+                with pytest.raises(CoordinationError):
+                    first.wait()
+                err = first.durable["pfs"].exception()
+                took = time.monotonic() - t0
+            else:
+                err, took = None, 0.0
+                time.sleep(4.0)
+            h.save(state(r, 2), step=2).wait()  # back: the next save commits on every rank
+            return err, took, [c.step for c in h.checkpoints()]
+
+    out = run_ranks(N, body)
+    for r, (err, took, listed) in enumerate(out):
+        if r != 3:
+            assert isinstance(err, CoordinationError) and err.ranks == (3,), err
+            assert "3 did not arrive within 2.0 s" in str(err) and took < 30
+        assert listed == [2]
+    assert not (tmp_path / "pfs" / "step-000000000001").exists()
+
+
+def test_a_copy_the_record_does_not_name_is_refused_and_orphans_are_swept(
+    tmp_path: Path, run_ranks: Any, engine: Any
+) -> None:
+    cs = job(tmp_path, run_ranks)
+
+    def save(r: int) -> None:
+        with Hierarchy([PfsTier("pfs", tmp_path / "pfs", engine, job="j")], coordinator=cs[r], job="j") as h:
+            h.save(state(r, 1), step=1).wait()
+            h.save(state(r, 2), step=2).wait()
+
+    assert run_ranks(N, save) == [None] * N
+    pfs = tmp_path / "pfs"
+    # rank 1's copy of step 2 replaced by its copy of step 1 (as a save whose commit never completed would)
+    shutil.rmtree(pfs / "step-000000000002" / "rank-00001")
+    shutil.copytree(pfs / "step-000000000001" / "rank-00001", pfs / "step-000000000002" / "rank-00001")
+    reader = PfsTier("pfs", pfs, engine, readonly=True)
+    with Hierarchy([reader], rank=1, world_size=N, readonly=True) as h:
+        with pytest.raises(CorruptCheckpointError, match="rank 1's copy is not the one the step's commit record"):
+            h.restore(step=2)
+    # a step whose record never came: never listed, and the next save's retention removes it
+    shutil.copytree(pfs / "step-000000000001" / "rank-00000", pfs / "step-000000000009" / "rank-00000")
+    with Hierarchy([PfsTier("pfs", pfs, engine, readonly=True)], readonly=True) as h:
+        assert [c.step for c in h.checkpoints()] == [1, 2]
+
+    def again(r: int) -> Any:
+        with Hierarchy([PfsTier("pfs", pfs, engine, job="j")], coordinator=cs[r], job="j") as h:
+            h.save(state(r, 3), step=3).wait()
+            return [c.step for c in h.checkpoints()]
+
+    assert run_ranks(N, again) == [[1, 2, 3]] * N
+    assert not (pfs / "step-000000000009").exists()
