@@ -156,9 +156,11 @@ def test_a_copy_the_record_does_not_name_is_refused_and_orphans_are_swept(
     shutil.rmtree(pfs / "step-000000000002" / "rank-00001")
     shutil.copytree(pfs / "step-000000000001" / "rank-00001", pfs / "step-000000000002" / "rank-00001")
     reader = PfsTier("pfs", pfs, engine, readonly=True)
-    with Hierarchy([reader], rank=1, world_size=N, readonly=True) as h:
-        with pytest.raises(CorruptCheckpointError, match="rank 1's copy is not the one the step's commit record"):
-            h.restore(step=2)
+    with (
+        Hierarchy([reader], rank=1, world_size=N, readonly=True) as h,
+        pytest.raises(CorruptCheckpointError, match="rank 1's copy is not the one the step's commit record"),
+    ):
+        h.restore(step=2)
     # a step whose record never came: never listed, and the next save's retention removes it
     shutil.copytree(pfs / "step-000000000001" / "rank-00000", pfs / "step-000000000009" / "rank-00000")
     with Hierarchy([PfsTier("pfs", pfs, engine, readonly=True)], readonly=True) as h:
