@@ -173,3 +173,28 @@ def test_a_copy_the_record_does_not_name_is_refused_and_orphans_are_swept(
 
     assert run_ranks(N, again) == [[1, 2, 3]] * N
     assert not (pfs / "step-000000000009").exists()
+
+
+def test_a_node_that_lost_its_local_copies_reads_the_shared_tier_and_every_rank_restores_one_step(
+    tmp_path: Path, run_ranks: Any, engine: Any
+) -> None:
+    cs = job(tmp_path, run_ranks)
+    policy = {"demote": {"pfs": {"every": 2}}}  # pfs gets steps 2 and 4; the ssd every step
+
+    def save(r: int) -> None:
+        with open_rank(tmp_path, cs[r], engine, policy=policy) as h:
+            for step in (1, 2, 3):
+                h.save(state(r, step), step=step).wait()
+
+    assert run_ranks(N, save) == [None] * N
+    shutil.rmtree(tmp_path / "node1")  # node 1 was replaced: its SSD is empty
+    again = job(tmp_path, run_ranks)  # the restarted job
+
+    def restore(r: int) -> Any:
+        with open_rank(tmp_path, again[r], engine, policy=policy) as h:
+            got = h.restore()
+            return got["step"], got["w"][0].item(), h.last_restore
+
+    out = run_ranks(N, restore)
+    # node 0 holds step 3 on its SSD, node 1 only what the pfs has: every rank restores step 2
+    assert out == [(2, 200.0 + r, (2, "ssd" if r < 2 else "pfs")) for r in range(N)]
