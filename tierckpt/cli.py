@@ -31,24 +31,46 @@ __all__ = ["main"]
 def _open(args: argparse.Namespace) -> Hierarchy:
     from tierckpt.hierarchy import Hierarchy  # here, not above: --help and usage errors need no torch
 
-    # these commands only look: no directory made for a mistyped path, no copy on close
-    return Hierarchy.from_yaml(args.config, readonly=True)
+    # these commands only look: no directory made for a mistyped path, no copy on close; as one rank
+    # (--rank) of a job of any size, alone (no coordinator: a tool is not one of the job's ranks)
+    from tierckpt.orchestration.coordinator import SoloCoordinator
+
+    rank = getattr(args, "rank", 0)
+    return Hierarchy.from_yaml(args.config, readonly=True, coordinator=SoloCoordinator(rank, rank + 1))
+
+
+def _ranks(h: Hierarchy, step: int, tiers: tuple[str, ...]) -> int | None:
+    """The number of ranks that saved ``step`` (from its commit record on the first of ``tiers``), or
+    None where it has none (a copy written before records)."""
+    from tierckpt.format.record import decode_record
+
+    for name in tiers:
+        try:
+            data = h.tier(name).read_record(step)
+            if data is not None:
+                return decode_record(data, step).world_size
+        except (OSError, TierckptError):
+            continue
+    return None
 
 
 def _cmd_ls(args: argparse.Namespace) -> int:
     with _open(args) as h:
         infos = h.checkpoints()
         if args.json:
-            print(json.dumps({"checkpoints": [{"step": i.step, "tiers": list(i.tiers)} for i in infos]}))
+            listed = [{"step": i.step, "tiers": list(i.tiers), "ranks": _ranks(h, i.step, i.tiers)} for i in infos]
+            print(json.dumps({"checkpoints": listed}))
             return 0
         if not infos:
             print("no committed checkpoints")
             return 0
         names = [t.name for t in h.tiers]
         width = max(len("step"), *(len(str(i.step)) for i in infos))
-        print(f"{'step':>{width}}  " + "  ".join(names))
+        print(f"{'step':>{width}}  " + "  ".join(names) + "  ranks")
         for i in infos:
-            print(f"{i.step:>{width}}  " + "  ".join(f"{'x' if n in i.tiers else '.':^{len(n)}}" for n in names))
+            ranks = _ranks(h, i.step, i.tiers)
+            marks = "  ".join(f"{'x' if n in i.tiers else '.':^{len(n)}}" for n in names)
+            print(f"{i.step:>{width}}  {marks}  {'-' if ranks is None else ranks:>5}")
     return 0
 
 
@@ -108,6 +130,7 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("config", help="hierarchy YAML file")
         if name != "ls":
             sp.add_argument("--step", type=int, default=None, help="step (default: newest for inspect, all for verify)")
+            sp.add_argument("--rank", type=int, default=0, help="the rank whose copies to look at (default: 0)")
         sp.add_argument("--json", action="store_true", help="machine-readable output")
         sp.set_defaults(func=fn)
     helptext = "benchmark tierckpt against torch.save, DCP, TorchSnapshot, safetensors and the raw disk"

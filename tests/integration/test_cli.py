@@ -35,7 +35,10 @@ def run_json(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, dict]
 def test_ls_inspect_verify(config: Path, capsys: pytest.CaptureFixture[str]) -> None:
     rc, out = run_json(capsys, "ls", str(config))
     assert rc == 0 and out == {
-        "checkpoints": [{"step": 1, "tiers": ["ssd", "pfs"]}, {"step": 2, "tiers": ["ssd", "pfs"]}]
+        "checkpoints": [
+            {"step": 1, "tiers": ["ssd", "pfs"], "ranks": 1},
+            {"step": 2, "tiers": ["ssd", "pfs"], "ranks": 1},
+        ]
     }
     rc, out = run_json(capsys, "inspect", str(config), "--step", "1")
     assert rc == 0 and out["step"] == 1 and out["read_from"] == "ssd"
