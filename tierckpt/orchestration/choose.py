@@ -10,6 +10,7 @@ no step given, a step damaged on every tier is skipped for the newest older one,
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -69,6 +70,9 @@ def choose_and_read(
                     f"{MAX_RELISTS} times in a row (last: step {info.step})"
                 )
             log.info("step %d: a copy went away while being opened; listing the committed steps again", info.step)
+            # a step saved again is unreadable from its new copy's rename until its new record is in (every
+            # rank's copy): give that save a moment (5 ms, doubling, at most 0.2 s: ~9 s in all)
+            time.sleep(min(0.2, 0.005 * 2 ** (relists - 1)))
             continue
         if step is not None:
             raise unusable(info.step, failures, steps)

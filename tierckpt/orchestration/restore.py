@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import xxhash
 
-from tierckpt.errors import CheckpointNotFoundError, CorruptCheckpointError, StateError
+from tierckpt.errors import CheckpointEvictedError, CheckpointNotFoundError, CorruptCheckpointError, StateError
 from tierckpt.format.manifest import Manifest, ManifestHead, decode_head, dtype_from_name
 from tierckpt.format.native import THREADS, all_zero, native, records
 from tierckpt.format.record import RECORDS_SINCE, decode_record
@@ -85,8 +85,10 @@ def check_committed(tier: Tier, key: CheckpointKey, manifest: bytes) -> None:
 
     Raises:
         CheckpointNotFoundError: the tier holds no record of the step (never committed, or evicted).
-        CorruptCheckpointError: the record is damaged, or names another copy (this one replaced it by a
-            save whose commit did not complete; it must not be mixed with the other ranks' copies).
+        CorruptCheckpointError: the record is damaged.
+        CheckpointEvictedError: the record names another copy of the rank (a save of the same step replaced
+            it and has not committed yet, or its commit failed): it must not be mixed with the other ranks'
+            copies (a reader lists the steps again).
     """
     data = tier.read_record(key.step)
     if data is None:
@@ -95,12 +97,11 @@ def check_committed(tier: Tier, key: CheckpointKey, manifest: bytes) -> None:
         record = decode_record(data, key.step)
     except CorruptCheckpointError as e:
         raise CorruptCheckpointError(str(e), tier=tier.name, step=key.step) from None
-    if not record.matches(key.rank, manifest):
-        raise CorruptCheckpointError(
-            f"rank {key.rank}'s copy is not the one the step's commit record names (of {record.world_size} "
-            "ranks): it was replaced by a save whose commit did not complete",
-            tier=tier.name,
-            step=key.step,
+    if not record.matches(key.rank, manifest):  # not damaged: another save of the step is replacing it
+        raise CheckpointEvictedError(
+            f"step {key.step} on tier {tier.name!r}: rank {key.rank}'s copy is not the one the step's commit "
+            f"record names (of {record.world_size} ranks): the step is being saved again, or that save's "
+            "commit did not complete"
         )
 
 

@@ -294,11 +294,16 @@ class FileTier(Tier):
         commit renames a directory into place only after its manifest is durable). Anything else with
         such a name (an empty directory, a file, a copy missing its manifest) is not a checkpoint: it
         is skipped, with one warning, so that it never counts toward ``keep`` (which would evict good
-        copies) nor hides the newest good step. That takes one ``stat`` per copy listed: pass
-        ``rank`` on a shared tier, so that a rank does not look at every other rank's copies."""
+        copies) nor hides the newest good step. With ``rank``, a step costs one ``stat`` of that rank's
+        copy (a shared tier's step directory holding every rank's is not listed); without, a listing of
+        the step directory and a ``stat`` per copy."""
         out = []
         for step in self._step_dirs():
             s = int(_STEP_RE.fullmatch(step.name).group(1))  # type: ignore[union-attr]  # the name matched _STEP_RE when the entry was listed
+            if rank is not None:  # one stat, not a listing of every rank's entry (N ranks: N x N entries)
+                if self._holds(CheckpointKey(s, rank)):
+                    out.append(CheckpointKey(s, rank))
+                continue
             try:
                 with os.scandir(step) as it:
                     entries = [e for e in it if _RANK_RE.fullmatch(e.name)]
@@ -319,6 +324,9 @@ class FileTier(Tier):
         return False
 
     def holds(self, key: CheckpointKey) -> bool:
+        return self._holds(key)
+
+    def _holds(self, key: CheckpointKey) -> bool:
         rank_dir = self._rank_dir(key)
         if os.path.islink(rank_dir.parent) or os.path.islink(rank_dir):
             return False  # links are not followed (list_committed warns about them)
