@@ -130,6 +130,33 @@ def test_a_dcp_checkpoint_lists_verifies_demotes_and_is_one_save(h: Hierarchy, t
     assert len(list(part.iterdir())) <= 3, sorted(p.name for p in part.iterdir())
 
 
+def test_save_returns_once_durable_on_the_first_persistent_tier(h: Hierarchy) -> None:
+    dcp.save({"t": torch.arange(1000)}, storage_writer=HierarchyWriter(h, step=1))
+    assert h.checkpoints()[0].states["ssd"] == "committed"
+
+
+def test_a_damaged_copy_is_read_from_the_next_tier(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    cfg = {
+        "tiers": [
+            {"name": "ssd", "kind": "local", "path": str(tmp_path / "ssd")},
+            {"name": "pfs", "kind": "pfs", "path": str(tmp_path / "pfs")},
+        ],
+    }
+    sd: dict[str, Any] = {"t": torch.arange(4096, dtype=torch.int64), "n": 3}
+    with Hierarchy.from_config(cfg) as h:
+        dcp.save(sd, storage_writer=HierarchyWriter(h, step=1, durable="all"))
+        [blob] = [p for p in (tmp_path / "ssd").glob("step-*/rank-*/*") if p.name.startswith("blob")]
+        with blob.open("r+b") as f:  # one flipped bit in the tensor's bytes on the fastest tier
+            f.seek(100)
+            byte = f.read(1)[0]
+            f.seek(100)
+            f.write(bytes([byte ^ 1]))
+        got: dict[str, Any] = {"t": torch.zeros(4096, dtype=torch.int64), "n": 0}
+        dcp.load(got, storage_reader=HierarchyReader(h, step=1))
+    assert torch.equal(got["t"], sd["t"]) and got["n"] == 3
+    assert "tier 'ssd'" in caplog.text and "checksum" in caplog.text
+
+
 def test_h_restore_returns_the_nested_state_and_the_dcp_entry(h: Hierarchy) -> None:
     sd = _state(2)
     dcp.save(sd, storage_writer=HierarchyWriter(h, step=1))
@@ -211,6 +238,8 @@ def test_a_hierarchy_of_another_rank_is_refused(tmp_path: Path) -> None:
             dcp.save({"t": torch.ones(1)}, storage_writer=HierarchyWriter(h1, step=1))
     with pytest.raises(ValueError, match="durable"):
         HierarchyWriter(h0, step=1, durable="soon")
+    with Hierarchy.from_config({"tiers": [tier]}, readonly=True) as ro, pytest.raises(TierckptError, match="read-only"):
+        HierarchyWriter(ro, step=1)
 
 
 def test_a_checkpoint_not_written_through_dcp_is_named(h: Hierarchy) -> None:

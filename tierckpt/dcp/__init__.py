@@ -172,8 +172,12 @@ class HierarchyWriter(StorageWriter):
 
         Returns once the items are staged (and committed on the ``durable`` tier, on a rank that
         commits alone), with each item's location as its storage data."""
-        places = plan.storage_data
-        if not (isinstance(places, tuple) and len(places) == len(plan.items)):
+        places = plan.storage_data  # the coordinator's placement of this rank's items, else the same here
+        if not (
+            isinstance(places, tuple)
+            and len(places) == len(plan.items)
+            and all(isinstance(p, Location) and p.rank == self.h.rank for p in places)
+        ):
             places = tuple(place_items(plan.items, plan.planner_data, self.h.rank))
         values, payloads, results = [], [], []
         for item, loc in zip(plan.items, places, strict=True):
