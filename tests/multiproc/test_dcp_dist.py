@@ -95,6 +95,7 @@ def _check(got: dict[str, Any], full: dict[str, torch.Tensor], plain: dict[str, 
 
 def _save4(rank: int, world: int, tmp: str) -> None:
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.device_mesh import init_device_mesh
 
     from tierckpt.dcp import HierarchyReader, HierarchyWriter
@@ -115,13 +116,20 @@ def _save4(rank: int, world: int, tmp: str) -> None:
 
         # each rank wrote one part per step, in the shared directory; every rank's listing has both
         assert [c.step for c in h.checkpoints()] == [1, 2]
-        assert all(err is None for _, _, err in h.verify())
+        assert all(err is None for _, _, err in h.verify(1)) and all(err is None for _, _, err in h.verify(2))
         parts = sorted(p.name for p in Path(f"{tmp}/pfs").glob("step-*1/rank-*"))
         assert len(parts) == world, parts
         # h.restore: this rank's part: its local shards at their key paths, DCP's entry beside them
         mine = h.restore(1)
         assert torch.equal(mine["model"]["w"], sd["model"]["w"].to_local())
         assert mine["__dcp__"]["rank"] == rank and ("metadata" in mine["__dcp__"]) == (rank == 0)
+
+        # a save that fails on one rank (an object DCP cannot serialize) leaves no metadata: rank 0's part,
+        # the commit record, is never written, and the newest step that loads is still 2
+        bad = {**sd2, "only3": (lambda: 0) if rank == 3 else 0}
+        with pytest.raises(CheckpointException):
+            dcp.save(bad, storage_writer=HierarchyWriter(h, step=3))
+        assert not Path(f"{tmp}/pfs/step-000000000003/rank-00000").exists()
 
         # loaded back on the same 4 ranks, with the save's placements and another's
         for step, seed, w_dim, v_dim in ((1, 1, 1, 0), (2, 2, 0, 0), (None, 2, 1, 1)):
@@ -161,7 +169,10 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_a_dtensor_state_saved_on_4_ranks_loads_back_on_4(saved: Path) -> None:
-    assert sorted(p.name for p in (saved / "pfs").glob("step-*")) == ["step-000000000001", "step-000000000002"]
+    parts = {p.name: sorted(r.name for r in p.iterdir()) for p in (saved / "pfs").glob("step-*")}
+    every = [f"rank-{r:05d}" for r in range(4)]
+    # step 3 failed on rank 3: ranks 1 and 2 (committing alone) have their parts, rank 0 none (no metadata)
+    assert parts == {"step-000000000001": every, "step-000000000002": every, "step-000000000003": every[1:3]}
 
 
 def test_resharded_load_on_2_ranks_equals_dcps_own(saved: Path) -> None:
