@@ -25,8 +25,10 @@ _TIMEOUT = 90.0
 
 def _spawn(fn: Any, nprocs: int, *args: Any) -> None:
     """Run ``fn(rank, nprocs, *args)`` in ``nprocs`` spawned processes; a failure or a hang fails the test."""
-    # forked (torch is imported once, here): 4 fresh interpreters importing torch take longer than the test
-    ctx = mp.start_processes(fn, args=(nprocs, *args), nprocs=nprocs, join=False, start_method="fork")
+    # from a fork server that imported torch once (fresh, single-threaded processes, none importing torch
+    # again: 4 interpreters importing torch at once on a small machine take longer than the test)
+    mp.set_forkserver_preload(["torch", "torch.distributed.checkpoint", "torch.distributed.tensor", "tierckpt.dcp"])
+    ctx = mp.start_processes(fn, args=(nprocs, *args), nprocs=nprocs, join=False, start_method="forkserver")
     deadline = time.monotonic() + _TIMEOUT
     while not ctx.join(timeout=1.0):
         if time.monotonic() > deadline:
