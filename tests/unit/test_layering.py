@@ -1,5 +1,6 @@
 """The package's layers: imports only go downward, the orchestration names no tier kind, and importing
-tierckpt (or its Hierarchy) imports no tier implementation, no io_uring binding and does not start CUDA."""
+tierckpt (or its Hierarchy) imports no tier implementation, no io_uring binding, no torch.distributed.checkpoint
+and does not start CUDA."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ LAYERS: list[set[str]] = [
     {"tiers", "registry"},
     {"orchestration"},
     {"hierarchy", "resume"},
-    {"cli", "__main__", "bench", "testing"},
+    {"cli", "__main__", "bench", "testing", "dcp"},
 ]
 TIER_KINDS = {"tierckpt.tiers.host", "tierckpt.tiers.gpu", "tierckpt.tiers.local", "tierckpt.tiers.pfs"}
 
@@ -81,6 +82,7 @@ import torch
 print(json.dumps({
     "modules": sorted(m for m in sys.modules if m.startswith("tierckpt") or "uring" in m),
     "cuda": torch.cuda.is_initialized(),
+    "dcp": sorted(m for m in sys.modules if m.startswith("torch.distributed.checkpoint")),
 }))
 """
     out = json.loads(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout)
@@ -93,3 +95,4 @@ print(json.dumps({
     }
     assert not {m for m in loaded if "uring" in m}, loaded
     assert out["cuda"] is False
+    assert out["dcp"] == [], "only tierckpt.dcp imports torch.distributed.checkpoint"

@@ -1,0 +1,298 @@
+"""tierckpt as a DCP storage backend in one process: ``dcp.save`` / ``dcp.async_save`` / ``dcp.load`` through
+``HierarchyWriter`` / ``HierarchyReader``, compared with DCP's own ``FileSystemWriter``; the metadata record
+(no pickle) and its validation; what ``h.restore`` of a DCP checkpoint returns."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterator
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+dcp = pytest.importorskip("torch.distributed.checkpoint")
+
+from torch.distributed.checkpoint.api import CheckpointException  # noqa: E402
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner  # noqa: E402
+from torch.distributed.checkpoint.metadata import MetadataIndex  # noqa: E402
+
+from tierckpt import Hierarchy  # noqa: E402
+from tierckpt.dcp import HierarchyReader, HierarchyWriter, Location  # noqa: E402
+from tierckpt.dcp._record import decode_metadata, encode_metadata  # noqa: E402
+from tierckpt.errors import CorruptCheckpointError, TierckptError  # noqa: E402
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
+
+
+@pytest.fixture
+def h(tmp_path: Path) -> Iterator[Hierarchy]:
+    cfg = {
+        "tiers": [
+            {"name": "host", "kind": "host"},
+            {"name": "ssd", "kind": "local", "path": str(tmp_path / "ssd")},
+            {"name": "pfs", "kind": "pfs", "path": str(tmp_path / "pfs")},
+        ],
+        "policy": {"demote": {"pfs": {"every": 1}}},
+    }
+    with Hierarchy.from_config(cfg) as hier:
+        yield hier
+
+
+def _state(seed: int = 0) -> dict[str, Any]:
+    """Model + AdamW state after one step, tensors of several dtypes, bytes and plain values, nesting."""
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.randn(3, 6)).sum().backward()
+    opt.step()
+    return {
+        "model": model.state_dict(),
+        "optim": opt.state_dict(),
+        "dtypes": {
+            "bf16": torch.randn(5, 3).to(torch.bfloat16),
+            "f16": torch.randn(7).half(),
+            "i64": torch.arange(10) * (seed + 1),
+            "u8": torch.randint(0, 255, (2, 2, 2), dtype=torch.uint8),
+            "bool": torch.rand(9) > 0.5,
+            "c64": torch.randn(3, dtype=torch.complex64),
+            "f8": torch.randn(4).to(torch.float8_e4m3fn),
+            "scalar": torch.tensor(3.5 + seed),
+            "view": torch.randn(4, 6)[:, ::2],  # not contiguous
+        },
+        "tensors": [torch.full((2,), float(seed)), torch.ones(3, dtype=torch.int32)],
+        "step": 100 + seed,
+        "name": f"run-{seed}",
+        "raw": bytes([seed, 1, 2]),
+        "pair": (seed, "b"),
+        "nested": {"a": {"b": {"c": torch.eye(3) * seed, "lr": 0.5 + seed}}},
+    }
+
+
+def _blank(sd: dict[str, Any]) -> dict[str, Any]:
+    """A state of the same structure whose tensors are zeros and plain values placeholders."""
+    out = copy.deepcopy(sd)
+
+    def zero(v: Any) -> Any:
+        if isinstance(v, torch.Tensor):
+            return torch.zeros_like(v)
+        if isinstance(v, dict):
+            return {k: zero(x) for k, x in v.items()}
+        if isinstance(v, list):
+            return [zero(x) for x in v]
+        return "placeholder"
+
+    return zero(out)  # type: ignore[no-any-return]
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as something torch.equal compares bit for bit (it has no float8 kernel)."""
+    return t.contiguous().view(torch.uint8) if t.dtype.is_floating_point and t.element_size() == 1 else t
+
+
+def _assert_same(a: Any, b: Any, path: str = "sd") -> None:
+    same = (isinstance(a, dict) and isinstance(b, dict)) or type(a) is type(b)  # an OrderedDict is a dict
+    assert same, f"{path}: {type(a)} vs {type(b)}"
+    if isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype and a.shape == b.shape, path
+        assert torch.equal(_bits(a), _bits(b)), path
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys(), path
+        for k in a:
+            _assert_same(a[k], b[k], f"{path}[{k!r}]")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), path
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            _assert_same(x, y, f"{path}[{i}]")
+    else:
+        assert a == b, path
+
+
+# -- round trips ---------------------------------------------------------------------------------------------
+def test_save_then_load_round_trips_every_value(h: Hierarchy) -> None:
+    sd = _state(1)
+    md = dcp.save(sd, storage_writer=HierarchyWriter(h, step=5))
+    assert all(isinstance(v, Location) and v.rank == 0 for v in md.storage_data.values())
+    got = _blank(sd)
+    dcp.load(got, storage_reader=HierarchyReader(h, step=5))
+    _assert_same(got, sd)
+
+
+def test_a_dcp_checkpoint_lists_verifies_demotes_and_is_one_save(h: Hierarchy, tmp_path: Path) -> None:
+    dcp.save(_state(0), storage_writer=HierarchyWriter(h, step=3, durable="all"))
+    [info] = h.checkpoints()
+    assert info.step == 3 and info.tiers == ("host", "ssd", "pfs")  # demoted as the policy says
+    assert [(s, t, e) for s, t, e in h.verify()] == [(3, t, None) for t in ("host", "ssd", "pfs")]
+    # one part for the rank, a manifest and a few aggregated blobs: no file per item (there are 30)
+    [part] = (tmp_path / "pfs").glob("step-*/rank-*")
+    assert len(list(part.iterdir())) <= 3, sorted(p.name for p in part.iterdir())
+
+
+def test_save_returns_once_durable_on_the_first_persistent_tier(h: Hierarchy) -> None:
+    dcp.save({"t": torch.arange(1000)}, storage_writer=HierarchyWriter(h, step=1))
+    assert h.checkpoints()[0].states["ssd"] == "committed"
+
+
+def test_a_damaged_copy_is_read_from_the_next_tier(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    cfg = {
+        "tiers": [
+            {"name": "ssd", "kind": "local", "path": str(tmp_path / "ssd")},
+            {"name": "pfs", "kind": "pfs", "path": str(tmp_path / "pfs")},
+        ],
+    }
+    sd: dict[str, Any] = {"t": torch.arange(4096, dtype=torch.int64), "n": 3}
+    with Hierarchy.from_config(cfg) as h:
+        dcp.save(sd, storage_writer=HierarchyWriter(h, step=1, durable="all"))
+        [blob] = [p for p in (tmp_path / "ssd").glob("step-*/rank-*/*") if p.name.startswith("blob")]
+        with blob.open("r+b") as f:  # one flipped bit in the tensor's bytes on the fastest tier
+            f.seek(100)
+            byte = f.read(1)[0]
+            f.seek(100)
+            f.write(bytes([byte ^ 1]))
+        got: dict[str, Any] = {"t": torch.zeros(4096, dtype=torch.int64), "n": 0}
+        dcp.load(got, storage_reader=HierarchyReader(h, step=1))
+    assert torch.equal(got["t"], sd["t"]) and got["n"] == 3
+    assert "tier 'ssd'" in caplog.text and "checksum" in caplog.text
+
+
+def test_h_restore_returns_the_nested_state_and_the_dcp_entry(h: Hierarchy) -> None:
+    sd = _state(2)
+    dcp.save(sd, storage_writer=HierarchyWriter(h, step=1))
+    got = h.restore(1)
+    entry = got.pop("__dcp__")
+    assert entry["rank"] == 0 and entry["world_size"] == 1 and entry["metadata"]["format"] == 1
+    # DCP's flattening names dict keys as strings (the optimizer's parameter ids); plain values stay plain
+    want = {**sd, "optim": {**sd["optim"], "state": {str(k): v for k, v in sd["optim"]["state"].items()}}}
+    want["dtypes"] = {**sd["dtypes"], "view": sd["dtypes"]["view"].contiguous()}
+    _assert_same(got, want)
+    assert got["raw"] == bytes([2, 1, 2]) and entry["payloads"] == []  # nothing needed DCP's pickled bytes
+
+
+def test_async_save_stages_then_completes_in_the_background(h: Hierarchy) -> None:
+    sd = _state(3)
+    fut = dcp.async_save(sd, storage_writer=HierarchyWriter(h, step=7))
+    assert isinstance(fut, Future)  # DCP's own staging: the save goes on in its thread
+    fut.result(timeout=60)
+    assert [c.step for c in h.checkpoints()] == [7]
+    got = _blank(sd)
+    dcp.load(got, storage_reader=HierarchyReader(h))  # step=None: the newest
+    _assert_same(got, sd)
+
+
+def test_same_values_and_metadata_as_dcps_file_system_writer(h: Hierarchy, tmp_path: Path) -> None:
+    sd = _state(4)
+    dcp.save(sd, storage_writer=HierarchyWriter(h, step=2))
+    dcp.save(sd, storage_writer=dcp.FileSystemWriter(str(tmp_path / "fs")))
+    ours, stock = _blank(sd), _blank(sd)
+    dcp.load(ours, storage_reader=HierarchyReader(h, step=2))
+    dcp.load(stock, storage_reader=dcp.FileSystemReader(str(tmp_path / "fs")))
+    _assert_same(ours, stock)
+    a, b = HierarchyReader(h, step=2).read_metadata(), dcp.FileSystemReader(str(tmp_path / "fs")).read_metadata()
+    assert a.state_dict_metadata == b.state_dict_metadata and a.planner_data == b.planner_data
+
+
+class _OwnGlobalPlan(DefaultSavePlanner):
+    """A planner whose global plan DCP's writer cannot see early: rank 0's part waits for finish()."""
+
+    def create_global_plan(self, all_plans):  # type: ignore[no-untyped-def]
+        return super().create_global_plan(all_plans)
+
+
+class _OwnBytes(DefaultSavePlanner):
+    """A planner that serializes objects its own way: they are stored as its bytes."""
+
+    def transform_object(self, write_item, object):  # type: ignore[no-untyped-def]
+        return super().transform_object(write_item, object)
+
+
+@pytest.mark.parametrize("planner", [_OwnGlobalPlan, _OwnBytes])
+def test_other_planners(h: Hierarchy, planner: type[DefaultSavePlanner]) -> None:
+    sd = _state(5)
+    dcp.save(sd, storage_writer=HierarchyWriter(h, step=4), planner=planner())
+    got = _blank(sd)
+    dcp.load(got, storage_reader=HierarchyReader(h, step=4))
+    _assert_same(got, sd)
+    payloads = h.restore(4)["__dcp__"]["payloads"]
+    assert (["step"] in payloads) == (planner is _OwnBytes)
+
+
+def test_checkpoint_id_names_the_step(h: Hierarchy) -> None:
+    assert HierarchyWriter.validate_checkpoint_id("12") and HierarchyReader.validate_checkpoint_id("0")
+    assert not HierarchyWriter.validate_checkpoint_id("/ckpt/12") and not HierarchyReader.validate_checkpoint_id("-1")
+    sd = {"t": torch.arange(4)}
+    dcp.save(sd, checkpoint_id="12", storage_writer=HierarchyWriter(h, step=1))
+    assert [c.step for c in h.checkpoints()] == [12]
+    got = {"t": torch.zeros(4, dtype=torch.int64)}
+    dcp.load(got, checkpoint_id="12", storage_reader=HierarchyReader(h))
+    assert torch.equal(got["t"], sd["t"])
+
+
+# -- refusals and damage ----------------------------------------------------------------------------------------
+def test_a_hierarchy_of_another_rank_is_refused(tmp_path: Path) -> None:
+    tier = {"name": "pfs", "kind": "pfs", "path": str(tmp_path / "pfs")}
+    with Hierarchy.from_config({"tiers": [tier]}) as h0:
+        h1 = Hierarchy(h0.tiers, rank=1, world_size=2)
+        with pytest.raises(CheckpointException, match="DCP's rank 0 is not the hierarchy's rank 1"):
+            dcp.save({"t": torch.ones(1)}, storage_writer=HierarchyWriter(h1, step=1))
+    with pytest.raises(ValueError, match="durable"):
+        HierarchyWriter(h0, step=1, durable="soon")
+    with Hierarchy.from_config({"tiers": [tier]}, readonly=True) as ro, pytest.raises(TierckptError, match="read-only"):
+        HierarchyWriter(ro, step=1)
+
+
+def test_a_checkpoint_not_written_through_dcp_is_named(h: Hierarchy) -> None:
+    h.save({"t": torch.ones(2)}, step=1).wait()
+    with pytest.raises(TierckptError, match="not written through DCP"):
+        HierarchyReader(h, step=1).read_metadata()
+
+
+def _saved_record(h: Hierarchy, sd: dict[str, Any]) -> dict[str, Any]:
+    dcp.save(sd, storage_writer=HierarchyWriter(h, step=1))
+    return h.restore(1)  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize(
+    ("damage", "field"),
+    [
+        (lambda r: r.pop("state_dict"), "state_dict: missing"),
+        (lambda r: r["state_dict"]["w"].update(dtype="float99"), "state_dict['w'].dtype"),
+        (lambda r: r["state_dict"]["w"]["chunks"][0].__setitem__(1, [9, 9]), "state_dict['w'].chunks[0]"),
+        (lambda r: r["state_dict"]["w"].update(size="big"), "state_dict['w'].size"),
+        (lambda r: r["storage_data"][0].__setitem__(2, 3), "storage_data[0].rank"),
+        (lambda r: r["storage_data"].pop(), "storage_data: does not match state_dict"),
+        (lambda r: r["planner_data"]["mappings"].update(w=[]), "planner_data.mappings['w']"),
+        (lambda r: r.update(format=2), "format: expected 1"),
+    ],
+)
+def test_a_damaged_metadata_record_names_the_field(h: Hierarchy, damage: Any, field: str) -> None:
+    state = _saved_record(h, {"w": torch.ones(2, 3), "n": 1})
+    damage(state["__dcp__"]["metadata"])
+    h.save(state, step=2).wait()  # the same part, with the damaged record
+    with pytest.raises(CorruptCheckpointError, match=f"DCP metadata: {field}".replace("[", r"\[").replace("(", r"\(")):
+        HierarchyReader(h, step=2).read_metadata()
+    with pytest.raises(CheckpointException, match="DCP metadata"):  # dcp.load passes the error on
+        dcp.load({"w": torch.zeros(2, 3), "n": 0}, storage_reader=HierarchyReader(h, step=2))
+
+
+def test_a_missing_item_is_named_not_returned(h: Hierarchy) -> None:
+    state = _saved_record(h, {"w": torch.ones(2, 3), "n": 1})
+    del state["w"]
+    h.save(state, step=2).wait()
+    with pytest.raises(CheckpointException, match=r"rank 0's part has nothing at \['w'\]"):
+        dcp.load({"w": torch.zeros(2, 3), "n": 0}, storage_reader=HierarchyReader(h, step=2))
+
+
+def test_the_record_round_trips_without_pickle(h: Hierarchy) -> None:
+    sd = {"a": {"w": torch.ones(2, 3, dtype=torch.bfloat16)}, "n": 1}
+    md = dcp.save(sd, storage_writer=HierarchyWriter(h, step=1))
+    rec = encode_metadata(md, md.storage_data)
+    assert "pickle" not in repr(rec) and rec["state_dict"]["a.w"]["dtype"] == "bfloat16"
+    back = decode_metadata(rec, 1)
+    assert back.state_dict_metadata == md.state_dict_metadata and back.planner_data == md.planner_data
+    assert back.storage_data == {
+        MetadataIndex("a.w", (0, 0)): Location(0, ("a", "w")),
+        MetadataIndex("n"): Location(0, ("n",)),
+    }
+    assert back.storage_meta == md.storage_meta
