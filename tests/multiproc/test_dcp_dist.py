@@ -50,7 +50,10 @@ def _hierarchy(tmp: str, readonly: bool = False) -> Any:
     from tierckpt import Hierarchy
 
     # every rank reads every rank's part from the one shared directory; host memory holds its own
-    cfg = {"tiers": [{"name": "host", "kind": "host"}, {"name": "pfs", "kind": "pfs", "path": f"{tmp}/pfs"}]}
+    cfg = {
+        "tiers": [{"name": "host", "kind": "host"}, {"name": "pfs", "kind": "pfs", "path": f"{tmp}/pfs"}],
+        "distributed": {"timeout": 8},  # a rank whose save fails before it writes: the others give up in 8 s
+    }
     return Hierarchy.from_config(cfg, readonly=readonly, job=None if readonly else "dcp-test")
 
 

@@ -23,6 +23,7 @@ from tierckpt import Hierarchy  # noqa: E402
 from tierckpt.dcp import HierarchyReader, HierarchyWriter, Location  # noqa: E402
 from tierckpt.dcp._record import decode_metadata, encode_metadata  # noqa: E402
 from tierckpt.errors import CorruptCheckpointError, TierckptError  # noqa: E402
+from tierckpt.orchestration.coordinator import SoloCoordinator
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
 
@@ -233,7 +234,10 @@ def test_checkpoint_id_names_the_step(h: Hierarchy) -> None:
 def test_a_hierarchy_of_another_rank_is_refused(tmp_path: Path) -> None:
     tier = {"name": "pfs", "kind": "pfs", "path": str(tmp_path / "pfs")}
     with Hierarchy.from_config({"tiers": [tier]}) as h0:
-        h1 = Hierarchy(h0.tiers, rank=1, world_size=2)
+        class Rank1(SoloCoordinator):  # a coordinator that says rank 1 (DCP's process says rank 0)
+            pass
+
+        h1 = Hierarchy(h0.tiers, coordinator=Rank1(1, 2))
         with pytest.raises(CheckpointException, match="DCP's rank 0 is not the hierarchy's rank 1"):
             dcp.save({"t": torch.ones(1)}, storage_writer=HierarchyWriter(h1, step=1))
     with pytest.raises(ValueError, match="durable"):

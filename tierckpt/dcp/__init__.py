@@ -15,6 +15,7 @@ docs/distributed-dcp.md says what each rank writes, when ``dcp.save`` returns, a
 
 from __future__ import annotations
 
+import contextlib
 import io
 import logging
 import os
@@ -190,9 +191,12 @@ class HierarchyWriter(StorageWriter):
         early = self._early_metadata(planner) if self._coordinator and not self._alone() else None
         if not self._coordinator:
             self._save(values, reserved, wait=self._alone())
+            if not self._alone():
+                self._reported_by_dcp()
         elif early is not None and self._locations is not None:
             self._record = encode_metadata(early, self._locations)
             self._save(values, {**reserved, "world_size": self.h.world_size, "metadata": self._record}, wait=False)
+            self._reported_by_dcp()
         else:  # the metadata comes with finish(): rank 0's part is saved then
             self._deferred = (values, reserved)
         fut: Future[list[WriteResult]] = Future()
@@ -223,6 +227,15 @@ class HierarchyWriter(StorageWriter):
         self._wait(self._handle)
 
     # -- saving --------------------------------------------------------------------------------------------
+    def _reported_by_dcp(self) -> None:
+        """A part saved with the others' (the step commits on a tier only once every rank's part is in):
+        its failures are the save's, which DCP reports on every rank (rank 0 waits in ``finish``, and a
+        write phase that failed anywhere raises ``CheckpointException`` everywhere), so this hierarchy's
+        ``wait()`` / ``close()`` does not raise them again (a zero-timeout wait marks them seen)."""
+        assert self._handle is not None
+        with contextlib.suppress(BaseException):
+            self._handle.wait(timeout=0)
+
     def _alone(self) -> bool:
         """Whether the ranks commit their parts alone (several ranks, a SoloCoordinator): then rank 0's
         part, with the metadata, is the step's commit record, saved in finish() once every other rank's
@@ -250,7 +263,14 @@ class HierarchyWriter(StorageWriter):
             return
         goes = [t for t in self.h.tiers if t.name in handle.durable]
         persistent = [t for t in goes if t.capabilities.persistent] if self.durable == "persistent" else []
-        handle.wait(tier=(persistent or goes)[0].name)
+        try:
+            handle.wait(tier=(persistent or goes)[0].name)
+        except BaseException:
+            # DCP reports this save's failure: the other tiers' failures of it are reported with it (a
+            # zero-timeout wait marks them seen), not raised again by the hierarchy's close()
+            with contextlib.suppress(BaseException):
+                handle.wait(timeout=0)
+            raise
 
 
 def _resolve(item: WriteItem, planner: SavePlanner) -> tuple[Any, int, bool]:
