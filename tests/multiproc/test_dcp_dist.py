@@ -176,8 +176,8 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_a_dtensor_state_saved_on_4_ranks_loads_back_on_4(saved: Path) -> None:
     parts = {p.name: sorted(r.name for r in p.iterdir()) for p in (saved / "pfs").glob("step-*")}
     every = [f"rank-{r:05d}" for r in range(4)]
-    # step 3 failed on rank 3: ranks 1 and 2 (committing alone) have their parts, rank 0 none (no metadata)
-    assert parts == {"step-000000000001": every, "step-000000000002": every, "step-000000000003": every[1:3]}
+    # step 3 failed on rank 3: never committed on any tier, and every rank removed its part of it
+    assert parts == {"step-000000000001": ["commit", *every], "step-000000000002": ["commit", *every]}
 
 
 def test_resharded_load_on_2_ranks_equals_dcps_own(saved: Path) -> None:
