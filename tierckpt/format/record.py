@@ -65,7 +65,7 @@ def encode_record(record: CommitRecord) -> bytes:
     if len(record.manifests) != record.world_size:
         raise ValueError(f"commit record: {len(record.manifests)} manifest tags for {record.world_size} ranks")
     tags = struct.pack(f"<{record.world_size}Q", *record.manifests)
-    payload = msgpack.packb({"step": record.step, "world_size": record.world_size, "manifests": tags})
+    payload: bytes = msgpack.packb({"step": record.step, "world_size": record.world_size, "manifests": tags})
     framed = _HEADER.pack(RECORD_MAGIC, RECORD_VERSION, 0, 0, len(payload)) + payload
     return framed + _TRAILER.pack(xxhash.xxh3_64_intdigest(framed))
 

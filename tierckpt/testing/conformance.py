@@ -261,6 +261,22 @@ class TierConformanceTests:
         with pytest.raises(CheckpointNotFoundError):
             tier.read_manifest(CheckpointKey(1))
 
+    def test_commit_records(self, tier: Tier) -> None:
+        """A step's commit record (docs/distributed.md): written atomically, replaced whole, listed by
+        step, removed (a missing one: nothing to do); a step's copies and its record are independent."""
+        assert tier.list_records() == [] and tier.read_record(7) is None
+        _write(tier, CheckpointKey(7, 0), [_blob(4096, 1)])
+        tier.write_record(7, b"first record")
+        tier.write_record(3, b"x" * 5000)
+        assert tier.list_records() == [3, 7] and tier.read_record(7) == b"first record"
+        tier.write_record(7, b"second")
+        assert tier.read_record(7) == b"second" and tier.read_record(3) == b"x" * 5000
+        tier.remove_record(7)
+        tier.remove_record(7)
+        tier.remove_record(8)
+        assert tier.list_records() == [3] and tier.read_record(7) is None
+        assert tier.list_committed() == [CheckpointKey(7, 0)]  # the copy stays: the hierarchy evicts it
+
     def test_evict_unlisted_now_freed_by_reclaim(self, tier: Tier) -> None:
         _write(tier, CheckpointKey(1), [_blob(65536, 7)])
         _write(tier, CheckpointKey(2), [_blob(4096, 8)])
