@@ -34,6 +34,7 @@ from tierckpt.format.table import blob_spans
 from tierckpt.format.tree import resolve_tree
 from tierckpt.io.buffers import StagingPool, memmove, ptr_mv
 from tierckpt.orchestration.matching import Match, match_target
+from tierckpt.orchestration.reshard import holds_dtensor, restore_sharded
 from tierckpt.orchestration.restore import load_head, load_rest
 from tierckpt.tiers.base import CheckpointKey, Tier, TierReader
 
@@ -114,8 +115,12 @@ def restore_into(
             so may large ones further on whose bodies were being read straight into them (the reads in
             flight); no value is assigned and no other tensor is changed.
     """
+    if holds_dtensor(target):  # sharded for this run: read what overlaps each shard (any saved layout)
+        return restore_sharded(tier, key, target, allow_pickle=allow_pickle, strict=strict)
     with tier.open_copy(key) as copy:  # one copy; each blob's size is checked against its file here
         head = load_head(tier, key, allow_pickle=allow_pickle, copy=copy)
+        if head.meshes:  # a sharded checkpoint: plain targets take whole global tensors
+            return restore_sharded(tier, key, target, allow_pickle=allow_pickle, strict=strict)
         reader = copy.reader(head.blobs)
     try:
         stream = _Stream(tier, key, head, reader, lambda: pool(head.align))
