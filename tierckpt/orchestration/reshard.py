@@ -35,7 +35,7 @@ from tierckpt.orchestration.matching import Match, match_target
 from tierckpt.orchestration.restore import load_manifest, load_tree
 from tierckpt.tiers.base import CheckpointKey, Tier, TierReader
 
-__all__ = ["holds_dtensor", "read_sharded", "restore_sharded"]
+__all__ = ["holds_dtensor", "read_box", "read_sharded", "restore_sharded"]
 
 #: bytes of reads in flight (and of their buffers) at once
 _INFLIGHT_BYTES = 256 << 20
@@ -181,6 +181,43 @@ def read_sharded(tier: Tier, key: CheckpointKey, *, allow_pickle: bool) -> Any:
     finally:
         copies.close()
     return resolve_tree(tree, ref, made.__getitem__, len(made))
+
+
+def read_box(
+    tier: Tier,
+    key: CheckpointKey,
+    path: str,
+    sizes: tuple[int, ...],
+    offsets: tuple[int, ...],
+    *,
+    allow_pickle: bool = False,
+) -> torch.Tensor:
+    """The box ``sizes`` at global ``offsets`` of the tensor saved at key path ``path`` (as the table
+    names it, e.g. ``state['w']``), read from the copies that hold it: only the checksum chunks
+    overlapping the box are read and verified.
+
+    Raises:
+        KeyError: no tensor was saved at ``path``.
+        ValueError: ``path`` is a plain tensor and the box is not the whole of it.
+        CorruptCheckpointError: a byte read fails verification.
+    """
+    copies = _Copies(tier, key.step, allow_pickle)
+    try:
+        base = copies.base(key.rank)
+        i = base.row(path)
+        if i is None:
+            raise KeyError(f"step {key.step} holds no tensor at {path}")
+        spec = base.m.sharding.get(i)
+        shape = spec.global_shape if spec is not None else base.m.tensors.shapes[i]
+        if spec is None and (tuple(sizes), tuple(offsets)) != (tuple(shape), (0,) * len(shape)):
+            raise ValueError(f"{path} is not sharded: only its whole {shape} can be read")
+        if len(sizes) != len(shape) or any(o < 0 or o + n > g for o, n, g in zip(offsets, sizes, shape)):
+            raise ValueError(f"box {tuple(sizes)} at {tuple(offsets)} is not inside {path}'s {tuple(shape)}")
+        out = torch.empty(sizes, dtype=dtype_from_name(base.m.tensors.dtypes[i]))
+        _Filler(copies, base).fill([_Dest(i, out, (tuple(sizes), tuple(offsets)))])
+    finally:
+        copies.close()
+    return out
 
 
 def _destinations(m: Manifest, todo: Match, shapes: list[tuple[int, ...]]) -> list[_Dest]:

@@ -1,0 +1,200 @@
+"""DTensor states saved by 4 spawned gloo ranks and restored on 4, 2, 8 and 1 ranks with other
+placements (docs/distributed.md, "Sharded states and resharding"): uneven shards, 1-D and 2-D meshes,
+Shard(0) -> Shard(1), replicated shards written once, and FSDP2 + AdamW through ``get_state_dict``."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import queue
+import traceback
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tierckpt import Hierarchy
+from tierckpt.format.manifest import decode_manifest
+from tierckpt.io import make_engine
+from tierckpt.orchestration import packing
+from tierckpt.tiers.base import CheckpointKey
+from tierckpt.tiers.pfs import PfsTier
+
+CHUNK = 4096  # small checksum chunks, so that small tensors span several
+# name -> (global shape, dtype, the mesh it is saved on (1: 1-D, 2: 2-D), saved placements)
+SAVED: dict[str, tuple[tuple[int, ...], torch.dtype, int, str]] = {
+    "s0": ((10, 6), torch.float32, 1, "S0"),  # 3, 3, 3, 1 rows
+    "s1": ((5, 7), torch.float32, 1, "S1"),  # 2, 2, 2, 1 columns
+    "rep": ((3, 3), torch.float32, 1, "R"),
+    "m2": ((6, 5), torch.float32, 2, "S0,S1"),
+    "m2r": ((9, 4), torch.float32, 2, "R,S0"),
+    "big": ((64, 256), torch.float32, 1, "S0"),  # 16 KiB a rank: 4 chunks each
+    "bf": ((7,), torch.bfloat16, 1, "S0"),
+    "empty": ((3, 2), torch.float64, 1, "S0"),  # rank 3's shard is empty
+}
+# how a restoring job shards each one (other placements than saved)
+RESTORED = {"s0": (1, "S1"), "s1": (1, "S0"), "rep": (1, "S0"), "m2": (1, "S1"), "m2r": (2, "S1,R"),
+            "big": (1, "S1"), "bf": (1, "R"), "empty": (2, "S0,S1")}  # fmt: skip
+
+
+def full(name: str) -> torch.Tensor:
+    shape, dtype, _, _ = SAVED[name]
+    n = torch.tensor(shape).prod().item()
+    return (torch.arange(n, dtype=torch.float64) * 0.5 + len(name)).reshape(shape).to(dtype)
+
+
+def _placements(spec: str) -> list[Any]:
+    from torch.distributed.tensor import Replicate, Shard
+
+    return [Replicate() if p == "R" else Shard(int(p[1])) for p in spec.split(",")]
+
+
+def _meshes(world: int) -> dict[int, Any]:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    two = (2, world // 2) if world > 1 else (1, 1)
+    return {1: init_device_mesh("cpu", (world,)), 2: init_device_mesh("cpu", two)}
+
+
+def dstate(world: int, layout: dict[str, tuple[int, str]], fill: Callable[[str], torch.Tensor]) -> dict[str, Any]:
+    from torch.distributed.tensor import distribute_tensor
+
+    meshes = _meshes(world)
+    return {k: distribute_tensor(fill(k), meshes[m], _placements(p)) for k, (m, p) in layout.items()}
+
+
+def hierarchy(d: Path, rank: int, world: int) -> Hierarchy:
+    eng = make_engine("threads", 2)
+    return Hierarchy([PfsTier("pfs", d, eng, job="sharded-test")], rank=rank, world_size=world, job="sharded-test")
+
+
+# -- the ranks' bodies (module level: spawned processes import them) -------------------------------------
+def _save(rank: int, world: int, d: Path) -> None:
+    packing.CHUNK_BYTES = CHUNK
+    state: dict[str, Any] = dstate(world, {k: (m, p) for k, (_, _, m, p) in SAVED.items()}, full)
+    state |= {"p": torch.full((2,), float(rank)), "rank": rank}
+    with hierarchy(d, rank, world) as h:
+        h.save(state, step=1, blocking=True)
+
+
+def _restore(rank: int, world: int, d: Path, direct: bool) -> dict[str, Any]:
+    """Restore into other placements on ``world`` ranks; return what differs from the saved values."""
+    from tierckpt.orchestration.reshard import restore_sharded
+
+    target: dict[str, Any] = dstate(world, RESTORED, lambda k: torch.zeros(SAVED[k][0], dtype=SAVED[k][1]))
+    target |= {"p": torch.zeros(2), "rank": -1}
+    if direct:  # ranks beyond the saved ones: the listing of their steps is the global commit's (not here)
+        tier = PfsTier("pfs", d, make_engine("threads", 2), readonly=True)
+        restore_sharded(tier, CheckpointKey(1, rank), target, allow_pickle=False)
+    else:
+        with hierarchy(d, rank, world) as h:
+            h.restore(1, into=target)
+    bad = {k: "differs" for k in SAVED if not torch.equal(target[k].full_tensor(), full(k))}
+    return bad | {"p": target["p"].tolist(), "rank": target["rank"]}
+
+
+def _same_layout(rank: int, world: int, d: Path) -> list[int]:
+    """Restore into the saved layout; return the ranks whose copies were opened."""
+    opened: list[int] = []
+    real = PfsTier.open_copy
+
+    def spy(self: PfsTier, key: CheckpointKey) -> Any:
+        opened.append(key.rank)
+        return real(self, key)
+
+    PfsTier.open_copy = spy  # type: ignore[method-assign]  # this process only
+    target = dstate(
+        world, {k: (m, p) for k, (_, _, m, p) in SAVED.items()}, lambda k: torch.zeros(SAVED[k][0], dtype=SAVED[k][1])
+    )
+    with hierarchy(d, rank, world) as h:
+        h.restore(1, into=target, strict=False)
+    assert all(torch.equal(target[k].full_tensor(), full(k)) for k in SAVED)
+    return sorted(set(opened))
+
+
+def _entry(rank: int, world: int, store: str, fn: Callable[..., Any], args: tuple[Any, ...], q: Any) -> None:
+    try:
+        dist.init_process_group("gloo", store=dist.FileStore(store, world), rank=rank, world_size=world)
+        try:
+            q.put((rank, fn(rank, world, *args), None))
+        finally:
+            dist.destroy_process_group()
+    except BaseException:
+        q.put((rank, None, traceback.format_exc()))
+
+
+def spawn(world: int, fn: Callable[..., Any], *args: Any, store: Path, timeout: float = 60) -> list[Any]:
+    """``fn(rank, world, *args)`` on ``world`` spawned gloo ranks; each rank's result."""
+    ctx = mp.get_context("fork")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=_entry, args=(r, world, str(store), fn, args, q), daemon=True) for r in range(world)]
+    for p in procs:
+        p.start()
+    out: dict[int, Any] = {}
+    try:
+        for _ in range(world):
+            rank, res, err = q.get(timeout=timeout)
+            if err is not None:
+                raise AssertionError(f"rank {rank} failed:\n{err}")
+            out[rank] = res
+    except queue.Empty:
+        raise AssertionError(f"ranks {sorted(set(range(world)) - set(out))} did not answer in {timeout} s") from None
+    finally:
+        for p in procs:
+            p.join(10)
+            if p.is_alive():
+                p.kill()
+    return [out[r] for r in range(world)]
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    d = tmp_path_factory.mktemp("sharded") / "pfs"
+    spawn(4, _save, d, store=d.parent / "store-save")
+    yield d
+
+
+def manifests(d: Path) -> list[Any]:
+    return [decode_manifest((d / "step-000000000001" / f"rank-{r:05d}" / "manifest").read_bytes()) for r in range(4)]
+
+
+# -- tests -----------------------------------------------------------------------------------------------------
+def test_each_shard_is_written_once_with_its_sharding(saved: Path) -> None:
+    ms = manifests(saved)
+    for r, m in enumerate(ms):
+        t = m.tensors
+        row = {p: i for i, p in enumerate(t.paths)}
+        assert m.version == 5 and m.world_size == 4 and m.chunk_bytes == CHUNK
+        assert [x.shape for x in m.meshes] == [(4,), (2, 2)] and m.meshes[0].ranks == (0, 1, 2, 3)
+        # replicated shards: stored by the replica at 0 on every Replicate dim, the others keep the reference
+        assert (t.lengths[row["state['rep']"]] > 0) == (r == 0)
+        assert (t.lengths[row["state['m2r']"]] > 0) == (r in (0, 1))  # mesh (2, 2): rows 0 and 1 store
+        assert t.shapes[row["state['s0']"]] == ((3, 6) if r < 3 else (1, 6))
+        assert t.shapes[row["state['empty']"]] == ((1, 2) if r < 3 else (0, 2))
+        big = m.sharding[row["state['big']"]]
+        assert len(big.chunks) == 4 and big.global_shape == (64, 256)
+        assert "state['p']" in row and row["state['p']"] not in m.sharding
+    on_disk = sum(f.stat().st_size for f in saved.glob("step-*/rank-*/blob-*"))
+    stored = sum(m.tensor_bytes for m in ms)
+    unique = sum(full(k).nbytes for k in SAVED) + 4 * 8  # every global tensor once, and each rank's "p"
+    assert stored == unique and on_disk < 2 * unique + 4 * 4 * 4096
+
+
+def test_restore_on_two_ranks_reshards_every_layout(saved: Path, tmp_path: Path) -> None:
+    got = spawn(2, _restore, saved, False, store=tmp_path / "store")
+    assert got == [{"p": [0.0, 0.0], "rank": 0}, {"p": [1.0, 1.0], "rank": 1}]
+
+
+def test_restore_on_eight_ranks_takes_plain_values_of_rank_0_beyond_the_saved_ranks(
+    saved: Path, tmp_path: Path
+) -> None:
+    got = spawn(8, _restore, saved, True, store=tmp_path / "store", timeout=90)
+    assert got == [{"p": [float(r if r < 4 else 0)] * 2, "rank": r if r < 4 else 0} for r in range(8)]
+
+
+def test_restore_on_four_ranks_into_the_saved_layout_reads_own_copies(saved: Path, tmp_path: Path) -> None:
+    got = spawn(4, _same_layout, saved, store=tmp_path / "store")
+    # its own copy, and rank 0's / rank 1's for the replicated shards they alone stored
+    assert got == [[0], [0, 1], [0, 2], [0, 1, 3]]
