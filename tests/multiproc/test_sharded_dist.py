@@ -198,3 +198,90 @@ def test_restore_on_four_ranks_into_the_saved_layout_reads_own_copies(saved: Pat
     got = spawn(4, _same_layout, saved, store=tmp_path / "store")
     # its own copy, and rank 0's / rank 1's for the replicated shards they alone stored
     assert got == [[0], [0, 1], [0, 2], [0, 1, 3]]
+
+
+# -- one process reading the 4-rank checkpoint ------------------------------------------------------------------
+def reader(*dirs: Path, rank: int = 0) -> Hierarchy:
+    eng = make_engine("threads", 2)
+    tiers = [PfsTier(f"pfs{i}", d, eng, readonly=True) for i, d in enumerate(dirs)]
+    return Hierarchy(tiers, readonly=True, rank=rank, world_size=4 if rank else 1)
+
+
+def test_one_process_restores_whole_tensors_into_plain_targets(saved: Path) -> None:
+    target: dict[str, Any] = {k: torch.zeros(s, dtype=dt) for k, (s, dt, _, _) in SAVED.items()}
+    target |= {"p": torch.zeros(2), "rank": -1}
+    with reader(saved) as h:
+        h.restore(into=target)
+    assert all(torch.equal(target[k], full(k)) for k in SAVED)
+    assert target["p"].tolist() == [0.0, 0.0] and target["rank"] == 0
+
+
+def test_restore_without_into_returns_the_boxes_the_rank_saved(saved: Path) -> None:
+    with reader(saved, rank=3) as h:
+        got = h.restore()
+    assert torch.equal(got["s0"], full("s0")[9:]) and torch.equal(got["s1"], full("s1")[:, 6:])
+    assert torch.equal(got["rep"], full("rep"))  # stored by rank 0 alone: read from its copy
+    assert torch.equal(got["m2r"], full("m2r")[5:])  # coordinate (1, 1): rank 1 stored it
+    assert got["empty"].shape == (0, 2) and got["rank"] == 3
+
+
+def _opened(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    opened: list[int] = []
+    real = PfsTier.open_copy
+    monkeypatch.setattr(PfsTier, "open_copy", lambda self, key: opened.append(key.rank) or real(self, key))
+    return opened
+
+
+def test_a_box_is_read_from_the_copies_that_overlap_it_only(saved: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from tierckpt.orchestration.reshard import read_box
+
+    tier = PfsTier("pfs", saved, make_engine("threads", 2), readonly=True)
+    opened = _opened(monkeypatch)
+    assert torch.equal(read_box(tier, CheckpointKey(1, 0), "state['s0']", (3, 6), (0, 0)), full("s0")[:3])
+    assert opened == [0]
+    opened.clear()
+    assert torch.equal(read_box(tier, CheckpointKey(1, 0), "state['s0']", (2, 2), (2, 3)), full("s0")[2:4, 3:5])
+    assert opened == [0, 1]
+    opened.clear()
+    assert torch.equal(read_box(tier, CheckpointKey(1, 2), "state['m2']", (6, 2), (0, 3)), full("m2")[:, 3:])
+    assert sorted(opened) == [1, 2, 3]  # mesh (2, 2) S0,S1: columns 3-4 are ranks 1 and 3's
+
+
+def _flip(d: Path, rank: int, path: str, byte: int) -> None:
+    """Flip byte ``byte`` of tensor ``path`` in rank ``rank``'s blob."""
+    rd = d / "step-000000000001" / f"rank-{rank:05d}"
+    m = decode_manifest((rd / "manifest").read_bytes())
+    i = m.tensors.paths.index(path)
+    f = rd / m.blobs[m.tensors.blobs[i]].name
+    data = bytearray(f.read_bytes())
+    data[m.tensors.offsets[i] + byte] ^= 0x40
+    f.write_bytes(bytes(data))
+
+
+def test_a_range_read_verifies_the_chunks_it_reads(
+    saved: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rank 1 stored rows 16-31 of ``big``, 4 rows (4 KiB) a chunk: a flipped byte in its chunk 2 (rows
+    24-27) fails every read that uses those rows, and no read that does not."""
+    import shutil
+
+    from tierckpt import CorruptCheckpointError
+    from tierckpt.orchestration.reshard import read_box
+
+    bad = tmp_path / "bad"
+    shutil.copytree(saved, bad)
+    _flip(bad, 1, "state['big']", 2 * CHUNK + 100)
+    tier = PfsTier("pfs", bad, make_engine("threads", 2), readonly=True)
+    key = CheckpointKey(1, 0)
+    assert torch.equal(read_box(tier, key, "state['big']", (8, 256), (16, 0)), full("big")[16:24])
+    assert torch.equal(read_box(tier, key, "state['big']", (4, 10), (28, 5)), full("big")[28:32, 5:15])
+    with pytest.raises(CorruptCheckpointError, match=r"checksum mismatch in bytes \[8192, 12288\)") as e:
+        read_box(tier, key, "state['big']", (1, 1), (25, 255))  # a byte away from the flipped one
+    assert e.value.key == "state['big']" and e.value.tier == "pfs"
+    target = {k: torch.zeros(s, dtype=dt) for k, (s, dt, _, _) in SAVED.items()} | {"p": torch.zeros(2), "rank": -1}
+    with reader(bad) as h, pytest.raises(CorruptCheckpointError, match="checksum mismatch"):
+        h.restore(into=target)
+    with reader(bad, saved) as h:  # the damaged copy first: the restore falls back to the good one
+        h.restore(into=target)
+        assert h.last_restore == (1, "pfs1")
+    assert all(torch.equal(target[k], full(k)) for k in SAVED)
