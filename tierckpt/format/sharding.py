@@ -298,6 +298,8 @@ def unstored_rows(d: Any) -> set[int]:
     if type(n) is not int or not 0 <= n < 1 << 32:
         raise _bad(f"sharding.count {n!r} is invalid")
     ids = _unpacked(d, "row", "I", n)
+    if any(b <= a for a, b in itertools.pairwise(ids)):
+        raise _bad("sharding.row is not increasing rows of the table")
     stored = d["stored"]
     if not isinstance(stored, bytes) or len(stored) != n:
         raise _bad(f"sharding.stored is not {n} bytes of 0 or 1")
