@@ -7,7 +7,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import queue
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -71,12 +71,15 @@ def hierarchy(d: Path, rank: int, world: int) -> Hierarchy:
 
 
 # -- the ranks' bodies (module level: spawned processes import them) -------------------------------------
-def _save(rank: int, world: int, d: Path) -> None:
+def _save(rank: int, world: int, d: Path) -> tuple[dict[str, Any], list[float]]:
+    """Step 1: the DTensors of SAVED; step 2: an FSDP2 model and AdamW (:func:`_fsdp_save`). One job
+    saves both: each spawned job costs seconds of process-group and mesh setup."""
     packing.CHUNK_BYTES = CHUNK
     state: dict[str, Any] = dstate(world, {k: (m, p) for k, (_, _, m, p) in SAVED.items()}, full)
     state |= {"p": torch.full((2,), float(rank)), "rank": rank}
     with hierarchy(d, rank, world) as h:
         h.save(state, step=1, blocking=True)
+    return _fsdp_save(rank, world, d)
 
 
 def _restore(rank: int, world: int, d: Path, direct: bool) -> dict[str, Any]:
@@ -150,10 +153,17 @@ def spawn(world: int, fn: Callable[..., Any], *args: Any, store: Path, timeout: 
 
 
 @pytest.fixture(scope="module")
-def saved(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+def saved_job(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any], list[float]]:
+    """The 4-rank job's directory, and of its FSDP2 model (step 2) the whole values saved and the
+    losses of 2 more steps."""
     d = tmp_path_factory.mktemp("sharded") / "pfs"
-    spawn(4, _save, d, store=d.parent / "store-save")
-    yield d
+    (values, losses), *_ = spawn(4, _save, d, store=d.parent / "store-save")
+    return d, values, losses
+
+
+@pytest.fixture
+def saved(saved_job: tuple[Path, dict[str, Any], list[float]]) -> Path:
+    return saved_job[0]
 
 
 def manifests(d: Path) -> list[Any]:
@@ -176,7 +186,7 @@ def test_each_shard_is_written_once_with_its_sharding(saved: Path) -> None:
         big = m.sharding[row["state['big']"]]
         assert len(big.chunks) == 4 and big.global_shape == (64, 256)
         assert "state['p']" in row and row["state['p']"] not in m.sharding
-    on_disk = sum(f.stat().st_size for f in saved.glob("step-*/rank-*/blob-*"))
+    on_disk = sum(f.stat().st_size for f in saved.glob("step-000000000001/rank-*/blob-*"))
     stored = sum(m.tensor_bytes for m in ms)
     unique = sum(full(k).nbytes for k in SAVED) + 4 * 8  # every global tensor once, and each rank's "p"
     assert stored == unique and on_disk < 2 * unique + 4 * 4 * 4096
@@ -211,14 +221,14 @@ def test_one_process_restores_whole_tensors_into_plain_targets(saved: Path) -> N
     target: dict[str, Any] = {k: torch.zeros(s, dtype=dt) for k, (s, dt, _, _) in SAVED.items()}
     target |= {"p": torch.zeros(2), "rank": -1}
     with reader(saved) as h:
-        h.restore(into=target)
+        h.restore(1, into=target)
     assert all(torch.equal(target[k], full(k)) for k in SAVED)
     assert target["p"].tolist() == [0.0, 0.0] and target["rank"] == 0
 
 
 def test_restore_without_into_returns_the_boxes_the_rank_saved(saved: Path) -> None:
     with reader(saved, rank=3) as h:
-        got = h.restore()
+        got = h.restore(1)
     assert torch.equal(got["s0"], full("s0")[9:]) and torch.equal(got["s1"], full("s1")[:, 6:])
     assert torch.equal(got["rep"], full("rep"))  # stored by rank 0 alone: read from its copy
     assert torch.equal(got["m2r"], full("m2r")[5:])  # coordinate (1, 1): rank 1 stored it
@@ -280,8 +290,102 @@ def test_a_range_read_verifies_the_chunks_it_reads(
     assert e.value.key == "state['big']" and e.value.tier == "pfs"
     target = {k: torch.zeros(s, dtype=dt) for k, (s, dt, _, _) in SAVED.items()} | {"p": torch.zeros(2), "rank": -1}
     with reader(bad) as h, pytest.raises(CorruptCheckpointError, match="checksum mismatch"):
-        h.restore(into=target)
+        h.restore(1, into=target)
     with reader(bad, saved) as h:  # the damaged copy first: the restore falls back to the good one
-        h.restore(into=target)
+        h.restore(1, into=target)
         assert h.last_restore == (1, "pfs1")
     assert all(torch.equal(target[k], full(k)) for k in SAVED)
+
+
+# -- FSDP2 + AdamW through get_state_dict ------------------------------------------------------------------------
+def _fsdp(world: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 18), torch.nn.ReLU(), torch.nn.Linear(18, 5))  # 18, 5: uneven
+    if world:
+        mesh = init_device_mesh("cpu", (world,))
+        for layer in (model[0], model[2]):
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+def _train(model: torch.nn.Module, opt: torch.optim.Optimizer, steps: range) -> list[float]:
+    losses = []
+    for s in steps:  # the same batch on every rank
+        g = torch.Generator().manual_seed(100 + s)
+        x, y = torch.randn(4, 8, generator=g), torch.randn(4, 5, generator=g)
+        loss = ((model(x) - y) ** 2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def _full(sd: dict[str, Any]) -> dict[str, Any]:
+    """Whole values as lists (a tensor sent through a queue lives in the sender's shared memory)."""
+    from torch.distributed.tensor import DTensor
+
+    return {k: (v.full_tensor() if isinstance(v, DTensor) else v).tolist() for k, v in sd.items()}
+
+
+def _fsdp_save(rank: int, world: int, d: Path) -> tuple[dict[str, Any], list[float]]:
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model, opt = _fsdp(world)
+    _train(model, opt, range(2))
+    msd, osd = get_state_dict(model, opt)
+    with hierarchy(d, rank, world) as h:
+        h.save({"model": msd, "optim": osd, "step": 2}, step=2, blocking=True)
+    saved = _full(msd) | {f"exp_avg/{k}": v["exp_avg"] for k, v in _full_state(osd).items()}
+    return saved, _train(model, opt, range(2, 4))
+
+
+def _full_state(osd: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {k: _full(v) for k, v in osd["state"].items()}
+
+
+def _fsdp_restore(rank: int, world: int, d: Path) -> tuple[dict[str, Any], list[float], int]:
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    model, opt = _fsdp(world)
+    _train(model, opt, range(7, 8))  # a step of other data: the optimizer has state to restore into
+    msd, osd = get_state_dict(model, opt)
+    target = {"model": msd, "optim": osd, "step": 0}
+    with hierarchy(d, rank, world) as h:
+        h.restore(2, into=target)
+    set_state_dict(model, opt, model_state_dict=msd, optim_state_dict=osd)
+    got = _full(msd) | {f"exp_avg/{k}": v["exp_avg"] for k, v in _full_state(osd).items()}
+    return got, _train(model, opt, range(2, 4)), target["step"]
+
+
+def test_fsdp2_and_adamw_state_restores_on_two_ranks_and_training_goes_on(
+    saved_job: tuple[Path, dict[str, Any], list[float]], tmp_path: Path
+) -> None:
+    d, values, losses = saved_job
+    for got, after, step in spawn(2, _fsdp_restore, d, store=tmp_path / "store"):
+        assert step == 2 and sorted(got) == sorted(values)
+        for k, v in values.items():
+            assert got[k] == v, k  # bit-exact
+        assert after == pytest.approx(losses, rel=1e-5)  # 2 ranks reduce in another order than 4
+
+
+def test_fsdp2_state_restores_in_one_process_into_a_plain_model(
+    saved_job: tuple[Path, dict[str, Any], list[float]],
+) -> None:
+    """No process group: the plain model's tensors receive the whole global tensors."""
+    d, values, losses = saved_job
+    model, opt = _fsdp(0)
+    _train(model, opt, range(7, 8))
+    osd = opt.state_dict()
+    names = [n for n, _ in model.named_parameters()]  # get_state_dict keys the optimizer state by name
+    target = {"model": model.state_dict(), "optim": {"state": {names[i]: v for i, v in osd["state"].items()},
+              "param_groups": [dict(g, params=names) for g in osd["param_groups"]]}, "step": 0}  # fmt: skip
+    with reader(d) as h:
+        h.restore(2, into=target)
+    for k, v in model.state_dict().items():
+        assert v.tolist() == values[k], k
+    assert _train(model, opt, range(2, 4)) == pytest.approx(losses, rel=1e-5)
