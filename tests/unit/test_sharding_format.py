@@ -132,3 +132,22 @@ def test_a_range_read_covers_whole_chunks() -> None:
     assert chunk_span(4095, 4097, 16384, 4096) == (0, 8192)
     assert chunk_span(16000, 16384, 16383 + 1, 4096) == (12288, 16384)
     assert chunk_span(10, 20, 4096, 4096) == (0, 4096)  # one chunk: the row's own checksum
+
+
+def test_boxes_of_shard_and_replicate_are_what_torch_computes() -> None:
+    """shard_box computes Shard/Replicate boxes on plain ints: the same as torch's function, uneven and
+    empty shards, several mesh dims sharding one tensor dim, included."""
+    import random
+
+    from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
+
+    from tierckpt.format.sharding import _torch_placements
+
+    rng = random.Random(1)
+    for _ in range(2000):
+        g = tuple(rng.randint(0, 9) for _ in range(rng.randint(1, 3)))
+        mesh = tuple(rng.randint(1, 4) for _ in range(rng.randint(1, 3)))
+        ps = tuple(rng.choice([Placement(REPLICATE), Placement(SHARD, rng.randrange(len(g)))]) for _ in mesh)
+        c = tuple(rng.randrange(n) for n in mesh)
+        local, offset = _compute_local_shape_and_global_offset(g, mesh, list(c), _torch_placements(ps))
+        assert shard_box(g, mesh, c, ps) == (tuple(local), tuple(offset)), (g, mesh, c, ps)

@@ -192,22 +192,39 @@ def shard_box(
     Raises:
         ValueError: the shard is not one contiguous box.
     """
+    if all(p.kind != STRIDED for p in placements):
+        # Shard and Replicate only: torch's arithmetic (Shard.local_shard_size_and_offset, torch.chunk's
+        # split) on plain ints, composed as _compute_local_shape_and_global_offset composes it, without
+        # the index tensors and symbolic-int guards it goes through (~100 us a box; a manifest holds
+        # thousands). tests/unit/test_sharding_format.py checks it against torch's function.
+        local, offset = list(global_shape), [0] * len(global_shape)
+        for d, p in enumerate(placements):
+            if p.kind == SHARD:
+                n, k, c = local[p.dim], mesh_shape[d], coord[d]
+                full = -(-n // k)
+                start = min(n, full * c)
+                local[p.dim], offset[p.dim] = max(0, min(n, full * c + full) - full * c), offset[p.dim] + start
+        for dim, n in enumerate(local):  # torch puts an empty shard at the end of its dim
+            if n == 0 and any(p.kind == SHARD and p.dim == dim for p in placements):
+                offset[dim] = global_shape[dim]
+        return tuple(local), tuple(offset)
     from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset, _get_shard_size_and_offsets
 
     tps = _torch_placements(placements)
-    if any(p.kind == STRIDED for p in placements):  # torch returns only the first index of each dim
-        shape, done = list(global_shape), {}
-        for d, (p, tp) in enumerate(zip(placements, tps)):
-            if p.kind == REPLICATE:
-                continue
-            size, idx = _get_shard_size_and_offsets(
-                shape[p.dim], mesh_shape[d], coord[d], tp, done.get(p.dim), global_shape[p.dim], False
-            )
-            shape[p.dim], done[p.dim] = size, idx
-        for dim, idx in done.items():
-            got = idx.tolist() if shape[dim] else []
-            if got and got != list(range(got[0], got[0] + len(got))):
-                raise ValueError(f"the shard at mesh coordinate {coord} is not one box of dim {dim}")
+    # a _StridedShard: torch's own function, once the shard is known to be one box (torch returns
+    # only the first global index of each dim)
+    shape, done = list(global_shape), {}
+    for d, (p, tp) in enumerate(zip(placements, tps)):
+        if p.kind == REPLICATE:
+            continue
+        size, idx = _get_shard_size_and_offsets(
+            shape[p.dim], mesh_shape[d], coord[d], tp, done.get(p.dim), global_shape[p.dim], False
+        )
+        shape[p.dim], done[p.dim] = size, idx
+    for dim, idx in done.items():
+        got = idx.tolist() if shape[dim] else []
+        if got and got != list(range(got[0], got[0] + len(got))):
+            raise ValueError(f"the shard at mesh coordinate {coord} is not one box of dim {dim}")
     local, offset = _compute_local_shape_and_global_offset(global_shape, mesh_shape, list(coord), tps)
     return tuple(int(x) for x in local), tuple(int(x) for x in offset)
 
