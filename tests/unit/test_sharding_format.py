@@ -151,3 +151,16 @@ def test_boxes_of_shard_and_replicate_are_what_torch_computes() -> None:
         c = tuple(rng.randrange(n) for n in mesh)
         local, offset = _compute_local_shape_and_global_offset(g, mesh, list(c), _torch_placements(ps))
         assert shard_box(g, mesh, c, ps) == (tuple(local), tuple(offset)), (g, mesh, c, ps)
+
+
+def test_the_fields_are_the_bytes_docs_format_md_gives() -> None:
+    """The example of docs/format.md ("Sharding"): rank 1's rows 3-5 of a float32 (10, 6) Shard(0)."""
+    p = payload()
+    sh = p["sharding"]
+    assert p["chunk_bytes"] == 4096
+    assert p["meshes"] == [[[4], bytes.fromhex("00000000 01000000 02000000 03000000")]]
+    assert sh["count"] == 3 and sh["row"] == bytes.fromhex("00000000 01000000 02000000")
+    assert sh["mesh"] == bytes(6) and sh["stored"] == b"\x01\x00\x01"
+    assert sh["dims"] == struct.pack("<6Q", 10, 6, 3, 3, 4096, 4)
+    assert sh["placements"] == bytes.fromhex("0100 0000 000000000000 0000 000000000100 0000 00000000")
+    assert sh["chunks"] == struct.pack("<4Q", 1, 2, 3, 4)
