@@ -389,3 +389,16 @@ def test_fsdp2_state_restores_in_one_process_into_a_plain_model(
     for k, v in model.state_dict().items():
         assert v.tolist() == values[k], k
     assert _train(model, opt, range(2, 4)) == pytest.approx(losses, rel=1e-5)
+
+
+def test_a_tier_without_the_other_ranks_copies_falls_back_to_one_that_has_them(saved: Path, tmp_path: Path) -> None:
+    """A node-local tier holds only its node's ranks' copies: the shards of the others come from the next tier."""
+    import shutil
+
+    node = tmp_path / "node"
+    shutil.copytree(saved / "step-000000000001" / "rank-00000", node / "step-000000000001" / "rank-00000")
+    target = {k: torch.zeros(s, dtype=dt) for k, (s, dt, _, _) in SAVED.items()} | {"p": torch.zeros(2), "rank": -1}
+    with reader(node, saved) as h:
+        h.restore(1, into=target)
+        assert h.last_restore == (1, "pfs1")
+    assert all(torch.equal(target[k], full(k)) for k in SAVED)

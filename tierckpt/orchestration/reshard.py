@@ -14,6 +14,7 @@ not save (a larger world size).
 
 from __future__ import annotations
 
+import errno
 import math
 import sys
 from collections import deque
@@ -25,7 +26,7 @@ from typing import Any
 import torch
 import xxhash
 
-from tierckpt.errors import CheckpointNotFoundError, CorruptCheckpointError, StateError
+from tierckpt.errors import CheckpointNotFoundError, CorruptCheckpointError, StateError, TierIOError
 from tierckpt.format.layout import round_up
 from tierckpt.format.manifest import Manifest, dtype_from_name
 from tierckpt.format.sharding import ShardRow, chunk_span, placement_of, shard_box, writer_of
@@ -87,6 +88,22 @@ class _Copies:
     opened: dict[int, _Copy] = field(default_factory=dict)
 
     def get(self, rank: int) -> _Copy:
+        """Rank ``rank``'s copy, opened (and its manifest validated) on first use.
+
+        Raises:
+            TierIOError: the tier holds no such copy (a node-local tier holds only its node's ranks'
+                copies): the restore tries the next tier that holds the step.
+        """
+        try:
+            return self._open(rank)
+        except CheckpointNotFoundError as e:
+            raise TierIOError(
+                errno.ENOENT,
+                f"tier {self.tier.name!r} holds no copy of step {self.step} of rank {rank}, whose shards this "
+                f"restore needs ({e})",
+            ) from e
+
+    def _open(self, rank: int) -> _Copy:
         got = self.opened.get(rank)
         if got is None:
             key = CheckpointKey(self.step, rank)
@@ -96,14 +113,18 @@ class _Copies:
         return got
 
     def base(self, rank: int) -> _Copy:
-        """This rank's copy, or rank 0's where this rank is beyond the ranks that saved."""
+        """This rank's copy, or rank 0's where this rank is beyond the ranks that saved.
+
+        Raises:
+            CheckpointNotFoundError: this rank saved, and its copy is not (any more) on the tier.
+        """
         try:
-            return self.get(rank)
+            return self._open(rank)
         except CheckpointNotFoundError:
             if rank == 0:
                 raise
-            first = self.get(0)
-            if rank < first.m.world_size:  # it saved: its copy is missing, not beyond the saved ranks
+            first = self._open(0)
+            if rank < first.m.world_size:  # it saved: its copy went away, it is not beyond the saved ranks
                 raise
             return first
 
