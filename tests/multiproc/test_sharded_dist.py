@@ -402,3 +402,22 @@ def test_a_tier_without_the_other_ranks_copies_falls_back_to_one_that_has_them(s
         h.restore(1, into=target)
         assert h.last_restore == (1, "pfs1")
     assert all(torch.equal(target[k], full(k)) for k in SAVED)
+
+
+def test_inspect_shows_the_sharding(saved: Path) -> None:
+    from tierckpt.orchestration.describe import describe, text_lines
+
+    m = manifests(saved)[2]
+    info = describe(m, "pfs")
+    assert info["meshes"] == [{"shape": [4], "ranks": [0, 1, 2, 3]}, {"shape": [2, 2], "ranks": [0, 1, 2, 3]}]
+    by_key = {t["key"]: t for t in info["tensors"]}
+    assert by_key["state['m2r']"]["sharding"] == {
+        "global_shape": [9, 4],
+        "mesh": 1,
+        "placements": ["R", "S(0)"],
+        "stored": False,
+    }
+    assert "sharding" not in by_key["state['p']"]
+    text = "\n".join(text_lines(info))
+    assert "state['m2r']  float32[5, 4]  0B  shard of [9, 4] [R, S(0)] on mesh 1, stored by another replica" in text
+    assert "mesh 1: shape [2, 2], ranks [0, 1, 2, 3]" in text
