@@ -303,7 +303,8 @@ def decode_head(data: bytes) -> ManifestHead:
         _want(_is_int(size), f"blobs[{i}] size {size!r} is invalid")
         blobs.append(BlobEntry(name, size))
     _want(len({b.name for b in blobs}) == len(blobs), "blob names repeat")
-    chunk_bytes, meshes = DEFAULT_CHUNK_BYTES, ()
+    chunk_bytes = DEFAULT_CHUNK_BYTES
+    meshes: tuple[Mesh, ...] = ()
     if version >= SHARDED:
         chunk_bytes = d["chunk_bytes"]
         _want(

@@ -152,7 +152,7 @@ def placement_of(p: Any, key: str) -> Placement:
     from torch.distributed.tensor.placement_types import _StridedShard
 
     if isinstance(p, _StridedShard):
-        return Placement(STRIDED, p.dim, p.split_factor)
+        return Placement(STRIDED, p.dim, int(p.split_factor))
     if isinstance(p, Shard):
         return Placement(SHARD, p.dim)
     if isinstance(p, Replicate):
@@ -213,7 +213,8 @@ def shard_box(
     tps = _torch_placements(placements)
     # a _StridedShard: torch's own function, once the shard is known to be one box (torch returns
     # only the first global index of each dim)
-    shape, done = list(global_shape), {}
+    shape = list(global_shape)
+    done: dict[int, Any] = {}  # dim -> the global indices of this shard's rows along it
     for d, (p, tp) in enumerate(zip(placements, tps)):
         if p.kind == REPLICATE:
             continue
@@ -222,11 +223,11 @@ def shard_box(
         )
         shape[p.dim], done[p.dim] = size, idx
     for dim, idx in done.items():
-        got = idx.tolist() if shape[dim] else []
+        got = idx.tolist() if shape[dim] and idx is not None else []
         if got and got != list(range(got[0], got[0] + len(got))):
             raise ValueError(f"the shard at mesh coordinate {coord} is not one box of dim {dim}")
-    local, offset = _compute_local_shape_and_global_offset(global_shape, mesh_shape, list(coord), tps)
-    return tuple(int(x) for x in local), tuple(int(x) for x in offset)
+    got_local, got_offset = _compute_local_shape_and_global_offset(global_shape, mesh_shape, list(coord), tps)
+    return tuple(int(x) for x in got_local), tuple(int(x) for x in got_offset)
 
 
 # -- codec ---------------------------------------------------------------------------------------------------

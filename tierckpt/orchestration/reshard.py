@@ -251,16 +251,17 @@ def _destinations(m: Manifest, todo: Match, shapes: list[tuple[int, ...]]) -> li
     for i, f in todo.made.items():
         if tuple(f.shape) == tuple(shapes[i]):  # else: scratch of a row nothing references
             out.append(_Dest(i, f, whole(f)))
-    for d, i in todo.sharded:
+    for dt, i in todo.sharded:
+        dtensor: Any = dt
         with torch.no_grad():
-            local = d.to_local()
-        mesh = d.device_mesh
+            local = dtensor.to_local()
+        mesh = dtensor.device_mesh
         coord = mesh.get_coordinate()
         if coord is None:  # this rank holds no part of it
             continue
         try:
-            places = tuple(placement_of(p, m.tensors.paths[i]) for p in d.placements)
-            box = shard_box(tuple(d.shape), tuple(mesh.shape), tuple(coord), places)
+            places = tuple(placement_of(p, m.tensors.paths[i]) for p in dtensor.placements)
+            box = shard_box(tuple(dtensor.shape), tuple(mesh.shape), tuple(coord), places)
         except ValueError as e:
             raise StateError(f"target {m.tensors.paths[i]}: {e}") from None
         out.append(_Dest(i, local, box))
@@ -432,7 +433,7 @@ class _Filler:
         """Check the chunks read: the row's checksum when the whole row was read, else each chunk's."""
         m = p.copy.m
         t = m.tensors
-        mv = memoryview(data.numpy()) if data.numel() else memoryview(b"")
+        mv = memoryview(data.numpy()) if data.numel() else memoryview(b"")  # type: ignore[arg-type]  # a uint8 ndarray is a buffer
         digest = xxhash.xxh3_64_intdigest
         if p.c0 == 0 and p.c1 == t.lengths[p.row]:
             ok = digest(mv) == t.checksums[p.row]
