@@ -148,7 +148,7 @@ class Hierarchy:
         self._lock = threading.RLock()
         self._closed = False
         self.last_restore: tuple[int, str] | None = None
-        self._in_place = RestoreStaging()
+        self._in_place = RestoreStaging(tiers=self._tiers)
 
     @property
     def retention(self) -> Mapping[str, RetentionPolicy]:

@@ -391,16 +391,21 @@ def test_fsdp2_state_restores_in_one_process_into_a_plain_model(
     assert _train(model, opt, range(2, 4)) == pytest.approx(losses, rel=1e-5)
 
 
-def test_a_tier_without_the_other_ranks_copies_falls_back_to_one_that_has_them(saved: Path, tmp_path: Path) -> None:
-    """A node-local tier holds only its node's ranks' copies: the shards of the others come from the next tier."""
+def test_the_other_ranks_copies_come_from_the_next_tier_that_holds_them(saved: Path, tmp_path: Path) -> None:
+    """A node-local tier holds only its node's ranks' copies: this rank's is read there, the shards of the
+    others come from the next tier that holds their copies; with no such tier the restore says which rank."""
     import shutil
+
+    from tierckpt.errors import TierIOError
 
     node = tmp_path / "node"
     shutil.copytree(saved / "step-000000000001" / "rank-00000", node / "step-000000000001" / "rank-00000")
     target = {k: torch.zeros(s, dtype=dt) for k, (s, dt, _, _) in SAVED.items()} | {"p": torch.zeros(2), "rank": -1}
+    with reader(node) as h, pytest.raises(TierIOError, match=r"no tier \('pfs0'\) holds a copy of step 1 of rank 1"):
+        h.restore(1, into=target)
     with reader(node, saved) as h:
         h.restore(1, into=target)
-        assert h.last_restore == (1, "pfs1")
+        assert h.last_restore == (1, "pfs0")
     assert all(torch.equal(target[k], full(k)) for k in SAVED)
 
 

@@ -18,7 +18,7 @@ import errno
 import math
 import sys
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
@@ -70,6 +70,7 @@ class _Copy:
     rank: int
     m: Manifest
     reader: TierReader
+    tier: Tier
     rows: dict[str, int] | None = None  # key path -> row, built on first lookup
 
     def row(self, path: str) -> int | None:
@@ -80,11 +81,14 @@ class _Copy:
 
 @dataclass
 class _Copies:
-    """The copies of one step on one tier that a restore opened, by rank; opened on first use."""
+    """The copies of one step that a restore opened, by rank; opened on first use, from ``tier`` or,
+    for another rank's copy that ``tier`` lacks (a node-local tier holds only its node's ranks'),
+    from the first of ``others`` that holds it."""
 
     tier: Tier
     step: int
     allow_pickle: bool
+    others: Sequence[Tier] = ()
     opened: dict[int, _Copy] = field(default_factory=dict)
 
     def get(self, rank: int) -> _Copy:
@@ -97,19 +101,25 @@ class _Copies:
         try:
             return self._open(rank)
         except CheckpointNotFoundError as e:
+            for t in self.others:
+                try:
+                    return self._open(rank, t)
+                except CheckpointNotFoundError:
+                    continue
+            tiers = ", ".join(repr(t.name) for t in (self.tier, *self.others))
             raise TierIOError(
                 errno.ENOENT,
-                f"tier {self.tier.name!r} holds no copy of step {self.step} of rank {rank}, whose shards this "
-                f"restore needs ({e})",
+                f"no tier ({tiers}) holds a copy of step {self.step} of rank {rank}, whose shards this restore needs ({e})",
             ) from e
 
-    def _open(self, rank: int) -> _Copy:
+    def _open(self, rank: int, tier: Tier | None = None) -> _Copy:
         got = self.opened.get(rank)
         if got is None:
+            tier = tier or self.tier
             key = CheckpointKey(self.step, rank)
-            with self.tier.open_copy(key) as copy:
-                m = load_manifest(self.tier, key, allow_pickle=self.allow_pickle, copy=copy)
-                got = self.opened[rank] = _Copy(rank, m, copy.reader(m.blobs))
+            with tier.open_copy(key) as copy:
+                m = load_manifest(tier, key, allow_pickle=self.allow_pickle, copy=copy)
+                got = self.opened[rank] = _Copy(rank, m, copy.reader(m.blobs), tier)
         return got
 
     def base(self, rank: int) -> _Copy:
@@ -144,7 +154,15 @@ class _Dest:
     box: Box
 
 
-def restore_sharded(tier: Tier, key: CheckpointKey, target: Any, *, allow_pickle: bool, strict: bool = True) -> Any:
+def restore_sharded(
+    tier: Tier,
+    key: CheckpointKey,
+    target: Any,
+    *,
+    allow_pickle: bool,
+    strict: bool = True,
+    others: Sequence[Tier] = (),
+) -> Any:
     """Restore ``key`` from ``tier`` into ``target`` (which may hold DTensors sharded for this run);
     returns ``target``. Works for any saved and restoring world size and mesh.
 
@@ -153,13 +171,15 @@ def restore_sharded(tier: Tier, key: CheckpointKey, target: Any, *, allow_pickle
     copy (this rank's, else rank 0's). The target is matched (structure, global shapes, dtypes)
     before any byte of it changes.
 
+    ``others``: tiers to take another rank's copy from where ``tier`` lacks it (fastest first).
+
     Raises:
         StateError: ``target`` does not match (nothing changed), or a DTensor target is ``Partial``.
         CorruptCheckpointError: a copy's manifest, a sharding record, or a byte used fails validation.
             Tensors filled before the damaged bytes were found hold the checkpoint's values then.
         CheckpointNotFoundError: a copy that holds needed bytes is missing on this tier.
     """
-    copies = _Copies(tier, key.step, allow_pickle)
+    copies = _Copies(tier, key.step, allow_pickle, others)
     try:
         base = copies.base(key.rank)
         m = base.m
@@ -299,7 +319,6 @@ class _Filler:
 
     def __init__(self, copies: _Copies, base: _Copy) -> None:
         self.copies, self.base = copies, base
-        self.tier = copies.tier
 
     def fill(self, dests: list[_Dest]) -> None:
         inflight: deque[tuple[_Piece, torch.Tensor, int, _Reads]] = deque()
@@ -345,7 +364,7 @@ class _Filler:
             try:
                 s_sizes, s_offsets = shard_box(spec.global_shape, mesh.shape, coord, spec.placements)
             except ValueError as e:
-                raise self._bad(f"sharding of {path}: {e}") from None
+                raise self._bad(f"sharding of {path}: {e}", self.base) from None
             have = ChunkStorageMetadata(offsets=torch.Size(s_offsets), sizes=torch.Size(s_sizes))
             if not math.prod(s_sizes) or not _check_shard_metadata_pair_overlap(have, want):
                 continue
@@ -373,7 +392,7 @@ class _Filler:
         ):
             raise self._bad(
                 f"rank {copy.rank}'s manifest does not store {path} as rank {self.base.rank}'s sharding record says",
-                rank=copy.rank,
+                copy,
             )
         return i  # type: ignore[return-value]  # checked above
 
@@ -399,7 +418,7 @@ class _Filler:
         a0 = start // align * align
         a1 = min(m.blobs[blob].size, round_up(t.offsets[p.row] + p.c1, align))
         buf = aligned_empty(a1 - a0, max(4096, align))
-        step = max(align, self.tier.chunk_bytes // align * align)
+        step = max(align, p.copy.tier.chunk_bytes // align * align)
         futs = [
             (p.copy.reader.read(blob, o, buf.data_ptr() + o - a0, min(step, a1 - o)), min(step, a1 - o))
             for o in range(a0, a1, step)
@@ -417,7 +436,7 @@ class _Filler:
             got = f.result()
             if got != n:
                 raise self._bad(
-                    f"blob is truncated: read {got} of {n} bytes", rank=p.copy.rank, blob=m.blobs[t.blobs[p.row]].name
+                    f"blob is truncated: read {got} of {n} bytes", p.copy, blob=m.blobs[t.blobs[p.row]].name
                 )
         data = buf[skip : skip + p.c1 - p.c0]
         self._verify(p, data)
@@ -445,12 +464,12 @@ class _Filler:
         if not ok:
             raise CorruptCheckpointError(
                 f"checksum mismatch in bytes [{p.c0}, {p.c1}) of the tensor (rank {p.copy.rank}'s copy)",
-                tier=self.tier.name, step=self.copies.step, blob=m.blobs[t.blobs[p.row]].name, key=t.paths[p.row],
+                tier=p.copy.tier.name, step=self.copies.step, blob=m.blobs[t.blobs[p.row]].name, key=t.paths[p.row],
             )  # fmt: skip
 
-    def _bad(self, msg: str, *, rank: int | None = None, blob: str | None = None) -> CorruptCheckpointError:
-        where = f" (rank {rank}'s copy)" if rank is not None and "rank" not in msg else ""
-        return CorruptCheckpointError(f"{msg}{where}", tier=self.tier.name, step=self.copies.step, blob=blob)
+    def _bad(self, msg: str, copy: _Copy, *, blob: str | None = None) -> CorruptCheckpointError:
+        where = "" if "rank" in msg else f" (rank {copy.rank}'s copy)"
+        return CorruptCheckpointError(f"{msg}{where}", tier=copy.tier.name, step=self.copies.step, blob=blob)
 
 
 def _strides(sizes: tuple[int, ...]) -> tuple[int, ...]:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import Any
 
@@ -59,10 +59,12 @@ class RestoreStaging:
     Args:
         slots: reads in flight.
         slot_bytes: size of one read.
+        tiers: the hierarchy's tiers, fastest first: a resharding restore takes another rank's copy
+            from them where the tier it reads lacks it.
     """
 
-    def __init__(self, slots: int = _SLOTS, slot_bytes: int = _SLOT_BYTES) -> None:
-        self.slots, self.slot_bytes = slots, slot_bytes
+    def __init__(self, slots: int = _SLOTS, slot_bytes: int = _SLOT_BYTES, tiers: Sequence[Tier] = ()) -> None:
+        self.slots, self.slot_bytes, self.tiers = slots, slot_bytes, tuple(tiers)
         self._pool: StagingPool | None = None
         self.lock = threading.Lock()
 
@@ -79,8 +81,9 @@ class RestoreStaging:
 
     def restore(self, tier: Tier, key: CheckpointKey, target: Any, *, allow_pickle: bool, strict: bool = True) -> Any:
         """:func:`restore_into` through these buffers; concurrent calls take turns."""
+        others = [t for t in self.tiers if t is not tier]
         with self.lock:
-            return restore_into(tier, key, target, self.pool, allow_pickle=allow_pickle, strict=strict)
+            return restore_into(tier, key, target, self.pool, allow_pickle=allow_pickle, strict=strict, others=others)
 
 
 def restore_into(
@@ -91,6 +94,7 @@ def restore_into(
     *,
     allow_pickle: bool,
     strict: bool = True,
+    others: Sequence[Tier] = (),
 ) -> Any:
     """Restore ``key`` from ``tier`` into ``target``'s tensors in place; returns ``target``.
 
@@ -106,6 +110,8 @@ def restore_into(
         allow_pickle: accept checkpoints that hold pickled values.
         strict: every dict of ``target`` must have exactly the checkpoint's keys; else a key only the
             target has is left as it is and one only the checkpoint has is added (with a warning).
+        others: for a sharded checkpoint or DTensor target (orchestration/reshard.py), the tiers to
+            take another rank's copy from where ``tier`` lacks it.
 
     Raises:
         StateError: ``target`` does not match the checkpoint (nothing was changed; every mismatch is
@@ -116,11 +122,11 @@ def restore_into(
             flight); no value is assigned and no other tensor is changed.
     """
     if holds_dtensor(target):  # sharded for this run: read what overlaps each shard (any saved layout)
-        return restore_sharded(tier, key, target, allow_pickle=allow_pickle, strict=strict)
+        return restore_sharded(tier, key, target, allow_pickle=allow_pickle, strict=strict, others=others)
     with tier.open_copy(key) as copy:  # one copy; each blob's size is checked against its file here
         head = load_head(tier, key, allow_pickle=allow_pickle, copy=copy)
         if head.meshes:  # a sharded checkpoint: plain targets take whole global tensors
-            return restore_sharded(tier, key, target, allow_pickle=allow_pickle, strict=strict)
+            return restore_sharded(tier, key, target, allow_pickle=allow_pickle, strict=strict, others=others)
         reader = copy.reader(head.blobs)
     try:
         stream = _Stream(tier, key, head, reader, lambda: pool(head.align))
