@@ -45,6 +45,15 @@ def full(name: str) -> torch.Tensor:
     return (torch.arange(n, dtype=torch.float64) * 0.5 + len(name)).reshape(shape).to(dtype)
 
 
+PLAIN_W = torch.arange(30.0).reshape(5, 6)  # saved as a plain tensor by every rank
+
+
+def whole_target() -> dict[str, Any]:
+    """A target of plain tensors of the global shapes (one process restoring a sharded checkpoint)."""
+    target: dict[str, Any] = {k: torch.zeros(s, dtype=dt) for k, (s, dt, _, _) in SAVED.items()}
+    return target | {"p": torch.zeros(2), "rank": -1, "w": torch.zeros(5, 6)}
+
+
 def _placements(spec: str) -> list[Any]:
     from torch.distributed.tensor import Replicate, Shard
 
@@ -76,7 +85,7 @@ def _save(rank: int, world: int, d: Path) -> tuple[dict[str, Any], list[float]]:
     saves both: each spawned job costs seconds of process-group and mesh setup."""
     packing.CHUNK_BYTES = CHUNK
     state: dict[str, Any] = dstate(world, {k: (m, p) for k, (_, _, m, p) in SAVED.items()}, full)
-    state |= {"p": torch.full((2,), float(rank)), "rank": rank}
+    state |= {"p": torch.full((2,), float(rank)), "rank": rank, "w": PLAIN_W}
     with hierarchy(d, rank, world) as h:
         h.save(state, step=1, blocking=True)
     return _fsdp_save(rank, world, d)
@@ -87,7 +96,7 @@ def _restore(rank: int, world: int, d: Path, direct: bool) -> dict[str, Any]:
     from tierckpt.orchestration.reshard import restore_sharded
 
     target: dict[str, Any] = dstate(world, RESTORED, lambda k: torch.zeros(SAVED[k][0], dtype=SAVED[k][1]))
-    target |= {"p": torch.zeros(2), "rank": -1}
+    target |= {"p": torch.zeros(2), "rank": -1, "w": dstate(world, {"w": (1, "S1")}, lambda k: torch.zeros(5, 6))["w"]}
     if direct:  # ranks beyond the saved ones: the listing of their steps is the global commit's (not here)
         tier = PfsTier("pfs", d, make_engine("threads", 2), readonly=True)
         restore_sharded(tier, CheckpointKey(1, rank), target, allow_pickle=False)
@@ -95,6 +104,8 @@ def _restore(rank: int, world: int, d: Path, direct: bool) -> dict[str, Any]:
         with hierarchy(d, rank, world) as h:
             h.restore(1, into=target)
     bad = {k: "differs" for k in SAVED if not torch.equal(target[k].full_tensor(), full(k))}
+    if not torch.equal(target["w"].full_tensor(), PLAIN_W):  # a plain tensor saved, a DTensor restored
+        bad["w"] = "differs"
     return bad | {"p": target["p"].tolist(), "rank": target["rank"]}
 
 
@@ -188,7 +199,9 @@ def test_each_shard_is_written_once_with_its_sharding(saved: Path) -> None:
         assert "state['p']" in row and row["state['p']"] not in m.sharding
     on_disk = sum(f.stat().st_size for f in saved.glob("step-000000000001/rank-*/blob-*"))
     stored = sum(m.tensor_bytes for m in ms)
-    unique = sum(full(k).nbytes for k in SAVED) + 4 * 8  # every global tensor once, and each rank's "p"
+    unique = sum(full(k).nbytes for k in SAVED) + 4 * (
+        8 + PLAIN_W.nbytes
+    )  # each shard once; each rank its plain "p", "w"
     assert stored == unique and on_disk < 2 * unique + 4 * 4 * 4096
 
 
@@ -218,8 +231,7 @@ def reader(*dirs: Path, rank: int = 0) -> Hierarchy:
 
 
 def test_one_process_restores_whole_tensors_into_plain_targets(saved: Path) -> None:
-    target: dict[str, Any] = {k: torch.zeros(s, dtype=dt) for k, (s, dt, _, _) in SAVED.items()}
-    target |= {"p": torch.zeros(2), "rank": -1}
+    target = whole_target()
     with reader(saved) as h:
         h.restore(1, into=target)
     assert all(torch.equal(target[k], full(k)) for k in SAVED)
@@ -288,7 +300,7 @@ def test_a_range_read_verifies_the_chunks_it_reads(
     with pytest.raises(CorruptCheckpointError, match=r"checksum mismatch in bytes \[8192, 12288\)") as e:
         read_box(tier, key, "state['big']", (1, 1), (25, 255))  # a byte away from the flipped one
     assert e.value.key == "state['big']" and e.value.tier == "pfs"
-    target = {k: torch.zeros(s, dtype=dt) for k, (s, dt, _, _) in SAVED.items()} | {"p": torch.zeros(2), "rank": -1}
+    target = whole_target()
     with reader(bad) as h, pytest.raises(CorruptCheckpointError, match="checksum mismatch"):
         h.restore(1, into=target)
     with reader(bad, saved) as h:  # the damaged copy first: the restore falls back to the good one
@@ -400,7 +412,7 @@ def test_the_other_ranks_copies_come_from_the_next_tier_that_holds_them(saved: P
 
     node = tmp_path / "node"
     shutil.copytree(saved / "step-000000000001" / "rank-00000", node / "step-000000000001" / "rank-00000")
-    target = {k: torch.zeros(s, dtype=dt) for k, (s, dt, _, _) in SAVED.items()} | {"p": torch.zeros(2), "rank": -1}
+    target = whole_target()
     with reader(node) as h, pytest.raises(TierIOError, match=r"no tier \('pfs0'\) holds a copy of step 1 of rank 1"):
         h.restore(1, into=target)
     with reader(node, saved) as h:

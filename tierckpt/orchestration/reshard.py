@@ -341,10 +341,11 @@ class _Filler:
         """The reads that fill destination ``d``."""
         m = self.base.m
         spec = m.sharding.get(d.row)
-        if spec is None:  # a plain row: the whole of it, from the base copy
+        sizes, offsets = d.box
+        if spec is None:  # a plain row: one box, the whole tensor, read whole from the base copy
             n = m.tensors.lengths[d.row]
-            if n:
-                yield _Piece(self.base, d.row, 0, n, (0,) * d.out.dim(), tuple(d.out.shape), d.out, (0,) * d.out.dim())
+            if n and math.prod(sizes):
+                yield _Piece(self.base, d.row, 0, n, offsets, sizes, d.out, (0,) * len(sizes))
             return
         from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
         from torch.distributed.checkpoint.resharding import (
@@ -352,7 +353,6 @@ class _Filler:
             _shards_get_overlap_region_wrt_saved_tensor,
         )
 
-        sizes, offsets = d.box
         if not math.prod(sizes):
             return
         want = ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes))
