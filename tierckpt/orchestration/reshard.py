@@ -51,15 +51,14 @@ def holds_dtensor(state: Any) -> bool:
     cls = getattr(mod, "DTensor", None) if mod is not None else None
     if cls is None:
         return False
-    todo = [state]
+    todo, seen = [state], set()
     while todo:
         v = todo.pop()
         if isinstance(v, cls):
             return True
-        if isinstance(v, dict):
-            todo.extend(v.values())
-        elif isinstance(v, (list, tuple)):
-            todo.extend(v)
+        if isinstance(v, (dict, list, tuple)) and id(v) not in seen:  # a container met twice (or in itself): once
+            seen.add(id(v))
+            todo.extend(v.values() if isinstance(v, dict) else v)
     return False
 
 
