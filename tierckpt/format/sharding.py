@@ -366,28 +366,38 @@ def decode_sharding(
     if not isinstance(raw, bytes) or len(raw) != n_places * _PLACEMENT.size:
         raise _bad(f"sharding.placements is not {n_places} x {_PLACEMENT.size} bytes")
     places = [Placement(kind, dim, split) for kind, dim, _, split in _check_places(raw)]
-    rows, dim_it, place_at = {}, iter(dims), 0
-    for i, k, nd, s in zip(ids, mesh_ids, ndims, stored):
-        mesh = meshes[k]
-        ps = tuple(places[place_at : place_at + len(mesh.shape)])
-        place_at += len(mesh.shape)
+    coords = [m.coordinate(rank) for m in meshes]  # decode_meshes checked that each holds this rank
+    per = [len(meshes[k].shape) for k in mesh_ids]
+    counts = [n_chunks(lengths[i], chunk_bytes) if s else 0 for i, s in zip(ids, stored)]
+    sums = _unpacked(d, "chunks", "Q", sum(counts))
+    # what the rows share (few meshes and placement patterns, per dtype a few shapes) is checked once
+    layouts: dict[tuple[int, int, tuple[Placement, ...]], tuple[tuple[Placement, ...], bool]] = {}
+    rows, dim_it, place_at, at = {}, iter(dims), 0, 0
+    for i, k, nd, s, c, np_ in zip(ids, mesh_ids, ndims, stored, counts, per):
+        key = (k, nd, tuple(places[place_at : place_at + np_]))
+        place_at += np_
+        got = layouts.get(key)
+        if got is None:
+            coord, ps = coords[k], key[2]
+            assert coord is not None
+            if any(p.kind != REPLICATE and p.dim >= nd for p in ps):
+                raise _bad(f"sharding.placements of row {i}: a placement shards a dim the tensor lacks")
+            got = layouts[key] = (ps, writer_of(coord, ps) == coord)
+        ps, writes = got
         g = tuple(itertools.islice(dim_it, nd))
-        if any(p.kind != REPLICATE and p.dim >= nd for p in ps):
-            raise _bad(f"sharding.placements of row {i}: a placement shards a dim the tensor lacks")
-        coord = mesh.coordinate(rank)
-        assert coord is not None  # decode_meshes checked it
         try:
-            local, _ = shard_box(g, mesh.shape, coord, ps)
+            local, _ = shard_box(g, meshes[k].shape, coords[k], ps)  # type: ignore[arg-type]  # not None: above
         except (ValueError, AssertionError, RuntimeError) as e:
             raise _bad(f"sharding of row {i}: {e}") from None
-        if local != tuple(shapes[i]):
+        if local != shapes[i]:
             raise _bad(
                 f"sharding.dims of row {i}: global shape {g} gives this rank {local}, the table says {shapes[i]}"
             )
-        if bool(s) != (writer_of(coord, ps) == coord):
+        if bool(s) != writes:
             raise _bad(f"sharding.stored of row {i} is {s}, but this rank {'is' if not s else 'is not'} its writer")
-        rows[i] = ShardRow(k, g, ps, bool(s))
-    return split_chunks(d["chunks"], rows, lengths, chunk_bytes)
+        rows[i] = ShardRow(k, g, ps, bool(s), tuple(sums[at : at + c]) if c else ())
+        at += c
+    return rows
 
 
 def _check_places(raw: bytes) -> list[tuple[int, int, int, int]]:
@@ -400,20 +410,4 @@ def _check_places(raw: bytes) -> list[tuple[int, int, int, int]]:
         )
         if not ok:
             raise _bad(f"sharding.placements holds an invalid placement {(kind, dim, reserved, split)}")
-    return out
-
-
-def split_chunks(raw: Any, rows: dict[int, ShardRow], lengths: Sequence[int], chunk_bytes: int) -> dict[int, ShardRow]:
-    """``rows`` with their chunk checksums taken from the ``chunks`` column, in row order.
-
-    Raises:
-        CorruptCheckpointError: the column does not hold exactly one checksum per chunk of every
-            stored row longer than ``chunk_bytes``.
-    """
-    counts = [n_chunks(lengths[i], chunk_bytes) if r.stored else 0 for i, r in rows.items()]
-    sums = _unpacked({"chunks": raw}, "chunks", "Q", sum(counts))
-    out, at = {}, 0
-    for (i, r), c in zip(rows.items(), counts):
-        out[i] = ShardRow(r.mesh, r.global_shape, r.placements, r.stored, tuple(sums[at : at + c]))
-        at += c
     return out
