@@ -386,7 +386,7 @@ def decode_sharding(
         ps, writes = got
         g = tuple(itertools.islice(dim_it, nd))
         try:
-            local, _ = shard_box(g, meshes[k].shape, coords[k], ps)  # type: ignore[arg-type]  # not None: above
+            local, _ = shard_box(g, meshes[k].shape, coords[k], ps)
         except (ValueError, AssertionError, RuntimeError) as e:
             raise _bad(f"sharding of row {i}: {e}") from None
         if local != shapes[i]:
