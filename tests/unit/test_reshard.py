@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from tierckpt.orchestration.reshard import _as_box, holds_dtensor
+from tierckpt.orchestration.reshard import holds_dtensor
+from tierckpt.orchestration.shardread import _as_box
 
 
 def test_a_target_that_holds_itself_is_walked_once() -> None:
