@@ -23,7 +23,7 @@ import xxhash
 import zstandard
 
 from tierckpt import CorruptCheckpointError, Hierarchy, UnsupportedFormatError
-from tierckpt.format.manifest import decode_manifest, encode_manifest
+from tierckpt.format.manifest import FORMAT_VERSION, decode_manifest, encode_manifest
 from tierckpt.format.tree import MAX_NESTING
 from tierckpt.io.engine import make_engine
 from tierckpt.tiers.host import HostTier
@@ -57,7 +57,7 @@ def with_tree(tmp_path: Path, tree: bytes, codec: str = "none") -> None:
     mpath = manifest_path(tmp_path)
     p = payload_of(mpath.read_bytes())
     p["tree"], p["tree_codec"] = tree, codec
-    mpath.write_bytes(frame(msgpack.packb(p, use_bin_type=True), 4))
+    mpath.write_bytes(frame(msgpack.packb(p, use_bin_type=True), FORMAT_VERSION))
 
 
 def readers_refuse(tmp_path: Path, match: str) -> None:
@@ -123,8 +123,8 @@ def test_a_newer_intact_version_is_named_not_called_corrupt(tmp_path: Path) -> N
     with Hierarchy(tiers) as h:
         h.save({"w": torch.arange(6.0)}, step=1).wait()
         mpath = manifest_path(tmp_path)
-        mpath.write_bytes(frame(mpath.read_bytes()[24:-8], 5))  # intact, as a newer writer would frame it
-        with pytest.raises(UnsupportedFormatError, match=r"format version 5 by a newer tierckpt.*1, 2, 3, 4"):
+        mpath.write_bytes(frame(mpath.read_bytes()[24:-8], 6))  # intact, as a newer writer would frame it
+        with pytest.raises(UnsupportedFormatError, match=r"format version 6 by a newer tierckpt.*1, 2, 3, 4, 5"):
             h.restore(tier="ssd")
         assert torch.equal(h.restore()["w"], torch.arange(6.0)) and h.last_restore == (1, "host")
         errs = {tier: err for _, tier, err in h.verify(1)}
@@ -133,7 +133,7 @@ def test_a_newer_intact_version_is_named_not_called_corrupt(tmp_path: Path) -> N
         damaged = bytearray(mpath.read_bytes())
         damaged[40] ^= 4  # the same newer file with one payload bit flipped: damage, not a newer format
         mpath.write_bytes(damaged)
-        with pytest.raises(CorruptCheckpointError, match="version 5 is unknown .* checksum does not match"):
+        with pytest.raises(CorruptCheckpointError, match="version 6 is unknown .* checksum does not match"):
             h.restore(tier="ssd")
 
 

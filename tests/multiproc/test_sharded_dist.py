@@ -141,7 +141,10 @@ def _entry(rank: int, world: int, store: str, fn: Callable[..., Any], args: tupl
 
 def spawn(world: int, fn: Callable[..., Any], *args: Any, store: Path, timeout: float = 60) -> list[Any]:
     """``fn(rank, world, *args)`` on ``world`` spawned gloo ranks; each rank's result."""
-    ctx = mp.get_context("fork")
+    # forkserver: a fork of a server that has imported torch (fast), never of this process, whose other
+    # tests' threads may hold locks a forked child would wait on forever
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "torch.distributed.tensor", "torch.distributed.fsdp", "tierckpt", __name__])
     q = ctx.Queue()
     procs = [ctx.Process(target=_entry, args=(r, world, str(store), fn, args, q), daemon=True) for r in range(world)]
     for p in procs:

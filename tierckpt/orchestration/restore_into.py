@@ -267,8 +267,11 @@ class _Stream:
 
     def _submit(self) -> None:  # with self.lock held
         pool = self.pool
+        # a read that run() took out of inflight has landed even where its _landed callback has not run
+        # yet (running not decremented): counting it would submit nothing and end run() early
         while (
-            self.todo and self.running < self.reads and len(self.inflight) < pool.slots  # type: ignore[union-attr]  # pool is set once the manifest is attached, before any read is submitted
+            self.todo and min(self.running, len(self.inflight)) < self.reads
+            and len(self.inflight) < pool.slots  # type: ignore[union-attr]  # pool is set once the manifest is attached, before any read is submitted
             and not self.closed and self.error is None
         ):  # fmt: skip
             bi, off, n, dest = self.todo.popleft()
