@@ -159,7 +159,7 @@ class Hierarchy:
         self._lock = threading.RLock()
         self._closed = False
         self.last_restore: tuple[int, str] | None = None
-        self._in_place = RestoreStaging()
+        self._in_place = RestoreStaging(tiers=self._tiers)
 
     @property
     def retention(self) -> Mapping[str, RetentionPolicy]:
@@ -280,8 +280,9 @@ class Hierarchy:
 
         Tensors are read as the bytes in their storage, so only tensors whose value is those bytes are
         saved: plain tensors, ``nn.Parameter`` and Python subclasses without a ``__torch_dispatch__``
-        (saved as plain tensors, their ``__torch_function__`` not called). A ``DTensor`` (save
-        ``t.full_tensor()`` or ``t.to_local()``; sharded states are not supported yet), any other
+        (saved as plain tensors, their ``__torch_function__`` not called). A ``DTensor`` is saved as
+        its local shard with where it sits in the global tensor, a replicated shard by one replica
+        (docs/distributed.md, "Sharded states and resharding"); a ``Partial`` one, any other
         subclass with its own ``__torch_dispatch__`` (FakeTensor, FunctionalTensor, wrapper subclasses),
         torch.func's wrappers, and a tensor whose storage was freed or shrunk under it raise
         :class:`StateError` naming the key, as do conjugate or negative views whose value torch cannot
@@ -413,9 +414,11 @@ class Hierarchy:
 
         Args:
             step: the step, or None for the newest that restores.
-            into: a state whose tensors receive the bytes in place (returned); None for fresh CPU tensors.
-                The bytes stream through a few reused staging buffers straight into its tensors
-                (docs/restore.md); its structure, shapes and dtypes are checked first.
+            into: a state whose tensors receive the bytes in place (returned); None for fresh CPU tensors
+                (a DTensor shard: the box this rank saved). The bytes stream through a few reused
+                staging buffers straight into its tensors (docs/restore.md); its structure, shapes and
+                dtypes are checked first. Its DTensors may be sharded for any mesh and world size: each
+                is filled from the saved shards that overlap it (docs/distributed.md).
             allow_pickle: accept checkpoints that hold pickled values.
             tier: read only from this tier.
             strict: with ``into``, every dict of ``into`` must have exactly the keys the checkpoint's

@@ -418,11 +418,11 @@ def test_manifest_with_out_of_bounds_extent_is_refused(one: Hierarchy, monkeypat
         one.restore()
 
 
-@pytest.mark.parametrize("version", [1, 2, 3])
+@pytest.mark.parametrize("version", [1, 2, 3, 4])
 def test_older_format_checkpoint_is_still_restored(one: Hierarchy, version: int) -> None:
     """A checkpoint whose manifest is format version 1 (row-per-tensor table), 2 (ext-2 tensor
-    references in the tree, ints as themselves) or 3 (the payload alone checksummed) restores, into new
-    tensors and in place, and verifies."""
+    references in the tree, ints as themselves), 3 (the payload alone checksummed) or 4 (no sharding
+    fields) restores, into new tensors and in place, and verifies."""
     state = small_state(4)
     state["meta"] = {"ids": [1, -2, 1 << 70], "pair": (5, state["model"]["tiny"]), 7: OrderedDict(a=0)}
     one.save(state, step=9).wait()

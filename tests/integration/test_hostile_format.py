@@ -23,7 +23,7 @@ import xxhash
 import zstandard
 
 from tierckpt import CorruptCheckpointError, Hierarchy, UnsupportedFormatError
-from tierckpt.format.manifest import decode_manifest, encode_manifest
+from tierckpt.format.manifest import FORMAT_VERSION, decode_manifest, encode_manifest
 from tierckpt.format.tree import MAX_NESTING
 from tierckpt.io.engine import make_engine
 from tierckpt.testing.tamper import rewrite_manifest
@@ -58,7 +58,7 @@ def with_tree(tmp_path: Path, tree: bytes, codec: str = "none") -> None:
     mpath = manifest_path(tmp_path)
     p = payload_of(mpath.read_bytes())
     p["tree"], p["tree_codec"] = tree, codec
-    rewrite_manifest(mpath, frame(msgpack.packb(p, use_bin_type=True), 4))
+    rewrite_manifest(mpath, frame(msgpack.packb(p, use_bin_type=True), FORMAT_VERSION))
 
 
 def readers_refuse(tmp_path: Path, match: str) -> None:

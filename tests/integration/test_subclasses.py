@@ -98,26 +98,38 @@ def dtensor(tmp_path_factory: pytest.TempPathFactory) -> Iterator[torch.Tensor]:
         dist.destroy_process_group()
 
 
-def test_a_dtensor_is_refused_by_save_naming_the_key_and_what_to_do(tmp_path: Path, dtensor: torch.Tensor) -> None:
+def test_a_dtensor_is_saved_as_its_shard_and_restored_as_the_saved_box(tmp_path: Path, dtensor: torch.Tensor) -> None:
+    """Sharded states are supported (docs/distributed.md): without ``into=`` a DTensor comes back as the
+    plain tensor of the box this rank saved."""
     with Hierarchy.from_config(cfg(tmp_path)) as h:
-        with pytest.raises(StateError, match=r"^state\['model'\]\['w'\]: cannot save a DTensor .*full_tensor\(\)"):
-            h.save({"model": {"b": torch.ones(3), "w": dtensor}}, step=1)
+        h.save({"model": {"b": torch.ones(3), "w": dtensor}}, step=1, blocking=True)
+        _, m = h.inspect(1)
+        assert m.version == 5 and list(m.sharding) == [1] and m.sharding[1].global_shape == (4, 4)
+        got = h.restore()
+        assert type(got["model"]["w"]) is torch.Tensor and torch.equal(
+            got["model"]["w"], torch.arange(16.0).reshape(4, 4)
+        )
+
+
+def test_a_partial_dtensor_is_refused_naming_the_key(tmp_path: Path, dtensor: torch.Tensor) -> None:
+    from torch.distributed.tensor import DTensor, Partial
+
+    partial = DTensor.from_local(torch.ones(4, 4), dtensor.device_mesh, [Partial()])
+    with Hierarchy.from_config(cfg(tmp_path)) as h:
+        with pytest.raises(StateError, match=r"^state\['model'\]\['w'\]: cannot save a DTensor with placement P"):
+            h.save({"model": {"b": torch.ones(3), "w": partial}}, step=1)
         assert _nothing_saved(h, tmp_path)
-        # what the message says to do works
-        h.save({"w": dtensor.full_tensor(), "s": dtensor.to_local()}, step=2, blocking=True)
-        assert torch.equal(h.restore()["w"], torch.arange(16.0).reshape(4, 4))
 
 
-def test_restore_into_a_dtensor_is_refused_before_any_byte_changes(tmp_path: Path, dtensor: torch.Tensor) -> None:
+def test_a_plain_checkpoint_restores_into_a_dtensor(tmp_path: Path, dtensor: torch.Tensor) -> None:
     with Hierarchy.from_config(cfg(tmp_path)) as h:
-        h.save({"a": torch.full((3,), 5.0), "w": torch.zeros(4, 4)}, step=1, blocking=True)
+        h.save({"a": torch.full((3,), 5.0), "w": torch.full((4, 4), 2.0)}, step=1, blocking=True)
         a = torch.ones(3)
-        with pytest.raises(StateError, match=r"^target\['w'\]: cannot restore into a DTensor .*to_local\(\)"):
-            h.restore(into={"a": a, "w": dtensor})
-        assert torch.equal(a, torch.ones(3))
-        assert torch.equal(dtensor.to_local(), torch.arange(16.0).reshape(4, 4))
-        h.restore(into={"a": a, "w": dtensor.to_local()})  # the way the message gives
-        assert torch.equal(dtensor.full_tensor(), torch.zeros(4, 4)) and torch.equal(a, torch.full((3,), 5.0))
+        with pytest.raises(StateError, match=r"^target\['x'\]: key is not in the checkpoint"):
+            h.restore(into={"a": a, "w": dtensor, "x": torch.zeros(1)})
+        assert torch.equal(a, torch.ones(3)) and torch.equal(dtensor.full_tensor(), torch.arange(16.0).reshape(4, 4))
+        h.restore(into={"a": a, "w": dtensor})
+        assert torch.equal(dtensor.full_tensor(), torch.full((4, 4), 2.0)) and torch.equal(a, torch.full((3,), 5.0))
 
 
 REFUSED = [

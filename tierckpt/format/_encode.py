@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pickle
 import struct
+import sys
 from collections import OrderedDict
 from typing import Any, NamedTuple
 
@@ -20,8 +21,9 @@ from tierckpt.errors import StateError
 from tierckpt.format._decode import EXT_CODES
 from tierckpt.format._diagnose import _I64_MIN, _U64_MAX
 from tierckpt.format._memory import as_plain, in_storage, unreadable
+from tierckpt.format.sharding import Mesh, Placement, placement_of, shard_box, writer_of
 
-__all__ = ["MAX_NESTING", "TensorRef", "TooDeep", "Walk", "encode"]
+__all__ = ["MAX_NESTING", "ShardSpec", "TensorRef", "TooDeep", "Walk", "dtensor_type", "encode"]
 
 EXT_TUPLE, EXT_TENSOR, EXT_PICKLE, EXT_ODICT, EXT_INT, EXT_DTYPE, EXT_DEVICE, EXT_SIZE = EXT_CODES
 _PLAIN = (type(None), bool, int, float, str, bytes)
@@ -36,6 +38,22 @@ class TensorRef(NamedTuple):
 
     path: str
     tensor: torch.Tensor
+
+
+class ShardSpec(NamedTuple):
+    """Where a row's DTensor shard sits: its mesh, placements, global shape, and whether this rank
+    writes its bytes."""
+
+    mesh: Mesh
+    placements: tuple[Placement, ...]
+    global_shape: tuple[int, ...]
+    stored: bool
+
+
+def dtensor_type() -> type | None:
+    """DTensor's class, if torch.distributed.tensor is imported (else no DTensor can exist)."""
+    mod = sys.modules.get("torch.distributed.tensor")
+    return getattr(mod, "DTensor", None) if mod is not None else None
 
 
 class TooDeep(Exception):
@@ -69,10 +87,24 @@ class Walk:
     container or a tensor is found: plain leaves, most of a state, never pay for a repr.
     """
 
-    __slots__ = ("allow_pickle", "depth", "has_pickle", "nbytes", "originals", "plain_refs", "seen", "tensors")
+    __slots__ = (
+        "allow_pickle",
+        "depth",
+        "has_pickle",
+        "meshes",
+        "nbytes",
+        "originals",
+        "plain_refs",
+        "seen",
+        "sharded",
+        "shards",
+        "tensors",
+    )  # fmt: skip
 
-    def __init__(self, *, allow_pickle: bool, plain_refs: bool) -> None:
-        self.allow_pickle, self.plain_refs = allow_pickle, plain_refs
+    def __init__(self, *, allow_pickle: bool, plain_refs: bool, sharded: bool = False) -> None:
+        self.allow_pickle, self.plain_refs, self.sharded = allow_pickle, plain_refs, sharded
+        self.shards: dict[int, ShardSpec] = {}  # row -> where the DTensor shard it holds sits
+        self.meshes: dict[Any, Mesh] = {}  # DeviceMesh -> its stored form
         self.tensors: list[TensorRef] = []
         self.nbytes: list[int] = []  # of each tensor, read while the walk has it in cache
         # tensor i before detach / resolve, and as found in the state
@@ -145,6 +177,9 @@ class Walk:
         Deduplicates by the address of the first element: only tensors that share it (the same object
         twice, tied weights, views starting at the same byte) pay for the full identity (:meth:`known`).
         """
+        tt = type(obj)
+        if tt is not torch.Tensor and tt is not torch.nn.Parameter and tt is dtensor_type():
+            return self.dtensor(obj, path)
         t, p, nb = _readable(obj, path)
         tensors = self.tensors
         idx = len(tensors)
@@ -164,6 +199,41 @@ class Walk:
         tensors.append(TensorRef(path, t))
         self.nbytes.append(nb)
         return idx if self.plain_refs else _tensor_ref(idx)
+
+    def dtensor(self, obj: Any, path: str) -> int:
+        """The reference to a DTensor's local shard, recorded with where it sits (:attr:`shards`); a
+        shard this rank is not the writing replica of keeps its row but no bytes (docs/distributed.md)."""
+        if not self.sharded:
+            raise StateError(f"{path}: cannot save a DTensor in a format version before 5")
+        mesh = obj.device_mesh
+        coord = mesh.get_coordinate()
+        if coord is None:
+            raise StateError(f"{path}: cannot save a DTensor whose mesh does not hold this rank")
+        try:
+            places = tuple(placement_of(p, path) for p in obj.placements)
+            local_shape, _ = shard_box(tuple(obj.shape), tuple(mesh.shape), tuple(coord), places)
+        except ValueError as e:
+            raise StateError(str(e) if str(e).startswith(path) else f"{path}: {e}") from None
+        with torch.no_grad():
+            local = obj.to_local()
+        if tuple(local.shape) != local_shape:
+            raise StateError(
+                f"{path}: the DTensor's local shard is {tuple(local.shape)}, torch's sharding of "
+                f"{tuple(obj.shape)} gives this rank {local_shape} (uneven shards made by hand are not supported)"
+            )
+        saved = self.meshes.get(mesh)
+        if saved is None:
+            saved = self.meshes[mesh] = Mesh(tuple(mesh.shape), tuple(mesh.mesh.flatten().tolist()))
+        n = len(self.tensors)
+        idx = self.tensor(local, path)
+        assert type(idx) is int  # sharded implies plain references (version 5)
+        spec = ShardSpec(saved, places, tuple(obj.shape), writer_of(coord, places) == tuple(coord))
+        if idx < n and self.shards.get(idx) != spec:
+            raise StateError(f"{path}: the DTensor's local shard is also saved elsewhere in the state as another value")
+        self.shards[idx] = spec
+        if not spec.stored:
+            self.nbytes[idx] = 0  # the replica at 0 on every Replicate mesh dim writes it
+        return idx
 
     def known(
         self, hit: int | dict[tuple[Any, ...], int], t: torch.Tensor, obj: torch.Tensor, p: int, idx: int

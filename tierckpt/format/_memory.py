@@ -116,9 +116,9 @@ def _dispatch_subclass(t: torch.Tensor, name: str) -> str:
     if dtensor is not None and isinstance(t, dtensor):
         placements = ", ".join(str(p) for p in t.placements)
         return (
-            f"a DTensor (placements [{placements}] on a mesh of {t.device_mesh.size()} ranks): tierckpt does "
-            "not handle sharded tensors yet: save t.full_tensor() (the whole tensor, gathered on every rank) or "
-            "t.to_local() (this rank's shard), and restore into t.to_local() (which shares the shard's memory)"
+            f"a {type(t).__name__} (placements [{placements}] on a mesh of {t.device_mesh.size()} ranks): "
+            "tierckpt saves and restores DTensor itself, not its subclasses: pass the DTensor, or "
+            "t.to_local() (this rank's shard)"
         )
     fake = getattr(sys.modules.get("torch._subclasses.fake_tensor"), "FakeTensor", None)
     if fake is not None and isinstance(t, fake):

@@ -18,6 +18,18 @@ import xxhash
 import zstandard
 
 from tierckpt.errors import CorruptCheckpointError, UnsupportedFormatError
+from tierckpt.format.sharding import (
+    DEFAULT_CHUNK_BYTES,
+    MAX_CHUNK_BYTES,
+    MIN_CHUNK_BYTES,
+    Mesh,
+    ShardRow,
+    decode_meshes,
+    decode_sharding,
+    encode_meshes,
+    encode_sharding,
+    unstored_rows,
+)
 from tierckpt.format.table import DTYPES, MAX_DIMS, TensorEntry, TensorTable, check_extents, decode_table, encode_table
 
 __all__ = [
@@ -41,6 +53,8 @@ __all__ = [
 MAGIC = b"TIERCKPT"
 FORMAT_VERSION = 5
 READ_VERSIONS = (1, 2, 3, 4, 5)
+#: The first version with sharded rows, meshes and chunk checksums (docs/format.md, "Sharding").
+SHARDED = 5
 #: The first version whose trailer checksums the header too. From it on the framing is fixed for every
 #: future version (docs/format.md, "Framing"), so a reader can tell a newer file from a damaged one.
 WHOLE_FILE_CHECKSUM = 4
@@ -60,7 +74,8 @@ MAX_TREE_RATIO = 32
 MAX_TREE_FLOOR = 16 << 20
 _BLOB_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}\Z")  # with .match: the whole name (no "\n")
 _KEYS = ("step", "rank", "world_size", "align", "checksum", "blobs", "tensors", "tree_codec", "tree", "has_pickle")
-_DEFERRED = ("tensors", "tree")  # decoded by ManifestHead.manifest(), after the blobs' reads are submitted
+_KEYS_V5 = (*_KEYS, "chunk_bytes", "meshes", "sharding")
+_DEFERRED = ("tensors", "tree", "sharding")  # decoded by ManifestHead.manifest(), after the blobs' reads are submitted
 _DTYPES = DTYPES
 _NAMES = {dt: name for name, dt in _DTYPES.items()}
 
@@ -102,6 +117,9 @@ class Manifest:
     tree: bytes
     has_pickle: bool
     version: int = FORMAT_VERSION
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES
+    meshes: tuple[Mesh, ...] = ()
+    sharding: dict[int, ShardRow] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not isinstance(self.tensors, TensorTable):
@@ -120,10 +138,12 @@ def encode_manifest(m: Manifest) -> bytes:
     """Serialize deterministically in format ``m.version``: the same manifest always gives the same bytes.
 
     Raises:
-        ValueError: ``m.version`` is not a version this writer knows (1 to 4).
+        ValueError: ``m.version`` is not a version this writer knows (1 to 5).
     """
     if m.version not in READ_VERSIONS:
         raise ValueError(f"cannot write format version {m.version} (this writer knows {READ_VERSIONS})")
+    if m.version < SHARDED and (m.sharding or m.meshes):
+        raise ValueError(f"format version {m.version} cannot hold sharded rows (version {SHARDED} can)")
     tree, codec = m.tree, "none"
     if len(tree) > _COMPRESS_TREE_ABOVE:
         packed = zstandard.ZstdCompressor(level=3, write_content_size=True, write_checksum=False).compress(tree)
@@ -145,12 +165,24 @@ def encode_manifest(m: Manifest) -> bytes:
             "tree_codec": codec,
             "tree": tree,
             "has_pickle": m.has_pickle,
+            **(_sharding_fields(m) if m.version >= SHARDED else {}),
         },
         use_bin_type=True,
     )
     framed = _HEADER.pack(MAGIC, m.version, 0, 0, len(payload)) + payload
     digest = xxhash.xxh3_64_intdigest(framed if m.version >= WHOLE_FILE_CHECKSUM else payload)
     return framed + _TRAILER.pack(digest)
+
+
+def _sharding_fields(m: Manifest) -> dict[str, Any]:
+    """The fields version 5 adds: chunk size, meshes and the sharding table."""
+    if m.version < SHARDED and (m.sharding or m.meshes):
+        raise ValueError(f"format version {m.version} cannot hold sharded rows")
+    return {
+        "chunk_bytes": m.chunk_bytes,
+        "meshes": encode_meshes(m.meshes),
+        "sharding": encode_sharding(m.sharding, m.meshes),
+    }
 
 
 def _bad(msg: str) -> CorruptCheckpointError:
@@ -167,7 +199,7 @@ def _is_int(v: Any, lo: int = 0, hi: int = (1 << 63) - 1) -> bool:
 
 
 def decode_manifest(data: bytes) -> Manifest:
-    """Parse and validate a manifest file's bytes (format version 1 to 4).
+    """Parse and validate a manifest file's bytes (format version 1 to 5).
 
     Checks magic, version, payload length and checksum, every field's type, dtypes, that each extent's
     length matches dtype × shape and lies inside its blob, that extents do not overlap, and that blob
@@ -194,6 +226,8 @@ class ManifestHead:
     align: int
     blobs: tuple[BlobEntry, ...]
     has_pickle: bool
+    chunk_bytes: int
+    meshes: tuple[Mesh, ...]
     _payload: dict[str, Any] = field(repr=False, compare=False)
     _spans: dict[str, memoryview] = field(repr=False, compare=False)
 
@@ -210,7 +244,15 @@ class ManifestHead:
             tree = _decompress_tree(tree)
         sizes = [b.size for b in self.blobs]
         rows = _unpack_span(self._spans["tensors"], "tensors")
-        tensors = decode_table(rows, sizes) if self.version >= 2 else _decode_rows_v1(rows, sizes)
+        sharding: dict[int, ShardRow] = {}
+        if self.version >= SHARDED:
+            shard_d = _unpack_span(self._spans["sharding"], "sharding")
+            tensors = decode_table(rows, sizes, unstored=unstored_rows(shard_d))
+            sharding = decode_sharding(
+                shard_d, self.meshes, tensors.shapes, tensors.lengths, self.rank, self.chunk_bytes
+            )
+        else:
+            tensors = decode_table(rows, sizes) if self.version >= 2 else _decode_rows_v1(rows, sizes)
         return Manifest(
             step=self.step,
             rank=self.rank,
@@ -221,6 +263,9 @@ class ManifestHead:
             tree=tree,
             has_pickle=self.has_pickle,
             version=self.version,
+            chunk_bytes=self.chunk_bytes,
+            meshes=self.meshes,
+            sharding=sharding,
         )
 
 
@@ -258,6 +303,15 @@ def decode_head(data: bytes) -> ManifestHead:
         _want(_is_int(size), f"blobs[{i}] size {size!r} is invalid")
         blobs.append(BlobEntry(name, size))
     _want(len({b.name for b in blobs}) == len(blobs), "blob names repeat")
+    chunk_bytes = DEFAULT_CHUNK_BYTES
+    meshes: tuple[Mesh, ...] = ()
+    if version >= SHARDED:
+        chunk_bytes = d["chunk_bytes"]
+        _want(
+            _is_int(chunk_bytes, MIN_CHUNK_BYTES, MAX_CHUNK_BYTES) and chunk_bytes & (chunk_bytes - 1) == 0,
+            f"chunk_bytes {chunk_bytes!r} is not a power of two from {MIN_CHUNK_BYTES} to {MAX_CHUNK_BYTES}",
+        )
+        meshes = decode_meshes(d["meshes"], d["rank"], d["world_size"])
     return ManifestHead(
         version=version,
         step=d["step"],
@@ -266,6 +320,8 @@ def decode_head(data: bytes) -> ManifestHead:
         align=align,
         blobs=tuple(blobs),
         has_pickle=d["has_pickle"],
+        chunk_bytes=chunk_bytes,
+        meshes=meshes,
         _payload=d,
         _spans=spans,
     )
@@ -336,16 +392,17 @@ def _unpack_head(payload: memoryview, version: int) -> tuple[dict[str, Any], dic
     payload that hold them, for :meth:`ManifestHead.manifest` to decode.
     """
     differ = f"payload keys differ from format version {version}"
+    keys = _KEYS_V5 if version >= SHARDED else _KEYS
     u = msgpack.Unpacker(raw=False, use_list=True, strict_map_key=True, max_buffer_size=max(1, len(payload)))
     u.feed(payload)
     d: dict[str, Any] = {}
     spans: dict[str, memoryview] = {}
     try:
         count = u.read_map_header()
-        _want(count == len(_KEYS), differ)
+        _want(count == len(keys), differ)
         for _ in range(count):
             k = u.unpack()
-            _want(k in _KEYS and k not in d and k not in spans, differ)
+            _want(k in keys and k not in d and k not in spans, differ)
             if k in _DEFERRED:
                 start = u.tell()
                 u.skip()

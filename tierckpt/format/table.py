@@ -18,7 +18,7 @@ import itertools
 import math
 import sys
 from array import array
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Collection, Iterable, Iterator, Sequence
 from typing import Any, NamedTuple, overload
 
 import torch
@@ -211,8 +211,11 @@ def _column(d: dict[str, Any], key: str, n: int, width: int) -> bytes:
     return v
 
 
-def decode_table(d: Any, blob_sizes: Sequence[int]) -> TensorTable:
+def decode_table(d: Any, blob_sizes: Sequence[int], *, unstored: Collection[int] = ()) -> TensorTable:
     """Parse and validate a version-2 tensor table against the blob sizes.
+
+    ``unstored``: rows whose bytes another copy stores (version 5's replicated shards): their length
+    must be 0 whatever their shape.
 
     Checks every column's type and size, that dtypes are known, shapes have at most 64 dimensions,
     each extent's length is elements × itemsize, non-empty extents lie inside an existing blob at an
@@ -251,7 +254,13 @@ def decode_table(d: Any, blob_sizes: Sequence[int]) -> TensorTable:
         len_t = torch.frombuffer(lengths_a, dtype=torch.int64)  # below 2**63, checked above
         blob_t = torch.frombuffer(blobs_a, dtype=torch.int32).long() & 0xFFFFFFFF  # the column is unsigned
         cols = (blob_t, torch.frombuffer(offsets_a, dtype=torch.int64), len_t, isz_t)
-    # length == prod(shape) x itemsize
+    # length == prod(shape) x itemsize (0 for an unstored row)
+    if unstored:
+        _check_unstored(paths, lengths, unstored)
+        numels = list(numels)
+        for i in unstored:
+            numels[i] = 0
+        one_d = False  # checked row by row below
     if cols is not None and one_d and max(numels) < 1 << 58:  # 1-d, and dims x itemsize cannot overflow
         bad = _first(torch.frombuffer(dims, dtype=torch.int64) * cols[3] != cols[2])
         if bad is not None:
@@ -263,6 +272,14 @@ def decode_table(d: Any, blob_sizes: Sequence[int]) -> TensorTable:
     table = TensorTable(paths, list(map(names.__getitem__, dt_idx)), shapes, blobs, offsets, lengths, checksums)
     check_extents(table, blob_sizes, cols=cols)
     return table
+
+
+def _check_unstored(paths: list[str], lengths: list[int], unstored: Collection[int]) -> None:
+    for i in unstored:
+        if not 0 <= i < len(paths):
+            raise _bad(f"sharding names row {i}, the table has {len(paths)}")
+        if lengths[i]:
+            raise _bad(f"tensor {paths[i]}: length {lengths[i]}, but its bytes are stored by another rank (0)")
 
 
 def _header(d: Any) -> tuple[int, list[str], list[str]]:

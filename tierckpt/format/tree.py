@@ -28,7 +28,7 @@ import pickle
 import struct
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -36,8 +36,8 @@ import torch
 from tierckpt.errors import CorruptCheckpointError, StateError
 from tierckpt.format._decode import EXT_CODES, decode_levels
 from tierckpt.format._diagnose import _I64_MIN, _U64_MAX, diagnose, format_path
-from tierckpt.format._encode import MAX_NESTING, TensorRef, Walk, encode
-from tierckpt.format.manifest import FORMAT_VERSION, READ_VERSIONS
+from tierckpt.format._encode import MAX_NESTING, ShardSpec, TensorRef, Walk, encode
+from tierckpt.format.manifest import FORMAT_VERSION, READ_VERSIONS, SHARDED
 from tierckpt.format.table import ALL_DTYPES
 
 __all__ = [
@@ -69,6 +69,8 @@ class FlatState:
     tensors: tuple[TensorRef, ...]
     has_pickle: bool
     nbytes: tuple[int, ...]
+    #: rows holding a DTensor's local shard: where it sits (a row not stored here has nbytes 0)
+    shards: dict[int, ShardSpec] = field(default_factory=dict)
 
 
 class Ref(int):
@@ -120,11 +122,14 @@ def flatten(state: Any, *, allow_pickle: bool = False, version: int = FORMAT_VER
     """
     if version not in READ_VERSIONS:
         raise ValueError(f"cannot write format version {version} (this writer knows {READ_VERSIONS})")
-    walk = Walk(allow_pickle=allow_pickle, plain_refs=version >= PLAIN_REFS)
+    walk = Walk(allow_pickle=allow_pickle, plain_refs=version >= PLAIN_REFS, sharded=version >= SHARDED)
     tree, failed = encode(walk, state)
     if failed:
         raise diagnose(state, failed, MAX_NESTING)
-    return FlatState(tree=tree, tensors=tuple(walk.tensors), has_pickle=walk.has_pickle, nbytes=tuple(walk.nbytes))
+    return FlatState(
+        tree=tree, tensors=tuple(walk.tensors), has_pickle=walk.has_pickle, nbytes=tuple(walk.nbytes),
+        shards=walk.shards,
+    )  # fmt: skip
 
 
 def unflatten(

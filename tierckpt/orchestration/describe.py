@@ -13,6 +13,7 @@ from typing import Any
 
 from tierckpt.config import format_size
 from tierckpt.format.manifest import Manifest
+from tierckpt.format.sharding import REPLICATE, SHARD, ShardRow
 from tierckpt.format.tree import Int, Opaque, check_ref, decode_tree
 
 __all__ = ["describe", "text_lines", "value_repr"]
@@ -102,14 +103,27 @@ def describe(m: Manifest, tier: str) -> dict[str, Any]:
             "blob": m.blobs[t.blob].name if t.length else None, "offset": t.offset,
             "also_at": [k for k in keys if k != t.path],
         })  # fmt: skip
+        if (r := m.sharding.get(i)) is not None:
+            tensors[-1]["sharding"] = _sharding(m, r)
     return {
         "step": m.step, "rank": m.rank, "world_size": m.world_size, "format_version": m.version,
         "read_from": tier, "align": m.align, "tensor_bytes": m.tensor_bytes, "blob_bytes": m.blob_bytes,
         "blobs": [{"name": b.name, "bytes": b.size} for b in m.blobs], "has_pickle": m.has_pickle,
         "tensors": tensors,
+        "meshes": [{"shape": list(x.shape), "ranks": list(x.ranks)} for x in m.meshes],
         "tied": [{"keys": [t["key"], *t["also_at"]]} for t in tensors if t["also_at"]],
         "values": [{"key": k, "type": _type_name(v), "repr": value_repr(v)} for k, v in values],
     }  # fmt: skip
+
+
+def _sharding(m: Manifest, r: ShardRow) -> dict[str, Any]:
+    """A sharded row's record: global shape, mesh, placements (``S(0)``, ``R``, ``SS(0,2)``), whether
+    this copy stores it."""
+    names = [
+        "R" if p.kind == REPLICATE else f"S({p.dim})" if p.kind == SHARD else f"SS({p.dim},{p.split})"
+        for p in r.placements
+    ]
+    return {"global_shape": list(r.global_shape), "mesh": r.mesh, "placements": names, "stored": r.stored}
 
 
 def _type_name(v: Any) -> str:
@@ -132,7 +146,13 @@ def text_lines(info: dict[str, Any]) -> list[str]:
     ]
     for t in info["tensors"]:
         tied = f"  (also at {', '.join(t['also_at'])})" if t["also_at"] else ""
+        sh = t.get("sharding")
+        if sh is not None:
+            where = "" if sh["stored"] else ", stored by another replica"
+            tied += f"  shard of {sh['global_shape']} [{', '.join(sh['placements'])}] on mesh {sh['mesh']}{where}"
         out.append(f"  {t['key']}  {t['dtype']}{t['shape']}  {format_size(t['bytes'])}{tied}")
+    for k, mesh in enumerate(info.get("meshes", ())):
+        out.append(f"mesh {k}: shape {mesh['shape']}, ranks {mesh['ranks']}")
     if info["tied"]:
         out.append("tied tensors (one tensor under several keys; restored as one):")
         out += [f"  {' = '.join(g['keys'])}" for g in info["tied"]]

@@ -14,12 +14,13 @@ from __future__ import annotations
 import logging
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from tierckpt.errors import StateError
+from tierckpt.format._encode import dtensor_type
 from tierckpt.format._memory import copies, in_storage, unreadable
 from tierckpt.format.manifest import Manifest, dtype_from_name
 from tierckpt.format.tree import Int, Opaque, check_ref, format_path
@@ -44,12 +45,17 @@ class Match:
         assigns: ``(container, key, value)`` assignments (values as the tree decoded them: pass them
             through :func:`~tierckpt.format.tree.resolve_tree` with ``made``).
         ref: the type of a tensor reference in ``assigns``' values.
+        direct: the target tensor each tensor's bytes go straight into (or None).
+        sharded: ``(DTensor, manifest index)`` of each DTensor of the target (matched by global
+            shape and dtype), for the resharding restore (orchestration/reshard.py) to fill.
     """
 
     made: dict[int, torch.Tensor]
     later: list[tuple[torch.Tensor, torch.Tensor]]
     assigns: list[tuple[Any, Any, Any]]
     ref: type[int]
+    direct: list[torch.Tensor | None] = field(default_factory=list)
+    sharded: list[tuple[torch.Tensor, int]] = field(default_factory=list)
 
 
 def match_target(
@@ -61,6 +67,7 @@ def match_target(
     tier: Tier,
     key: CheckpointKey,
     strict: bool = True,
+    shapes: Sequence[tuple[int, ...]] | None = None,
 ) -> Match:
     """Match ``target`` with the checkpoint and fill ``addrs`` (where each tensor's bytes go).
 
@@ -68,6 +75,8 @@ def match_target(
     once (a CPU, contiguous tensor of its shape and dtype); one referenced twice (tied weights, or a
     tensor also inside an assigned tuple) goes to a fresh tensor that every user is copied or
     assigned from once its checksum is verified.
+
+    ``shapes``: the shape each tensor is matched by, where not the table's (a sharded row's global shape).
 
     With ``strict``, every dict of the target must have exactly the keys of the checkpoint's dict at
     the same path. Without it, a key only the target has is left as it is and a key only the
@@ -81,6 +90,8 @@ def match_target(
     """
     source, ref = load_tree(tier, key, m, allow_pickle=allow_pickle)
     walk = _Walk(m, ref, addrs, strict=strict, tier=tier.name, step=key.step)
+    if shapes is not None:  # a sharded checkpoint: a target is matched by the global shape
+        walk.shapes = list(shapes)
     walk.walk(target, source, ())
     walk.check(source)
     return walk.allocate()
@@ -107,6 +118,7 @@ class _Walk:
         self.only_source: list[tuple[Any, ...]] = []  # key paths only the checkpoint has
         self.skipped: list[tuple[Any, ...]] = []  # checkpoint values under an empty target dict (strict)
         self.in_assigns: set[int] = set()  # tensors referenced inside assigned values (set by check())
+        self.dtensors: list[tuple[torch.Tensor, int]] = []  # DTensor targets, filled by the resharding restore
 
     def walk(self, dst: Any, src: Any, path: tuple[Any, ...]) -> None:
         """Match target value ``dst`` with checkpoint value ``src``, found at ``path``."""
@@ -182,6 +194,9 @@ class _Walk:
                 f"{where}: target is {dst.dtype} {tuple(dst.shape)}, checkpoint has {dtype} {tuple(shape)}"
             )
             return
+        if type(dst) is not torch.Tensor and type(dst) is dtensor_type():  # shape: the global one
+            self.dtensors.append((dst, src))
+            return
         if self.direct[src] is None and dst.is_cpu and dst.is_contiguous() and unreadable(dst) is None:
             self.addrs[src] = dst.data_ptr()
             self.direct[src] = dst
@@ -229,7 +244,7 @@ class _Walk:
                 # never referenced (only a hand-made manifest): verified into scratch and dropped
                 f = made[i] = torch.empty(self.lengths[i], dtype=torch.uint8)
                 addrs[i] = f.data_ptr()
-        return Match(made, later, self.assigns, self.ref)
+        return Match(made, later, self.assigns, self.ref, direct, self.dtensors)
 
 
 def _at(tree: Any, path: tuple[Any, ...]) -> Any:

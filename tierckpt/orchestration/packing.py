@@ -21,12 +21,13 @@ from tierckpt.errors import StateError
 from tierckpt.format.layout import Layout
 from tierckpt.format.manifest import BlobEntry, Manifest, TensorTable, dtype_name, encode_manifest
 from tierckpt.format.native import Records, native, records
+from tierckpt.format.sharding import DEFAULT_CHUNK_BYTES, Mesh, ShardRow, chunk_checksums
 from tierckpt.format.table import blob_spans
 from tierckpt.format.tree import FlatState, TensorRef
 from tierckpt.io.buffers import StagingPool, memmove, ptr_mv
 from tierckpt.tiers.base import TierWriter
 
-__all__ = ["build_manifest", "contiguous_cpu", "pack_and_write"]
+__all__ = ["CHUNK_BYTES", "build_manifest", "contiguous_cpu", "pack_and_write", "shard_chunk_sums"]
 
 log = logging.getLogger(__name__)
 _EMPTY_DIGEST = xxhash.xxh3_64_intdigest(b"")
@@ -34,6 +35,9 @@ _PIECES = 4  # writes per staging chunk, each handed to the writers as soon as i
 _BLOCK_BYTES = 1 << 20  # copy-then-hash unit: the hash reads the bytes while they are still cached
 xxh3_64_intdigest = xxhash.xxh3_64_intdigest
 _ZEROS = bytes(4096)
+#: the chunk one checksum of a DTensor shard covers (docs/format.md, "Sharding"): a verified range read
+#: reads whole chunks, so this bounds its amplification; tests set it small
+CHUNK_BYTES = DEFAULT_CHUNK_BYTES
 
 
 def _zero(view: memoryview, start: int, stop: int) -> None:
@@ -364,6 +368,19 @@ class _Packer:
             owner.release(slot)  # type: ignore[arg-type]  # owner is the pool the slot came from: a StagingPool
 
 
+def shard_chunk_sums(flat: FlatState) -> tuple[int, dict[int, tuple[int, ...]]]:
+    """``(chunk size, checksums by row)``: the chunk checksums of every stored DTensor shard longer than
+    :data:`CHUNK_BYTES` (docs/format.md, "Sharding"), read from the caller's tensors: call it before
+    the state is staged (they may change after). Plain rows have none: they are only ever read whole."""
+    size = CHUNK_BYTES
+    out: dict[int, tuple[int, ...]] = {}
+    for i, spec in flat.shards.items():
+        if spec.stored and flat.nbytes[i] > size:
+            t = contiguous_cpu(flat.tensors[i].tensor)
+            out[i] = chunk_checksums(ptr_mv(t.data_ptr(), t.nbytes, writable=False), size)
+    return size, out
+
+
 def build_manifest(
     flat: FlatState,
     srcs: list[torch.Tensor],
@@ -375,15 +392,24 @@ def build_manifest(
     rank: int,
     world_size: int,
     align: int,
+    chunks: dict[int, tuple[int, ...]] | None = None,
+    chunk_bytes: int | None = None,
 ) -> bytes:
-    """The encoded manifest of a packed checkpoint (``srcs[i]`` is the tensor of ``flat.tensors[i]``)."""
+    """The encoded manifest of a packed checkpoint (``srcs[i]`` is the tensor of ``flat.tensors[i]``;
+    ``chunks``: :func:`shard_chunk_sums` of the state, taken with ``chunk_bytes``)."""
     table = TensorTable(
         [r.path for r in flat.tensors], [dtype_name(t.dtype) for t in srcs], [tuple(t.shape) for t in srcs],
         layout.blobs, layout.offsets, layout.lengths, checksums,
     )  # fmt: skip
+    meshes: dict[Mesh, int] = {}
+    sharding = {}
+    for i, spec in flat.shards.items():
+        k = meshes.setdefault(spec.mesh, len(meshes))
+        sharding[i] = ShardRow(k, spec.global_shape, spec.placements, spec.stored, (chunks or {}).get(i, ()))
     return encode_manifest(
         Manifest(
             step=step, rank=rank, world_size=world_size, align=align, blobs=blobs, tensors=table,
-            tree=flat.tree, has_pickle=flat.has_pickle,
+            tree=flat.tree, has_pickle=flat.has_pickle, chunk_bytes=chunk_bytes or CHUNK_BYTES,
+            meshes=tuple(meshes), sharding=sharding,
         )
     )  # fmt: skip

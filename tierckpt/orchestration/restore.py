@@ -290,6 +290,10 @@ def read_checkpoint(tier: Tier, key: CheckpointKey, *, allow_pickle: bool = Fals
     """
     with tier.open_copy(key) as copy:  # one copy, whatever other processes do to the step meanwhile
         m = load_manifest(tier, key, allow_pickle=allow_pickle, copy=copy)
+        if m.sharding:  # DTensor shards, some stored by other ranks: orchestration/reshard.py
+            from tierckpt.orchestration.reshard import read_sharded  # it builds on this module
+
+            return read_sharded(tier, key, allow_pickle=allow_pickle), m
         tree, ref = load_tree(tier, key, m, allow_pickle=allow_pickle)  # valid before a blob is opened
         cache: dict[int, torch.Tensor] = {}
         verify = _Verifier(tier, key, m).verify

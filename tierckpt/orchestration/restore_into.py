@@ -19,7 +19,7 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import Any
 
@@ -34,6 +34,7 @@ from tierckpt.format.table import blob_spans
 from tierckpt.format.tree import resolve_tree
 from tierckpt.io.buffers import StagingPool, memmove, ptr_mv
 from tierckpt.orchestration.matching import Match, match_target
+from tierckpt.orchestration.reshard import holds_dtensor, restore_sharded
 from tierckpt.orchestration.restore import load_head, load_rest
 from tierckpt.tiers.base import CheckpointKey, Tier, TierReader
 
@@ -58,10 +59,12 @@ class RestoreStaging:
     Args:
         slots: reads in flight.
         slot_bytes: size of one read.
+        tiers: the hierarchy's tiers, fastest first: a resharding restore takes another rank's copy
+            from them where the tier it reads lacks it.
     """
 
-    def __init__(self, slots: int = _SLOTS, slot_bytes: int = _SLOT_BYTES) -> None:
-        self.slots, self.slot_bytes = slots, slot_bytes
+    def __init__(self, slots: int = _SLOTS, slot_bytes: int = _SLOT_BYTES, tiers: Sequence[Tier] = ()) -> None:
+        self.slots, self.slot_bytes, self.tiers = slots, slot_bytes, tuple(tiers)
         self._pool: StagingPool | None = None
         self.lock = threading.Lock()
 
@@ -78,8 +81,9 @@ class RestoreStaging:
 
     def restore(self, tier: Tier, key: CheckpointKey, target: Any, *, allow_pickle: bool, strict: bool = True) -> Any:
         """:func:`restore_into` through these buffers; concurrent calls take turns."""
+        others = [t for t in self.tiers if t is not tier]
         with self.lock:
-            return restore_into(tier, key, target, self.pool, allow_pickle=allow_pickle, strict=strict)
+            return restore_into(tier, key, target, self.pool, allow_pickle=allow_pickle, strict=strict, others=others)
 
 
 def restore_into(
@@ -90,6 +94,7 @@ def restore_into(
     *,
     allow_pickle: bool,
     strict: bool = True,
+    others: Sequence[Tier] = (),
 ) -> Any:
     """Restore ``key`` from ``tier`` into ``target``'s tensors in place; returns ``target``.
 
@@ -105,6 +110,8 @@ def restore_into(
         allow_pickle: accept checkpoints that hold pickled values.
         strict: every dict of ``target`` must have exactly the checkpoint's keys; else a key only the
             target has is left as it is and one only the checkpoint has is added (with a warning).
+        others: for a sharded checkpoint or DTensor target (orchestration/reshard.py), the tiers to
+            take another rank's copy from where ``tier`` lacks it.
 
     Raises:
         StateError: ``target`` does not match the checkpoint (nothing was changed; every mismatch is
@@ -114,8 +121,12 @@ def restore_into(
             so may large ones further on whose bodies were being read straight into them (the reads in
             flight); no value is assigned and no other tensor is changed.
     """
+    if holds_dtensor(target):  # sharded for this run: read what overlaps each shard (any saved layout)
+        return restore_sharded(tier, key, target, allow_pickle=allow_pickle, strict=strict, others=others)
     with tier.open_copy(key) as copy:  # one copy; each blob's size is checked against its file here
         head = load_head(tier, key, allow_pickle=allow_pickle, copy=copy)
+        if head.meshes:  # a sharded checkpoint: plain targets take whole global tensors
+            return restore_sharded(tier, key, target, allow_pickle=allow_pickle, strict=strict, others=others)
         reader = copy.reader(head.blobs)
     try:
         stream = _Stream(tier, key, head, reader, lambda: pool(head.align))
@@ -256,8 +267,11 @@ class _Stream:
 
     def _submit(self) -> None:  # with self.lock held
         pool = self.pool
+        # a read that run() took out of inflight has landed even where its _landed callback has not run
+        # yet (running not decremented): counting it would submit nothing and end run() early
         while (
-            self.todo and self.running < self.reads and len(self.inflight) < pool.slots  # type: ignore[union-attr]  # pool is set once the manifest is attached, before any read is submitted
+            self.todo and min(self.running, len(self.inflight)) < self.reads
+            and len(self.inflight) < pool.slots  # type: ignore[union-attr]  # pool is set once the manifest is attached, before any read is submitted
             and not self.closed and self.error is None
         ):  # fmt: skip
             bi, off, n, dest = self.todo.popleft()

@@ -24,7 +24,7 @@ from tierckpt.format.manifest import BlobEntry
 from tierckpt.format.tree import FlatState
 from tierckpt.orchestration.handles import SaveHandle
 from tierckpt.orchestration.mover import Mover, Room
-from tierckpt.orchestration.packing import build_manifest, pack_and_write
+from tierckpt.orchestration.packing import build_manifest, pack_and_write, shard_chunk_sums
 from tierckpt.orchestration.process import gc_paused
 from tierckpt.policies.placement import SavePlan
 from tierckpt.tiers.base import CheckpointKey, Tier, TierWriter
@@ -107,6 +107,7 @@ class SaveJob:
         flat, layout, key, tier, pool = self.flat, self.layout, self.key, room.tier, room.staging
         srcs = [r.tensor for r in flat.tensors]
         manifest = b""
+        size, chunks = shard_chunk_sums(flat)  # from the caller's tensors: before they are staged
 
         def on_staged() -> None:
             self.handle.staged.set_result(None)
@@ -115,7 +116,7 @@ class SaveJob:
             nonlocal manifest
             manifest = build_manifest(
                 flat, srcs, layout, self.blobs, checksums, step=key.step, rank=key.rank,
-                world_size=self.world_size, align=self.align,
+                world_size=self.world_size, align=self.align, chunks=chunks, chunk_bytes=size,
             )  # fmt: skip
 
         checksums = tier.pack(writer, flat, layout, pool, on_staged)
