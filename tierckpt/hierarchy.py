@@ -153,7 +153,7 @@ class Hierarchy:
         self._engines = _engines or Engines()
         for t in self._tiers:  # tiers built from Python without an engine or io settings take this io's
             t.use_io(self._engines, self.io)
-        self._catalog = Catalog(self._tiers, self.rank, now=_clock())
+        self._catalog = Catalog(self._tiers, self.rank, now=_clock(), world_size=self.world_size)
         self._mover = Mover(self._tiers, self.placement, self._catalog, self.coordinator, self._staging)
         self._pending = Pending()
         self._lock = threading.RLock()

@@ -23,7 +23,7 @@ from tierckpt import Hierarchy  # noqa: E402
 from tierckpt.dcp import HierarchyReader, HierarchyWriter, Location  # noqa: E402
 from tierckpt.dcp._record import decode_metadata, encode_metadata  # noqa: E402
 from tierckpt.errors import CorruptCheckpointError, TierckptError  # noqa: E402
-from tierckpt.orchestration.coordinator import SoloCoordinator
+from tierckpt.orchestration.coordinator import SoloCoordinator  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
 
@@ -234,6 +234,7 @@ def test_checkpoint_id_names_the_step(h: Hierarchy) -> None:
 def test_a_hierarchy_of_another_rank_is_refused(tmp_path: Path) -> None:
     tier = {"name": "pfs", "kind": "pfs", "path": str(tmp_path / "pfs")}
     with Hierarchy.from_config({"tiers": [tier]}) as h0:
+
         class Rank1(SoloCoordinator):  # a coordinator that says rank 1 (DCP's process says rank 0)
             pass
 

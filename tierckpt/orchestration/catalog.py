@@ -11,9 +11,9 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from tierckpt.errors import CheckpointNotFoundError
+from tierckpt.errors import CheckpointNotFoundError, CorruptCheckpointError
 from tierckpt.format.manifest import HEADER, MAGIC
-from tierckpt.format.record import RECORDS_SINCE
+from tierckpt.format.record import RECORDS_SINCE, decode_record
 from tierckpt.policies.placement import CatalogView, Sent
 from tierckpt.tiers.base import CheckpointKey
 
@@ -67,11 +67,14 @@ class Catalog:
         tiers: the tiers, fastest first.
         rank: this process's rank (only its keys are listed).
         now: the clock reading the demotion cadences start from.
+        world_size: the number of ranks of this job (a step saved by another number of ranks is listed
+            where its record is, whether or not this rank saved a copy: a restore reshards it).
     """
 
-    def __init__(self, tiers: Sequence[Tier], rank: int, now: float = 0.0) -> None:
+    def __init__(self, tiers: Sequence[Tier], rank: int, now: float = 0.0, world_size: int = 1) -> None:
         self.tiers = tuple(tiers)
         self.rank = rank
+        self.world_size = world_size
         self.changed = threading.Condition(threading.RLock())
         self._sent = {t.name: Sent(0, now) for t in self.tiers[1:]}
         self._newest: int | None = None  # newest step committed or saved (listed at the first save)
@@ -90,6 +93,7 @@ class Catalog:
         self._wanted: dict[int, builtins.set[str]] = {}
         self._orphans: builtins.set[tuple[int, str]] = set()
         self._legacy_copies: builtins.set[tuple[int, str]] = set()
+        self._record_sizes: dict[tuple[int, str], int] = {}  # (step, tier): ranks its record names
 
     def plan(self, step: int, tiers: Iterable[str]) -> None:
         """A save or promotion of ``step`` will go to ``tiers``: they become ``pending``; for a step saved by
@@ -119,6 +123,7 @@ class Catalog:
     def forget(self, step: int, tier: str) -> None:
         """The copy is gone (evicted): drop its state."""
         with self.changed:
+            self._record_sizes.pop((step, tier), None)
             self._states.get(step, {}).pop(tier, None)
             self._promoted.discard((step, tier))
             if tier in self._cached:
@@ -217,18 +222,35 @@ class Catalog:
         warning) when the tier cannot list."""
         try:
             own = [k.step for k in tier.list_committed(self.rank) if k.rank == self.rank]
-            records = set(tier.list_records()) if own else set()
+            records = set(tier.list_records())
         except OSError as e:
             log.warning("tier %r cannot list its checkpoints: %s", tier.name, e)
             return None
-        out = []
+        out = [s for s in records - set(own) if self._saved_by_others(tier, s)]
         for step in own:
             if step in records or self._legacy(tier, step):
                 out.append(step)
             elif self._states.get(step, {}).get(tier.name) not in ("pending", "writing"):
                 with self.changed:
                     self._orphans.add((step, tier.name))
-        return out
+        return sorted(out)
+
+    def _saved_by_others(self, tier: Tier, step: int) -> bool:
+        """Whether ``step``, recorded on ``tier`` without a copy of this rank, was saved by a job of
+        another number of ranks (this rank restores it by resharding: its parts are other ranks'
+        copies). The record's world size is read once a step and tier."""
+        key = (step, tier.name)
+        if key not in self._record_sizes:
+            try:
+                data = tier.read_record(step)
+                size = decode_record(data, step).world_size if data is not None else None
+            except (OSError, CorruptCheckpointError):
+                size = None  # unreadable: not listed here (a restore of it would say why)
+            if size is None:
+                return False
+            with self.changed:
+                self._record_sizes[key] = size
+        return self._record_sizes[key] != self.world_size
 
     def _legacy(self, tier: Tier, step: int) -> bool:
         """Whether this rank's copy of ``step`` on ``tier`` predates commit records (remembered: it
