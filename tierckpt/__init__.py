@@ -44,6 +44,7 @@ _LAZY: dict[str, str] = {
     "register_tier": "tierckpt.registry",
     "Coordinator": "tierckpt.orchestration.coordinator",
     "SoloCoordinator": "tierckpt.orchestration.coordinator",
+    "StoreCoordinator": "tierckpt.orchestration.distributed",
     "TrainState": "tierckpt.resume",
     "rng_state": "tierckpt.resume",
     "set_rng_state": "tierckpt.resume",
@@ -72,6 +73,7 @@ __all__ = [
     "SaveHandle",
     "SoloCoordinator",
     "StateError",
+    "StoreCoordinator",
     "Tier",
     "TierBusyError",
     "TierCapabilities",
@@ -117,6 +119,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time __getattr__ im
     )
     from tierckpt.hierarchy import CheckpointInfo, Hierarchy, SaveHandle
     from tierckpt.orchestration.coordinator import Coordinator, SoloCoordinator
+    from tierckpt.orchestration.distributed import StoreCoordinator
     from tierckpt.registry import available_kinds, get_tier_class, register_tier
     from tierckpt.resume import TrainState, rng_state, set_rng_state
     from tierckpt.tiers.base import CheckpointKey, Tier, TierCapabilities, TierReader, TierWriter

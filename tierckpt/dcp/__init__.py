@@ -10,7 +10,7 @@ plain data (no pickle), into rank 0's part of the step::
     dcp.async_save(sd, storage_writer=HierarchyWriter(h, step=n))
     dcp.load(sd, storage_reader=HierarchyReader(h, step=n))  # step=None: the newest
 
-docs/distributed-dcp.md says what each rank writes, when ``dcp.save`` returns, and the limits.
+docs/distributed.md, "DCP backend", says what each rank writes, when ``dcp.save`` returns, and the limits.
 """
 
 from __future__ import annotations
@@ -88,7 +88,7 @@ class HierarchyWriter(StorageWriter):
     wait for their own part in DCP's write phase, and rank 0 saves its part, with the metadata, in
     ``finish`` once all of them are in: the metadata is the step's commit record, as in DCP's own
     writer. With a coordinator that commits a step only once every rank's part is in, rank 0 saves
-    with the others and waits for its part in ``finish`` (docs/distributed-dcp.md).
+    with the others and waits for its part in ``finish`` (docs/distributed.md, "DCP backend").
 
     Args:
         h: the hierarchy; its ``rank`` and ``world_size`` must be DCP's (torch.distributed's).
