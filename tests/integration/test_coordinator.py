@@ -107,19 +107,22 @@ def test_ranks_agree_again_when_one_fell_back_to_an_older_step(tmp_path: Path) -
 
 
 def test_what_a_shared_tier_evicts_is_the_deciding_ranks_plan(tmp_path: Path) -> None:
-    class KeepShared(Rank0Says):  # the deciding rank still needs every pfs copy: it evicts nothing
-        def decide(self, key: str, fn: Callable[[], T], timeout: float | None = None) -> T:
-            if key.startswith("retain/"):
-                self.decisions.append((key, []))
-                return []  # type: ignore[return-value]  # what rank 0 decided
-            return super().decide(key, fn, timeout)
+    """Rank 0 decides the shared tier's evictions and sends them with a commit's outcome: this rank,
+    whose own window keeps every step, evicts what rank 0 said, with no collective of its own."""
 
-    coord = KeepShared()
+    class Rank0EvictsStep1(Rank0Says):
+        def gather(self, key: str, value: Any, fn: Callable[[list[Any]], T], timeout: float | None = None) -> T:
+            out: Any = super().gather(key, value, fn, timeout)
+            if key.startswith("commit/pfs/3/"):
+                out = {**out, "evict": [["pfs", 1]]}
+            return out  # type: ignore[no-any-return]  # what rank 0 sent
+
+    coord = Rank0EvictsStep1()
     pfs = PfsTier("pfs", tmp_path / "pfs", make_engine("threads", 2))
-    with Hierarchy([HostTier("host"), pfs], policy={"keep": {"host": 1, "pfs": 1}}, coordinator=coord) as h:
+    with Hierarchy([HostTier("host"), pfs], policy={"keep": {"host": 1, "pfs": 3}}, coordinator=coord) as h:
         for s in (1, 2, 3):
             h.save({"s": torch.tensor([s])}, step=s).wait()
         on = {n: [c.step for c in h.checkpoints() if n in c.tiers] for n in ("host", "pfs")}
-    assert on == {"host": [3], "pfs": [1, 2, 3]}  # the host (not shared) follows its own window
+    assert on == {"host": [3], "pfs": [2, 3]}  # the host (not shared) follows its own window
     keys = [k for k, _ in coord.decisions]
-    assert "retain/pfs/3/1" in keys and all(k.startswith(("retain/", "commit/")) for k in keys)
+    assert keys and all(k.startswith("commit/") for k in keys)  # one gather per tier commit, nothing else

@@ -198,3 +198,30 @@ def test_a_node_that_lost_its_local_copies_reads_the_shared_tier_and_every_rank_
     out = run_ranks(N, restore)
     # node 0 holds step 3 on its SSD, node 1 only what the pfs has: every rank restores step 2
     assert out == [(2, 200.0 + r, (2, "ssd" if r < 2 else "pfs")) for r in range(N)]
+
+
+def test_a_steady_state_save_costs_one_gather_per_tier_commit(tmp_path: Path, run_ranks: Any, engine: Any) -> None:
+    """Evictions from the shared tier ride on the commits' gathers: no other collective per save."""
+    cs = job(tmp_path, run_ranks)
+    calls: list[list[str]] = [[] for _ in range(N)]
+    for r, c in enumerate(cs):
+        for name in ("gather", "decide", "barrier", "broadcast", "all_gather", "agree_step"):
+            real = getattr(c, name)
+
+            def counted(*a: Any, _real: Any = real, _name: str = name, _r: int = r, **k: Any) -> Any:
+                calls[_r].append(_name)
+                return _real(*a, **k)
+
+            setattr(c, name, counted)
+    policy = {"keep": {"host": 1, "ssd": 1, "pfs": 1}}
+
+    def body(r: int) -> Any:
+        with open_rank(tmp_path, cs[r], engine, policy=policy) as h:
+            for step in (1, 2, 3, 4):
+                h.save(state(r, step), step=step).wait()
+            return [(c.step, c.tiers) for c in h.checkpoints() if c.tiers]
+
+    out = run_ranks(N, body)
+    assert out == [[(4, ("host", "ssd", "pfs"))]] * N
+    assert calls == [["gather"] * 12] * N  # 4 saves x 3 tiers
+    assert sorted(p.name for p in (tmp_path / "pfs").glob("step-*")) == ["step-000000000004"]

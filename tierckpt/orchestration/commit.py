@@ -22,6 +22,8 @@ from __future__ import annotations
 import logging
 import threading
 from collections import Counter
+from collections.abc import Callable
+from typing import Any
 
 from tierckpt.errors import TierckptError
 from tierckpt.format.record import CommitRecord, encode_record, manifest_tag
@@ -63,14 +65,20 @@ class Commits:
         self.coordinator = coordinator
         self.keys = keys
 
-    def publish(self, tier: Tier, key: CheckpointKey, manifest: bytes) -> None:
+    def publish(
+        self, tier: Tier, key: CheckpointKey, manifest: bytes, then: Callable[[], list[tuple[str, int]]]
+    ) -> list[tuple[str, int]] | None:
         """Publish ``key``'s copy, committed on ``tier``, once every rank's copy is (see the module
-        docstring); on failure, remove this rank's copy and the step's record there, then raise."""
+        docstring); on failure, remove this rank's copy and the step's record there, then raise.
+
+        In a job of several ranks, rank 0 also runs ``then()`` once the record is written (its decision
+        of what to evict from shared tiers) and every rank returns its result: the commit's one gather
+        carries it; None for a rank alone (it decides alone)."""
         if self.coordinator.world_size == 1:
             tier.write_record(key.step, encode_record(CommitRecord(key.step, 1, (manifest_tag(manifest),))))
-            return
+            return None
         try:
-            self._gather(tier, key.step, manifest_tag(manifest))
+            return self._gather(tier, key.step, manifest_tag(manifest), then)
         except BaseException:
             self._undo(tier, key)
             raise
@@ -81,16 +89,18 @@ class Commits:
         if self.coordinator.world_size == 1:
             return
         try:
-            self._gather(tier, key.step, None)
+            self._gather(tier, key.step, None, list)
         except BaseException as e:
             log.debug("step %d on tier %r: the other ranks learned of the failure (%s)", key.step, tier.name, e)
         else:  # pragma: no cover - rank 0 refuses a commit with a failed copy
             log.error("step %d on tier %r: committed although this rank's copy failed", key.step, tier.name)
 
-    def _gather(self, tier: Tier, step: int, tag: int | None) -> None:
+    def _gather(
+        self, tier: Tier, step: int, tag: int | None, then: Callable[[], list[tuple[str, int]]]
+    ) -> list[tuple[str, int]]:
         shared = tier.capabilities.shared
 
-        def decide(tags: list[int | None]) -> bytes:  # on rank 0, once every rank's tag is in
+        def decide(tags: list[int | None]) -> dict[str, Any]:  # on rank 0, once every rank's tag is in
             failed = [r for r, t in enumerate(tags) if t is None]
             if failed:
                 if shared:
@@ -101,11 +111,17 @@ class Commits:
             data = encode_record(CommitRecord(step, len(tags), tuple(t for t in tags if t is not None)))
             if shared:
                 tier.write_record(step, data)
-            return data
+            evict: list[tuple[str, int]] = []
+            try:
+                evict = then()
+            except Exception as e:  # retention problems are logged, never fail a commit
+                log.warning("retention decided with step %d on tier %r failed: %s", step, tier.name, e)
+            return {"record": data, "evict": [[n, s] for n, s in evict]}
 
-        data = self.coordinator.gather(self.keys.next("commit", tier.name, step), tag, decide)
+        out = self.coordinator.gather(self.keys.next("commit", tier.name, step), tag, decide)
         if not shared:
-            tier.write_record(step, data)
+            tier.write_record(step, out["record"])
+        return [(str(n), int(s)) for n, s in out["evict"]]
 
     def _undo(self, tier: Tier, key: CheckpointKey) -> None:
         """The commit failed: this rank's copy and the step's record go (a record names every rank's copy)."""

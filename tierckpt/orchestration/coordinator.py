@@ -75,7 +75,7 @@ class Coordinator(Protocol):
 
     def decide(self, key: str, fn: Callable[[], T], timeout: float | None = None) -> T:
         """Run ``fn`` on one rank (rank 0) and return its result on every rank; ``key`` names the
-        decision, the same on every rank and unique in the job (``save/100``, ``retain/pfs/100``)."""
+        decision, the same on every rank and unique in the job (``save/100/1``, ``commit/pfs/100/1``)."""
         ...
 
     def gather(self, key: str, value: V, fn: Callable[[list[V]], T], timeout: float | None = None) -> T:

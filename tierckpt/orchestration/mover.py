@@ -158,6 +158,7 @@ class Mover:
             if announce:
                 self.catalog.set(step, tier, "writing")
             error: BaseException | None = None
+            shared: list[tuple[str, int]] | None = None  # rank 0's evictions from shared tiers, with the commit
             try:
                 try:
                     manifest = job(room)
@@ -165,7 +166,7 @@ class Mover:
                     self.commits.abandon(room.tier, key)
                     raise
                 if manifest is not None:
-                    self.commits.publish(room.tier, key, manifest)
+                    shared = self.commits.publish(room.tier, key, manifest, self._shared_evictions)
             except BaseException as e:
                 error = e
                 self.catalog.set(step, tier, "failed", e)
@@ -177,8 +178,7 @@ class Mover:
             try:
                 # before the future resolves: after handle.wait(), retention has run (the evicted copies
                 # are unlisted); their files are deleted after it, so a blocking save does not wait for that
-                # (after a failed commit, which every rank saw fail, shared tiers wait for the next one)
-                evicted = self.apply_retention(free=False, after=(tier, step) if error is None else None)
+                evicted = self.apply_retention(free=False, shared=shared if error is None else None)
             except Exception as e:  # retention problems are logged, never raised into a save
                 log.warning("retention after step %d on tier %r failed: %s", step, tier, e)
             if not done.done():
@@ -330,17 +330,17 @@ class Mover:
             return
         self.catalog.forget(step, tier.name)
 
-    def apply_retention(self, free: bool = True, after: tuple[str, int] | None = None) -> set[str]:
+    def apply_retention(self, free: bool = True, shared: list[tuple[str, int]] | None = None) -> set[str]:
         """Evict what the retention plan says now; return the names of the tiers evicted from.
         ``free=False``: the copies are only unlisted, and the caller frees their space with
-        ``Tier.reclaim()``. Evictions from shared tiers are the coordinator's decision (one rank's plan),
-        named after the commit that triggered the pass (``after``: tier, step), which every rank makes;
-        a pass no commit triggered (a full tier's) leaves shared tiers to the next one in a job of
-        several ranks."""
+        ``Tier.reclaim()``. In a job of several ranks, evictions from shared tiers are rank 0's decision,
+        made with a commit every rank makes and sent with its outcome (``shared``, see
+        :meth:`_shared_evictions`): no collective of its own; a pass without one (after a promotion, a
+        failed commit, for a full tier) leaves shared tiers to the next commit."""
         with self._evict_lock:
             committed = self.catalog.committed_all()
             plan = place(Retain(), self.policy, self.catalog.view(committed))
-            plan = self._agree_shared(plan, after)
+            plan = self._agree_shared(plan, shared)
             self.held.update(plan.held)
             self._evict_orphans()
             for name, step in plan.evict:
@@ -350,19 +350,21 @@ class Mover:
             self.catalog.prune({s for n, steps in committed.items() for s in steps if (n, s) not in gone})
             return {name for name, _ in plan.evict}
 
-    def _agree_shared(self, plan: RetentionPlan, after: tuple[str, int] | None) -> RetentionPlan:
-        """``plan`` with its evictions from shared tiers replaced by the coordinator's decision."""
-        if not self._shared:
+    def _agree_shared(self, plan: RetentionPlan, decided: list[tuple[str, int]] | None) -> RetentionPlan:
+        """``plan`` with its evictions from shared tiers replaced by rank 0's decision (``decided``)."""
+        if not self._shared or self.coordinator.world_size == 1:
             return plan
         own = [(n, s) for n, s in plan.evict if n not in self._shared]
-        mine = [(n, s) for n, s in plan.evict if n in self._shared]
-        if self.coordinator.world_size == 1:
-            shared = mine
-        elif after is None:
-            shared = []
-        else:
-            shared = self.coordinator.decide(self.keys.next("retain", *after), lambda: self._unrecord(mine))
-        return RetentionPlan(own + [(n, s) for n, s in shared if n in self._shared], plan.held)
+        return RetentionPlan(own + [(n, s) for n, s in decided or () if n in self._shared], plan.held)
+
+    def _shared_evictions(self) -> list[tuple[str, int]]:
+        """Rank 0, in a commit every rank makes (once every rank's copy is in): what its retention plan
+        evicts from shared tiers, the steps' records removed already (every rank then evicts its copy)."""
+        if not self._shared:
+            return []
+        with self._evict_lock:
+            plan = place(Retain(), self.policy, self.catalog.view(self.catalog.committed_all()))
+            return self._unrecord([(n, s) for n, s in plan.evict if n in self._shared])
 
     def _evict_orphans(self) -> None:
         """Evict this rank's copies whose commit never completed (see ``Catalog.orphans``): the sweep
