@@ -4,8 +4,9 @@
 A hierarchy asks its coordinator
 
 * which step to restore (:meth:`Coordinator.agree_step`: the newest step every rank can get),
-* which steps a shared tier evicts and whether a time-based demotion is due (:meth:`Coordinator.decide`:
-  one rank places, every rank follows the plan it receives).
+* whether a step is committed on a tier, and which steps a shared tier evicts (:meth:`Coordinator.gather`:
+  every rank reports its copy, rank 0 writes the step's record and decides the evictions);
+* whether a time-based demotion is due (:meth:`Coordinator.decide`: every rank plans with rank 0's clock).
 
 :class:`SoloCoordinator`: every rank decides alone, as in a single process (or in a job whose ranks
 share nothing). :class:`~tierckpt.orchestration.distributed.StoreCoordinator` is the multi-rank one: it
