@@ -225,3 +225,50 @@ def test_a_steady_state_save_costs_one_gather_per_tier_commit(tmp_path: Path, ru
     assert out == [[(4, ("host", "ssd", "pfs"))]] * N
     assert calls == [["gather"] * 12] * N  # 4 saves x 3 tiers
     assert sorted(p.name for p in (tmp_path / "pfs").glob("step-*")) == ["step-000000000004"]
+
+
+def test_a_read_only_evaluation_process_follows_a_job_that_saves_and_evicts(
+    tmp_path: Path, run_ranks: Any, engine: Any
+) -> None:
+    """An evaluator (one process, read-only, rank 0's view) restores while 4 ranks save and evict: it
+    only ever sees committed steps, each whole, never going back."""
+    import threading
+
+    cs = job(tmp_path, run_ranks)
+    stop = threading.Event()
+    seen: list[int] = []
+    errors: list[BaseException] = []
+
+    def evaluate() -> None:
+        try:
+            pfs = PfsTier("pfs", tmp_path / "pfs", engine, readonly=True)
+            with Hierarchy([pfs], readonly=True) as h:
+                while not stop.is_set():
+                    try:
+                        got = h.restore()
+                    except CheckpointNotFoundError:
+                        continue  # nothing committed yet, or the step went away while it was opened
+                    assert got["w"][0].item() == 100 * got["step"], got["step"]  # rank 0's part, whole
+                    assert not seen or got["step"] >= seen[-1]
+                    seen.append(got["step"])
+        except BaseException as e:
+            errors.append(e)
+
+    (tmp_path / "pfs").mkdir()
+    evaluator = threading.Thread(target=evaluate, daemon=True)
+    evaluator.start()
+
+    def body(r: int) -> None:
+        pfs = PfsTier("pfs", tmp_path / "pfs", engine, job="j")
+        with Hierarchy([HostTier("host", 64 * MiB), pfs], coordinator=cs[r], job="j", policy={"keep": {"pfs": 2}}) as h:
+            for step in range(1, 9):
+                h.save(state(r, step), step=step).wait()
+                time.sleep(0.05)
+
+    try:
+        assert run_ranks(N, body) == [None] * N
+    finally:
+        stop.set()
+        evaluator.join(30)
+    assert not errors, errors
+    assert seen and seen[-1] >= 6, seen
