@@ -23,6 +23,7 @@ import torch
 
 from tierckpt import CheckpointNotFoundError, CorruptCheckpointError, Hierarchy
 from tierckpt.format.manifest import BlobEntry, decode_manifest, encode_manifest
+from tierckpt.testing.tamper import rewrite_manifest
 from tierckpt.tiers.base import CheckpointKey
 
 STEP_DIR = "step-{:012d}"
@@ -137,7 +138,7 @@ def test_a_blob_name_with_a_trailing_newline_is_refused(tmp_path: Path) -> None:
     name = m.blobs[0].name + "\n"
     os.rename(d / m.blobs[0].name, d / name)
     blobs = (BlobEntry(name, m.blobs[0].size), *m.blobs[1:])
-    (d / "manifest").write_bytes(encode_manifest(dataclasses.replace(m, blobs=blobs)))
+    rewrite_manifest(d / "manifest", encode_manifest(dataclasses.replace(m, blobs=blobs)))
     with (
         Hierarchy.from_config(cfg(tmp_path, "ssd"), readonly=True) as h,
         pytest.raises(CorruptCheckpointError, match="is not a plain file name"),
@@ -308,7 +309,7 @@ def test_a_declared_blob_size_of_2_to_the_50_is_refused_without_allocating(tmp_p
     mpath = rank_dir(tmp_path, "ssd", 1) / "manifest"
     m = decode_manifest(mpath.read_bytes())
     blobs = (BlobEntry(m.blobs[0].name, 1 << 50), *m.blobs[1:])
-    mpath.write_bytes(encode_manifest(dataclasses.replace(m, blobs=blobs)))
+    rewrite_manifest(mpath, encode_manifest(dataclasses.replace(m, blobs=blobs)))
     for r in probe(tmp_path):
         assert r["error"].startswith("CorruptCheckpointError") and "is truncated" in r["error"], r
         assert r["rss_growth"] < 64 << 20 and r["secs"] < 10, r

@@ -113,7 +113,7 @@ def test_a_failed_copy_fails_the_step_on_every_rank_and_leaves_nothing(
 def test_a_rank_that_never_commits_fails_the_step_within_the_timeout(
     tmp_path: Path, run_ranks: Any, engine: Any
 ) -> None:
-    cs = job(tmp_path, run_ranks, timeout=2.0)
+    cs = job(tmp_path, run_ranks, timeout=3.0)
 
     def body(r: int) -> Any:
         pfs = PfsTier("pfs", tmp_path / "pfs", engine, job="j")
@@ -127,7 +127,7 @@ def test_a_rank_that_never_commits_fails_the_step_within_the_timeout(
                 took = time.monotonic() - t0
             else:
                 err, took = None, 0.0
-                time.sleep(4.0)
+                time.sleep(3.5)  # past the others' timeout: they give up step 1, then wait for it at step 2
             h.save(state(r, 2), step=2).wait()  # back: the next save commits on every rank
             return err, took, [c.step for c in h.checkpoints()]
 
@@ -135,7 +135,7 @@ def test_a_rank_that_never_commits_fails_the_step_within_the_timeout(
     for r, (err, took, listed) in enumerate(out):
         if r != 3:
             assert isinstance(err, CoordinationError) and err.ranks == (3,), err
-            assert "3 did not arrive within 2.0 s" in str(err) and took < 30
+            assert "3 did not arrive within 3.0 s" in str(err) and took < 30
         assert listed == [2]
     assert not (tmp_path / "pfs" / "step-000000000001").exists()
 

@@ -17,8 +17,10 @@ import torch
 from tierckpt import CheckpointKey, CorruptCheckpointError, Hierarchy, StateError
 from tierckpt.config import LayoutConfig
 from tierckpt.format.manifest import decode_manifest, encode_manifest
+from tierckpt.format.record import CommitRecord, encode_record, manifest_tag
 from tierckpt.format.tree import flatten
 from tierckpt.orchestration.restore_into import RestoreStaging
+from tierckpt.testing.tamper import rewrite_manifest
 from tierckpt.tiers.gpu import GpuTier
 
 SLOT = 64 << 10  # small staging slots, so tensors span several reads and reads wrap the pool
@@ -203,9 +205,10 @@ def test_tensor_the_tree_does_not_reference_is_verified_and_dropped(tmp_path: Pa
         m = decode_manifest(t.read_manifest(CheckpointKey(1)))
         forged = encode_manifest(dataclasses.replace(m, tree=flatten({"a": torch.zeros(1)}).tree))
         if tier == "ssd":
-            (Path(t.path) / "step-000000000001" / "rank-00000" / "manifest").write_bytes(forged)  # type: ignore[attr-defined]
+            rewrite_manifest(Path(t.path) / "step-000000000001" / "rank-00000" / "manifest", forged)  # type: ignore[attr-defined]
         else:
             t._held[CheckpointKey(1)].manifest = forged  # type: ignore[attr-defined]
+            t.write_record(1, encode_record(CommitRecord(1, 1, (manifest_tag(forged),))))  # names the forged one
         target = {"a": torch.zeros(1000)}
         assert h.restore(into=target) is target
         assert torch.equal(target["a"], torch.arange(1000.0)) and list(target) == ["a"]
@@ -371,7 +374,7 @@ def test_reads_start_before_the_table_is_validated_and_a_bad_table_changes_nothi
         m = decode_manifest(good)
         t0 = m.tensors[0]
         moved = t0._replace(offset=m.blobs[t0.blob].size)  # past the end of its blob
-        mpath.write_bytes(encode_manifest(dataclasses.replace(m, tensors=(moved, *m.tensors[1:]))))
+        rewrite_manifest(mpath, encode_manifest(dataclasses.replace(m, tensors=(moved, *m.tensors[1:]))))
         seen = spy_reads(h, "ssd", monkeypatch)
         target = zeros_like(state)
         with pytest.raises(CorruptCheckpointError, match="exceeds blob size"):
@@ -380,7 +383,7 @@ def test_reads_start_before_the_table_is_validated_and_a_bad_table_changes_nothi
         assert all(not x.any() for _, x in tensors(target) if x.numel())
         pool = h._in_place.pool(4096)
         assert len(pool._free) == pool._allocated  # every slot given back
-        mpath.write_bytes(good)
+        rewrite_manifest(mpath, good)
         assert_same(state, h.restore(into=target))
 
 
@@ -467,7 +470,7 @@ def test_a_bad_tensor_reference_in_the_tree_is_named(tmp_path: Path) -> None:
         mpath = Path(h.tier("ssd").path) / "step-000000000001" / "rank-00000" / "manifest"  # type: ignore[attr-defined]
         m = decode_manifest(mpath.read_bytes())
         for version, tree in trees:
-            mpath.write_bytes(encode_manifest(dataclasses.replace(m, version=version, tree=msgpack.packb(tree))))
+            rewrite_manifest(mpath, encode_manifest(dataclasses.replace(m, version=version, tree=msgpack.packb(tree))))
             target = {"a": torch.zeros(5), "b": torch.zeros(3)}
             with pytest.raises(CorruptCheckpointError, match="tensor reference") as ei:
                 h.restore(into=target)

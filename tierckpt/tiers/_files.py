@@ -328,8 +328,15 @@ class FileTier(Tier):
 
     def _holds(self, key: CheckpointKey) -> bool:
         rank_dir = self._rank_dir(key)
-        if os.path.islink(rank_dir.parent) or os.path.islink(rank_dir):
-            return False  # links are not followed (list_committed warns about them)
+        for p in (rank_dir.parent, rank_dir):
+            if os.path.islink(p):  # links are not followed (warned about once)
+                if p not in self._junk:
+                    self._junk.add(p)
+                    log.warning(
+                        "tier %r: %s is a symbolic link: not a checkpoint (links are not followed), skipped",
+                        self.name, p,
+                    )  # fmt: skip
+                return False
         return self._has_manifest(rank_dir)
 
     # -- commit records: step-N/commit ----------------------------------------------------------------
