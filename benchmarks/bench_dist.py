@@ -23,6 +23,8 @@ to the last rank's end (the ranks start together after a barrier), GB/s are stat
   returning and its staging done (``AsyncSaveResponse.staging_completion``, where it gives one),
   for its default stager and for ``DefaultStager`` with asynchronous staging; each save is waited for
   (durable) before the next one.
+* the same lazy save with a ``host`` tier above the ``local`` one (keeping the newest step), where
+  ``staged`` is the copy into host memory and the disk write follows in the background.
 * files and directories per checkpoint, for tierckpt's step directory and for DCP's.
 
     python benchmarks/bench_dist.py --gib 1.5 --repeats 3 --dir /var/tmp/bench-dist --out /tmp/dist.json
@@ -136,11 +138,29 @@ def check_state(state: dict[str, Any], shapes: list[tuple[str, tuple[int, ...]]]
 
 
 # -- the ranks' bodies ------------------------------------------------------------------------------------------
-def _hierarchy(d: Path) -> Any:
+def _hierarchy(d: Path, host: bool = False) -> Any:
+    """One ``local`` tier at ``d``; with ``host``, a ``host`` tier above it (keeping the newest step)."""
     from tierckpt import Hierarchy
+    from tierckpt.policies.retention import KeepLatest
+    from tierckpt.tiers.host import HostTier
     from tierckpt.tiers.local import LocalTier
 
+    if host:
+        tiers = [HostTier("host"), LocalTier("ssd", d, job=JOB)]
+        return Hierarchy(tiers, job=JOB, retention={"host": KeepLatest(1)})
     return Hierarchy([LocalTier("local", d, job=JOB)], job=JOB)  # the coordinator: torch.distributed's store
+
+
+def _lazy(h: Any, state: dict[str, Any], step: int) -> tuple[float, ...]:
+    """A lazy save: (called, returned, staged, durable on every tier and rank)."""
+    dist.barrier()
+    t0 = time.time()
+    hd = h.save(state, step=step)
+    t1 = time.time()
+    hd.staged.result()
+    t2 = time.time()
+    hd.wait()
+    return t0, t1, t2, time.time()
 
 
 def _timed(fn: Callable[[], Any]) -> tuple[float, float]:
@@ -212,7 +232,7 @@ def save_job(rank: int, world: int, scratch: str, gib: float, repeats: int) -> d
         drop(dcp_dir("warm"))
         for rep in range(repeats):
             _settle()
-            step = 10 + rep
+            step = 2 + 2 * rep  # the lazy save takes step + 1
             log("save/tierckpt", _timed(lambda s=step: h.save(state, step=s).wait()))
             if rank == 0 and rep == 0:
                 out["files"]["tierckpt"] = _count(root / "tier" / f"step-{step:012d}")
@@ -232,14 +252,7 @@ def save_job(rank: int, world: int, scratch: str, gib: float, repeats: int) -> d
                 else:
                     drop(p)
             _settle()
-            dist.barrier()
-            t0 = time.time()
-            hd = h.save(state, step=100 + rep)
-            t1 = time.time()
-            hd.staged.result()
-            t2 = time.time()
-            hd.wait()
-            log("lazy/tierckpt", (t0, t1, t2, time.time()))
+            log("lazy/tierckpt", _lazy(h, state, step + 1))
             for cfg in ASYNC_CONFIGS:
                 _settle()
                 p = dcp_dir(f"async-{cfg}-{rep}")
@@ -249,7 +262,12 @@ def save_job(rank: int, world: int, scratch: str, gib: float, repeats: int) -> d
                 fut.result()
                 log(f"lazy/dcp-{cfg}", (t0, t1, t2, time.time()))
                 drop(p)
-    out["saved_step"] = 10 + repeats - 1
+    with _hierarchy(root / "tier-host", host=True) as h:  # lazy saves staged in host memory
+        h.save(state, step=1).wait()
+        for rep in range(repeats):
+            _settle()
+            log("lazy/tierckpt-host", _lazy(h, state, 2 + rep))
+    out["saved_step"] = 2 + 2 * (repeats - 1)
     return out
 
 
@@ -386,7 +404,7 @@ def table(med: dict[str, Any], nbytes: int, files: dict[str, Any], raw_how: str,
     dcp_save = med[f"save/dcp-t{best_t}"]
     tc = med["save/tierckpt"]
     best_a = min(ASYNC_CONFIGS, key=lambda c: med[f"lazy/dcp-{c}"]["staged"])
-    la, da = med["lazy/tierckpt"], med[f"lazy/dcp-{best_a}"]
+    la, lh, da = med["lazy/tierckpt"], med["lazy/tierckpt-host"], med[f"lazy/dcp-{best_a}"]
     rt, rd = med["restore/tierckpt"], med["restore/dcp"]
     ok = lambda b: "met" if b else "missed"  # noqa: E731
     raw_name = "fio, 4 jobs, QD32, 4 MiB" if raw_how == "fio" else raw_how
@@ -403,7 +421,11 @@ def table(med: dict[str, Any], nbytes: int, files: dict[str, Any], raw_how: str,
         f"{la['staged'] * 1e3:.0f} ms | `dcp.async_save` ({best_a} stager): {da['returned'] * 1e3:.0f} ms / "
         f"{da['staged'] * 1e3:.0f} ms | {la['staged'] / da['staged']:.2f}× (staged) | ≤ 0.2×: "
         f"{ok(la['staged'] <= 0.2 * da['staged'])} |",
-        f"| lazy save: until durable | {la['durable']:.2f} s | {da['durable']:.2f} s | | |",
+        f"| lazy save, `host` tier above `local`: blocked (returns / staged) | {lh['returned'] * 1e3:.0f} ms / "
+        f"{lh['staged'] * 1e3:.0f} ms | as above | {lh['staged'] / da['staged']:.2f}× (staged) | ≤ 0.2×: "
+        f"{ok(lh['staged'] <= 0.2 * da['staged'])} |",
+        f"| lazy save: until durable (`local`; `host` + `local`) | {la['durable']:.2f} s; {lh['durable']:.2f} s | "
+        f"{da['durable']:.2f} s | | |",
         f"| files (data files) / directories per checkpoint, 4 ranks | {files['tierckpt'][0]} "
         f"({files['tierckpt'][2]}) / {files['tierckpt'][1]} | DCP: {files['dcp'][0]} ({files['dcp'][2]}) / "
         f"{files['dcp'][1]} | | ≤ 1 data file a rank on a shared tier |",
