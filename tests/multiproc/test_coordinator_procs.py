@@ -6,67 +6,18 @@ that call naming it, within the timeout, and the next call works once it is back
 
 from __future__ import annotations
 
-import json
-import multiprocessing as mp
 import os
 import signal
 import threading
 import time
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
+from harness import spawn  # tests/multiproc/harness.py
 
 from tierckpt.errors import CoordinationError
-
-_CLEAN_ENV = (
-    "TIERCKPT_JOB", "TORCHELASTIC_RUN_ID", "SLURM_JOB_ID", "PBS_JOBID", "LSB_JOBID", "TIERCKPT_NODE",
-    "GROUP_RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "SLURM_NODEID", "SLURM_LOCALID", "RANK",
-)  # fmt: skip
-
-
-def _child(body: str, rank: int, world_size: int, port: int, out: str, args: tuple[Any, ...]) -> None:
-    for var in _CLEAN_ENV:
-        os.environ.pop(var, None)
-    try:
-        store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=30))
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=30))
-        result: dict[str, Any] = {"ok": globals()[body](rank, world_size, *args)}
-    except CoordinationError as e:
-        result = {"error": str(e), "ranks": list(e.ranks)}
-    except BaseException as e:  # reported to the parent
-        result = {"error": f"{type(e).__name__}: {e}"}
-    Path(out, f"{rank}.json").write_text(json.dumps(result))
-    os._exit(0)  # no process-group teardown: some tests leave a peer dead
-
-
-def spawn(body: str, world_size: int, tmp: Path, *args: Any, limit: float = 60.0) -> list[dict[str, Any] | None]:
-    """Run ``body(rank, world_size, *args)`` on ``world_size`` spawned ranks; each rank's
-    ``{"ok": result}`` or ``{"error": ..., "ranks": ...}``, None for a rank that died."""
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
-    out = tmp / "results"
-    out.mkdir(exist_ok=True)
-    ctx = mp.get_context("forkserver")  # one server imports torch once; each rank is a fork of it
-    ctx.set_forkserver_preload(["torch", "torch.distributed", "tierckpt.hierarchy", __name__])
-    procs = [
-        ctx.Process(target=_child, args=(body, r, world_size, store.port, str(out), args)) for r in range(world_size)
-    ]
-    for p in procs:
-        p.start()
-    deadline = time.monotonic() + limit
-    for p in procs:
-        p.join(max(0.1, deadline - time.monotonic()))
-    hung = [r for r, p in enumerate(procs) if p.is_alive()]
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-            p.join()
-    assert not hung, f"ranks {hung} hung"
-    got = [out / f"{r}.json" for r in range(world_size)]
-    return [json.loads(f.read_text()) if f.exists() else None for f in got]
 
 
 # -- what the ranks run ------------------------------------------------------------------------------------
@@ -156,7 +107,7 @@ def hang(rank: int, world_size: int) -> list[Any]:
 # -- the tests ------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_spawned_ranks_agree_share_the_job_and_fill_rank_and_node(world_size: int, tmp_path: Path) -> None:
-    got = spawn("agree", world_size, tmp_path, str(tmp_path))
+    got = spawn(agree, world_size, tmp_path, str(tmp_path))
     oks = [g["ok"] if g and "ok" in g else g for g in got]
     for r, ok in enumerate(oks):
         assert isinstance(ok, dict), f"rank {r}: {ok}"
@@ -177,7 +128,7 @@ def test_spawned_ranks_agree_share_the_job_and_fill_rank_and_node(world_size: in
 
 
 def test_a_dead_rank_fails_the_others_within_the_timeout_naming_it(tmp_path: Path) -> None:
-    got = spawn("die_or_fail", 3, tmp_path)
+    got = spawn(die_or_fail, 3, tmp_path)
     assert got[2] is None and got[0] is None, got  # killed: rank 2 at the first key, rank 0 at the second
     assert got[1] and "ok" in got[1], got
     first, second = got[1]["ok"]  # type: ignore[index]
@@ -186,7 +137,7 @@ def test_a_dead_rank_fails_the_others_within_the_timeout_naming_it(tmp_path: Pat
 
 
 def test_a_hung_rank_fails_that_call_naming_it_and_the_next_call_works(tmp_path: Path) -> None:
-    got = spawn("hang", 3, tmp_path)
+    got = spawn(hang, 3, tmp_path)
     assert all(g and "ok" in g for g in got), got
     for r in (0, 1):
         (ranks, msg, took), total = got[r]["ok"]  # type: ignore[index]
