@@ -230,7 +230,7 @@ class Catalog:
         for step in own:
             if step in records or self._legacy(tier, step):
                 out.append(step)
-            elif self._states.get(step, {}).get(tier.name) not in ("pending", "writing"):
+            elif self._orphaned(tier, step):
                 with self.changed:
                     self._orphans.add((step, tier.name))
         return sorted(out)
@@ -251,6 +251,18 @@ class Catalog:
             with self.changed:
                 self._record_sizes[key] = size
         return self._record_sizes[key] != self.world_size
+
+    def _orphaned(self, tier: Tier, step: int) -> bool:
+        """Whether this rank's record-less copy of ``step`` was left by a commit that never completed: not
+        one this hierarchy tracks (its own commits and evictions are in flight or done, and a commit
+        writes the record between the listing and now), and still without a record."""
+        with self.changed:
+            if tier.name in self._states.get(step, {}):
+                return False
+        try:
+            return tier.read_record(step) is None
+        except OSError:
+            return False
 
     def _legacy(self, tier: Tier, step: int) -> bool:
         """Whether this rank's copy of ``step`` on ``tier`` predates commit records (remembered: it
