@@ -17,7 +17,7 @@ from tierckpt.errors import CoordinationError
 
 def test_rank_0_stuck_in_its_decision_leaves_the_outcome_unknown_to_the_others() -> None:
     cs = coordinators(3, timeout=0.3)
-    back = threading.Event()
+    back, gave_up = threading.Event(), threading.Barrier(2)
 
     def decide(values: list[Any]) -> int:  # rank 0, stuck past the others' two waits, then done
         back.wait(10)
@@ -29,6 +29,7 @@ def test_rank_0_stuck_in_its_decision_leaves_the_outcome_unknown_to_the_others()
         t0 = time.monotonic()
         with pytest.raises(CoordinationError) as e:
             cs[r].gather("commit/pfs/5/1", r, decide)
+        gave_up.wait(10)  # both others gave up before rank 0 publishes
         if r == 1:
             back.set()
         assert e.value.ranks == (0,) and e.value.undecided, e.value

@@ -11,7 +11,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from tierckpt.errors import CheckpointNotFoundError, CorruptCheckpointError
+from tierckpt.errors import CheckpointNotFoundError, CoordinationError, CorruptCheckpointError
 from tierckpt.format.manifest import HEADER, MAGIC
 from tierckpt.format.record import RECORDS_SINCE, decode_record
 from tierckpt.policies.placement import CatalogView, Sent
@@ -123,7 +123,7 @@ class Catalog:
                 self._errors.setdefault(step, {})[tier] = error or RuntimeError("failed")
             if state in ("committed", "failed"):  # a commit on this tier had an outcome
                 self._undecided = {(s, t) for s, t in self._undecided if t != tier}
-                if getattr(error, "undecided", False):
+                if isinstance(error, CoordinationError) and error.undecided:
                     self._undecided.add((step, tier))
             self.changed.notify_all()
 
