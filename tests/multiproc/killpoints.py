@@ -29,9 +29,6 @@ POINTS = (
     "write_top", "before_gather", "in_gather", "before_record", "mid_record", "after_record",
     "write_demotion", "after_commit",
 )  # fmt: skip
-#: who dies at each point: rank 0 writes the records of shared tiers; otherwise a rank of the second node
-WHO = {"before_record": 0, "mid_record": 0, "after_record": 0}
-DEFAULT_WHO = 3
 
 
 def die() -> None:

@@ -28,7 +28,7 @@ from typing import Any
 import pytest
 import torch
 from harness import spawn  # tests/multiproc/harness.py
-from killpoints import DEFAULT_WHO, WHO, arm, hang
+from killpoints import arm, hang
 
 N = 4
 TIMEOUT = 3.0
@@ -51,25 +51,29 @@ FAILS: dict[str, tuple[str, ...]] = {
     "before_gather": ("ssd", "pfs"),
     "after_commit": (),
 }
+#: (kill point, lazy or blocking save, the rank killed): rank 0 writes the records of shared tiers; the
+#: other points kill a rank of the second node
 DEFAULT_CHAIN = [
-    ("write_top", "lazy"),
-    ("before_gather", "blocking"),
-    ("mid_record", "lazy"),
-    ("write_demotion", "blocking"),
-    ("after_commit", "lazy"),
+    ("write_top", "lazy", 3),
+    ("before_gather", "blocking", 3),
+    ("mid_record", "lazy", 0),
+    ("write_demotion", "blocking", 3),
+    ("after_commit", "lazy", 3),
 ]
 SLOW_CHAIN = [
-    ("write_top", "blocking"),
-    ("before_gather", "lazy"),
-    ("in_gather", "blocking"),
-    ("before_record", "lazy"),
-    ("mid_record", "blocking"),
-    ("after_record", "lazy"),
-    ("write_demotion", "lazy"),
-    ("after_commit", "blocking"),
-    ("in_gather", "lazy"),
-    ("before_record", "blocking"),
-    ("after_record", "blocking"),
+    ("write_top", "blocking", 3),
+    ("before_gather", "lazy", 3),
+    ("in_gather", "blocking", 3),
+    ("before_record", "lazy", 0),
+    ("mid_record", "blocking", 0),
+    ("after_record", "lazy", 0),
+    ("write_demotion", "lazy", 3),
+    ("after_commit", "blocking", 3),
+    ("in_gather", "lazy", 3),
+    ("before_record", "blocking", 0),
+    ("after_record", "blocking", 0),
+    ("write_top", "lazy", 0),  # rank 0 before it claims a decision: the others claim it and fail it
+    ("before_gather", "blocking", 0),
 ]
 
 
@@ -204,39 +208,38 @@ def _check_killed(got: list[dict[str, Any] | None], point: str, mode: str, who: 
         assert listed == ({str(step): list(committed)} if committed else {}), (r, point, k)
 
 
-def _check_left(tmp: Path, point: str, step: int) -> None:
+def _check_left(tmp: Path, point: str, who: int, step: int) -> None:
     """What the kill left of ``step`` before the restart: the leftovers the restarted job must remove
     are there (so the kill happened where it was meant to)."""
-    name = f"step-{step:012d}"
-    ssd, pfs = (sorted(os.listdir(d)) if d.exists() else [] for d in (tmp / "node1/ssd" / name, tmp / "pfs" / name))
-    if point in ("write_top", "write_demotion"):  # rank 3's scratch copy: blobs, no manifest
+    name, node = f"step-{step:012d}", f"node{who // 2}/ssd"
+    ssd, pfs = (sorted(os.listdir(d)) if d.exists() else [] for d in (tmp / node / name, tmp / "pfs" / name))
+    if point in ("write_top", "write_demotion"):  # the dead rank's scratch copy: blobs, no manifest
         left = ssd if point == "write_top" else pfs
-        scratch = [f for f in left if f.startswith(".tmp-rank-00003-")]
+        scratch = [f for f in left if f.startswith(f".tmp-rank-{who:05d}-")]
         assert len(scratch) == 1, left
-        files = os.listdir(tmp / ("node1/ssd" if point == "write_top" else "pfs") / name / scratch[0])
+        files = os.listdir(tmp / (node if point == "write_top" else "pfs") / name / scratch[0])
         assert files and "manifest" not in files, files
         if point == "write_demotion":
-            assert ssd == ["commit", "rank-00002", "rank-00003"], ssd
-    elif point == "before_gather":  # rank 3's durable copy without a record; the others evicted theirs
-        assert ssd == ["rank-00003"], ssd
+            assert ssd == ["commit", *(f"rank-{r:05d}" for r in range(N) if r // 2 == who // 2)], ssd
+    elif point == "before_gather":  # the dead rank's durable copy without a record; the others evicted theirs
+        assert ssd == [f"rank-{who:05d}"], ssd
     elif point in ("before_record", "mid_record"):  # every rank's copy, no record
         scratch = [f for f in pfs if f.startswith(".tmp-commit-")]
         assert len(scratch) == (point == "mid_record"), pfs
         assert [f for f in pfs if not f.startswith(".tmp-commit-")] == [f"rank-{r:05d}" for r in range(N)], pfs
 
 
-def _run_chain(tmp_path: Path, chain: list[tuple[str, str]]) -> None:
+def _run_chain(tmp_path: Path, chain: list[tuple[str, str, int]]) -> None:
     tmp = str(tmp_path)
     previous, step = 3, 4  # the newest committed step; the step killed next
     done: list[tuple[int, tuple[str, ...]]] = []  # (killed step, tiers where it committed)
-    for i, (point, mode) in enumerate([*chain, (None, None)]):
-        who = WHO.get(point, DEFAULT_WHO) if point else -1
+    for i, (point, mode, who) in enumerate([*chain, (None, None, -1)]):
         stage = {"first": i == 0, "point": point, "mode": mode, "who": who, "next": step - 1, "kill": step}
         got = spawn(job, N, tmp_path, tmp, stage, limit=120)
         alive = [r for r in range(N) if r != who]
         for r in alive:
             assert got[r] is not None and "ok" in got[r], (r, point, got[r])  # type: ignore[operator]
-        if i == 0:  # the hung rank survives every kill point (rank 0 or 3 dies)
+        if i == 0:  # the hung rank is not the one killed
             _check_hung({r: got[r]["ok"]["saves"] for r in alive})  # type: ignore[index]
             _check_disk(tmp_path, HUNG, ())
         else:  # the restart of the previous kill
@@ -251,7 +254,7 @@ def _run_chain(tmp_path: Path, chain: list[tuple[str, str]]) -> None:
         if point is None:
             break
         _check_killed(got, point, mode, who, step)
-        _check_left(tmp_path, point, step)
+        _check_left(tmp_path, point, who, step)
         for r, listed in enumerate(_readonly_listing(tmp_path)):
             assert listed.get(str(step), []) == list(COMMITTED[point]), (r, point, listed)
         done.append((step, COMMITTED[point]))
