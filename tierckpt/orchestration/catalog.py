@@ -11,7 +11,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from tierckpt.errors import CheckpointNotFoundError, CorruptCheckpointError
+from tierckpt.errors import CheckpointNotFoundError, CoordinationError, CorruptCheckpointError
 from tierckpt.format.manifest import HEADER, MAGIC
 from tierckpt.format.record import RECORDS_SINCE, decode_record
 from tierckpt.policies.placement import CatalogView, Sent
@@ -92,6 +92,9 @@ class Catalog:
         self._latest: builtins.set[tuple[int, str]] = set()  # the copies of the newest save (in time)
         self._wanted: dict[int, builtins.set[str]] = {}
         self._orphans: builtins.set[tuple[int, str]] = set()
+        # failed copies whose commit's outcome is unknown (rank 0 may have written the record): not
+        # orphans until the next commit on their tier has an outcome (rank 0 is back, or gone for good)
+        self._undecided: builtins.set[tuple[int, str]] = set()
         self._legacy_copies: builtins.set[tuple[int, str]] = set()
         self._record_sizes: dict[tuple[int, str], int] = {}  # (step, tier): ranks its record names
 
@@ -118,6 +121,10 @@ class Catalog:
                 self._legacy_copies.discard((step, tier))
             if state == "failed":
                 self._errors.setdefault(step, {})[tier] = error or RuntimeError("failed")
+            if state in ("committed", "failed"):  # a commit on this tier had an outcome
+                self._undecided = {(s, t) for s, t in self._undecided if t != tier}
+                if isinstance(error, CoordinationError) and error.undecided:
+                    self._undecided.add((step, tier))
             self.changed.notify_all()
 
     def forget(self, step: int, tier: str) -> None:
@@ -254,10 +261,12 @@ class Catalog:
 
     def _orphaned(self, tier: Tier, step: int) -> bool:
         """Whether this rank's record-less copy of ``step`` was left by a commit that never completed: not
-        one this hierarchy tracks (its own commits and evictions are in flight or done, and a commit
-        writes the record between the listing and now), and still without a record."""
+        one this hierarchy is writing, has committed or is evicting (a commit writes the record between
+        the listing and now): one it does not track, or one whose commit failed (one whose outcome is
+        unknown, only once a later commit on its tier has had one: rank 0 may have been writing its
+        record); and still without a record."""
         with self.changed:
-            if tier.name in self._states.get(step, {}):
+            if self._states.get(step, {}).get(tier.name, "failed") != "failed" or (step, tier.name) in self._undecided:
                 return False
         try:
             return tier.read_record(step) is None

@@ -235,7 +235,8 @@ class FileTier(Tier):
 
     # -- housekeeping ---------------------------------------------------------------------------------
     def _sweep(self) -> None:
-        """Remove scratch directories left by dead processes of this host (crashed saves/evictions)."""
+        """Remove scratch left by dead processes of this host: directories of crashed saves and evictions,
+        files of commit records whose write was interrupted."""
         for step in self._step_dirs():
             try:
                 entries = list(os.scandir(step))
@@ -246,7 +247,11 @@ class FileTier(Tier):
                 if m and m.group(2) == _HOST and not _pid_alive(int(m.group(3))):
                     if m.group(1) == "old" and not (step / e.name.replace(".old-", "", 1)[:10]).exists():
                         continue  # an interrupted non-atomic replace: keep the only copy for inspection
-                    shutil.rmtree(e.path, ignore_errors=True)
+                    if e.is_dir(follow_symlinks=False):
+                        shutil.rmtree(e.path, ignore_errors=True)
+                    else:  # a commit record's scratch file (write_record killed before its rename)
+                        with contextlib.suppress(OSError):
+                            os.unlink(e.path)
             with contextlib.suppress(OSError):
                 step.rmdir()  # empty after a killed save; fails harmlessly when anything is inside
 
