@@ -39,12 +39,13 @@ def die() -> None:
 def arm(point: str, step: int) -> None:
     """Make this process die at ``point`` of its save of ``step``."""
     import tierckpt.tiers._files as files
+    import tierckpt.tiers._filewrite as filewrite
     from tierckpt.orchestration.commit import Commits
     from tierckpt.orchestration.distributed import StoreCoordinator
 
     if point in ("write_top", "write_demotion"):
         tier = "ssd" if point == "write_top" else "pfs"
-        write = files._FileWriter.write
+        write = filewrite.FileWriter.write
 
         def write_then_die(self: Any, blob: int, offset: int, addr: int, nbytes: int) -> Future[int]:
             done = write(self, blob, offset, addr, nbytes)
@@ -53,7 +54,7 @@ def arm(point: str, step: int) -> None:
                 die()
             return done
 
-        files._FileWriter.write = write_then_die  # type: ignore[method-assign]
+        filewrite.FileWriter.write = write_then_die  # type: ignore[method-assign]
     elif point in ("before_gather", "after_commit"):
         tier = "ssd" if point == "before_gather" else "pfs"
         publish = Commits.publish
@@ -90,14 +91,14 @@ def arm(point: str, step: int) -> None:
 
         files.FileTier.write_record = record_around  # type: ignore[method-assign]
     elif point == "mid_record":
-        write_file = files._write_file
+        write_file = files.write_file
 
         def write_file_then_die(path: Path, data: bytes) -> None:
             write_file(path, data)
             if path.name.startswith(".tmp-commit-") and path.parent.name == f"step-{step:012d}" and "pfs" in path.parts:
                 die()
 
-        files._write_file = write_file_then_die
+        files.write_file = write_file_then_die
     else:
         raise ValueError(f"no kill point {point!r} (points: {', '.join(POINTS)})")
 
