@@ -467,6 +467,8 @@ class Hierarchy:
         self.last_restore = (got, name)
         if asked is None:  # a rank that fell back to an older step: every rank restores the same one
             agreed = agreed_step(self.coordinator, got)
+            if agreed is None and replicas is not None and replicas.again:  # it holds its pieces only
+                agreed = got
             if agreed is not None:
                 log.warning("restore: step %d is the newest step every rank could read; reading it", agreed)
                 return self.restore(agreed, into=into, allow_pickle=allow_pickle, tier=tier, strict=strict)

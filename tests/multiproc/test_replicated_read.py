@@ -33,20 +33,21 @@ LAYOUT: dict[str, tuple[tuple[int, ...], torch.dtype, int, str]] = {
 }
 
 
-def full(name: str) -> torch.Tensor:
+def full(name: str, step: int = 1) -> torch.Tensor:
     shape, dtype, _, _ = LAYOUT[name]
     n = torch.tensor(shape).prod().item()
-    return (torch.arange(n, dtype=torch.float64) * 0.25 - len(name)).reshape(shape).to(dtype)
+    return (torch.arange(n, dtype=torch.float64) * 0.25 - len(name) + 1000 * (step - 1)).reshape(shape).to(dtype)
 
 
-def _state(rank: int, saving: bool) -> dict[str, Any]:
+def _state(rank: int, saving: int = 0) -> dict[str, Any]:
+    """The state step ``saving`` saves, or (0) a target of zeros in the restoring layouts."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
     meshes = {1: init_device_mesh("cpu", (WORLD,)), 2: init_device_mesh("cpu", (2, WORLD // 2))}
     out: dict[str, Any] = {"step": 7 if saving else 0}
     for k, (shape, dtype, mesh, spec) in LAYOUT.items():
-        value = full(k) if saving else torch.zeros(shape, dtype=dtype)
+        value = full(k, saving) if saving else torch.zeros(shape, dtype=dtype)
         if not mesh:
             out[k] = value + rank if saving else value
         elif saving:
@@ -63,7 +64,8 @@ def _save(rank: int, world: int, d: str) -> None:
     packing.CHUNK_BYTES = CHUNK
     eng = make_engine("threads", 2)
     with Hierarchy([PfsTier("pfs", Path(d), eng, job="replicas")], job="replicas") as h:
-        h.save(_state(rank, saving=True), step=1, blocking=True)
+        for step in (1, 2):
+            h.save(_state(rank, saving=step), step=step, blocking=True)
 
 
 def _hierarchy(*dirs: str) -> Hierarchy:
@@ -98,7 +100,7 @@ def _record_reads() -> dict[str, list[list[Any]]]:
     return got
 
 
-def _differs(target: dict[str, Any], rank: int) -> list[str]:
+def _differs(target: dict[str, Any], rank: int, step: int = 1) -> list[str]:
     """The names whose values this rank did not get back (each replica checks its own local shard)."""
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
@@ -106,10 +108,10 @@ def _differs(target: dict[str, Any], rank: int) -> list[str]:
     for k, (shape, _, mesh, _) in LAYOUT.items():
         v = target[k]
         if not mesh:
-            bad += [] if torch.equal(v, full(k) + rank) else [k]
+            bad += [] if torch.equal(v, full(k, step) + rank) else [k]
             continue
         sizes, offsets = compute_local_shape_and_global_offset(shape, v.device_mesh, v.placements)
-        want = full(k)[tuple(slice(o, o + n) for o, n in zip(offsets, sizes))]
+        want = full(k, step)[tuple(slice(o, o + n) for o, n in zip(offsets, sizes))]
         bad += [] if torch.equal(v.to_local(), want) else [k]
     return bad
 
@@ -117,17 +119,19 @@ def _differs(target: dict[str, Any], rank: int) -> list[str]:
 def _restore(rank: int, world: int, d: str) -> dict[str, Any]:
     """Restore into the replicated layouts: what differs, and the blob reads."""
     reads = _record_reads()
-    target = _state(rank, saving=False)
+    target = _state(rank)
     with _hierarchy(d) as h:
         h.restore(1, into=target)
     return {"bad": _differs(target, rank), "reads": reads}
 
 
-def _restore_damaged(rank: int, world: int, bad: str, good: str) -> dict[str, Any]:
+def _restore_damaged(rank: int, world: int, bad: str, good: str, bad2: str) -> dict[str, Any]:
     """Restore from a tier whose copy rank 2 reads is damaged (every rank fails), then from that tier
-    and a good one (rank 2 falls back to the good one while the others read the damaged tier)."""
+    and a good one (rank 2 falls back to the good one while the others read the damaged tier), then
+    the newest step from a tier where rank 2's piece of step 2 is damaged (rank 2 falls back to step 1,
+    and so does every rank)."""
     _record_reads()
-    target = _state(rank, saving=False)
+    target = _state(rank)
     start = time.monotonic()
     try:
         with _hierarchy(bad) as h:
@@ -136,11 +140,15 @@ def _restore_damaged(rank: int, world: int, bad: str, good: str) -> dict[str, An
     except Exception as e:
         first = {"type": type(e).__name__, "error": str(e), "ranks": list(getattr(e, "ranks", ()))}
     first["secs"] = time.monotonic() - start
-    target = _state(rank, saving=False)
+    target = _state(rank)
     with _hierarchy(bad, good) as h:
         h.restore(1, into=target)
         where = h.last_restore
-    return {"first": first, "bad": _differs(target, rank), "where": list(where or ())}
+    out = {"first": first, "bad": _differs(target, rank), "where": list(where or ())}
+    target = _state(rank)
+    with _hierarchy(bad2) as h:
+        h.restore(into=target)
+        return out | {"older": [*_differs(target, rank), *(h.last_restore or ())]}
 
 
 @pytest.fixture(scope="module")
@@ -178,16 +186,11 @@ def test_a_rank_whose_read_fails_fails_every_rank_naming_it(saved: Path, tmp_pat
     """Rank 2 reads the third piece of ``rep`` (saved rank 2's shard): a flipped byte there fails its
     read; every other rank raises naming rank 2 at once (no collective entered, nobody waits out a
     timeout). With a good copy on a second tier, rank 2 reads that tier, the others the first."""
-    bad = tmp_path / "bad"
-    shutil.copytree(saved, bad)
-    rd = bad / "step-000000000001" / "rank-00002"
-    m = decode_manifest((rd / "manifest").read_bytes())
-    i = m.tensors.paths.index("state['rep']")
-    blob = rd / m.blobs[m.tensors.blobs[i]].name
-    data = bytearray(blob.read_bytes())
-    data[m.tensors.offsets[i] + CHUNK + 5] ^= 0x10
-    blob.write_bytes(bytes(data))
-    got = spawn(_restore_damaged, WORLD, tmp_path, str(bad), str(saved))
+    bad, bad2 = tmp_path / "bad", tmp_path / "bad2"
+    _damage(saved, bad, 1)
+    _damage(saved, bad2, 2)
+    got = spawn(_restore_damaged, WORLD, tmp_path, str(bad), str(saved), str(bad2))
+    assert all(g and "ok" in g for g in got), got
     res = [g["ok"] for g in got]  # type: ignore[index]
     assert res[2]["first"]["type"] == "CorruptCheckpointError" and "state['rep']" in res[2]["first"]["error"]
     for r in (0, 1, 3):
@@ -197,3 +200,16 @@ def test_a_rank_whose_read_fails_fails_every_rank_naming_it(saved: Path, tmp_pat
     assert all(x["first"]["secs"] < 10 for x in res)  # the coordinator's timeout is 20 s
     assert [x["bad"] for x in res] == [[]] * WORLD
     assert [x["where"] for x in res] == [[1, "pfs0"], [1, "pfs0"], [1, "pfs1"], [1, "pfs0"]]
+    assert [x["older"] for x in res] == [[1, "pfs0"]] * WORLD  # step 1's values on every rank
+
+
+def _damage(saved: Path, to: Path, step: int) -> None:
+    """A copy of ``saved`` where a byte of rank 2's ``rep`` (its second chunk) of ``step`` is flipped."""
+    shutil.copytree(saved, to)
+    rd = to / f"step-{step:012d}" / "rank-00002"
+    m = decode_manifest((rd / "manifest").read_bytes())
+    i = m.tensors.paths.index("state['rep']")
+    blob = rd / m.blobs[m.tensors.blobs[i]].name
+    data = bytearray(blob.read_bytes())
+    data[m.tensors.offsets[i] + CHUNK + 5] ^= 0x10
+    blob.write_bytes(bytes(data))

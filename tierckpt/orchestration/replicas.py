@@ -81,6 +81,9 @@ class ReplicaExchange:
         self.rank = coordinator.rank
         self.key = f"replicas/{next(_counts.setdefault(coordinator, itertools.count(1)))}"
         self.entries: list[_Entry] = []
+        #: the ranks read different steps (a rank fell back to an older one): nothing was exchanged, and
+        #: every rank, this one included, restores the step they agree on again
+        self.again = False
 
     def reset(self) -> None:
         """Forget the plan (a read of another tier or step plans again)."""
@@ -140,6 +143,7 @@ class ReplicaExchange:
         if verdict.get("err"):
             raise CoordinationError(f"restore of step {step}: {verdict['err']}", tuple(verdict["ranks"]))
         if not verdict["go"]:  # ranks read different steps: the restore agrees on one and reads it again
+            self.again = True
             return
         moved = 0
         for e in sorted(self.entries, key=lambda e: (e.path, e.members)):
