@@ -148,7 +148,24 @@ def _restore_damaged(rank: int, world: int, bad: str, good: str, bad2: str) -> d
     target = _state(rank)
     with _hierarchy(bad2) as h:
         h.restore(into=target)
-        return out | {"older": [*_differs(target, rank), *(h.last_restore or ())]}
+        out["older"] = [*_differs(target, rank), *(h.last_restore or ())]
+    return out | {"mismatch": _mismatched(rank, good)}
+
+
+def _mismatched(rank: int, d: str) -> dict[str, Any]:
+    """Rank 1 restores ``rep`` sharded where the others restore it replicated: every rank refuses."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    target = _state(rank)
+    if rank == 1:
+        rep = target["rep"]
+        target["rep"] = DTensor.from_local(torch.zeros(16, 256), rep.device_mesh, [Shard(0)], run_check=False)
+    try:
+        with _hierarchy(d) as h:
+            h.restore(1, into=target)
+    except Exception as e:
+        return {"type": type(e).__name__, "error": str(e), "ranks": list(getattr(e, "ranks", ()))}
+    return {"ok": True}
 
 
 @pytest.fixture(scope="module")
@@ -201,6 +218,10 @@ def test_a_rank_whose_read_fails_fails_every_rank_naming_it(saved: Path, tmp_pat
     assert [x["bad"] for x in res] == [[]] * WORLD
     assert [x["where"] for x in res] == [[1, "pfs0"], [1, "pfs0"], [1, "pfs1"], [1, "pfs0"]]
     assert [x["older"] for x in res] == [[1, "pfs0"]] * WORLD  # step 1's values on every rank
+    want = "differ in their replicated DTensors: rank(s) 1 plan other exchanges than ranks 0, 2, 3 of their group"
+    for x in res:
+        assert x["mismatch"]["type"] == "CoordinationError" and want in x["mismatch"]["error"], x["mismatch"]
+        assert x["mismatch"]["ranks"] == [1]
 
 
 def _damage(saved: Path, to: Path, step: int) -> None:

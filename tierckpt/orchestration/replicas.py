@@ -27,6 +27,7 @@ import itertools
 import logging
 import math
 import weakref
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -101,7 +102,7 @@ class ReplicaExchange:
         dims = [d for d, p in enumerate(dtensor.placements) if p.is_replicate() and mesh.size(d) > 1]
         sizes, offsets = box
         coord = mesh.get_coordinate()
-        if not dims or not math.prod(sizes) or coord is None:
+        if not dims or not sizes or not math.prod(sizes) or coord is None:  # 0-d: each replica reads its few bytes
             return None
         try:
             groups = tuple(mesh.get_group(d) for d in dims)
@@ -194,26 +195,38 @@ def _judge(values: Sequence[dict[str, Any]]) -> dict[str, Any]:
     if failed:
         said = "; ".join(f"rank {r}: {err}" for r, err in failed[:_NAMED])
         more = f" (and {len(failed) - _NAMED} more ranks)" if len(failed) > _NAMED else ""
-        return {"go": False, "err": f"rank(s) {_list(failed)} could not read their part: {said}{more}", "ranks": [r for r, _ in failed]}  # fmt: skip
+        ranks = [r for r, _ in failed]
+        return {"go": False, "err": f"rank(s) {_short(ranks)} could not read their part: {said}{more}", "ranks": ranks}
     if len({v["step"] for v in values}) > 1:
         return {"go": False, "err": None, "ranks": []}
-    seen: dict[int, tuple[int, int, list[int]]] = {}
-    odd: set[int] = set()
+    problems = _disagreements(values)
+    if problems:
+        said, ranks = "; ".join(p for p, _ in problems[:_NAMED]), sorted({r for _, rs in problems for r in rs})
+        return {"go": False, "err": f"the ranks' targets differ in their replicated DTensors: {said}", "ranks": ranks}
+    return {"go": True, "err": None, "ranks": []}
+
+
+def _disagreements(values: Sequence[dict[str, Any]]) -> list[tuple[str, list[int]]]:
+    """Each replica group whose members did not all plan it, or planned it differently: (what, ranks)."""
+    seen: dict[int, tuple[int, list[tuple[int, int]]]] = {}
     for r, v in enumerate(values):
         for group, size, digest in v["groups"]:
-            size0, digest0, ranks = seen.setdefault(group, (size, digest, []))
-            ranks.append(r)
-            if (size, digest) != (size0, digest0):
-                odd.update((ranks[0], r))
-    odd.update(r for size, _, ranks in seen.values() if len(ranks) != size for r in ranks)
-    if odd:
-        return {
-            "go": False,
-            "err": f"ranks {sorted(odd)[: _NAMED * 4]} planned different exchanges of replicated tensors "
-            "(their targets differ in the DTensors, meshes or placements they hold)",
-            "ranks": sorted(odd),
-        }
-    return {"go": True, "err": None, "ranks": []}
+            seen.setdefault(group, (size, []))[1].append((r, digest))
+    out = []
+    for size, got in seen.values():
+        ranks = [r for r, _ in got]
+        if len(got) != size:
+            out.append((f"ranks {_short(ranks)} plan an exchange among {size} ranks that only they plan", ranks))
+        elif len({d for _, d in got}) > 1:  # name the ranks that differ from the most common plan
+            common = Counter(d for _, d in got).most_common(1)[0][0]
+            odd = [r for r, d in got if d != common]
+            same = [r for r, d in got if d == common]
+            out.append((f"rank(s) {_short(odd)} plan other exchanges than ranks {_short(same)} of their group", odd))
+    return out
+
+
+def _short(ranks: Sequence[int]) -> str:
+    return ", ".join(map(str, ranks[:16])) + (f" … ({len(ranks)} ranks)" if len(ranks) > 16 else "")
 
 
 def _exchange(e: _Entry) -> int:
@@ -271,7 +284,3 @@ def _at_all(coord: Sequence[int], dims: Sequence[int], xs: Sequence[int]) -> tup
 
 def _digest(text: str) -> int:
     return xxhash.xxh3_64_intdigest(text.encode())
-
-
-def _list(failed: Sequence[tuple[int, str]]) -> str:
-    return ", ".join(str(r) for r, _ in failed[:_NAMED]) + ("…" if len(failed) > _NAMED else "")
