@@ -3,13 +3,14 @@ the reads of the box they all hold, then exchange the pieces over the mesh's own
 (docs/distributed.md, "Reading replicated bytes once").
 
 For a DTensor target whose placements hold ``Replicate`` on mesh dims ``D`` (each of size > 1), every
-rank with the same coordinates on the other dims holds the same box. The ``k`` members of that group
-(ordered by their coordinates on ``D``, row-major) split the box along its first dim of size > 1 (so
-that each piece is one contiguous range of the local shard and of every saved shard it overlaps) into
-``n = min(k, that dim's size, box bytes // MIN_PIECE_BYTES)`` near-equal pieces, read by ``n``
-consecutive members (which ones: from a hash of the key path, so that small tensors spread over the
-group). Each rank reads and verifies only its pieces (shardread.py, as for any box), on whatever tier
-its restore falls back to.
+rank with the same coordinates on the other dims holds the same box. Of the ``k`` members of that
+group (ordered by their coordinates on ``D``, row-major), one that saved a shard holding the whole box
+reads it from its own copy (the usual restart: the replica that wrote it); else they split the box
+along its first dim of size > 1 (so that each piece is one contiguous range of the local shard and of
+every saved shard it overlaps) into ``n = min(k, that dim's size, box bytes // MIN_PIECE_BYTES)``
+near-equal pieces, read by ``n`` consecutive members (which ones: from a hash of the key path, so that
+small tensors spread over the group). Each rank reads and verifies only its pieces (shardread.py, as
+for any box), on whatever tier its restore falls back to.
 
 Then the ranks agree, through the hierarchy's coordinator (one keyed ``gather``: its store, its
 timeout), that every rank's reads succeeded, on the same step, with the same plan for every group (a
