@@ -230,7 +230,10 @@ def _damage(saved: Path, to: Path, step: int) -> None:
     rd = to / f"step-{step:012d}" / "rank-00002"
     m = decode_manifest((rd / "manifest").read_bytes())
     i = m.tensors.paths.index("state['rep']")
-    blob = rd / m.blobs[m.tensors.blobs[i]].name
+    b = m.tensors.blobs[i]
+    blob, base = rd / m.blobs[b].name, 0
+    if not blob.exists():  # the blobs of the copy in one data file, one after the other
+        blob, base = rd / "data.bin", sum(x.size for x in m.blobs[:b])
     data = bytearray(blob.read_bytes())
-    data[m.tensors.offsets[i] + CHUNK + 5] ^= 0x10
+    data[base + m.tensors.offsets[i] + CHUNK + 5] ^= 0x10
     blob.write_bytes(bytes(data))
