@@ -253,11 +253,14 @@ class Catalog:
         return self._record_sizes[key] != self.world_size
 
     def _orphaned(self, tier: Tier, step: int) -> bool:
-        """Whether this rank's record-less copy of ``step`` was left by a commit that never completed: not
-        one this hierarchy tracks (its own commits and evictions are in flight or done, and a commit
-        writes the record between the listing and now), and still without a record."""
+        """Whether this rank's record-less copy of ``step`` is to be removed, its record still missing when
+        looked at again: a copy left by a commit that never completed (one this hierarchy does not track:
+        its own commits write the record between the listing and now), or a copy this hierarchy committed
+        whose record another process removed, evicting the step (the other ranks of its node on a
+        node-local tier, rank 0 on a shared one), that no transfer of this rank is reading."""
         with self.changed:
-            if tier.name in self._states.get(step, {}):
+            tracked = self._states.get(step, {}).get(tier.name)
+            if tracked is not None and (tracked != "committed" or (step, tier.name) in self._pins):
                 return False
         try:
             return tier.read_record(step) is None
@@ -283,8 +286,9 @@ class Catalog:
 
     def orphans(self) -> list[tuple[int, str]]:
         """This rank's copies that were listed without their step's commit record and that this
-        hierarchy is not writing: left by a commit that never completed (a rank died, a process was
-        killed between its copy and the record); the mover evicts them."""
+        hierarchy is not writing, reading or evicting: left by a commit that never completed (a rank
+        died, a process was killed between its copy and the record), or unlisted by another rank's
+        eviction of the step (see :meth:`_orphaned`); the mover evicts them."""
         with self.changed:
             out, self._orphans = sorted(self._orphans), set()
         return out
