@@ -278,8 +278,9 @@ def test_restore_on_the_same_world_size_with_one_node_lost_continues_exactly(sav
 
 
 # Another world size splits each global batch into other slices and sums the gradients in another order
-# (FSDP's reduce-scatter over other ranks): the same sums, rounded differently, so the continued losses
-# agree with the uninterrupted run's to float32 rounding, not bit for bit. The restored state is still
+# (FSDP's reduce-scatter over other ranks, or none in one process): the same sums, which may round
+# differently, so the continued losses need only agree with the uninterrupted run's to float32 rounding
+# (seen here: 2 and 8 ranks bit for bit, one process a last bit off). The restored state is still
 # compared bit for bit.
 ROUNDING = 1e-5
 
