@@ -146,8 +146,12 @@ class CoordinationError(TierckptError, RuntimeError):
 
     Attributes:
         ranks: the ranks that did not answer (empty when unknown).
+        undecided: whether rank 0 may have made the decision all the same: it had taken the call up
+            (claimed it) but published no outcome in time, so it may have acted on it (a commit's
+            record may be written) before it died or while it was stuck; a rank cannot tell.
     """
 
-    def __init__(self, message: str, ranks: tuple[int, ...] = ()) -> None:
+    def __init__(self, message: str, ranks: tuple[int, ...] = (), *, undecided: bool = False) -> None:
         super().__init__(message)
         self.ranks = ranks
+        self.undecided = undecided

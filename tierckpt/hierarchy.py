@@ -45,6 +45,7 @@ from tierckpt.orchestration.handles import SaveHandle
 from tierckpt.orchestration.mover import Mover
 from tierckpt.orchestration.pending import Pending
 from tierckpt.orchestration.process import gc_paused, install_flush_handler
+from tierckpt.orchestration.replicas import replica_exchange, settled
 from tierckpt.orchestration.restore import load_manifest, read_checkpoint
 from tierckpt.orchestration.restore_into import RestoreStaging
 from tierckpt.orchestration.savejob import SaveJob
@@ -455,14 +456,19 @@ class Hierarchy:
             key = CheckpointKey(s, self.rank)
             if into is None:
                 return read_checkpoint(self.tier(name), key, allow_pickle=allow_pickle)[0]
-            return self._in_place.restore(self.tier(name), key, into, allow_pickle=allow_pickle, strict=strict)
+            return self._in_place.restore(
+                self.tier(name), key, into, allow_pickle=allow_pickle, strict=strict, replicas=replicas
+            )
 
         where = f"rank {self.rank} on " + (f"tier {tier!r}" if tier else "any tier")
         listing = lambda: listed.pop() if listed else self._catalog.committed_steps(tier)  # noqa: E731
-        state, got, name = choose_and_read(listing, read, step, where)
+        replicas = replica_exchange(self.coordinator, into)  # a job's replicated DTensors: read once, exchanged
+        state, got, name = settled(replicas, lambda: choose_and_read(listing, read, step, where))
         self.last_restore = (got, name)
         if asked is None:  # a rank that fell back to an older step: every rank restores the same one
             agreed = agreed_step(self.coordinator, got)
+            if agreed is None and replicas is not None and replicas.again:  # it holds its pieces only
+                agreed = got
             if agreed is not None:
                 log.warning("restore: step %d is the newest step every rank could read; reading it", agreed)
                 return self.restore(agreed, into=into, allow_pickle=allow_pickle, tier=tier, strict=strict)

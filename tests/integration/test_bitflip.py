@@ -93,7 +93,7 @@ class Flipper:
             self.blob_lens = [b.numel() for b in self.rec.blobs]
         else:
             rank_dir = next(Path(tier.path).glob("step-*/rank-00000"))  # type: ignore[attr-defined]
-            self.files = [rank_dir / "manifest", *sorted(rank_dir.glob("blob-*"))]
+            self.files = [rank_dir / "manifest", *sorted(rank_dir.glob("blob-*")), *rank_dir.glob("data.bin")]
             self.manifest_len = self.files[0].stat().st_size
             self.blob_lens = [f.stat().st_size for f in self.files[1:]]
 

@@ -11,6 +11,7 @@ import torch
 import tierckpt
 from tierckpt import Hierarchy, TierckptError
 from tierckpt.cli import main
+from tierckpt.testing.tamper import blob_file
 from tierckpt.tiers._lease import LEASE_DIR
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -56,9 +57,9 @@ def test_ls_inspect_verify(config: Path, capsys: pytest.CaptureFixture[str]) -> 
 def test_verify_detects_a_flipped_byte_anywhere(
     config: Path, capsys: pytest.CaptureFixture[str], pos: int, what: str
 ) -> None:
-    blob = config.parent / "pfs" / "step-000000000002" / "rank-00000" / "blob-00000.bin"
+    blob, base = blob_file(config.parent / "pfs" / "step-000000000002" / "rank-00000")
     data = bytearray(blob.read_bytes())
-    data[pos] ^= 0x01
+    data[base + pos] ^= 0x01
     blob.write_bytes(bytes(data))
     rc, out = run_json(capsys, "verify", str(config))
     assert rc == 1 and not out["ok"]

@@ -31,7 +31,7 @@ from tierckpt import (
 from tierckpt.bench.workloads import zeros_like_state
 from tierckpt.format.manifest import BlobEntry, Manifest, decode_manifest, encode_manifest
 from tierckpt.format.tree import flatten
-from tierckpt.testing.tamper import rewrite_manifest
+from tierckpt.testing.tamper import blob_file, rewrite_manifest
 from tierckpt.tiers._lease import LEASE_DIR
 
 SCRATCH_PREFIXES = (".tmp-", ".old-", ".evict-")
@@ -103,6 +103,12 @@ def scratch_entries(root: Path) -> list[Path]:
 def tier_entries(root: Path) -> list[str]:
     """Every path under a tier directory, relative to it."""
     return sorted(str(p.relative_to(root)) for p in root.rglob("*") if LEASE_DIR not in p.parts)
+
+
+def flip_blob_byte(rank: Path, blob: int, pos: int) -> None:
+    """Flip byte ``pos`` of blob ``blob`` of the copy in ``rank`` (a file a blob, or one data file)."""
+    path, base = blob_file(rank, blob)
+    flip_byte(path, base + pos)
 
 
 def flip_byte(path: Path, pos: int) -> None:
@@ -210,7 +216,7 @@ def test_flipped_byte_single_tier_is_corrupt(one: Hierarchy, position: str, loop
     _, m = one.inspect(4)
     assert len(m.blobs) >= 2
     _, blob, pos, key = next(t for t in flip_targets(m) if t[0] == position)
-    flip_byte(rank_dir(one, "ssd", 4) / m.blobs[blob].name, pos)
+    flip_blob_byte(rank_dir(one, "ssd", 4), blob, pos)
 
     with pytest.raises(CorruptCheckpointError) as ei:
         one.restore()
@@ -235,7 +241,7 @@ def test_flipped_byte_falls_back_to_the_other_tier(
     two.save(state, step=4).wait()
     _, m = two.inspect(4)
     _, blob, pos, key = next(t for t in flip_targets(m) if t[0] == position)
-    flip_byte(rank_dir(two, bad, 4) / m.blobs[blob].name, pos)
+    flip_blob_byte(rank_dir(two, bad, 4), blob, pos)
 
     with caplog.at_level(logging.WARNING, logger="tierckpt"):
         restored = two.restore()
@@ -272,7 +278,7 @@ def test_damage_in_padding_is_found(two: Hierarchy, where: str, caplog: pytest.L
         gaps = [(a_end, b_start) for (_, a_end), (b_start, _) in itertools.pairwise(spans) if b_start > a_end]
         assert gaps, spans
         pos = gaps[0][0] if where == "gap-between-tensors" else gaps[-1][1] - 1
-    flip_byte(rank_dir(two, "ssd", 1) / m.blobs[0].name, pos)
+    flip_blob_byte(rank_dir(two, "ssd", 1), 0, pos)
 
     with pytest.raises(CorruptCheckpointError) as ei:
         two.restore(tier="ssd")
@@ -288,7 +294,7 @@ def test_every_copy_damaged_raises_the_first_error(two: Hierarchy, caplog: pytes
     two.save(small_state(), step=2).wait()
     _, m = two.inspect(2)
     for tier in ("ssd", "pfs"):
-        flip_byte(rank_dir(two, tier, 2) / m.blobs[0].name, m.tensors[0].offset)
+        flip_blob_byte(rank_dir(two, tier, 2), 0, m.tensors[0].offset)
     with caplog.at_level(logging.WARNING, logger="tierckpt"), pytest.raises(CorruptCheckpointError) as ei:
         two.restore()
     assert ei.value.tier == "ssd"
@@ -573,7 +579,8 @@ def test_saving_a_step_twice_replaces_it(tmp_path: Path, two: Hierarchy) -> None
         step_dir = rank_dir(two, tier, 10).parent
         assert sorted(os.listdir(step_dir)) == ["commit", "rank-00000"]  # no scratch copy of the old one left
         _, m = two.inspect(10)
-        assert sorted(os.listdir(rank_dir(two, tier, 10))) == sorted(["manifest", *(b.name for b in m.blobs)])
+        files = ["data.bin"] if tier == "pfs" else [b.name for b in m.blobs]  # pfs: one data file a copy
+        assert sorted(os.listdir(rank_dir(two, tier, 10))) == sorted(["manifest", *files])
     assert len(blobs_first) > len(os.listdir(rank_dir(two, "ssd", 10)))  # the old extra blobs are gone
     assert_same(second, two.restore())
     assert [e for _, _, e in two.verify()] == [None, None]

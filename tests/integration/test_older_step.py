@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from tierckpt import CorruptCheckpointError, Hierarchy
+from tierckpt.testing.tamper import blob_file
 
 
 def cfg(tmp_path: Path) -> dict[str, Any]:
@@ -32,10 +33,11 @@ def state(step: int) -> dict[str, Any]:
 def damage(tmp_path: Path, step: int, *tiers: str) -> None:
     """Flip one byte of the first tensor in blob 0 of ``step`` on each of ``tiers``."""
     for t in tiers:
-        blob = tmp_path / t / f"step-{step:012d}" / "rank-00000" / "blob-00000.bin"
+        blob, base = blob_file(tmp_path / t / f"step-{step:012d}" / "rank-00000")
         with open(blob, "r+b") as f:
+            f.seek(base)
             b = f.read(1)
-            f.seek(0)
+            f.seek(base)
             f.write(bytes([b[0] ^ 0xFF]))
             f.flush()
             os.fsync(f.fileno())

@@ -201,7 +201,7 @@ def test_the_first_write_does_not_wait_for_every_source_address(
         pytest.skip("tierckpt.format._native is not built here")
     state = {f"t{i}": rand((1024 + i % 7,), torch.float32, i) for i in range(2000)}  # ~8 MB
     looked, at_first_write = [0], []
-    source, write = tierckpt.orchestration.packing._source, tierckpt.tiers._files._FileWriter.write
+    source, write = tierckpt.orchestration.packing._source, tierckpt.tiers._filewrite.FileWriter.write
 
     def counted(t: torch.Tensor) -> int:
         looked[0] += 1
@@ -213,7 +213,7 @@ def test_the_first_write_does_not_wait_for_every_source_address(
         return write(self, *a)
 
     monkeypatch.setattr(tierckpt.orchestration.packing, "_source", counted)
-    monkeypatch.setattr(tierckpt.tiers._files._FileWriter, "write", first)
+    monkeypatch.setattr(tierckpt.tiers._filewrite.FileWriter, "write", first)
     with Hierarchy.from_config(cfg(tmp_path, "ssd", io={"chunk": "1MiB"})) as h:
         h.save(state, step=1).wait()
         assert looked[0] == len(state)
@@ -232,7 +232,7 @@ def test_the_manifest_is_encoded_while_the_last_writes_are_in_flight(
 
     state = {f"t{i}": rand((1024 + i % 7,), torch.float32, i) for i in range(2000)}  # ~8 MB: 2 chunks, 6 slots
     built, held = threading.Event(), []
-    build, write = tierckpt.orchestration.savejob.build_manifest, tierckpt.tiers._files._FileWriter.write
+    build, write = tierckpt.orchestration.savejob.build_manifest, tierckpt.tiers._filewrite.FileWriter.write
 
     def building(*a: Any, **k: Any) -> bytes:
         out = build(*a, **k)
@@ -253,7 +253,7 @@ def test_the_manifest_is_encoded_while_the_last_writes_are_in_flight(
                 outer.set_exception(TimeoutError("the manifest was not built while the writes were in flight"))
 
     monkeypatch.setattr(tierckpt.orchestration.savejob, "build_manifest", building)
-    monkeypatch.setattr(tierckpt.tiers._files._FileWriter, "write", held_write)
+    monkeypatch.setattr(tierckpt.tiers._filewrite.FileWriter, "write", held_write)
     releaser = threading.Thread(target=release)
     releaser.start()
     try:

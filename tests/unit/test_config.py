@@ -275,7 +275,7 @@ def test_options_and_location_shape(entry: dict, message: str) -> None:
 @pytest.mark.parametrize(
     ("entry", "message"),
     [({"name": "h", "kind": "host", "options": {"pinned": True}}, r"^tiers\[0\]\.options\.pinned: unknown option \(a host tier takes: none\)"),
-     ({"name": "s", "kind": "local", "path": "/tmp/x", "options": {"bucket": "b"}}, r"^tiers\[0\]\.options\.bucket: unknown option \(a local tier takes: none\)"),
+     ({"name": "s", "kind": "local", "path": "/tmp/x", "options": {"bucket": "b"}}, r"^tiers\[0\]\.options\.bucket: unknown option \(a local tier takes: one_file\)"),
      ({"name": "p", "kind": "pfs", "path": "s3://bucket/p"}, r"^tiers\[0\]\.path: a pfs tier takes a directory, not a URL, got 's3://bucket/p'"),
      ({"name": "g", "kind": "gpu", "options": {"device": "tpu:0"}}, r"^tiers\[0\]\.options\.device: expected a string matching"),
      ({"name": "g", "kind": "gpu", "options": {"dev": "cuda:0"}}, r"^tiers\[0\]\.options\.dev: unknown option \(a gpu tier takes: device\)")],

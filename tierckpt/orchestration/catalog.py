@@ -11,7 +11,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from tierckpt.errors import CheckpointNotFoundError, CorruptCheckpointError
+from tierckpt.errors import CheckpointNotFoundError, CoordinationError, CorruptCheckpointError
 from tierckpt.format.manifest import HEADER, MAGIC
 from tierckpt.format.record import RECORDS_SINCE, decode_record
 from tierckpt.policies.placement import CatalogView, Sent
@@ -92,6 +92,9 @@ class Catalog:
         self._latest: builtins.set[tuple[int, str]] = set()  # the copies of the newest save (in time)
         self._wanted: dict[int, builtins.set[str]] = {}
         self._orphans: builtins.set[tuple[int, str]] = set()
+        # failed copies whose commit's outcome is unknown (rank 0 may have written the record): not
+        # orphans until the next commit on their tier has an outcome (rank 0 is back, or gone for good)
+        self._undecided: builtins.set[tuple[int, str]] = set()
         self._legacy_copies: builtins.set[tuple[int, str]] = set()
         self._record_sizes: dict[tuple[int, str], int] = {}  # (step, tier): ranks its record names
 
@@ -118,6 +121,10 @@ class Catalog:
                 self._legacy_copies.discard((step, tier))
             if state == "failed":
                 self._errors.setdefault(step, {})[tier] = error or RuntimeError("failed")
+            if state in ("committed", "failed"):  # a commit on this tier had an outcome
+                self._undecided = {(s, t) for s, t in self._undecided if t != tier}
+                if isinstance(error, CoordinationError) and error.undecided:
+                    self._undecided.add((step, tier))
             self.changed.notify_all()
 
     def forget(self, step: int, tier: str) -> None:
@@ -254,13 +261,17 @@ class Catalog:
 
     def _orphaned(self, tier: Tier, step: int) -> bool:
         """Whether this rank's record-less copy of ``step`` is to be removed, its record still missing when
-        looked at again: a copy left by a commit that never completed (one this hierarchy does not track:
-        its own commits write the record between the listing and now), or a copy this hierarchy committed
-        whose record another process removed, evicting the step (the other ranks of its node on a
-        node-local tier, rank 0 on a shared one), that no transfer of this rank is reading."""
+        looked at again: a copy left by a commit that never completed (one this hierarchy does not track,
+        or one whose commit failed; one whose outcome is unknown, only once a later commit on its tier
+        has had one: rank 0 may have been writing its record), or a copy this hierarchy committed whose
+        record another process removed, evicting the step (the other ranks of its node on a node-local
+        tier, rank 0 on a shared one), that no transfer of this rank is reading. Not one it is writing or
+        evicting (a commit writes the record between the listing and now)."""
         with self.changed:
-            tracked = self._states.get(step, {}).get(tier.name)
-            if tracked is not None and (tracked != "committed" or (step, tier.name) in self._pins):
+            state = self._states.get(step, {}).get(tier.name, "failed")
+            if state not in ("failed", "committed") or (step, tier.name) in self._undecided:
+                return False
+            if state == "committed" and (step, tier.name) in self._pins:
                 return False
         try:
             return tier.read_record(step) is None

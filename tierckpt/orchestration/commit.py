@@ -15,6 +15,12 @@ Failure (a rank's copy failed, a rank did not answer within the coordinator's ti
 raises, evicts its own copy of the step from that tier and removes the step's record there, so the
 step is never listed and nothing of it stays behind; the save's ``durable[tier]`` future carries the
 error (naming the ranks), the training goes on and the next save commits normally.
+
+An unknown outcome (rank 0 took the decision up but published nothing in time: it died or hung while
+deciding, perhaps after writing the record): the other ranks raise, naming rank 0, but keep their
+copies, since the step may be committed (a record naming evicted copies would list a step some ranks
+cannot read). A copy whose record never comes is an orphan: retention removes it
+(``Catalog.orphans``).
 """
 
 from __future__ import annotations
@@ -25,7 +31,7 @@ from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
-from tierckpt.errors import TierckptError
+from tierckpt.errors import CoordinationError, TierckptError
 from tierckpt.format.record import CommitRecord, encode_record, manifest_tag
 from tierckpt.orchestration.coordinator import Coordinator
 from tierckpt.tiers.base import CheckpointKey, Tier
@@ -79,6 +85,13 @@ class Commits:
             return None
         try:
             return self._gather(tier, key.step, manifest_tag(manifest), then)
+        except CoordinationError as e:
+            if not e.undecided:
+                self._undo(tier, key)
+            else:  # rank 0 may have written the record: the copy stays (an orphan if no record comes)
+                log.warning("step %d on tier %r: the commit's outcome is unknown (%s); this rank's copy stays, "
+                            "and is removed by retention unless the step's record is there", key.step, tier.name, e)  # fmt: skip
+            raise
         except BaseException:
             self._undo(tier, key)
             raise

@@ -325,7 +325,12 @@ class StoreCoordinator:
             self._op(st.set, k.result, gave_up, what=key)
         elif won == b"0" and not self._wait(st, k.result, wait + _grace(wait), key):
             # rank 0 is here (waiting for a rank, or deciding) but published nothing in time
-            raise CoordinationError(f"{key!r}: rank 0 arrived but published no outcome within {wait:g} s", (0,))
+            raise CoordinationError(
+                f"{key!r}: rank 0 arrived but published no outcome within {wait:g} s (it may have decided: "
+                "the outcome is unknown)",
+                (0,),
+                undecided=True,
+            )
         elif won != b"0" and not self._wait(st, k.result, wait, key):
             raise CoordinationError(decode(gave_up)["err"], (0,))
 

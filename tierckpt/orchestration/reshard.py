@@ -16,18 +16,22 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Sequence
-from typing import Any
+from functools import partial
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from tierckpt.errors import StateError
 from tierckpt.format.manifest import Manifest, dtype_from_name
-from tierckpt.format.sharding import placement_of, shard_box
+from tierckpt.format.sharding import placement_of, shard_box, writer_of
 from tierckpt.format.tree import resolve_tree
 from tierckpt.orchestration.matching import Match, match_target
 from tierckpt.orchestration.restore import load_tree
-from tierckpt.orchestration.shardread import Copies, Dest, Filler
+from tierckpt.orchestration.shardread import Box, Copies, Dest, Filler
 from tierckpt.tiers.base import CheckpointKey, Tier
+
+if TYPE_CHECKING:
+    from tierckpt.orchestration.replicas import ReplicaExchange
 
 __all__ = ["holds_dtensor", "read_box", "read_sharded", "restore_sharded"]
 
@@ -58,6 +62,7 @@ def restore_sharded(
     allow_pickle: bool,
     strict: bool = True,
     others: Sequence[Tier] = (),
+    replicas: ReplicaExchange | None = None,
 ) -> Any:
     """Restore ``key`` from ``tier`` into ``target`` (which may hold DTensors sharded for this run);
     returns ``target``. Works for any saved and restoring world size and mesh.
@@ -68,6 +73,9 @@ def restore_sharded(
     before any byte of it changes.
 
     ``others``: tiers to take another rank's copy from where ``tier`` lacks it (fastest first).
+    ``replicas``: in a job, the exchange that splits the reads of replicated DTensor targets among
+    their replicas (orchestration/replicas.py): this call reads this rank's pieces only, and the
+    caller runs the exchange (:meth:`~tierckpt.orchestration.replicas.ReplicaExchange.settle`).
 
     Raises:
         StateError: ``target`` does not match (nothing changed), or a DTensor target is ``Partial``.
@@ -76,6 +84,8 @@ def restore_sharded(
         CheckpointNotFoundError: a copy that holds needed bytes is missing on this tier.
     """
     copies = Copies(tier, key.step, allow_pickle, others)
+    if replicas is not None:
+        replicas.reset()
     try:
         base = copies.base(key.rank)
         m = base.m
@@ -85,7 +95,7 @@ def restore_sharded(
         todo = match_target(
             m, target, addrs, allow_pickle=allow_pickle, tier=tier, key=bkey, strict=strict, shapes=shapes
         )
-        dests = _destinations(m, todo, shapes)
+        dests = _destinations(m, todo, shapes, replicas)
         Filler(copies, base).fill(dests)
     finally:
         copies.close()
@@ -157,8 +167,11 @@ def read_box(
     return out
 
 
-def _destinations(m: Manifest, todo: Match, shapes: list[tuple[int, ...]]) -> list[Dest]:
-    """What to fill: each directly matched target, each fresh tensor, each DTensor's local shard."""
+def _destinations(
+    m: Manifest, todo: Match, shapes: list[tuple[int, ...]], replicas: ReplicaExchange | None = None
+) -> list[Dest]:
+    """What to fill: each directly matched target, each fresh tensor, each DTensor's local shard (of a
+    replicated one matched with a sharded row, this rank's piece where ``replicas`` splits it)."""
     out: list[Dest] = []
     whole = lambda t: (tuple(t.shape), (0,) * t.dim())  # noqa: E731
     for i, d in enumerate(todo.direct):
@@ -180,8 +193,24 @@ def _destinations(m: Manifest, todo: Match, shapes: list[tuple[int, ...]]) -> li
             box = shard_box(tuple(dtensor.shape), tuple(mesh.shape), tuple(coord), places)
         except ValueError as e:
             raise StateError(f"target {m.tensors.paths[i]}: {e}") from None
-        out.append(Dest(i, local, box))
+        piece = None
+        if replicas is not None and i in m.sharding:
+            piece = replicas.plan(m.tensors.paths[i], dtensor, local, box, partial(_stored_box, m, i))
+        out.append(Dest(i, *piece) if piece else Dest(i, local, box))
     return out
+
+
+def _stored_box(m: Manifest, i: int, rank: int) -> Box | None:
+    """The box of sharded row ``i`` that saved rank ``rank`` stored, or None (it stored none)."""
+    spec = m.sharding[i]
+    mesh = m.meshes[spec.mesh]
+    coord = mesh.coordinate(rank)
+    if coord is None or writer_of(coord, spec.placements) != coord:
+        return None
+    try:
+        return shard_box(spec.global_shape, mesh.shape, coord, spec.placements)
+    except ValueError:  # the reads name the problem
+        return None
 
 
 def _apply(todo: Match, n_tensors: int) -> None:

@@ -21,7 +21,7 @@ import threading
 from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import xxhash
@@ -37,6 +37,9 @@ from tierckpt.orchestration.matching import Match, match_target
 from tierckpt.orchestration.reshard import holds_dtensor, restore_sharded
 from tierckpt.orchestration.restore import load_head, load_rest
 from tierckpt.tiers.base import CheckpointKey, Tier, TierReader
+
+if TYPE_CHECKING:
+    from tierckpt.orchestration.replicas import ReplicaExchange
 
 __all__ = ["RestoreStaging", "restore_into"]
 
@@ -79,11 +82,22 @@ class RestoreStaging:
         with self.lock:
             self._pool = None
 
-    def restore(self, tier: Tier, key: CheckpointKey, target: Any, *, allow_pickle: bool, strict: bool = True) -> Any:
+    def restore(
+        self,
+        tier: Tier,
+        key: CheckpointKey,
+        target: Any,
+        *,
+        allow_pickle: bool,
+        strict: bool = True,
+        replicas: ReplicaExchange | None = None,
+    ) -> Any:
         """:func:`restore_into` through these buffers; concurrent calls take turns."""
         others = [t for t in self.tiers if t is not tier]
         with self.lock:
-            return restore_into(tier, key, target, self.pool, allow_pickle=allow_pickle, strict=strict, others=others)
+            return restore_into(
+                tier, key, target, self.pool, allow_pickle=allow_pickle, strict=strict, others=others, replicas=replicas
+            )
 
 
 def restore_into(
@@ -95,6 +109,7 @@ def restore_into(
     allow_pickle: bool,
     strict: bool = True,
     others: Sequence[Tier] = (),
+    replicas: ReplicaExchange | None = None,
 ) -> Any:
     """Restore ``key`` from ``tier`` into ``target``'s tensors in place; returns ``target``.
 
@@ -112,6 +127,8 @@ def restore_into(
             target has is left as it is and one only the checkpoint has is added (with a warning).
         others: for a sharded checkpoint or DTensor target (orchestration/reshard.py), the tiers to
             take another rank's copy from where ``tier`` lacks it.
+        replicas: for a DTensor target in a job, the exchange that splits the reads of its replicated
+            shards among their replicas (orchestration/replicas.py; the caller settles it).
 
     Raises:
         StateError: ``target`` does not match the checkpoint (nothing was changed; every mismatch is
@@ -122,11 +139,15 @@ def restore_into(
             flight); no value is assigned and no other tensor is changed.
     """
     if holds_dtensor(target):  # sharded for this run: read what overlaps each shard (any saved layout)
-        return restore_sharded(tier, key, target, allow_pickle=allow_pickle, strict=strict, others=others)
+        return restore_sharded(
+            tier, key, target, allow_pickle=allow_pickle, strict=strict, others=others, replicas=replicas
+        )
     with tier.open_copy(key) as copy:  # one copy; each blob's size is checked against its file here
         head = load_head(tier, key, allow_pickle=allow_pickle, copy=copy)
         if head.meshes:  # a sharded checkpoint: plain targets take whole global tensors
-            return restore_sharded(tier, key, target, allow_pickle=allow_pickle, strict=strict, others=others)
+            return restore_sharded(
+                tier, key, target, allow_pickle=allow_pickle, strict=strict, others=others, replicas=replicas
+            )
         reader = copy.reader(head.blobs)
     try:
         stream = _Stream(tier, key, head, reader, lambda: pool(head.align))

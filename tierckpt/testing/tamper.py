@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tierckpt.format.manifest import HEADER
+from tierckpt.format.manifest import HEADER, decode_manifest
 from tierckpt.format.record import RECORDS_SINCE, decode_record, encode_record, manifest_tag
 
-__all__ = ["rewrite_manifest"]
+__all__ = ["blob_file", "rewrite_manifest"]
 
 
 def rewrite_manifest(path: Path, data: bytes) -> None:
@@ -23,3 +23,14 @@ def rewrite_manifest(path: Path, data: bytes) -> None:
     tags = list(record.manifests)
     tags[rank] = manifest_tag(data)
     record_path.write_bytes(encode_record(type(record)(record.step, record.world_size, tuple(tags))))
+
+
+def blob_file(rank_dir: Path, blob: int = 0) -> tuple[Path, int]:
+    """Where blob ``blob`` of the copy in ``rank_dir`` lies: its file and its offset in it (0 for a file a
+    blob; the sum of the sizes before it in a ``data.bin`` holding all of them, see
+    tierckpt.tiers._filewrite)."""
+    blobs = decode_manifest((rank_dir / "manifest").read_bytes()).blobs
+    data = rank_dir / "data.bin"
+    if not data.exists():
+        return rank_dir / blobs[blob].name, 0
+    return data, sum(b.size for b in blobs[:blob])

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import itertools
 import os
 import stat
 import threading
@@ -31,9 +32,10 @@ from tierckpt.tiers.base import CheckpointKey, TierCopy, TierReader
 if TYPE_CHECKING:
     from tierckpt.tiers._files import FileTier
 
-__all__ = ["MANIFEST_NAME", "FileCopy", "io_error"]
+__all__ = ["DATA_NAME", "MANIFEST_NAME", "FileCopy", "io_error"]
 
 MANIFEST_NAME = "manifest"
+DATA_NAME = "data.bin"  # a copy's blobs back to back, where the tier writes one data file a copy
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _FILE_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 # the header's length is checked against the file's size before the rest is read (docs/format.md)
@@ -181,11 +183,25 @@ class FileCopy(TierCopy):
             os.close(fd)
 
     def reader(self, blobs: Sequence[BlobEntry]) -> TierReader:
-        """Open every blob now (the copy is a snapshot from here on) and check its size."""
+        """Open every blob now (the copy is a snapshot from here on) and check its size. A copy holding
+        a ``data.bin`` keeps all its blobs in it, back to back (tierckpt.tiers._filewrite)."""
+        flags = os.O_DIRECT if self.ftier.direct else 0
+        if blobs and self._present(DATA_NAME):
+            fd, size = self._open_file(DATA_NAME, "data file", flags, DATA_NAME)
+            need = sum(b.size for b in blobs)
+            if size < need:
+                os.close(fd)
+                raise self._bad(
+                    f"data file {self.path / DATA_NAME} is truncated: {size} bytes, its manifest declares "
+                    f"{len(blobs)} blob(s) of {need} bytes in all",
+                    DATA_NAME,
+                )
+            bases = list(itertools.accumulate((b.size for b in blobs), initial=0))[: len(blobs)]
+            return FileReader(self.ftier, self.path, blobs, [fd], [(0, o, DATA_NAME) for o in bases])
         fds: list[int] = []
         try:
             for b in blobs:
-                fd, size = self._open_file(b.name, "blob file", os.O_DIRECT if self.ftier.direct else 0, b.name)
+                fd, size = self._open_file(b.name, "blob file", flags, b.name)
                 fds.append(fd)
                 if size < b.size:
                     raise self._bad(
@@ -196,7 +212,17 @@ class FileCopy(TierCopy):
             for fd in fds:
                 os.close(fd)
             raise
-        return FileReader(self.ftier, self.path, blobs, fds)
+        return FileReader(self.ftier, self.path, blobs, fds, [(i, 0, b.name) for i, b in enumerate(blobs)])
+
+    def _present(self, name: str) -> bool:
+        """Whether the copy's directory has an entry ``name`` (of any kind: opening it checks that)."""
+        try:
+            os.stat(name, dir_fd=self.fd, follow_symlinks=False)
+        except FileNotFoundError:
+            return False
+        except OSError as e:
+            raise io_error(self.tier.name, f"cannot stat {self.path / name}", e) from e
+        return True
 
     def close(self) -> None:
         if self.fd >= 0:
@@ -216,20 +242,31 @@ def _pread_all(fd: int, n: int, offset: int) -> bytes:
 
 
 class FileReader(TierReader):
-    """Reads the blobs of a copy through descriptors opened by :meth:`FileCopy.reader`."""
+    """Reads the blobs of a copy through descriptors opened by :meth:`FileCopy.reader`; ``where[i]`` is
+    blob ``i``'s (descriptor index, offset in that file, file name)."""
 
-    def __init__(self, tier: FileTier, rank_dir: Path, blobs: Sequence[BlobEntry], fds: list[int]) -> None:
-        self.tier, self.dir, self.blobs, self._fds = tier, rank_dir, list(blobs), fds
+    def __init__(
+        self,
+        tier: FileTier,
+        rank_dir: Path,
+        blobs: Sequence[BlobEntry],
+        fds: list[int],
+        where: list[tuple[int, int, str]],
+    ) -> None:
+        self.tier, self.dir, self.blobs, self._fds, self._where = tier, rank_dir, list(blobs), fds, where
         self._lock = threading.Lock()
 
     def read(self, blob: int, offset: int, addr: int, nbytes: int) -> Future[int]:
-        fd = self._fds[blob]
-        return self.tier.engine.pread(fd, addr, nbytes, offset, path=str(self.dir / self.blobs[blob].name))
+        f, base, name = self._where[blob]
+        fd = self._fds[f]
+        # never past the blob's end: in one data file that would be the next blob's bytes
+        nbytes = max(0, min(nbytes, self.blobs[blob].size - offset))
+        return self.tier.engine.pread(fd, addr, nbytes, base + offset, path=str(self.dir / name))
 
     def read_alignment(self, blob: int) -> tuple[int, int] | None:
         if not self.tier.direct:
             return 1, 1  # buffered reads go anywhere
-        mem, off = dio_alignment(self.dir / self.blobs[blob].name)  # 4096 each where statx cannot say
+        mem, off = dio_alignment(self.dir / self._where[blob][2])  # 4096 each where statx cannot say
         return max(mem, 1), max(off, 1)
 
     def close(self) -> None:

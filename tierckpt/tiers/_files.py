@@ -3,7 +3,8 @@
 On disk (docs/format.md)::
 
     <path>/step-000000000100/rank-00000/manifest        the msgpack manifest (framed, checksummed)
-    <path>/step-000000000100/rank-00000/blob-00000.bin  aggregated tensor bytes
+    <path>/step-000000000100/rank-00000/blob-00000.bin  aggregated tensor bytes (a file a blob)
+    <path>/step-000000000100/rank-00000/data.bin        or all the blobs in one file (``one_file``)
     <path>/step-000000000100/.tmp-rank-00000-<host>-<pid>-<hex>/   a write in progress (never listed)
 
 A rank's directory is written under a ``.tmp-`` name, every file and the directory are fsynced, and
@@ -15,8 +16,6 @@ directories, so it never sees a half-written checkpoint, and a crash leaves the 
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import ctypes.util
 import errno
 import logging
 import os
@@ -28,7 +27,6 @@ import stat
 import threading
 import weakref
 from collections.abc import Sequence
-from concurrent.futures import Future
 from pathlib import Path
 
 from tierckpt.config import LEASE_STALE_SECS, IOConfig, TierConfig, default_io
@@ -37,9 +35,10 @@ from tierckpt.format.manifest import BlobEntry
 from tierckpt.io.engine import IOEngine, make_engine
 from tierckpt.io.fsutil import fsync_dir, probe_direct
 from tierckpt.tiers._fileread import MANIFEST_NAME, FileCopy, io_error
+from tierckpt.tiers._filewrite import FileWriter, write_file
 from tierckpt.tiers._lease import Lease
 from tierckpt.tiers.base import CheckpointKey, EngineSource, Tier, TierCapabilities, TierReader, TierWriter
-from tierckpt.tiers.options import check_options, local_directory
+from tierckpt.tiers.options import Option, boolean, check_options, local_directory
 
 __all__ = ["FileTier"]
 
@@ -51,8 +50,13 @@ _RANK_RE = re.compile(r"rank-(\d{5})")
 _SCRATCH_RE = re.compile(r"\.(tmp|old|evict)-(?:rank-\d{5}|commit)-(.+)-(\d+)-[0-9a-f]+")
 RECORD_NAME = "commit"  # a step's commit record, beside its rank directories (docs/format.md)
 _HOST = socket.gethostname().replace("-", "_")[:32] or "host"
-_RENAME_EXCHANGE = 2
-_libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+
+
+_OPTIONS = {
+    "one_file": Option(
+        boolean(), default=None, doc="all of a copy's blobs in one data file (default: true on pfs, false on local)"
+    )
+}
 
 
 def step_dir_name(step: int) -> str:
@@ -78,30 +82,6 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def _exchange(a: Path, b: Path) -> bool:
-    """Atomically swap two directory entries; False where renameat2(RENAME_EXCHANGE) is unsupported."""
-    fn = getattr(_libc, "renameat2", None)
-    if fn is None:
-        return False
-    if fn(-100, os.fsencode(a), -100, os.fsencode(b), _RENAME_EXCHANGE) == 0:
-        return True
-    err = ctypes.get_errno()
-    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
-        return False
-    raise OSError(err, os.strerror(err), str(b))
-
-
-def _write_file(path: Path, data: bytes) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
-    try:
-        view, done = memoryview(data), 0
-        while done < len(data):
-            done += os.write(fd, view[done:])
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _is_file(p: Path) -> bool:
     """Whether ``p`` is a regular file itself (not a link to one)."""
     try:
@@ -124,6 +104,8 @@ class FileTier(Tier):
         readonly: only read: the directory must exist; nothing is created or swept, no lease taken.
         job: the job identity to lease the directory for (default: from the environment; docs/jobs.md).
         lease_stale_secs: how long a lease holder on another host may go without renewing it.
+        one_file: write each copy's blobs into one data file (``data.bin``) rather than a file a blob
+            (None: the kind's default, :attr:`one_file`). Copies of either kind are read either way.
 
     Raises:
         TierBusyError: (writable) another job holds the directory's lease.
@@ -131,6 +113,8 @@ class FileTier(Tier):
 
     kind = "file"
     shared = False
+    #: whether a copy's blobs go into one data file (``data.bin``) rather than a file each
+    one_file = False
 
     def __init__(
         self,
@@ -145,8 +129,11 @@ class FileTier(Tier):
         readonly: bool = False,
         job: str | None = None,
         lease_stale_secs: float = LEASE_STALE_SECS,
+        one_file: bool | None = None,
     ) -> None:
         super().__init__(name)
+        if one_file is not None:
+            self.one_file = one_file
         self.path = Path(path)
         if readonly:  # a tool that only reads: a missing directory is a mistake, not one to create
             if not self.path.is_dir():
@@ -222,9 +209,10 @@ class FileTier(Tier):
 
     @classmethod
     def from_config(cls, cfg: TierConfig, engines: EngineSource) -> FileTier:
-        """The location is the directory (``~``, ``$VAR`` expanded; relative to the YAML file); no options."""
+        """The location is the directory (``~``, ``$VAR`` expanded; relative to the YAML file); the one
+        option is ``one_file`` (see the class)."""
         path = local_directory(cfg)
-        check_options(cfg, {})
+        opts = check_options(cfg, _OPTIONS)
         return cls(
             cfg.name,
             path,
@@ -236,6 +224,7 @@ class FileTier(Tier):
             readonly=cfg.readonly,
             job=cfg.job,
             lease_stale_secs=cfg.lease_stale_secs,
+            one_file=opts["one_file"],
         )
 
     def describe(self) -> str:
@@ -246,7 +235,8 @@ class FileTier(Tier):
 
     # -- housekeeping ---------------------------------------------------------------------------------
     def _sweep(self) -> None:
-        """Remove scratch directories left by dead processes of this host (crashed saves/evictions)."""
+        """Remove scratch left by dead processes of this host: directories of crashed saves and evictions,
+        files of commit records whose write was interrupted."""
         for step in self._step_dirs():
             try:
                 entries = list(os.scandir(step))
@@ -257,7 +247,11 @@ class FileTier(Tier):
                 if m and m.group(2) == _HOST and not _pid_alive(int(m.group(3))):
                     if m.group(1) == "old" and not (step / e.name.replace(".old-", "", 1)[:10]).exists():
                         continue  # an interrupted non-atomic replace: keep the only copy for inspection
-                    shutil.rmtree(e.path, ignore_errors=True)
+                    if e.is_dir(follow_symlinks=False):
+                        shutil.rmtree(e.path, ignore_errors=True)
+                    else:  # a commit record's scratch file (write_record killed before its rename)
+                        with contextlib.suppress(OSError):
+                            os.unlink(e.path)
             with contextlib.suppress(OSError):
                 step.rmdir()  # empty after a killed save; fails harmlessly when anything is inside
 
@@ -351,7 +345,7 @@ class FileTier(Tier):
         tmp = final.parent / _scratch("tmp", None)
         try:
             final.parent.mkdir(exist_ok=True)
-            _write_file(tmp, data)
+            write_file(tmp, data)
             os.rename(tmp, final)
             fsync_dir(final.parent)
         except OSError as e:
@@ -432,7 +426,17 @@ class FileTier(Tier):
                     )
                 self._reserved += need
         try:
-            return _FileWriter(self, key, blobs, need if self.capacity_bytes is not None else 0)
+            step_dir = self.path / step_dir_name(key.step)
+            return FileWriter(
+                self,
+                key,
+                blobs,
+                need if self.capacity_bytes is not None else 0,
+                step_dir=step_dir,
+                tmp=step_dir / _scratch("tmp", key.rank),
+                old=step_dir / _scratch("old", key.rank),
+                one_file=self.one_file,
+            )
         except BaseException:
             self._unreserve(need if self.capacity_bytes is not None else 0)
             raise
@@ -478,87 +482,3 @@ class FileTier(Tier):
         if self._own_engine and self._engine is not None:
             self._engine.close()
             self._engine, self._own_engine = None, False
-
-
-class _FileWriter(TierWriter):
-    def __init__(self, tier: FileTier, key: CheckpointKey, blobs: Sequence[BlobEntry], reserved: int) -> None:
-        self.tier, self.key, self.blobs = tier, key, list(blobs)
-        self._reserved = reserved  # given back to the tier's capacity once committed or aborted
-        self.step_dir = tier.path / step_dir_name(key.step)
-        self.tmp = self.step_dir / _scratch("tmp", key.rank)
-        self.fds: list[int] = []
-        self._open = True
-        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | (os.O_DIRECT if tier.direct else 0)
-        try:
-            for attempt in (0, 1):  # another process may remove an empty step directory between the two
-                self.step_dir.mkdir(exist_ok=True)
-                try:
-                    self.tmp.mkdir()
-                    break
-                except FileNotFoundError:
-                    if attempt:
-                        raise
-            for b in self.blobs:
-                fd = os.open(self.tmp / b.name, flags, 0o644)
-                self.fds.append(fd)
-                if b.size:
-                    os.posix_fallocate(fd, 0, b.size)  # ENOSPC now, not halfway; parallel O_DIRECT writes
-        except OSError as e:
-            self._reserved = 0  # reserve() gives it back when the writer cannot start
-            self.abort()
-            raise io_error(tier.name, f"cannot start step {key.step} in {self.step_dir}", e) from e
-
-    def write(self, blob: int, offset: int, addr: int, nbytes: int) -> Future[int]:
-        path = str(self.tmp / self.blobs[blob].name)
-        return self.tier.engine.pwrite(self.fds[blob], addr, nbytes, offset, path=path)
-
-    def commit(self, manifest: bytes) -> None:
-        if not self._open:
-            raise RuntimeError("writer already finished")
-        try:
-            syncs = [self.tier.engine.fsync(fd, path=str(self.tmp / b.name)) for fd, b in zip(self.fds, self.blobs)]
-            for f in syncs:
-                f.result()
-            for fd in self.fds:
-                os.close(fd)
-            self.fds = []
-            _write_file(self.tmp / MANIFEST_NAME, manifest)
-            fsync_dir(self.tmp)
-            final = self.tier._rank_dir(self.key)
-            if final.exists():
-                self._replace(final)
-            else:
-                os.rename(self.tmp, final)
-            fsync_dir(self.step_dir)
-            fsync_dir(self.tier.path)
-        except OSError as e:
-            self.abort()
-            raise io_error(self.tier.name, f"cannot commit step {self.key.step}", e) from e
-        self._open = False
-        self._give_back()
-
-    def _give_back(self) -> None:
-        reserved, self._reserved = self._reserved, 0
-        self.tier._unreserve(reserved)
-
-    def _replace(self, final: Path) -> None:
-        """Put the new copy in place of an existing one without a moment where neither is listed."""
-        if _exchange(self.tmp, final):
-            shutil.rmtree(self.tmp, ignore_errors=True)  # self.tmp now names the old copy
-            return
-        old = self.step_dir / _scratch("old", self.key.rank)
-        os.rename(final, old)
-        os.rename(self.tmp, final)
-        shutil.rmtree(old, ignore_errors=True)
-
-    def abort(self) -> None:
-        for fd in self.fds:
-            with contextlib.suppress(OSError):
-                os.close(fd)
-        self.fds = []
-        if self._open:
-            self._open = False
-            shutil.rmtree(self.tmp, ignore_errors=True)
-            with contextlib.suppress(OSError):
-                self.step_dir.rmdir()
-            self._give_back()

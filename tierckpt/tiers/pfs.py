@@ -1,7 +1,7 @@
 """``pfs`` tier: a shared directory on a parallel file system (Lustre, GPFS, BeeGFS, CephFS, NFS).
 
-Differences from ``local``, all about metadata load and stripes: blobs are larger (1 GiB by default), so
-each rank creates few files (file count is load on the metadata server), and I/O is aligned to the
+Differences from ``local``, all about metadata load and stripes: a copy's blobs go into one data file
+(``one_file``; file count is load on the metadata server), blobs are larger (1 GiB by default), and I/O is aligned to the
 larger of the file system's block size and the directory's preferred I/O size (``st_blksize``, which
 parallel file systems may set to their stripe or block size), so writes cover whole blocks.
 """
@@ -23,6 +23,7 @@ class PfsTier(FileTier):
     kind = "pfs"
     shared = True
     preferred_blob_bytes = 1 << 30
+    one_file = True
 
     def _fs_alignment(self) -> int:
         """The larger of the file system's block size (``statvfs``) and the directory's preferred I/O

@@ -1,0 +1,234 @@
+"""The DCP storage reader: DCP's metadata from rank 0's part of a step, each read item from the part of
+the rank that wrote it (docs/distributed.md, "DCP backend")."""
+
+from __future__ import annotations
+
+import io
+import logging
+import os
+import uuid
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
+from torch.distributed.checkpoint.planner import (
+    LoadItemType,
+    LoadPlan,
+    LoadPlanner,
+    ReadItem,
+)
+from torch.distributed.checkpoint.storage import StorageReader
+from torch.futures import Future
+
+from tierckpt.dcp._ids import step_of, valid_id
+from tierckpt.dcp._layout import RESERVED, lookup
+from tierckpt.dcp._record import RECORD_FORMAT, Location, decode_metadata
+from tierckpt.errors import CheckpointNotFoundError, CorruptCheckpointError, TierckptError
+from tierckpt.format.tree import resolve_tree
+from tierckpt.orchestration.checks import check_step
+from tierckpt.orchestration.restore import load_manifest, load_tree, read_checkpoint
+from tierckpt.orchestration.verify import holds
+from tierckpt.tiers.base import CheckpointKey, Tier
+
+if TYPE_CHECKING:
+    from tierckpt.hierarchy import Hierarchy
+
+__all__ = ["HierarchyReader"]
+
+log = logging.getLogger(__name__)
+
+
+class HierarchyReader(StorageReader):
+    """A DCP storage reader of step ``step`` (default: the newest) of a :class:`~tierckpt.Hierarchy`.
+
+    ``read_metadata`` reads rank 0's manifest only (the metadata is in its tree). ``read_data`` reads,
+    for each saved rank holding an item this rank asks for, that rank's part of the step, whole and
+    verified, from the fastest tier holding it (a damaged copy: the next tier's, with a warning), and
+    copies the requested region of each item into DCP's target. Resharding is DCP's: any world size
+    loads any other.
+
+    Args:
+        h: the hierarchy (read-only is fine: an evaluation job).
+        step: the step; None: the newest step whose rank-0 part is committed on some tier (the ranks
+            agree on it through the hierarchy's coordinator).
+    """
+
+    def __init__(self, h: Hierarchy, step: int | None = None) -> None:
+        if step is not None:
+            check_step(step)
+        self.h, self.step = h, step
+        self.reset()
+
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        """Start a new load (of step ``checkpoint_id`` when given)."""
+        if checkpoint_id is not None:
+            self.step = step_of(checkpoint_id)
+        self.load_id = uuid.uuid4().hex
+        self._read: int | None = None  # the step read_metadata read
+        self._locations: dict[MetadataIndex, Location] = {}
+
+    @property
+    def checkpoint_id(self) -> str | None:
+        """The step, as DCP's logs name a checkpoint (None: the newest, not chosen yet)."""
+        step = self._read if self._read is not None else self.step
+        return None if step is None else str(step)
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        """Whether ``checkpoint_id`` names a step (an int, or a str of decimal digits)."""
+        return valid_id(checkpoint_id)
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        """DCP's metadata of the step, from rank 0's manifest on the fastest tier that holds a good one.
+
+        Raises:
+            CheckpointNotFoundError: no tier holds rank 0's part of the step (or, without a step, any).
+            CorruptCheckpointError: the record is damaged on every tier holding it, naming the field.
+            TierckptError: the step was not written through DCP.
+        """
+        if kwargs.get("rank") is not None:
+            raise TierckptError("a tierckpt DCP checkpoint has one metadata record (rank 0's), none per rank")
+        step = self.step if self.step is not None else self._newest()
+        md = self._record(step)
+        md.storage_meta = md.storage_meta or StorageMeta()
+        md.storage_meta.load_id = self.load_id
+        self._read = step
+        return md
+
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        """Keep the items' locations."""
+        locs = metadata.storage_data
+        if self._read is None or not isinstance(locs, dict) or not all(isinstance(v, Location) for v in locs.values()):
+            raise TierckptError("HierarchyReader: the metadata is not one its read_metadata() returned")
+        self._locations = locs
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        """The plan as it is."""
+        return plan
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        """The plans as they are."""
+        return plans
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        """Read each item of ``plan`` from its saved rank's part, into DCP's targets (one part at a time)."""
+        if self._read is None:
+            raise TierckptError("HierarchyReader.read_data() before read_metadata()")
+        by_rank: dict[int, list[tuple[ReadItem, Location]]] = {}
+        for req in plan.items:
+            loc = self._locations.get(req.storage_index)
+            if loc is None:
+                raise CorruptCheckpointError(f"DCP metadata: no location for item {req.storage_index}", step=self._read)
+            by_rank.setdefault(loc.rank, []).append((req, loc))
+        for rank in sorted(by_rank, key=lambda r: (r != self.h.rank, r)):  # its own first: maybe in memory
+            state, tier = self._read_part(rank)
+            payloads = {tuple(p) for p in _reserved(state, rank, tier, self._read)["payloads"]}
+            for req, loc in by_rank[rank]:
+                self._load(planner, req, loc, lookup_value(state, loc, tier, self._read), loc.path in payloads)
+            del state
+        fut: Future[None] = Future()
+        fut.set_result(None)
+        return fut
+
+    # -- reading -------------------------------------------------------------------------------------------
+    def _newest(self) -> int:
+        steps = []
+        for t in self.h.tiers:
+            try:
+                steps += [k.step for k in t.list_committed(0)]
+            except OSError as e:
+                log.warning("tier %r: cannot list it: %s", t.name, e)
+        agreed = self.h.coordinator.agree_step(max(steps, default=None))
+        if agreed is None:
+            raise CheckpointNotFoundError("no tier holds a committed step of rank 0 (a DCP checkpoint's metadata)")
+        return agreed
+
+    def _first_good(self, rank: int, step: int, read: Any) -> Any:
+        """``read(tier)`` of the fastest tier holding ``rank``'s part of ``step`` whose copy reads."""
+        key, errors = CheckpointKey(step, rank), []
+        for tier in self.h.tiers:
+            if not holds(tier, key):
+                continue
+            try:
+                return read(tier, key)
+            except (CorruptCheckpointError, CheckpointNotFoundError, OSError) as e:
+                log.warning("DCP load: rank %d's part of step %d on tier %r: %s", rank, step, tier.name, e)
+                errors.append((tier.name, e))
+        if len(errors) == 1:
+            raise errors[0][1]
+        if errors:
+            each = "; ".join(f"tier {n!r}: {e}" for n, e in errors)
+            raise CorruptCheckpointError(f"rank {rank}'s part of step {step} is unusable on every tier: {each}")
+        raise CheckpointNotFoundError(f"step {step}: no tier holds rank {rank}'s part")
+
+    def _record(self, step: int) -> Metadata:
+        def read(tier: Tier, key: CheckpointKey) -> Metadata:
+            m = load_manifest(tier, key, allow_pickle=False)
+            tree, ref = load_tree(tier, key, m, allow_pickle=False)
+            if not isinstance(tree, dict) or RESERVED not in tree:
+                raise TierckptError(f"step {step} on tier {tier.name!r} was not written through DCP (no {RESERVED!r})")
+            rec = _reserved(
+                {RESERVED: resolve_tree(tree[RESERVED], ref, _no_tensor, len(m.tensors))}, 0, tier.name, step
+            )
+            world = rec.get("world_size")
+            if type(world) is not int or world < 1:
+                raise CorruptCheckpointError(f"DCP record: world_size: got {world!r}", tier=tier.name, step=step)
+            return decode_metadata(rec.get("metadata"), world, tier=tier.name, step=step)
+
+        md: Metadata = self._first_good(0, step, read)
+        return md
+
+    def _read_part(self, rank: int) -> tuple[Any, str]:
+        assert self._read is not None  # read_data checked
+        return self._first_good(rank, self._read, lambda t, k: (read_checkpoint(t, k)[0], t.name))  # type: ignore[no-any-return]
+
+    def _load(self, planner: LoadPlanner, req: ReadItem, loc: Location, value: Any, payload: bool) -> None:
+        if req.type == LoadItemType.BYTE_IO:
+            buf = io.BytesIO()
+            if payload:
+                buf.write(value)
+            else:  # a plain value: the bytes DCP's planner would have made of it
+                torch.save(value, buf)
+            buf.seek(0)
+            planner.load_bytes(req, buf)
+            return
+        t = value
+        for d, (off, n) in enumerate(zip(req.storage_offsets, req.lengths, strict=True)):
+            if off != 0 or n != t.size(d):
+                t = t.narrow(d, off, n)
+        target = planner.resolve_tensor(req).detach()
+        if target.size() != t.size():
+            raise ValueError(f"DCP item {req.storage_index}: target size {target.size()}, stored region {t.size()}")
+        target.copy_(t)
+        planner.commit_tensor(req, target)
+
+
+def lookup_value(state: Any, loc: Location, tier: str, step: int) -> Any:
+    """The value at ``loc`` in a rank's restored part; CorruptCheckpointError if there is none."""
+    try:
+        return lookup(state, loc.path)
+    except (LookupError, TypeError):
+        raise CorruptCheckpointError(
+            f"rank {loc.rank}'s part has nothing at {list(loc.path)} (where DCP's metadata says)", tier=tier, step=step
+        ) from None
+
+
+def _no_tensor(i: int) -> torch.Tensor:
+    raise CorruptCheckpointError(f"DCP record: holds tensor {i}; it is plain data")
+
+
+def _reserved(state: Any, rank: int, tier: str, step: int | None) -> dict[str, Any]:
+    """A rank's DCP bookkeeping entry, checked."""
+    rec = state.get(RESERVED) if isinstance(state, dict) else None
+    if not isinstance(rec, dict):
+        raise CorruptCheckpointError(f"rank {rank}'s part: no DCP entry {RESERVED!r}", tier=tier, step=step)
+    if rec.get("format") != RECORD_FORMAT:
+        raise CorruptCheckpointError(
+            f"DCP entry: format: expected {RECORD_FORMAT}, got {rec.get('format')!r}", tier=tier, step=step
+        )
+    if rec.get("rank") != rank:
+        raise CorruptCheckpointError(f"DCP entry: rank: expected {rank}, got {rec.get('rank')!r}", tier=tier, step=step)
+    p = rec.get("payloads")
+    if not isinstance(p, list) or not all(isinstance(x, list) and all(type(e) in (str, int) for e in x) for x in p):
+        raise CorruptCheckpointError("DCP entry: payloads: expected a list of key paths", tier=tier, step=step)
+    return rec

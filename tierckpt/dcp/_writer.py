@@ -1,0 +1,270 @@
+"""The DCP storage writer: each rank's items of a step go into one :meth:`Hierarchy.save` of that rank,
+DCP's metadata into rank 0's part (docs/distributed.md, "DCP backend")."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import uuid
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
+from torch.distributed.checkpoint.planner import (
+    SavePlan,
+    SavePlanner,
+    WriteItem,
+    WriteItemType,
+)
+from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
+from torch.futures import Future
+
+from tierckpt.dcp._ids import step_of, valid_id
+from tierckpt.dcp._layout import build_state, place_items
+from tierckpt.dcp._record import RECORD_FORMAT, Location, PathElem, encode_metadata
+from tierckpt.errors import ConfigError, StateError, TierckptError
+from tierckpt.format.tree import flatten
+from tierckpt.orchestration.checks import check_step
+from tierckpt.orchestration.coordinator import SoloCoordinator
+
+if TYPE_CHECKING:
+    from tierckpt.hierarchy import Hierarchy, SaveHandle
+
+__all__ = ["HierarchyWriter"]
+
+DURABLE = ("persistent", "top", "all")
+_NOT_PLAIN = object()
+
+
+class HierarchyWriter(StorageWriter):
+    """A DCP storage writer that saves step ``step`` of a :class:`~tierckpt.Hierarchy`.
+
+    Each rank's write items become one ``h.save(state, step=step)`` of that rank: tensors (a DTensor's
+    local chunk, as DCP resolves it) at their key paths in the user's nested state, plain values as
+    plain values, and other objects as the bytes DCP's planner serialized them to. Rank 0's state also
+    holds DCP's :class:`~torch.distributed.checkpoint.metadata.Metadata`, encoded without pickle.
+
+    ``dcp.save`` returns (``dcp.async_save``'s future resolves) once every rank's part is committed on
+    the tier ``durable`` names. Ranks that commit alone (several ranks with a ``SoloCoordinator``) each
+    wait for their own part in DCP's write phase, and rank 0 saves its part, with the metadata, in
+    ``finish`` once all of them are in: the metadata is the step's commit record, as in DCP's own
+    writer. With a coordinator that commits a step only once every rank's part is in, rank 0 saves
+    with the others and waits for its part in ``finish`` (docs/distributed.md, "DCP backend").
+
+    Args:
+        h: the hierarchy; its ``rank`` and ``world_size`` must be DCP's (torch.distributed's).
+        step: the step to save (``dcp.save(checkpoint_id=...)`` may replace it: an int or its digits).
+        durable: which tier to wait for: ``"persistent"`` (the fastest persistent tier this step goes
+            to, else the top tier), ``"top"`` (the top tier) or ``"all"`` (every tier it goes to).
+
+    Raises:
+        ValueError: a bad ``step`` or ``durable``.
+        TierckptError: the hierarchy is read-only.
+    """
+
+    def __init__(self, h: Hierarchy, step: int, *, durable: str = "persistent") -> None:
+        check_step(step)
+        if durable not in DURABLE:
+            raise ValueError(f"durable: expected one of {', '.join(DURABLE)}, got {durable!r}")
+        if h.readonly:
+            raise TierckptError("cannot save through DCP: the hierarchy was opened read-only")
+        self.h, self.step, self.durable = h, step, durable
+        self.reset()
+
+    # -- DCP's protocol ----------------------------------------------------------------------------------
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        """Start a new save (of step ``checkpoint_id`` when given)."""
+        if checkpoint_id is not None:
+            self.step = step_of(checkpoint_id)
+        self.save_id = uuid.uuid4().hex
+        self._coordinator = False
+        self._locations: dict[MetadataIndex, Location] | None = None  # every rank's, from the global plan
+        self._record: dict[str, Any] | None = None  # the metadata record rank 0 saved in write_data
+        self._deferred: tuple[list[tuple[tuple[PathElem, ...], Any]], dict[str, Any]] | None = None
+        self._handle: SaveHandle | None = None
+
+    @property
+    def checkpoint_id(self) -> str:
+        """The step, as DCP's logs name a checkpoint."""
+        return str(self.step)
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        """Whether ``checkpoint_id`` names a step (an int, or a str of decimal digits)."""
+        return valid_id(checkpoint_id)
+
+    def storage_meta(self) -> StorageMeta:
+        """The step (as ``checkpoint_id``) and this save's id."""
+        return StorageMeta(checkpoint_id=str(self.step), save_id=self.save_id)
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        """Check that DCP's rank is the hierarchy's, and that DCP coordinates the ranks."""
+        rank = kwargs.get("rank")
+        if rank is not None and rank != self.h.rank:
+            raise ConfigError(
+                f"DCP's rank {rank} is not the hierarchy's rank {self.h.rank}: build the hierarchy in each rank "
+                "after init_process_group (or with rank=dist.get_rank() of the process group DCP uses)"
+            )
+        if is_coordinator and self.h.rank != 0:
+            raise ConfigError(f"DCP's coordinator is rank {self.h.rank}; tierckpt keeps DCP's metadata with rank 0")
+        if kwargs.get("use_collectives", True) is False and self.h.world_size > 1:
+            raise ConfigError("HierarchyWriter needs DCP's collectives (use_collectives=True) with several ranks")
+        self._coordinator = is_coordinator
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        """The plan as it is."""
+        return plan
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        """Place every rank's items in its state (each plan's ``storage_data``: its items' locations)."""
+        if len(plans) != self.h.world_size:
+            raise ConfigError(f"DCP planned {len(plans)} ranks; the hierarchy has world_size {self.h.world_size}")
+        if not all(p.usable for p in plans):  # cached plans (plan caching): the write results say where
+            return plans
+        out, self._locations = [], {}
+        for rank, p in enumerate(plans):
+            places = place_items(p.items, p.planner_data, rank)
+            self._locations.update((item.index, loc) for item, loc in zip(p.items, places, strict=True))
+            out.append(replace(p, storage_data=tuple(places)))
+        return out
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        """Save this rank's items (rank 0: with the metadata, when it may and the planner has it already;
+        else in :meth:`finish`).
+
+        Returns once the items are staged (and committed on the ``durable`` tier, on a rank that
+        commits alone), with each item's location as its storage data."""
+        places = plan.storage_data  # the coordinator's placement of this rank's items, else the same here
+        if not (
+            isinstance(places, tuple)
+            and len(places) == len(plan.items)
+            and all(isinstance(p, Location) and p.rank == self.h.rank for p in places)
+        ):
+            places = tuple(place_items(plan.items, plan.planner_data, self.h.rank))
+        values, payloads, results = [], [], []
+        for item, loc in zip(plan.items, places, strict=True):
+            value, size, payload = _resolve(item, planner)
+            values.append((loc.path, value))
+            if payload:
+                payloads.append(list(loc.path))
+            results.append(WriteResult(index=item.index, size_in_bytes=size, storage_data=loc))
+        reserved: dict[str, Any] = {"format": RECORD_FORMAT, "rank": self.h.rank, "payloads": payloads}
+        early = self._early_metadata(planner) if self._coordinator and not self._alone() else None
+        if not self._coordinator:
+            self._save(values, reserved, wait=self._alone())
+            if not self._alone():
+                self._reported_by_dcp()
+        elif early is not None and self._locations is not None:
+            self._record = encode_metadata(early, self._locations)
+            self._save(values, {**reserved, "world_size": self.h.world_size, "metadata": self._record}, wait=False)
+            self._reported_by_dcp()
+        else:  # the metadata comes with finish(): rank 0's part is saved then
+            self._deferred = (values, reserved)
+        fut: Future[list[WriteResult]] = Future()
+        fut.set_result(results)
+        return fut
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        """Rank 0: save its part with the metadata if it waited for it, and wait until it is durable."""
+        locations: dict[MetadataIndex, Location] = {}
+        for rank_results in results:
+            for r in rank_results:
+                if not isinstance(r.storage_data, Location):
+                    raise TierckptError(f"DCP item {r.index}: its write result is not a HierarchyWriter's")
+                locations[r.index] = r.storage_data
+        metadata.storage_data = locations
+        if self._handle is None:
+            if self._deferred is None:
+                raise TierckptError("HierarchyWriter.finish() before write_data()")
+            values, reserved = self._deferred
+            record = encode_metadata(metadata, locations)
+            self._save(values, {**reserved, "world_size": self.h.world_size, "metadata": record}, wait=False)
+        elif locations != self._locations or encode_metadata(metadata, locations) != self._record:
+            raise TierckptError(
+                f"step {self.step}: the metadata DCP finished with is not the planner's that rank 0 saved "
+                "(a planner that changes it after create_global_plan?); do not load this step"
+            )
+        assert self._handle is not None  # _save set it
+        self._wait(self._handle)
+
+    # -- saving --------------------------------------------------------------------------------------------
+    def _reported_by_dcp(self) -> None:
+        """A part saved with the others' (the step commits on a tier only once every rank's part is in):
+        its failures are the save's, which DCP reports on every rank (rank 0 waits in ``finish``, and a
+        write phase that failed anywhere raises ``CheckpointException`` everywhere), so this hierarchy's
+        ``wait()`` / ``close()`` does not raise them again (a zero-timeout wait marks them seen)."""
+        assert self._handle is not None
+        with contextlib.suppress(BaseException):
+            self._handle.wait(timeout=0)
+
+    def _alone(self) -> bool:
+        """Whether the ranks commit their parts alone (several ranks, a SoloCoordinator): then rank 0's
+        part, with the metadata, is the step's commit record, saved in finish() once every other rank's
+        part is durable (DCP's rule: no metadata, no checkpoint). With a coordinator that commits a step
+        on a tier only once every rank's part is there, rank 0 saves with the others."""
+        return self.h.world_size > 1 and isinstance(self.h.coordinator, SoloCoordinator)
+
+    def _early_metadata(self, planner: SavePlanner) -> Metadata | None:
+        """The metadata DCP will finish with, where the planner provably has it before the writes: DCP's
+        own ``create_global_plan`` returns the object it keeps as ``planner.metadata``."""
+        if type(planner).create_global_plan is not DefaultSavePlanner.create_global_plan:
+            return None
+        md = getattr(planner, "metadata", None)
+        return md if isinstance(md, Metadata) else None
+
+    def _save(self, values: list[tuple[tuple[PathElem, ...], Any]], reserved: dict[str, Any], *, wait: bool) -> None:
+        handle = self._handle = self.h.save(build_state(values, reserved), step=self.step)
+        handle.staged.result()  # the items' bytes are in the top tier: DCP may drop or reuse them
+        if wait:
+            self._wait(handle)
+
+    def _wait(self, handle: SaveHandle) -> None:
+        if self.durable == "all":
+            handle.wait()
+            return
+        goes = [t for t in self.h.tiers if t.name in handle.durable]
+        persistent = [t for t in goes if t.capabilities.persistent] if self.durable == "persistent" else []
+        try:
+            handle.wait(tier=(persistent or goes)[0].name)
+        except BaseException:
+            # DCP reports this save's failure: the other tiers' failures of it are reported with it (a
+            # zero-timeout wait marks them seen), not raised again by the hierarchy's close()
+            with contextlib.suppress(BaseException):
+                handle.wait(timeout=0)
+            raise
+
+
+def _resolve(item: WriteItem, planner: SavePlanner) -> tuple[Any, int, bool]:
+    """(value to save, its size in bytes, whether it is DCP's serialized bytes) of one write item."""
+    if item.type == WriteItemType.BYTE_IO:
+        obj = _plain_object(item, planner)
+        if obj is not _NOT_PLAIN:
+            return obj, item.bytes_io_data.nbytes if item.bytes_io_data else 0, False
+        data = planner.resolve_data(item)
+        raw = data.getvalue() if isinstance(data, io.BytesIO) else bytes(data)
+        return raw, len(raw), True
+    t = planner.resolve_data(item)
+    if not isinstance(t, torch.Tensor):
+        raise StateError(f"DCP item {item.index.fqn!r}: the planner resolved a tensor item to a {type(t).__name__}")
+    t = t.detach()
+    return t, t.numel() * t.element_size(), False
+
+
+def _plain_object(item: WriteItem, planner: SavePlanner) -> Any:
+    """The object behind a bytes item when it is plain data (stored as itself, so ``h.restore`` and
+    the CLI read it without unpickling) and the planner serializes it as DCP's own does; else
+    :data:`_NOT_PLAIN`."""
+    cls = type(planner)
+    if not isinstance(planner, DefaultSavePlanner) or any(
+        getattr(cls, m) is not getattr(DefaultSavePlanner, m) for m in ("resolve_data", "transform_object")
+    ):
+        return _NOT_PLAIN
+    obj = planner.lookup_object(item.index)
+    try:
+        flat = flatten(obj)
+    except StateError:
+        return _NOT_PLAIN
+    return _NOT_PLAIN if flat.tensors else obj

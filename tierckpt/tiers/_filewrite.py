@@ -1,0 +1,176 @@
+"""Write side of the directory tiers: one copy being written under a scratch name, then published.
+
+A copy's blobs go either into one file each (``blob-00000.bin`` …) or, on a tier that keeps one data
+file per copy (``pfs`` by default: every file is load on a parallel file system's metadata server),
+into a single ``data.bin`` holding the blobs back to back, blob ``i`` at the sum of the sizes before
+it. Blob sizes are multiples of the checkpoint's alignment, so every blob starts aligned in that file
+too. The manifest names the blobs either way; readers tell the two apart by the files present
+(:mod:`tierckpt.tiers._fileread`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import ctypes.util
+import errno
+import itertools
+import os
+import shutil
+from collections.abc import Sequence
+from concurrent.futures import Future
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from tierckpt.format.manifest import BlobEntry
+from tierckpt.io.fsutil import fsync_dir
+from tierckpt.tiers._fileread import DATA_NAME, MANIFEST_NAME, io_error
+from tierckpt.tiers.base import CheckpointKey, TierWriter
+
+if TYPE_CHECKING:
+    from tierckpt.tiers._files import FileTier
+
+__all__ = ["FileWriter", "write_file"]
+
+_RENAME_EXCHANGE = 2
+_libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Atomically swap two directory entries; False where renameat2(RENAME_EXCHANGE) is unsupported."""
+    fn = getattr(_libc, "renameat2", None)
+    if fn is None:
+        return False
+    if fn(-100, os.fsencode(a), -100, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+        return False
+    raise OSError(err, os.strerror(err), str(b))
+
+
+def write_file(path: Path, data: bytes) -> None:
+    """Create ``path`` (it must not exist) holding ``data``, fsynced."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+    try:
+        view, done = memoryview(data), 0
+        while done < len(data):
+            done += os.write(fd, view[done:])
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class FileWriter(TierWriter):
+    """One copy being written into the scratch directory ``tmp`` of ``step_dir``, published as ``final``.
+
+    Args:
+        tier: the tier.
+        key: the checkpoint.
+        blobs: its blobs (sizes multiples of the checkpoint's alignment).
+        reserved: bytes of the tier's capacity to give back once committed or aborted.
+        step_dir: the step's directory (created if missing).
+        tmp: the scratch directory to write in (created; must not exist).
+        old: a free scratch name, for replacing an existing copy where an atomic swap is unsupported.
+        one_file: all blobs in one ``data.bin`` rather than a file each.
+    """
+
+    def __init__(
+        self,
+        tier: FileTier,
+        key: CheckpointKey,
+        blobs: Sequence[BlobEntry],
+        reserved: int,
+        *,
+        step_dir: Path,
+        tmp: Path,
+        old: Path,
+        one_file: bool,
+    ) -> None:
+        self.tier, self.key, self.blobs = tier, key, list(blobs)
+        self._reserved = reserved  # given back to the tier's capacity once committed or aborted
+        self.step_dir, self.tmp, self._old = step_dir, tmp, old
+        self.final = tier._rank_dir(key)
+        self.fds: list[int] = []  # one per file
+        self._open = True
+        names = [DATA_NAME] if one_file and self.blobs else [b.name for b in self.blobs]
+        sizes = [sum(b.size for b in self.blobs)] if one_file else [b.size for b in self.blobs]
+        self._files = [str(tmp / n) for n in names]
+        # blob i -> (file, offset of the blob in it)
+        self._where = (
+            [(0, o) for o in itertools.accumulate((b.size for b in self.blobs), initial=0)][: len(self.blobs)]
+            if one_file
+            else [(i, 0) for i in range(len(self.blobs))]
+        )
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | (os.O_DIRECT if tier.direct else 0)
+        try:
+            for attempt in (0, 1):  # another process may remove an empty step directory between the two
+                step_dir.mkdir(exist_ok=True)
+                try:
+                    tmp.mkdir()
+                    break
+                except FileNotFoundError:
+                    if attempt:
+                        raise
+            for path, size in zip(self._files, sizes):
+                fd = os.open(path, flags, 0o644)
+                self.fds.append(fd)
+                if size:
+                    os.posix_fallocate(fd, 0, size)  # ENOSPC now, not halfway; parallel O_DIRECT writes
+        except OSError as e:
+            self._reserved = 0  # reserve() gives it back when the writer cannot start
+            self.abort()
+            raise io_error(tier.name, f"cannot start step {key.step} in {step_dir}", e) from e
+
+    def write(self, blob: int, offset: int, addr: int, nbytes: int) -> Future[int]:
+        f, base = self._where[blob]
+        return self.tier.engine.pwrite(self.fds[f], addr, nbytes, base + offset, path=self._files[f])
+
+    def commit(self, manifest: bytes) -> None:
+        if not self._open:
+            raise RuntimeError("writer already finished")
+        try:
+            syncs = [self.tier.engine.fsync(fd, path=p) for fd, p in zip(self.fds, self._files)]
+            for f in syncs:
+                f.result()
+            for fd in self.fds:
+                os.close(fd)
+            self.fds = []
+            write_file(self.tmp / MANIFEST_NAME, manifest)
+            fsync_dir(self.tmp)
+            if self.final.exists():
+                self._replace()
+            else:
+                os.rename(self.tmp, self.final)
+            fsync_dir(self.step_dir)
+            fsync_dir(self.tier.path)
+        except OSError as e:
+            self.abort()
+            raise io_error(self.tier.name, f"cannot commit step {self.key.step}", e) from e
+        self._open = False
+        self._give_back()
+
+    def _give_back(self) -> None:
+        reserved, self._reserved = self._reserved, 0
+        self.tier._unreserve(reserved)
+
+    def _replace(self) -> None:
+        """Put the new copy in place of an existing one without a moment where neither is listed."""
+        if _exchange(self.tmp, self.final):
+            shutil.rmtree(self.tmp, ignore_errors=True)  # self.tmp now names the old copy
+            return
+        os.rename(self.final, self._old)
+        os.rename(self.tmp, self.final)
+        shutil.rmtree(self._old, ignore_errors=True)
+
+    def abort(self) -> None:
+        for fd in self.fds:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self.fds = []
+        if self._open:
+            self._open = False
+            shutil.rmtree(self.tmp, ignore_errors=True)
+            with contextlib.suppress(OSError):
+                self.step_dir.rmdir()
+            self._give_back()
