@@ -16,7 +16,6 @@ import threading
 import time
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
-from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from tierckpt.config import (
@@ -26,26 +25,25 @@ from tierckpt.config import (
     PolicyConfig,
     default_io,
     load_config,
-    parse_config,
     parse_policy,
 )
 from tierckpt.errors import CheckpointNotFoundError, ConfigError, TierckptError
-from tierckpt.format.layout import round_up
 from tierckpt.format.manifest import Manifest
 from tierckpt.format.tree import flatten
 from tierckpt.io.buffers import StagingPool
-from tierckpt.orchestration.blobcopy import write_chunk
+from tierckpt.orchestration.blobcopy import staging_for
 from tierckpt.orchestration.catalog import STATES, Catalog, CheckpointInfo
 from tierckpt.orchestration.checks import check_policy_names, check_step, check_tiers
-from tierckpt.orchestration.choose import choose_and_read
-from tierckpt.orchestration.coordinator import Coordinator, SoloCoordinator, agreed_step
-from tierckpt.orchestration.distributed import default_coordinator, shared_job
+from tierckpt.orchestration.choose import read_agreed
+from tierckpt.orchestration.coordinator import Coordinator, SoloCoordinator
+from tierckpt.orchestration.distributed import default_coordinator
 from tierckpt.orchestration.engines import Engines
 from tierckpt.orchestration.handles import SaveHandle
 from tierckpt.orchestration.mover import Mover
+from tierckpt.orchestration.opening import open_parts
 from tierckpt.orchestration.pending import Pending
 from tierckpt.orchestration.process import gc_paused, install_flush_handler
-from tierckpt.orchestration.replicas import replica_exchange, settled
+from tierckpt.orchestration.replicas import ReplicaExchange
 from tierckpt.orchestration.restore import load_manifest, read_checkpoint
 from tierckpt.orchestration.restore_into import RestoreStaging
 from tierckpt.orchestration.savejob import SaveJob
@@ -53,8 +51,7 @@ from tierckpt.orchestration.verify import holds, verify_copies
 from tierckpt.policies.demotion import Demotion
 from tierckpt.policies.placement import Close, CopyPlan, Policy, Prefetch, Restored, Save, SavePlan, place
 from tierckpt.policies.retention import RetentionPolicy
-from tierckpt.registry import get_tier_class
-from tierckpt.tiers._jobs import hierarchy_job, resolve_job
+from tierckpt.tiers._jobs import hierarchy_job
 from tierckpt.tiers.base import CheckpointKey, Tier
 
 if TYPE_CHECKING:
@@ -63,11 +60,6 @@ if TYPE_CHECKING:
 __all__ = ["STATES", "CheckpointInfo", "Hierarchy", "SaveHandle"]
 
 log = logging.getLogger(__name__)
-# A save's staging pool: 6 slots of one io chunk (32 MiB by default, 192 MiB in all). A virtual disk
-# here completes a whole queue of writes at once, so the packer must have slots free to fill while
-# a full queue is in flight; 3 slots of 64 MiB (the same memory) left the disk idle while they were
-# refilled (docs/benchmarks-journal.md, "Six staging slots").
-_STAGING_SLOTS = 6
 
 
 def _clock() -> float:
@@ -208,33 +200,21 @@ class Hierarchy:
             TierBusyError: another job holds the lease of a file tier's directory (naming it).
             CoordinationError: some rank did not build its hierarchy in time.
         """
-        cfg = config if isinstance(config, HierarchyConfig) else parse_config(config, base_dir)
-        coord = coordinator or default_coordinator(timeout=cfg.distributed.timeout, node=cfg.distributed.node)
-        cfg = replace(cfg, tiers=tuple(replace(t, rank=coord.rank, node=coord.node) for t in cfg.tiers))
-        if readonly:
-            cfg = replace(cfg, tiers=tuple(replace(t, readonly=True) for t in cfg.tiers))
-        else:
-            resolve_job(job)  # a bad identity (or $TIERCKPT_JOB) is refused before any directory is made
-            job = shared_job(coord, job)
-            cfg = replace(cfg, tiers=tuple(replace(t, job=job or t.job) for t in cfg.tiers))
-        engines = Engines()
-        tiers: list[Tier] = []
+        parts = open_parts(config, base_dir, readonly=readonly, job=job, coordinator=coordinator)
+        cfg = parts.config
         try:
-            tiers += (get_tier_class(t.kind, f"{t.key}.kind").from_config(t, engines) for t in cfg.tiers)
             return cls(
-                tiers,
+                parts.tiers,
                 policy=cfg.policy,
                 io=cfg.io,
                 layout=cfg.layout,
                 readonly=readonly,
-                job=job,
-                coordinator=coord,
-                _engines=engines,
+                job=parts.job,
+                coordinator=parts.coordinator,
+                _engines=parts.engines,
             )
         except BaseException:
-            for tier in tiers:
-                tier.close()
-            engines.close()
+            parts.close()
             raise
 
     @classmethod
@@ -262,10 +242,7 @@ class Hierarchy:
         return self._tiers[self._index[name]]
 
     def _staging(self, tier: Tier) -> StagingPool:
-        # a file tier's own chunk (the hierarchy's io block with that tier's overrides, within its part
-        # sizes); memory tiers take no io settings, so theirs is the hierarchy's
-        chunk = write_chunk(tier, self.align) if tier.capabilities.device in ("file", "object") else self.io.chunk_bytes
-        return StagingPool(_STAGING_SLOTS, round_up(chunk, self.align), self.align)
+        return staging_for(tier, self.align, self.io.chunk_bytes)
 
     # -- save ---------------------------------------------------------------------------------------------
     @gc_paused()
@@ -444,15 +421,8 @@ class Hierarchy:
             check_step(step)
         if tier is not None:
             self.tier(tier)
-        asked, listed = step, []
-        if step is None:  # every rank restores the same step: this one's newest, or the one they agreed on
-            listed.append(self._catalog.committed_steps(tier))  # also the restore's first listing
-            step = agreed_step(self.coordinator, listed[0][-1].step if listed[0] else None)
-        if tier is None and self._pending.any_climbing():
-            self._pending.wait_climbing(self._locate(step).step)
-            listed.clear()  # the prefetch may have added a faster copy: list again
 
-        def read(s: int, name: str) -> Any:
+        def read(s: int, name: str, replicas: ReplicaExchange | None) -> Any:
             key = CheckpointKey(s, self.rank)
             if into is None:
                 return read_checkpoint(self.tier(name), key, allow_pickle=allow_pickle)[0]
@@ -460,18 +430,17 @@ class Hierarchy:
                 self.tier(name), key, into, allow_pickle=allow_pickle, strict=strict, replicas=replicas
             )
 
+        def climbing(s: int | None) -> bool:  # a prefetch of the step still climbing: wait for it
+            if tier is not None or not self._pending.any_climbing():
+                return False
+            self._pending.wait_climbing(self._locate(s).step)
+            return True
+
         where = f"rank {self.rank} on " + (f"tier {tier!r}" if tier else "any tier")
-        listing = lambda: listed.pop() if listed else self._catalog.committed_steps(tier)  # noqa: E731
-        replicas = replica_exchange(self.coordinator, into)  # a job's replicated DTensors: read once, exchanged
-        state, got, name = settled(replicas, lambda: choose_and_read(listing, read, step, where))
+        state, got, name = read_agreed(
+            step, self.coordinator, lambda: self._catalog.committed_steps(tier), climbing, read, into, where
+        )
         self.last_restore = (got, name)
-        if asked is None:  # a rank that fell back to an older step: every rank restores the same one
-            agreed = agreed_step(self.coordinator, got)
-            if agreed is None and replicas is not None and replicas.again:  # it holds its pieces only
-                agreed = got
-            if agreed is not None:
-                log.warning("restore: step %d is the newest step every rank could read; reading it", agreed)
-                return self.restore(agreed, into=into, allow_pickle=allow_pickle, tier=tier, strict=strict)
         if tier is None and not self.readonly:  # promote_on_restore
             self._promote(place(Restored(got, name), self.placement, self._catalog.view()), self._tiers[0].name)
         return state

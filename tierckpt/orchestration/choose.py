@@ -12,18 +12,83 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
+from functools import partial
 from typing import Any
 
 from tierckpt.errors import CheckpointEvictedError, CheckpointNotFoundError, CorruptCheckpointError, TierIOError
 from tierckpt.orchestration.catalog import CheckpointInfo
+from tierckpt.orchestration.coordinator import Coordinator, agreed_step
+from tierckpt.orchestration.replicas import ReplicaExchange, replica_exchange, settled
 
-__all__ = ["MAX_RELISTS", "choose_and_read", "unusable"]
+__all__ = ["MAX_RELISTS", "choose_and_read", "read_agreed", "unusable"]
 
 log = logging.getLogger("tierckpt.hierarchy")
 # Fresh listings after copies went away under the reader: each costs a listing and a few opens, and a
 # copy is a snapshot once open, so only a writer that evicts faster than a reader opens exhausts this.
 MAX_RELISTS = 50
 Failures = list[tuple[str, BaseException]]
+
+
+def read_agreed(
+    step: int | None,
+    coordinator: Coordinator,
+    listing: Callable[[], Sequence[CheckpointInfo]],
+    climbing: Callable[[int | None], bool],
+    read: Callable[[int, str, ReplicaExchange | None], Any],
+    into: Any,
+    where: str,
+) -> tuple[Any, int, str]:
+    """Read the step every rank of the job restores (docs/distributed.md, "Restore: every rank the same
+    step"): ``step`` as asked, or (None) the newest one every rank can read: the smallest of each rank's
+    newest, agreed through ``coordinator``, then agreed again on the step each rank really read (one may
+    have fallen back to an older step), read again where they differ.
+
+    Args:
+        step: the step asked for, or None.
+        coordinator: the ranks' coordinator.
+        listing: committed steps (see :func:`choose_and_read`).
+        climbing: ``climbing(step)`` waits for a prefetch of ``step`` still climbing; True if it did
+            (the listing changed).
+        read: reads one copy: ``read(step, tier_name, replicas)`` (``replicas``: the job's exchange of
+            replicated DTensors, or None; :mod:`tierckpt.orchestration.replicas`).
+        into: the restore's target (None: fresh tensors).
+        where: what was listed, for messages.
+
+    Returns:
+        (the state, its step, the tier it was read from).
+    """
+    asked = step
+    while True:
+        listed: list[Sequence[CheckpointInfo]] = []
+        if step is None:  # this rank's newest, then the one every rank agreed on
+            listed.append(listing())  # also the read's first listing
+            step = agreed_step(coordinator, listed[0][-1].step if listed[0] else None)
+        if climbing(step):
+            listed.clear()  # the prefetch may have added a faster copy: list again
+        replicas = replica_exchange(coordinator, into)  # a job's replicated DTensors: read once, exchanged
+        state, got, name = settled(replicas, partial(_read_once, listing, listed, read, replicas, step, where))
+        if asked is not None:
+            return state, got, name
+        agreed = agreed_step(coordinator, got)  # a rank that fell back: every rank restores the same step
+        if agreed is None and replicas is not None and replicas.again:  # it holds its pieces only
+            agreed = got
+        if agreed is None:
+            return state, got, name
+        log.warning("restore: step %d is the newest step every rank could read; reading it", agreed)
+        asked = step = agreed
+
+
+def _read_once(
+    listing: Callable[[], Sequence[CheckpointInfo]],
+    listed: list[Sequence[CheckpointInfo]],
+    read: Callable[[int, str, ReplicaExchange | None], Any],
+    replicas: ReplicaExchange | None,
+    step: int | None,
+    where: str,
+) -> tuple[Any, int, str]:
+    return choose_and_read(
+        lambda: listed.pop() if listed else listing(), lambda s, n: read(s, n, replicas), step, where
+    )
 
 
 def choose_and_read(

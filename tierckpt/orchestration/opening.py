@@ -1,0 +1,71 @@
+"""A hierarchy's parts built from its configuration, in the order they depend on each other: the
+coordinator first (its rank and node fill the tier paths' ``{rank}`` and ``{node}``), then the job
+identity every rank shares (rank 0's where none is given: the ranks share their tiers' leases), then each
+tier by its kind, on engines shared by all of them (docs/config.md, docs/distributed.md)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+from typing import Any
+
+from tierckpt.config import HierarchyConfig, parse_config
+from tierckpt.orchestration.coordinator import Coordinator
+from tierckpt.orchestration.distributed import default_coordinator, shared_job
+from tierckpt.orchestration.engines import Engines
+from tierckpt.registry import get_tier_class
+from tierckpt.tiers._jobs import resolve_job
+from tierckpt.tiers.base import Tier
+
+__all__ = ["Parts", "open_parts"]
+
+
+@dataclass
+class Parts:
+    """What :func:`open_parts` built; :meth:`close` releases it where the hierarchy could not be made."""
+
+    config: HierarchyConfig
+    tiers: list[Tier]
+    coordinator: Coordinator
+    engines: Engines
+    job: str | None
+
+    def close(self) -> None:
+        for tier in self.tiers:
+            tier.close()
+        self.engines.close()
+
+
+def open_parts(
+    config: HierarchyConfig | Mapping[str, Any],
+    base_dir: str | os.PathLike[str] | None,
+    *,
+    readonly: bool,
+    job: str | None,
+    coordinator: Coordinator | None,
+) -> Parts:
+    """The coordinator, job identity, tiers and engines of a hierarchy configured by ``config``
+    (arguments as for :meth:`tierckpt.Hierarchy.from_config`).
+
+    Raises:
+        ConfigError: naming the bad key (nothing is left open).
+        TierBusyError: another job holds the lease of a file tier's directory (naming it).
+        CoordinationError: some rank did not build its coordinator in time.
+    """
+    cfg = config if isinstance(config, HierarchyConfig) else parse_config(config, base_dir)
+    coord = coordinator or default_coordinator(timeout=cfg.distributed.timeout, node=cfg.distributed.node)
+    cfg = replace(cfg, tiers=tuple(replace(t, rank=coord.rank, node=coord.node) for t in cfg.tiers))
+    if readonly:
+        cfg = replace(cfg, tiers=tuple(replace(t, readonly=True) for t in cfg.tiers))
+    else:
+        resolve_job(job)  # a bad identity (or $TIERCKPT_JOB) is refused before any directory is made
+        job = shared_job(coord, job)
+        cfg = replace(cfg, tiers=tuple(replace(t, job=job or t.job) for t in cfg.tiers))
+    parts = Parts(cfg, [], coord, Engines(), job)
+    try:
+        parts.tiers += (get_tier_class(t.kind, f"{t.key}.kind").from_config(t, parts.engines) for t in cfg.tiers)
+    except BaseException:
+        parts.close()
+        raise
+    return parts
