@@ -260,13 +260,18 @@ class Catalog:
         return self._record_sizes[key] != self.world_size
 
     def _orphaned(self, tier: Tier, step: int) -> bool:
-        """Whether this rank's record-less copy of ``step`` was left by a commit that never completed: not
-        one this hierarchy is writing, has committed or is evicting (a commit writes the record between
-        the listing and now): one it does not track, or one whose commit failed (one whose outcome is
-        unknown, only once a later commit on its tier has had one: rank 0 may have been writing its
-        record); and still without a record."""
+        """Whether this rank's record-less copy of ``step`` is to be removed, its record still missing when
+        looked at again: a copy left by a commit that never completed (one this hierarchy does not track,
+        or one whose commit failed; one whose outcome is unknown, only once a later commit on its tier
+        has had one: rank 0 may have been writing its record), or a copy this hierarchy committed whose
+        record another process removed, evicting the step (the other ranks of its node on a node-local
+        tier, rank 0 on a shared one), that no transfer of this rank is reading. Not one it is writing or
+        evicting (a commit writes the record between the listing and now)."""
         with self.changed:
-            if self._states.get(step, {}).get(tier.name, "failed") != "failed" or (step, tier.name) in self._undecided:
+            state = self._states.get(step, {}).get(tier.name, "failed")
+            if state not in ("failed", "committed") or (step, tier.name) in self._undecided:
+                return False
+            if state == "committed" and (step, tier.name) in self._pins:
                 return False
         try:
             return tier.read_record(step) is None
@@ -292,8 +297,9 @@ class Catalog:
 
     def orphans(self) -> list[tuple[int, str]]:
         """This rank's copies that were listed without their step's commit record and that this
-        hierarchy is not writing: left by a commit that never completed (a rank died, a process was
-        killed between its copy and the record); the mover evicts them."""
+        hierarchy is not writing, reading or evicting: left by a commit that never completed (a rank
+        died, a process was killed between its copy and the record), or unlisted by another rank's
+        eviction of the step (see :meth:`_orphaned`); the mover evicts them."""
         with self.changed:
             out, self._orphans = sorted(self._orphans), set()
         return out

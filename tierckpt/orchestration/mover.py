@@ -17,6 +17,7 @@ from concurrent.futures import Future
 
 from tierckpt.errors import CheckpointNotFoundError, TierckptError, TierFullError
 from tierckpt.format.manifest import BlobEntry
+from tierckpt.format.record import decode_record
 from tierckpt.io.buffers import StagingPool
 from tierckpt.orchestration.blobcopy import copy_blobs, write_chunk, writer_for
 from tierckpt.orchestration.catalog import Catalog
@@ -110,6 +111,7 @@ class Mover:
         self.workers = {t.name: Worker(t.name, functools.partial(staging, t)) for t in tiers}
         self._shared = {t.name for t in tiers if t.capabilities.shared}
         self._evict_lock = threading.Lock()
+        self._unowned: dict[tuple[str, int], list[int]] = {}  # (tier, step): copies rank 0 evicts with its own
         self._full_logged: set[str] = set()
         self.held = HeldCopies(catalog)  # copies retention keeps beyond their window, and why
         self.keys = DecisionKeys()
@@ -318,17 +320,40 @@ class Mover:
 
     def _evict(self, tier: Tier, step: int, free: bool = True) -> None:
         """Evict this rank's copy of ``step``: the step's record goes first (the step is unlisted at once,
-        for every rank); on a shared tier of a job of several ranks, rank 0 removed it when it decided."""
+        for every rank); on a shared tier of a job of several ranks, rank 0 removed it when it decided.
+        The rank that removed the record also evicts the copies no rank of this job owns there."""
         self.catalog.set(step, tier.name, "evicting")
+        unowned = self._unowned.pop((tier.name, step), [])
         try:
             if not (tier.name in self._shared and self.coordinator.world_size > 1):
-                tier.remove_record(step)
+                unowned = self._remove_record(tier, step)
             tier.evict(CheckpointKey(step, self.rank), free=free)
+            for rank in unowned:
+                tier.evict(CheckpointKey(step, rank), free=free)
         except OSError as e:
             log.warning("cannot evict step %d from tier %r: %s", step, tier.name, e)
             self.catalog.set(step, tier.name, "committed")
             return
         self.catalog.forget(step, tier.name)
+
+    def _remove_record(self, tier: Tier, step: int) -> list[int]:
+        """Remove ``step``'s record from ``tier``; return the ranks whose copies of it there no rank of this
+        job evicts as its own: the step was saved by another number of ranks (a resharded restart), and
+        this is a shared tier and they are beyond this job's ranks, or a node-local one and they are not
+        ranks of this node. The record is read first: it names the ranks that saved the step."""
+        unowned: list[int] = []
+        try:
+            data = tier.read_record(step) if tier.capabilities.persistent else None
+            saved = decode_record(data, step).world_size if data is not None else self.coordinator.world_size
+        except (OSError, TierckptError) as e:
+            log.warning("step %d on tier %r: cannot read its commit record (%s): other ranks' copies stay", step,
+                        tier.name, e)  # fmt: skip
+            saved = self.coordinator.world_size
+        if saved != self.coordinator.world_size:
+            mine = range(self.coordinator.world_size) if tier.name in self._shared else self.coordinator.ranks_on_node()
+            unowned = sorted(set(range(saved)) - set(mine))
+        tier.remove_record(step)
+        return unowned
 
     def apply_retention(self, free: bool = True, shared: list[tuple[str, int]] | None = None) -> set[str]:
         """Evict what the retention plan says now; return the names of the tiers evicted from.
@@ -367,14 +392,15 @@ class Mover:
             return self._unrecord([(n, s) for n, s in plan.evict if n in self._shared])
 
     def _evict_orphans(self) -> None:
-        """Evict this rank's copies whose commit never completed (see ``Catalog.orphans``): the sweep
-        that leaves nothing of a step some rank never finished."""
+        """Evict this rank's copies that have no commit record (see ``Catalog.orphans``): the sweep that
+        leaves nothing of a step some rank never finished, nor of one another rank evicted first."""
         for step, name in self.catalog.orphans():
-            log.info("step %d on tier %r was never committed by every rank: removing this rank's copy", step, name)
+            log.info("step %d on tier %r has no commit record (never committed by every rank, or evicted by "
+                     "another rank): removing this rank's copy", step, name)  # fmt: skip
             try:
                 self.tiers[name].evict(CheckpointKey(step, self.rank))
             except OSError as e:
-                log.warning("cannot remove the uncommitted copy of step %d from tier %r: %s", step, name, e)
+                log.warning("cannot remove the unrecorded copy of step %d from tier %r: %s", step, name, e)
 
     def _unrecord(self, evict: list[tuple[str, int]]) -> list[tuple[str, int]]:
         """Rank 0's part of a shared eviction: remove the steps' records (unlisted for every rank before
@@ -382,10 +408,11 @@ class Mover:
         done = []
         for name, step in evict:
             try:
-                self.tiers[name].remove_record(step)
+                unowned = self._remove_record(self.tiers[name], step)
             except OSError as e:
                 log.warning("cannot remove the commit record of step %d on tier %r: %s", step, name, e)
                 continue
+            self._unowned[(name, step)] = unowned  # evicted with rank 0's own copy, once every rank has the decision
             done.append((name, step))
         return done
 
