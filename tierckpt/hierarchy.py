@@ -414,6 +414,9 @@ class Hierarchy:
             CorruptCheckpointError: every copy failed validation; with several copies (or older steps
                 to suggest) one error names every tier's failure and the older committed steps.
             StateError: ``into`` does not match the checkpoint, or it holds pickled values.
+            CoordinationError: in a job, another rank failed its part of the agreement on the step or of
+                the exchange of replicated DTensors (naming it and its error), or did not take part in
+                time.
         """
         self._check_open()
         self._pending.settle_top(self._tiers[0].name)

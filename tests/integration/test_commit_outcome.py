@@ -82,3 +82,42 @@ def test_a_failure_rank_0_never_took_up_removes_the_copy_at_once(tmp_path: Path)
         _save_lost(h)
         assert not (tmp_path / "pfs" / f"step-{LOST:012d}").exists()
         assert [c.step for c in h.checkpoints() if c.tiers] == [1]
+
+
+class Rank0Stuck(SoloCoordinator):
+    """Rank 1 of 2, whose rank 0 took up step ``LOST``'s decision and is stuck in it (writing the record
+    on a slow file system): this rank gets an unknown outcome, then step ``LOST + 1``'s commit fails
+    because rank 0 does not answer (it is still busy), until :meth:`recover` finishes the decision."""
+
+    def __init__(self) -> None:
+        super().__init__(rank=1, world_size=2)
+        self.stuck: Callable[[], Any] | None = None
+
+    def gather(self, key: str, value: Any, fn: Callable[[list[Any]], T], timeout: float | None = None) -> T:
+        if key.startswith(f"commit/pfs/{LOST}/"):
+            self.stuck = lambda: fn([value, value])
+            raise CoordinationError(f"{key!r}: rank 0 published no outcome", (0,), undecided=True)
+        if self.stuck is not None and key.startswith("commit/pfs/"):
+            raise CoordinationError(f"{key!r}: rank 0 did not answer", (0,))
+        return fn([value, value])
+
+    def recover(self) -> None:
+        assert self.stuck is not None
+        self.stuck()
+        self.stuck = None
+
+
+def test_an_unknown_outcome_stays_unknown_until_rank_0_publishes_a_later_commit(tmp_path: Path) -> None:
+    """A later commit that fails because rank 0 is still busy says nothing about the earlier one: the
+    copy stays; once rank 0 has written the record and decided a later commit, the step is committed."""
+    copy = tmp_path / "pfs" / f"step-{LOST:012d}" / "rank-00001"
+    coord = Rank0Stuck()
+    with _hierarchy(tmp_path, coord) as h:
+        _save_lost(h)
+        with pytest.raises(CoordinationError, match="rank 0 did not answer"):
+            h.save(_state(LOST + 1), step=LOST + 1).wait()
+        assert copy.is_dir()  # its retention pass must not take it for an orphan: rank 0 is still at it
+        coord.recover()  # rank 0 writes step LOST's record
+        h.save(_state(LOST + 2), step=LOST + 2).wait()
+        assert [c.step for c in h.checkpoints() if c.tiers] == [1, LOST, LOST + 2]
+        assert torch.equal(h.restore(step=LOST)["w"], _state(LOST)["w"])

@@ -121,11 +121,18 @@ class Catalog:
                 self._legacy_copies.discard((step, tier))
             if state == "failed":
                 self._errors.setdefault(step, {})[tier] = error or RuntimeError("failed")
-            if state in ("committed", "failed"):  # a commit on this tier had an outcome
-                self._undecided = {(s, t) for s, t in self._undecided if t != tier}
-                if isinstance(error, CoordinationError) and error.undecided:
-                    self._undecided.add((step, tier))
+            if state == "failed" and isinstance(error, CoordinationError) and error.undecided:
+                self._undecided.add((step, tier))
             self.changed.notify_all()
+
+    def decided(self, tier: str) -> None:
+        """A later commit on ``tier`` was published by rank 0: rank 0 (which decides a tier's commits in
+        order, on that tier's worker) is past every earlier decision there, so a copy whose outcome was
+        unknown now has its record, or never will (an orphan). Nothing else proves it: not a local
+        failure, a promotion, nor a commit that failed because rank 0 did not answer (it may still be
+        writing the earlier record)."""
+        with self.changed:
+            self._undecided = {(s, t) for s, t in self._undecided if t != tier}
 
     def forget(self, step: int, tier: str) -> None:
         """The copy is gone (evicted): drop its state."""

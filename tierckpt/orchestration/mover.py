@@ -169,6 +169,7 @@ class Mover:
                     raise
                 if manifest is not None:
                     shared = self.commits.publish(room.tier, key, manifest, self._shared_evictions)
+                    self.catalog.decided(tier)
             except BaseException as e:
                 error = e
                 self.catalog.set(step, tier, "failed", e)
@@ -324,17 +325,22 @@ class Mover:
         The rank that removed the record also evicts the copies no rank of this job owns there."""
         self.catalog.set(step, tier.name, "evicting")
         unowned = self._unowned.pop((tier.name, step), [])
+        evicted = False
         try:
             if not (tier.name in self._shared and self.coordinator.world_size > 1):
                 unowned = self._remove_record(tier, step)
             tier.evict(CheckpointKey(step, self.rank), free=free)
-            for rank in unowned:
-                tier.evict(CheckpointKey(step, rank), free=free)
+            evicted = True
         except OSError as e:
             log.warning("cannot evict step %d from tier %r: %s", step, tier.name, e)
             self.catalog.set(step, tier.name, "committed")
-            return
-        self.catalog.forget(step, tier.name)
+        for rank in unowned:  # whatever became of this rank's own copy: nothing else ever removes them
+            try:
+                tier.evict(CheckpointKey(step, rank), free=free)
+            except OSError as e:
+                log.warning("cannot evict rank %d's copy of step %d from tier %r: %s", rank, step, tier.name, e)
+        if evicted:
+            self.catalog.forget(step, tier.name)
 
     def _remove_record(self, tier: Tier, step: int) -> list[int]:
         """Remove ``step``'s record from ``tier``; return the ranks whose copies of it there no rank of this

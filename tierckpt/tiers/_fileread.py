@@ -186,7 +186,7 @@ class FileCopy(TierCopy):
         """Open every blob now (the copy is a snapshot from here on) and check its size. A copy holding
         a ``data.bin`` keeps all its blobs in it, back to back (tierckpt.tiers._filewrite)."""
         flags = os.O_DIRECT if self.ftier.direct else 0
-        if blobs and self._present(DATA_NAME):
+        if blobs and all(b.name != DATA_NAME for b in blobs) and self._present(DATA_NAME):
             fd, size = self._open_file(DATA_NAME, "data file", flags, DATA_NAME)
             need = sum(b.size for b in blobs)
             if size < need:
