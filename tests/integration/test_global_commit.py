@@ -4,6 +4,7 @@ directory, and one shared pfs directory."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import time
@@ -272,3 +273,35 @@ def test_a_read_only_evaluation_process_follows_a_job_that_saves_and_evicts(
         evaluator.join(30)
     assert not errors, errors
     assert seen and seen[-1] >= 6, seen
+
+
+def test_a_full_shared_tier_unlists_the_step_whose_copy_a_rank_evicts_for_room(
+    tmp_path: Path, run_ranks: Any, engine: Any
+) -> None:
+    """A full shared tier makes a rank evict its oldest copy there that another tier holds: the step's
+    record goes with it (a record naming a gone copy would list a step some rank cannot read), and the
+    other ranks' copies of it are orphans that their retention removes. Whatever the ranks' races for
+    room (a save may fail on the full tier), every step the shared tier lists is readable there by
+    every rank."""
+    cs = job(tmp_path, run_ranks)
+    big = 64 << 10  # 256 KiB a rank
+
+    def body(r: int) -> Any:
+        pfs = PfsTier("pfs", tmp_path / "pfs", engine, job="j", capacity_bytes=5 * N * (big * 4 + 8192) // 2)
+        tiers = [LocalTier("ssd", tmp_path / f"node{cs[r].node}" / "ssd", engine, job="j"), pfs]
+        with Hierarchy(tiers, coordinator=cs[r], job="j") as h:
+            for step in range(1, 7):
+                with contextlib.suppress(TierckptError):  # the tier may be full for this rank's copy
+                    h.save({"w": torch.full((big,), float(100 * step + r))}, step=step).wait()
+            with contextlib.suppress(TierckptError):
+                h.wait()
+            on_pfs = [c.step for c in h.checkpoints() if "pfs" in c.tiers]
+            read = [h.restore(s, tier="pfs")["w"][0].item() for s in on_pfs]
+            return on_pfs, read
+
+    out = run_ranks(N, body)
+    for r, o in enumerate(out):
+        assert not isinstance(o, BaseException), o
+        on_pfs, read = o
+        assert on_pfs == out[0][0] and len(on_pfs) < 6, on_pfs  # some step was evicted for room
+        assert read == [float(100 * s + r) for s in on_pfs]

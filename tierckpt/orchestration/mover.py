@@ -300,7 +300,7 @@ class Mover:
                 room = place(event, self.policy, self.catalog.view(committed, self.held.copies()))
                 if room.victims:
                     log.info("tier %r is full: evicting step %d (another tier holds it)", tier.name, room.victims[0])
-                    self._evict(tier, room.victims[0])
+                    self._evict(tier, room.victims[0], alone=True)
                     continue
                 with self.catalog.changed:  # decided again under the lock: no unpin is missed
                     room = place(event, self.policy, self.catalog.view(committed, self.held.copies()))
@@ -319,15 +319,17 @@ class Mover:
                         )  # fmt: skip
                     self.catalog.changed.wait(1.0)
 
-    def _evict(self, tier: Tier, step: int, free: bool = True) -> None:
+    def _evict(self, tier: Tier, step: int, free: bool = True, *, alone: bool = False) -> None:
         """Evict this rank's copy of ``step``: the step's record goes first (the step is unlisted at once,
-        for every rank); on a shared tier of a job of several ranks, rank 0 removed it when it decided.
-        The rank that removed the record also evicts the copies no rank of this job owns there."""
+        for every rank); on a shared tier of a job of several ranks, rank 0 removed it when it decided,
+        unless this rank evicts ``alone`` (a full tier: the record names a copy about to go, so it goes
+        too, and the other ranks' copies are orphans their next retention pass removes). The rank that
+        removed the record also evicts the copies no rank of this job owns there."""
         self.catalog.set(step, tier.name, "evicting")
         unowned = self._unowned.pop((tier.name, step), [])
         evicted = False
         try:
-            if not (tier.name in self._shared and self.coordinator.world_size > 1):
+            if alone or not (tier.name in self._shared and self.coordinator.world_size > 1):
                 unowned = self._remove_record(tier, step)
             tier.evict(CheckpointKey(step, self.rank), free=free)
             evicted = True
