@@ -6,6 +6,7 @@ from pathlib import Path
 
 from tierckpt.format.manifest import HEADER, decode_manifest
 from tierckpt.format.record import RECORDS_SINCE, decode_record, encode_record, manifest_tag
+from tierckpt.tiers._fileread import data_offsets
 
 __all__ = ["blob_file", "rewrite_manifest"]
 
@@ -33,4 +34,4 @@ def blob_file(rank_dir: Path, blob: int = 0) -> tuple[Path, int]:
     data = rank_dir / "data.bin"
     if not data.exists():
         return rank_dir / blobs[blob].name, 0
-    return data, sum(b.size for b in blobs[:blob])
+    return data, data_offsets(blobs)[blob]

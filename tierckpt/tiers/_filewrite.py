@@ -14,7 +14,6 @@ import contextlib
 import ctypes
 import ctypes.util
 import errno
-import itertools
 import os
 import shutil
 from collections.abc import Sequence
@@ -24,7 +23,7 @@ from typing import TYPE_CHECKING
 
 from tierckpt.format.manifest import BlobEntry
 from tierckpt.io.fsutil import fsync_dir
-from tierckpt.tiers._fileread import DATA_NAME, MANIFEST_NAME, io_error
+from tierckpt.tiers._fileread import DATA_NAME, MANIFEST_NAME, data_offsets, io_error
 from tierckpt.tiers.base import CheckpointKey, TierWriter
 
 if TYPE_CHECKING:
@@ -97,11 +96,7 @@ class FileWriter(TierWriter):
         sizes = [sum(b.size for b in self.blobs)] if one_file else [b.size for b in self.blobs]
         self._files = [str(tmp / n) for n in names]
         # blob i -> (file, offset of the blob in it)
-        self._where = (
-            [(0, o) for o in itertools.accumulate((b.size for b in self.blobs), initial=0)][: len(self.blobs)]
-            if one_file
-            else [(i, 0) for i in range(len(self.blobs))]
-        )
+        self._where = [(0, o) for o in data_offsets(self.blobs)] if one_file else [(i, 0) for i in range(len(blobs))]
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | (os.O_DIRECT if tier.direct else 0)
         try:
             for attempt in (0, 1):  # another process may remove an empty step directory between the two
