@@ -1,6 +1,6 @@
 """A simulated commit of N ranks in one process: is the commit protocol linear in ranks?
 
-Every fake rank is a thread with its own :class:`~tierckpt.orchestration.distributed.StoreCoordinator`
+Every fake rank is a thread with its own :class:`~tierckpt.ranks.distributed.StoreCoordinator`
 (on one in-process ``HashStore``) and its own handle on one shared ``pfs`` directory. Per step, each
 rank writes its copy (a tiny state: the bytes are not what is measured), reports it
 (``gather("commit/pfs/…")``, the protocol's one message a rank), rank 0 writes the step's record; then
@@ -28,13 +28,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from tierckpt.datapath.packing import build_manifest
 from tierckpt.format.layout import plan
 from tierckpt.format.manifest import BlobEntry
 from tierckpt.format.record import CommitRecord, encode_record, manifest_tag
 from tierckpt.format.tree import flatten
 from tierckpt.io import make_engine
-from tierckpt.orchestration.distributed import StoreCoordinator
-from tierckpt.orchestration.packing import build_manifest
+from tierckpt.ranks.distributed import StoreCoordinator
 from tierckpt.tiers.base import CheckpointKey
 from tierckpt.tiers.pfs import PfsTier
 

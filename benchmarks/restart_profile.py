@@ -1,5 +1,5 @@
 """Time per phase of ``restore()`` into fresh tensors, for ``bench_restart.py --profile`` (perf is not
-installed here): wraps the phases of :mod:`tierckpt.orchestration.restore` with wall and thread-CPU clocks.
+installed here): wraps the phases of :mod:`tierckpt.datapath.restore` with wall and thread-CPU clocks.
 
 Phases: ``manifest`` (read and validate it), ``tree`` (decode the state tree), ``alloc`` (map the blob
 buffers), ``populate`` (fault pages in, in the helper threads: summed thread CPU), ``wait`` (the main
@@ -16,7 +16,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
-import tierckpt.orchestration.restore as r
+import tierckpt.datapath.restore as r
 from tierckpt.io import buffers
 
 _wall: dict[str, float] = defaultdict(float)

@@ -48,19 +48,19 @@ def tmpfs(tmp_path: Path) -> Iterator[Path]:
 def loops(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """Each implementation of the per-tensor loops of save and restore in turn: the C extension
     (skipped where it is not built) and the pure-Python ones it replaces (tierckpt.format.native)."""
+    import tierckpt.datapath.packing
+    import tierckpt.datapath.restore
+    import tierckpt.datapath.restore_into
     import tierckpt.format.native
-    import tierckpt.orchestration.packing
-    import tierckpt.orchestration.restore
-    import tierckpt.orchestration.restore_into
 
     if request.param == "native":
         if tierckpt.format.native.native is None:
             pytest.skip("tierckpt.format._native is not built here (or TIERCKPT_NATIVE=0)")
     else:
         for mod in (
-            tierckpt.orchestration.restore,
-            tierckpt.orchestration.restore_into,
-            tierckpt.orchestration.packing,
+            tierckpt.datapath.restore,
+            tierckpt.datapath.restore_into,
+            tierckpt.datapath.packing,
             tierckpt.format.native,
         ):
             monkeypatch.setattr(mod, "native", None)

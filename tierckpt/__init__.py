@@ -42,9 +42,9 @@ _LAZY: dict[str, str] = {
     "available_kinds": "tierckpt.registry",
     "get_tier_class": "tierckpt.registry",
     "register_tier": "tierckpt.registry",
-    "Coordinator": "tierckpt.orchestration.coordinator",
-    "SoloCoordinator": "tierckpt.orchestration.coordinator",
-    "StoreCoordinator": "tierckpt.orchestration.distributed",
+    "Coordinator": "tierckpt.ranks.coordinator",
+    "SoloCoordinator": "tierckpt.ranks.coordinator",
+    "StoreCoordinator": "tierckpt.ranks.distributed",
     "TrainState": "tierckpt.resume",
     "rng_state": "tierckpt.resume",
     "set_rng_state": "tierckpt.resume",
@@ -118,8 +118,8 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time __getattr__ im
         UnsupportedFormatError,
     )
     from tierckpt.hierarchy import CheckpointInfo, Hierarchy, SaveHandle
-    from tierckpt.orchestration.coordinator import Coordinator, SoloCoordinator
-    from tierckpt.orchestration.distributed import StoreCoordinator
+    from tierckpt.ranks.coordinator import Coordinator, SoloCoordinator
+    from tierckpt.ranks.distributed import StoreCoordinator
     from tierckpt.registry import available_kinds, get_tier_class, register_tier
     from tierckpt.resume import TrainState, rng_state, set_rng_state
     from tierckpt.tiers.base import CheckpointKey, Tier, TierCapabilities, TierReader, TierWriter

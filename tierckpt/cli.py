@@ -33,7 +33,7 @@ def _open(args: argparse.Namespace) -> Hierarchy:
 
     # these commands only look: no directory made for a mistyped path, no copy on close; as one rank
     # (--rank) of a job of any size, alone (no coordinator: a tool is not one of the job's ranks)
-    from tierckpt.orchestration.coordinator import SoloCoordinator
+    from tierckpt.ranks.coordinator import SoloCoordinator
 
     rank = getattr(args, "rank", 0)
     return Hierarchy.from_yaml(args.config, readonly=True, coordinator=SoloCoordinator(rank, rank + 1))
@@ -75,7 +75,7 @@ def _cmd_ls(args: argparse.Namespace) -> int:
 
 
 def _cmd_inspect(args: argparse.Namespace) -> int:
-    from tierckpt.orchestration.describe import describe, text_lines
+    from tierckpt.facade.describe import describe, text_lines
 
     with _open(args) as h:
         tier, m = h.inspect(args.step)

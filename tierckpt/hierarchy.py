@@ -2,9 +2,10 @@
 
 :class:`Hierarchy` is a facade: each method checks its arguments, asks placement
 (:func:`tierckpt.policies.place`) what to do, through the coordinator where every rank must agree, and
-hands the plan to the orchestration (:mod:`tierckpt.orchestration`): a save becomes a
-:class:`~tierckpt.orchestration.savejob.SaveJob` run by the mover, a restore reads the copy that
-:func:`~tierckpt.orchestration.choose.choose_and_read` picks, and the catalog records every copy's state.
+hands the plan to the orchestration below it (:mod:`tierckpt.ranks`, :mod:`tierckpt.datapath`,
+:mod:`tierckpt.background`, :mod:`tierckpt.facade`): a save becomes a
+:class:`~tierckpt.background.savejob.SaveJob` run by the mover, a restore reads the copy that
+:func:`~tierckpt.facade.choose.choose_and_read` picks, and the catalog records every copy's state.
 """
 
 from __future__ import annotations
@@ -18,6 +19,12 @@ from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
+from tierckpt.background.catalog import STATES, Catalog, CheckpointInfo
+from tierckpt.background.handles import SaveHandle
+from tierckpt.background.mover import Mover
+from tierckpt.background.pending import Pending
+from tierckpt.background.process import gc_paused, install_flush_handler
+from tierckpt.background.savejob import SaveJob
 from tierckpt.config import (
     HierarchyConfig,
     IOConfig,
@@ -27,32 +34,27 @@ from tierckpt.config import (
     load_config,
     parse_policy,
 )
+from tierckpt.datapath.blobcopy import staging_for
+from tierckpt.datapath.manifests import load_manifest
+from tierckpt.datapath.replicas import ReplicaExchange
+from tierckpt.datapath.restore import read_checkpoint
+from tierckpt.datapath.restore_into import RestoreStaging
 from tierckpt.errors import CheckpointNotFoundError, ConfigError, TierckptError
+from tierckpt.facade.checks import check_policy_names, check_step, check_tiers
+from tierckpt.facade.choose import read_agreed
+from tierckpt.facade.engines import Engines
+from tierckpt.facade.opening import open_parts
+from tierckpt.facade.verify import holds, verify_copies
 from tierckpt.format.manifest import Manifest
 from tierckpt.format.tree import flatten
 from tierckpt.io.buffers import StagingPool
-from tierckpt.orchestration.blobcopy import staging_for
-from tierckpt.orchestration.catalog import STATES, Catalog, CheckpointInfo
-from tierckpt.orchestration.checks import check_policy_names, check_step, check_tiers
-from tierckpt.orchestration.choose import read_agreed
-from tierckpt.orchestration.coordinator import Coordinator, SoloCoordinator
-from tierckpt.orchestration.distributed import default_coordinator
-from tierckpt.orchestration.engines import Engines
-from tierckpt.orchestration.handles import SaveHandle
-from tierckpt.orchestration.mover import Mover
-from tierckpt.orchestration.opening import open_parts
-from tierckpt.orchestration.pending import Pending
-from tierckpt.orchestration.process import gc_paused, install_flush_handler
-from tierckpt.orchestration.replicas import ReplicaExchange
-from tierckpt.orchestration.restore import load_manifest, read_checkpoint
-from tierckpt.orchestration.restore_into import RestoreStaging
-from tierckpt.orchestration.savejob import SaveJob
-from tierckpt.orchestration.verify import holds, verify_copies
 from tierckpt.policies.demotion import Demotion
 from tierckpt.policies.placement import Close, CopyPlan, Policy, Prefetch, Restored, Save, SavePlan, place
 from tierckpt.policies.retention import RetentionPolicy
-from tierckpt.tiers._jobs import hierarchy_job
+from tierckpt.ranks.coordinator import Coordinator, SoloCoordinator
+from tierckpt.ranks.distributed import default_coordinator
 from tierckpt.tiers.base import CheckpointKey, Tier
+from tierckpt.tiers.jobs import hierarchy_job
 
 if TYPE_CHECKING:
     from typing_extensions import Self
@@ -91,7 +93,7 @@ class Hierarchy:
             checked against the tiers' leases; default: theirs, else the environment's
             (``$TIERCKPT_JOB``, ``$TORCHELASTIC_RUN_ID``, ``$SLURM_JOB_ID`` …), else this process's own.
         coordinator: how the ranks of a job agree (default: a
-            :class:`~tierckpt.orchestration.distributed.StoreCoordinator` on torch.distributed's store
+            :class:`~tierckpt.ranks.distributed.StoreCoordinator` on torch.distributed's store
             when a process group of several ranks is initialized and ``rank`` / ``world_size`` are not
             given or are its own; else a :class:`SoloCoordinator`, every rank alone).
 
@@ -177,7 +179,7 @@ class Hierarchy:
     ) -> Hierarchy:
         """Build from a validated :class:`HierarchyConfig` or a mapping with the YAML schema.
 
-        The coordinator comes first (``coordinator``, else :func:`~tierckpt.orchestration.distributed.default_coordinator`
+        The coordinator comes first (``coordinator``, else :func:`~tierckpt.ranks.distributed.default_coordinator`
         with the config's ``distributed:`` settings): its rank and node fill the tiers' ``{rank}`` and
         ``{node}`` placeholders, and in a job of several ranks whose identity is not given (nor in the
         environment), every rank takes rank 0's, so that they share their tiers' leases.

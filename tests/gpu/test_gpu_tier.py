@@ -54,7 +54,7 @@ def same(a: Any, b: Any) -> bool:
 
 
 def blob_bytes(h: Hierarchy, tier: str, step: int) -> list[bytes]:
-    from tierckpt.orchestration.restore import load_manifest
+    from tierckpt.datapath.manifests import load_manifest
     from tierckpt.tiers.base import CheckpointKey
 
     t = h.tier(tier)

@@ -60,7 +60,7 @@ def coordinators() -> Callable[..., list[Any]]:
     """``coordinators(n, timeout=…)``: one StoreCoordinator a rank on an in-process HashStore."""
     import torch.distributed as dist
 
-    from tierckpt.orchestration.distributed import StoreCoordinator
+    from tierckpt.ranks.distributed import StoreCoordinator
 
     def make(n: int, timeout: float = 20.0) -> list[Any]:
         store = dist.HashStore()

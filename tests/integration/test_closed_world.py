@@ -163,7 +163,7 @@ def test_a_blob_shorter_than_declared_is_named_before_any_read(tmp_path: Path) -
 def test_memory_that_cannot_be_had_is_a_clear_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import errno
 
-    import tierckpt.orchestration.restore as r
+    import tierckpt.datapath.restore as r
 
     saved(tmp_path, "ssd", "pfs")
 

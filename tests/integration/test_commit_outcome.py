@@ -16,7 +16,7 @@ import torch
 from tierckpt import Hierarchy
 from tierckpt.errors import CoordinationError
 from tierckpt.io.engine import make_engine
-from tierckpt.orchestration.coordinator import SoloCoordinator
+from tierckpt.ranks.coordinator import SoloCoordinator
 from tierckpt.tiers.pfs import PfsTier
 
 T = TypeVar("T")

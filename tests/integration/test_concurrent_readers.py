@@ -118,7 +118,7 @@ def test_a_reader_beside_a_writer_that_evicts_and_saves_again(tmp_path: Path) ->
 
 def restore_after(h: Hierarchy, action: Callable[[], object], monkeypatch: pytest.MonkeyPatch) -> Any:
     """``h.restore()``, with ``action`` run after the copy is opened and before its blobs are read."""
-    import tierckpt.orchestration.restore as r
+    import tierckpt.datapath.restore as r
 
     real = r._read_blobs
 

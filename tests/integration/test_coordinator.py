@@ -13,7 +13,7 @@ import torch
 from tierckpt import Hierarchy
 from tierckpt.errors import CheckpointNotFoundError, ConfigError
 from tierckpt.io.engine import make_engine
-from tierckpt.orchestration.coordinator import Coordinator, SoloCoordinator
+from tierckpt.ranks.coordinator import Coordinator, SoloCoordinator
 from tierckpt.tiers.host import HostTier
 from tierckpt.tiers.pfs import PfsTier
 

@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from tierckpt import Hierarchy
 from tierckpt.io import make_engine
-from tierckpt.orchestration.distributed import StoreCoordinator
+from tierckpt.ranks.distributed import StoreCoordinator
 from tierckpt.tiers.local import LocalTier
 from tierckpt.tiers.pfs import PfsTier
 

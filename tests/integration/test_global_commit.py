@@ -19,7 +19,7 @@ from tierckpt import CheckpointNotFoundError, Hierarchy
 from tierckpt.errors import CoordinationError, TierckptError
 from tierckpt.format.record import decode_record
 from tierckpt.io import make_engine
-from tierckpt.orchestration.distributed import StoreCoordinator
+from tierckpt.ranks.distributed import StoreCoordinator
 from tierckpt.testing import FaultyTier
 from tierckpt.tiers.host import HostTier
 from tierckpt.tiers.local import LocalTier

@@ -22,8 +22,8 @@ import pytest
 import torch
 
 from tierckpt import ConfigError, Hierarchy, TierBusyError
-from tierckpt.tiers._jobs import JOB_ENV_VARS, resolve_job
 from tierckpt.tiers._lease import LEASE_DIR
+from tierckpt.tiers.jobs import JOB_ENV_VARS, resolve_job
 
 REPO = Path(__file__).resolve().parents[2]
 TIERS = ("ssd", "pfs")
@@ -287,7 +287,7 @@ def test_lease_config(tmp_path: Path) -> None:
 
 
 def test_hierarchy_job_must_match_its_tiers_leases(tmp_path: Path) -> None:
-    from tierckpt.orchestration.engines import Engines
+    from tierckpt.facade.engines import Engines
     from tierckpt.tiers.local import LocalTier
 
     engines = Engines()

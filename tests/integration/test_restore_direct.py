@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 
-import tierckpt.orchestration.restore_into as ri
+import tierckpt.datapath.restore_into as ri
 import tierckpt.tiers._fileread as fileread
 from tierckpt import CorruptCheckpointError, Hierarchy
 from tierckpt.config import LayoutConfig

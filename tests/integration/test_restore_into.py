@@ -1,5 +1,5 @@
 """``restore(into=...)``: the in-place restore that streams a checkpoint through reused staging buffers
-straight into the target's tensors (tierckpt.orchestration.restore_into)."""
+straight into the target's tensors (tierckpt.datapath.restore_into)."""
 
 from __future__ import annotations
 
@@ -16,10 +16,10 @@ import torch
 
 from tierckpt import CheckpointKey, CorruptCheckpointError, Hierarchy, StateError
 from tierckpt.config import LayoutConfig
+from tierckpt.datapath.restore_into import RestoreStaging
 from tierckpt.format.manifest import decode_manifest, encode_manifest
 from tierckpt.format.record import CommitRecord, encode_record, manifest_tag
 from tierckpt.format.tree import flatten
-from tierckpt.orchestration.restore_into import RestoreStaging
 from tierckpt.testing.tamper import rewrite_manifest
 from tierckpt.tiers.gpu import GpuTier
 
@@ -348,7 +348,7 @@ def spy_reads(
         return r
 
     monkeypatch.setattr(t, "open_copy", opened)
-    import tierckpt.orchestration.restore_into as ri
+    import tierckpt.datapath.restore_into as ri
 
     match_target = ri.match_target
 
@@ -390,7 +390,7 @@ def test_reads_start_before_the_table_is_validated_and_a_bad_table_changes_nothi
 def test_after_the_match_few_reads_run_at_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Every slot is filled while the target is matched; then at most two reads run at once on a
     node-local tier (so they land in order), however many slots are free."""
-    import tierckpt.orchestration.restore_into as ri
+    import tierckpt.datapath.restore_into as ri
 
     state = make_state(4)
     with open_h(config(tmp_path, "ssd"), slots=8) as h:

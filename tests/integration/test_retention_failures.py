@@ -19,9 +19,9 @@ import pytest
 import torch
 
 from tierckpt import Hierarchy, TierFullError
+from tierckpt.background.catalog import Catalog
+from tierckpt.background.held import HeldCopies
 from tierckpt.io.engine import make_engine
-from tierckpt.orchestration.catalog import Catalog
-from tierckpt.orchestration.held import HeldCopies
 from tierckpt.policies import Held
 from tierckpt.testing import FaultyTier
 from tierckpt.tiers.base import Tier

@@ -157,8 +157,8 @@ def test_native_and_python_loops_write_the_same_bytes(
     """Packing with the C loop (tierckpt.format.native) and with the Python one gives the same blobs and
     manifest, for every dtype, view, conjugate and size around the 1 MiB block (small chunks, so
     tensors cross pieces), over staging buffers that an earlier save left full of bytes."""
+    import tierckpt.datapath.packing
     import tierckpt.format.native
-    import tierckpt.orchestration.packing
 
     if tierckpt.format.native.native is None:
         pytest.skip("tierckpt.format._native is not built here")
@@ -167,7 +167,7 @@ def test_native_and_python_loops_write_the_same_bytes(
     got = {}
     for loops in ("native", "python"):
         if loops == "python":
-            monkeypatch.setattr(tierckpt.orchestration.packing, "native", None)
+            monkeypatch.setattr(tierckpt.datapath.packing, "native", None)
         root = tmp_path / loops
         with Hierarchy.from_config(cfg(root, *tiers, io={"chunk": "256KiB"}, layout={"blob_size": "3MiB"})) as h:
             h.save({"dirty": rand((3 << 20,), torch.uint8, 1)}, step=1).wait()  # staging bytes to overwrite
@@ -193,15 +193,15 @@ def test_the_first_write_does_not_wait_for_every_source_address(
 ) -> None:
     """The C packing loop's source addresses are looked up piece by piece, just ahead of it: the first
     write goes out after the first piece's tensors, and each tensor is looked up once."""
+    import tierckpt.datapath.packing
     import tierckpt.format.native
-    import tierckpt.orchestration.packing
     import tierckpt.tiers._files
 
     if tierckpt.format.native.native is None:
         pytest.skip("tierckpt.format._native is not built here")
     state = {f"t{i}": rand((1024 + i % 7,), torch.float32, i) for i in range(2000)}  # ~8 MB
     looked, at_first_write = [0], []
-    source, write = tierckpt.orchestration.packing._source, tierckpt.tiers._filewrite.FileWriter.write
+    source, write = tierckpt.datapath.packing._source, tierckpt.tiers._filewrite.FileWriter.write
 
     def counted(t: torch.Tensor) -> int:
         looked[0] += 1
@@ -212,7 +212,7 @@ def test_the_first_write_does_not_wait_for_every_source_address(
             at_first_write.append(looked[0])
         return write(self, *a)
 
-    monkeypatch.setattr(tierckpt.orchestration.packing, "_source", counted)
+    monkeypatch.setattr(tierckpt.datapath.packing, "_source", counted)
     monkeypatch.setattr(tierckpt.tiers._filewrite.FileWriter, "write", first)
     with Hierarchy.from_config(cfg(tmp_path, "ssd", io={"chunk": "1MiB"})) as h:
         h.save(state, step=1).wait()
@@ -227,12 +227,12 @@ def test_the_manifest_is_encoded_while_the_last_writes_are_in_flight(
     """Once every chunk is packed, the save encodes the manifest before it waits for the writes still in
     flight. Here no write completes until the manifest is built: a save that encoded it only after the
     writes would wait out the 10 s below and fail."""
-    import tierckpt.orchestration.savejob
+    import tierckpt.background.savejob
     import tierckpt.tiers._files
 
     state = {f"t{i}": rand((1024 + i % 7,), torch.float32, i) for i in range(2000)}  # ~8 MB: 2 chunks, 6 slots
     built, held = threading.Event(), []
-    build, write = tierckpt.orchestration.savejob.build_manifest, tierckpt.tiers._filewrite.FileWriter.write
+    build, write = tierckpt.background.savejob.build_manifest, tierckpt.tiers._filewrite.FileWriter.write
 
     def building(*a: Any, **k: Any) -> bytes:
         out = build(*a, **k)
@@ -252,7 +252,7 @@ def test_the_manifest_is_encoded_while_the_last_writes_are_in_flight(
             else:
                 outer.set_exception(TimeoutError("the manifest was not built while the writes were in flight"))
 
-    monkeypatch.setattr(tierckpt.orchestration.savejob, "build_manifest", building)
+    monkeypatch.setattr(tierckpt.background.savejob, "build_manifest", building)
     monkeypatch.setattr(tierckpt.tiers._filewrite.FileWriter, "write", held_write)
     releaser = threading.Thread(target=release)
     releaser.start()
@@ -272,7 +272,7 @@ def test_the_manifest_is_encoded_while_the_last_writes_are_in_flight(
 def test_a_manifest_that_cannot_be_built_fails_the_save(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """An error while the manifest is encoded (with writes in flight) fails the save and leaves nothing
     behind; the previous checkpoint still restores."""
-    import tierckpt.orchestration.savejob
+    import tierckpt.background.savejob
 
     state = {f"t{i}": rand((4096,), torch.float32, i) for i in range(600)}
     with Hierarchy.from_config(cfg(tmp_path, "ssd", io={"chunk": "1MiB"})) as h:
@@ -281,7 +281,7 @@ def test_a_manifest_that_cannot_be_built_fails_the_save(tmp_path: Path, monkeypa
         def broken(*a: Any, **k: Any) -> bytes:
             raise RuntimeError("cannot encode")
 
-        monkeypatch.setattr(tierckpt.orchestration.savejob, "build_manifest", broken)
+        monkeypatch.setattr(tierckpt.background.savejob, "build_manifest", broken)
         with pytest.raises(RuntimeError, match="cannot encode"):
             h.save(state, step=2).wait()
         monkeypatch.undo()

@@ -40,8 +40,8 @@ def arm(point: str, step: int) -> None:
     """Make this process die at ``point`` of its save of ``step``."""
     import tierckpt.tiers._files as files
     import tierckpt.tiers._filewrite as filewrite
-    from tierckpt.orchestration.commit import Commits
-    from tierckpt.orchestration.distributed import StoreCoordinator
+    from tierckpt.ranks.commit import Commits
+    from tierckpt.ranks.distributed import StoreCoordinator
 
     if point in ("write_top", "write_demotion"):
         tier = "ssd" if point == "write_top" else "pfs"
@@ -105,7 +105,7 @@ def arm(point: str, step: int) -> None:
 
 def hang(step: int, secs: float) -> None:
     """Make this process's ``ssd`` commit of ``step`` sleep ``secs`` before it reports its copy."""
-    from tierckpt.orchestration.distributed import StoreCoordinator
+    from tierckpt.ranks.distributed import StoreCoordinator
 
     gather = StoreCoordinator.gather
 

@@ -23,7 +23,7 @@ from tierckpt.errors import CoordinationError
 # -- what the ranks run ------------------------------------------------------------------------------------
 def agree(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
     from tierckpt import Hierarchy
-    from tierckpt.orchestration.distributed import StoreCoordinator
+    from tierckpt.ranks.distributed import StoreCoordinator
 
     os.environ["TIERCKPT_NODE"] = str(rank // 2)  # two ranks per simulated node
     config = {
@@ -72,7 +72,7 @@ def agree(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
 
 
 def die_or_fail(rank: int, world_size: int) -> list[Any]:
-    from tierckpt.orchestration.distributed import distributed_coordinator
+    from tierckpt.ranks.distributed import distributed_coordinator
 
     c = distributed_coordinator(timeout=1.5)
     got: list[Any] = []
@@ -89,7 +89,7 @@ def die_or_fail(rank: int, world_size: int) -> list[Any]:
 
 
 def hang(rank: int, world_size: int) -> list[Any]:
-    from tierckpt.orchestration.distributed import distributed_coordinator
+    from tierckpt.ranks.distributed import distributed_coordinator
 
     c = distributed_coordinator(timeout=1.0)
     got: list[Any] = []

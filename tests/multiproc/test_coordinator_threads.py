@@ -16,8 +16,8 @@ import pytest
 import torch.distributed as dist
 
 from tierckpt.errors import ConfigError, CoordinationError
-from tierckpt.orchestration.coordinator import Coordinator
-from tierckpt.orchestration.distributed import StoreCoordinator
+from tierckpt.ranks.coordinator import Coordinator
+from tierckpt.ranks.distributed import StoreCoordinator
 
 
 def run_ranks(n: int, body: Callable[[int], Any], *, timeout: float = 30.0) -> list[Any]:

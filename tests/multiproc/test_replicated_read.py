@@ -59,7 +59,7 @@ def _state(rank: int, saving: int = 0) -> dict[str, Any]:
 
 
 def _save(rank: int, world: int, d: str) -> None:
-    from tierckpt.orchestration import packing
+    from tierckpt.datapath import packing
 
     packing.CHUNK_BYTES = CHUNK
     eng = make_engine("threads", 2)
@@ -69,7 +69,7 @@ def _save(rank: int, world: int, d: str) -> None:
 
 
 def _hierarchy(*dirs: str) -> Hierarchy:
-    from tierckpt.orchestration.distributed import distributed_coordinator
+    from tierckpt.ranks.distributed import distributed_coordinator
 
     eng = make_engine("threads", 2)
     tiers = [PfsTier(f"pfs{i}", Path(d), eng, readonly=True) for i, d in enumerate(dirs)]
@@ -79,8 +79,8 @@ def _hierarchy(*dirs: str) -> Hierarchy:
 def _record_reads() -> dict[str, list[list[Any]]]:
     """Record what this process reads: each blob read (``blobs``: [saved rank, blob, offset, bytes]) and
     each verified range of a saved shard (``spans``: [key, saved rank, first byte, end])."""
-    from tierckpt.orchestration import replicas
-    from tierckpt.orchestration.shardread import Filler
+    from tierckpt.datapath import replicas
+    from tierckpt.datapath.shardread import Filler
     from tierckpt.tiers._fileread import FileReader
 
     replicas.MIN_PIECE_BYTES = CHUNK

@@ -16,9 +16,9 @@ import torch
 import torch.distributed as dist
 
 from tierckpt import Hierarchy
+from tierckpt.datapath import packing
 from tierckpt.format.manifest import decode_manifest
 from tierckpt.io import make_engine
-from tierckpt.orchestration import packing
 from tierckpt.testing.tamper import blob_file
 from tierckpt.tiers.base import CheckpointKey
 from tierckpt.tiers.pfs import PfsTier
@@ -254,7 +254,7 @@ def _opened(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 
 
 def test_a_box_is_read_from_the_copies_that_overlap_it_only(saved: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from tierckpt.orchestration.reshard import read_box
+    from tierckpt.datapath.reshard import read_box
 
     tier = PfsTier("pfs", saved, make_engine("threads", 2), readonly=True)
     opened = _opened(monkeypatch)
@@ -287,7 +287,7 @@ def test_a_range_read_verifies_the_chunks_it_reads(
     import shutil
 
     from tierckpt import CorruptCheckpointError
-    from tierckpt.orchestration.reshard import read_box
+    from tierckpt.datapath.reshard import read_box
 
     bad = tmp_path / "bad"
     shutil.copytree(saved, bad)
@@ -422,7 +422,7 @@ def test_the_other_ranks_copies_come_from_the_next_tier_that_holds_them(saved: P
 
 
 def test_inspect_shows_the_sharding(saved: Path) -> None:
-    from tierckpt.orchestration.describe import describe, text_lines
+    from tierckpt.facade.describe import describe, text_lines
 
     m = manifests(saved)[2]
     info = describe(m, "pfs")

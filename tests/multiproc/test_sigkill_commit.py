@@ -145,7 +145,7 @@ def job(rank: int, world_size: int, tmp: str, stage: dict[str, Any]) -> dict[str
 def _readonly_listing(tmp: Path) -> list[dict[str, list[str]]]:
     """What a read-only hierarchy of each rank (an evaluation process in the parent) lists."""
     from tierckpt import Hierarchy
-    from tierckpt.orchestration.coordinator import SoloCoordinator
+    from tierckpt.ranks.coordinator import SoloCoordinator
 
     out = []
     for r in range(N):

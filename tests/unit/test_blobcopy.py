@@ -1,5 +1,5 @@
 """What the mover reads of a tier's declared write limits: the chunk size within its part sizes, and the
-order of writes to a tier that takes them in order only (tierckpt.orchestration.blobcopy)."""
+order of writes to a tier that takes them in order only (tierckpt.datapath.blobcopy)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from dataclasses import replace
 
 import pytest
 
+from tierckpt.datapath.blobcopy import write_chunk, writer_for
 from tierckpt.format.manifest import BlobEntry
-from tierckpt.orchestration.blobcopy import write_chunk, writer_for
 from tierckpt.tiers.base import TierWriter
 from tierckpt.tiers.host import HostTier
 

@@ -1,4 +1,4 @@
-"""The rules that pick which copy a restore reads (tierckpt.orchestration.choose), on synthetic listings: no I/O."""
+"""The rules that pick which copy a restore reads (tierckpt.facade.choose), on synthetic listings: no I/O."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ from typing import Any
 
 import pytest
 
+from tierckpt.background.catalog import CheckpointInfo
 from tierckpt.errors import CheckpointEvictedError, CheckpointNotFoundError, CorruptCheckpointError, TierIOError
-from tierckpt.orchestration.catalog import CheckpointInfo
-from tierckpt.orchestration.choose import MAX_RELISTS, choose_and_read
+from tierckpt.facade.choose import MAX_RELISTS, choose_and_read
 
 WHERE = "rank 0 on any tier"
 

@@ -11,8 +11,8 @@ import pytest
 from tierckpt.config import TierConfig, parse_config
 from tierckpt.configvalues import expand_placeholders, node_identity
 from tierckpt.errors import ConfigError
-from tierckpt.orchestration.coordinator import SoloCoordinator
-from tierckpt.orchestration.distributed import default_coordinator, min_step, shared_job
+from tierckpt.ranks.coordinator import SoloCoordinator
+from tierckpt.ranks.distributed import default_coordinator, min_step, shared_job
 from tierckpt.tiers.options import local_directory
 
 _VARS = (

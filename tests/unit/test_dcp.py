@@ -23,7 +23,7 @@ from tierckpt import Hierarchy  # noqa: E402
 from tierckpt.dcp import HierarchyReader, HierarchyWriter, Location  # noqa: E402
 from tierckpt.dcp._record import decode_metadata, encode_metadata  # noqa: E402
 from tierckpt.errors import CorruptCheckpointError, TierckptError  # noqa: E402
-from tierckpt.orchestration.coordinator import SoloCoordinator  # noqa: E402
+from tierckpt.ranks.coordinator import SoloCoordinator  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
 

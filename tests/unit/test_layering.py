@@ -1,6 +1,8 @@
-"""The package's layers: imports only go downward, the orchestration names no tier kind, and importing
-tierckpt (or its Hierarchy) imports no tier implementation, no io_uring binding, no torch.distributed.checkpoint
-and does not start CUDA."""
+"""The package's layers: imports only go downward (between packages, and between the four groups of the
+orchestration: ranks, data path, background machinery, facade helpers), no module imports another
+package's private modules, no import cycle anywhere, the orchestration names no tier kind, and importing
+tierckpt (or its Hierarchy) imports no tier implementation, no io_uring binding, no
+torch.distributed.checkpoint and does not start CUDA."""
 
 from __future__ import annotations
 
@@ -17,10 +19,16 @@ ROOT = Path(tierckpt.__file__).parent
 LAYERS: list[set[str]] = [
     {"errors", "yamlfile", "config", "configvalues", "format", "io", "policies"},
     {"tiers", "registry"},
-    {"orchestration"},
+    # the orchestration, by concern: how ranks meet; the bytes; what runs on the tiers' workers; what
+    # the facade runs in the caller's thread
+    {"ranks"},
+    {"datapath"},
+    {"background"},
+    {"facade"},
     {"hierarchy", "resume"},
     {"cli", "__main__", "bench", "testing", "dcp"},
 ]
+ORCHESTRATION = ("tierckpt.ranks", "tierckpt.datapath", "tierckpt.background", "tierckpt.facade")
 TIER_KINDS = {"tierckpt.tiers.host", "tierckpt.tiers.gpu", "tierckpt.tiers.local", "tierckpt.tiers.pfs"}
 
 
@@ -61,11 +69,107 @@ def test_imports_only_go_downward() -> None:
     assert not upward, "imports that go up a layer:\n" + "\n".join(sorted(upward))
 
 
+def _edges() -> dict[str, set[str]]:
+    """Per module, the tierckpt modules it imports (``from tierckpt.x import y`` names module ``x.y``
+    where ``y`` is one), at the top, inside a function or under TYPE_CHECKING alike: a cycle that only
+    type checking sees still ties the two modules into one."""
+    mods = _modules()
+    out: dict[str, set[str]] = {}
+    for name, path in mods.items():
+        targets = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("tierckpt"):
+                subs = {f"{node.module}.{a.name}" for a in node.names} & mods.keys()
+                targets |= subs or {node.module}
+                if len(subs) < len(node.names):
+                    targets.add(node.module)
+            elif isinstance(node, ast.Import):
+                targets |= {a.name for a in node.names if a.name.startswith("tierckpt")}
+        out[name] = {m for m in targets if m in mods and m != name}
+    return out
+
+
+def _cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's algorithm, iteratively)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    found: list[list[str]] = []
+    for root in sorted(edges):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(edges[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on.add(root)
+        while work:
+            v, it = work[-1]
+            w = next(it, None)
+            if w is not None:
+                if w not in index:
+                    index[w] = low[w] = len(index)
+                    stack.append(w)
+                    on.add(w)
+                    work.append((w, iter(sorted(edges[w]))))
+                elif w in on:
+                    low[v] = min(low[v], index[w])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[v])
+            if low[v] == index[v]:
+                comp = []
+                while True:
+                    w = stack.pop()
+                    on.discard(w)
+                    comp.append(w)
+                    if w == v:
+                        break
+                if len(comp) > 1:
+                    found.append(sorted(comp))
+    return found
+
+
+# Being taken apart (the file tiers' reader and writer name FileTier for their annotations only).
+KNOWN_CYCLES = [["tierckpt.tiers._fileread", "tierckpt.tiers._files", "tierckpt.tiers._filewrite"]]
+
+
+def test_no_import_cycle() -> None:
+    edges = _edges()
+    edges.pop("tierckpt", None)  # the package's lazy exports name every layer (imported on first use)
+    cycles = [c for c in _cycles(edges) if c not in KNOWN_CYCLES]
+    assert not cycles, "modules that import each other (directly or around a circle):\n" + "\n".join(
+        " <-> ".join(c) for c in cycles
+    )
+
+
+def test_the_cycle_finder_finds_cycles() -> None:
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert _cycles({"a": {"b"}, "b": set()}) == []
+
+
+def _private(module: str) -> bool:
+    return any(part.startswith("_") and part not in ("__init__", "__main__") for part in module.split(".")[1:])
+
+
+def test_no_module_imports_another_packages_private_module() -> None:
+    """``_x.py`` is its package's business: other packages go through the package's public modules."""
+    reached = [
+        f"{name} imports {imp}"
+        for name, targets in _edges().items()
+        for imp in targets
+        if _private(imp)
+        and imp.rsplit(".", 1)[0] != (name if _modules()[name].name == "__init__.py" else name.rsplit(".", 1)[0])
+    ]
+    assert not reached, "\n".join(sorted(reached))
+
+
 def test_the_orchestration_names_no_tier_kind() -> None:
     named = [
         f"{name} imports {imp}"
         for name, path in _modules().items()
-        if name.startswith(("tierckpt.orchestration", "tierckpt.hierarchy"))
+        if name.startswith((*ORCHESTRATION, "tierckpt.hierarchy"))
         for imp in _imports(path)
         if imp in TIER_KINDS or imp in {"tierckpt.tiers._files", "tierckpt.tiers._fileread"}
     ]
@@ -89,9 +193,7 @@ print(json.dumps({
     loaded = set(out["modules"])
     assert not loaded & TIER_KINDS, loaded & TIER_KINDS
     assert not {
-        m
-        for m in loaded
-        if m.startswith("tierckpt.tiers.") and m not in {"tierckpt.tiers.base", "tierckpt.tiers._jobs"}
+        m for m in loaded if m.startswith("tierckpt.tiers.") and m not in {"tierckpt.tiers.base", "tierckpt.tiers.jobs"}
     }
     assert not {m for m in loaded if "uring" in m}, loaded
     assert out["cuda"] is False

@@ -18,8 +18,8 @@ import pytest
 
 from tierckpt import TierBusyError, TierIOError
 from tierckpt.tiers import _lease
-from tierckpt.tiers._jobs import JobId, _proc_stat, current_process
 from tierckpt.tiers._lease import LEASE_DIR, Lease
+from tierckpt.tiers.jobs import JobId, _proc_stat, current_process
 
 
 @pytest.fixture
@@ -248,8 +248,8 @@ def test_renewal_touches_the_member_file(tmp_path: Path, leases: list[Lease]) ->
 
 @pytest.mark.parametrize("how", ["taken over", "broken by hand"])
 def test_a_holder_that_lost_its_lease_writes_no_more(tmp_path: Path, how: str) -> None:
+    from tierckpt.facade.engines import Engines
     from tierckpt.format.manifest import BlobEntry
-    from tierckpt.orchestration.engines import Engines
     from tierckpt.tiers.base import CheckpointKey
     from tierckpt.tiers.local import LocalTier
 

@@ -17,12 +17,12 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import tierckpt.datapath.packing
+import tierckpt.datapath.restore
+import tierckpt.datapath.restore_into
 import tierckpt.format.native as nat
-import tierckpt.orchestration.packing
-import tierckpt.orchestration.restore
-import tierckpt.orchestration.restore_into
 from tierckpt import Hierarchy, StateError
-from tierckpt.format._memory import copies
+from tierckpt.format.memory import copies
 
 DTYPES = sorted({v for v in vars(torch).values() if isinstance(v, torch.dtype)}, key=str)
 #: refused by design (flatten: quantized tensors); every other dtype must round-trip
@@ -203,9 +203,9 @@ def _fuzz(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, impl: str, tier: str,
     if impl == "python":
         for mod in (
             nat,
-            tierckpt.orchestration.packing,
-            tierckpt.orchestration.restore,
-            tierckpt.orchestration.restore_into,
+            tierckpt.datapath.packing,
+            tierckpt.datapath.restore,
+            tierckpt.datapath.restore_into,
         ):
             monkeypatch.setattr(mod, "native", None)
     spec = {"host": {"kind": "host", "capacity": "64MiB"}, "local": {"kind": "local", "path": str(tmp_path / "t")}}

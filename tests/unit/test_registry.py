@@ -43,7 +43,7 @@ def test_unknown_or_broken_kinds() -> None:
 def test_gc_pause_is_reentrant_and_restores_state() -> None:
     import gc
 
-    from tierckpt.orchestration.process import gc_paused as _gc_paused
+    from tierckpt.background.process import gc_paused as _gc_paused
 
     assert gc.isenabled()
     with _gc_paused():

@@ -1,8 +1,8 @@
-"""The plan of the replicated reads (orchestration/replicas.py): pieces, and rank 0's verdict."""
+"""The plan of the replicated reads (datapath/replicas.py): pieces, and rank 0's verdict."""
 
 from __future__ import annotations
 
-from tierckpt.orchestration.replicas import _bounds, _holds, _judge
+from tierckpt.datapath.replicas import _bounds, _holds, _judge
 
 
 def test_pieces_are_near_equal_ranges_of_consecutive_members() -> None:

@@ -1,11 +1,11 @@
-"""orchestration/reshard.py's pure helpers: finding DTensors in a target, chunk-aligned spans."""
+"""datapath/reshard.py's pure helpers: finding DTensors in a target, chunk-aligned spans."""
 
 from __future__ import annotations
 
 import torch
 
-from tierckpt.orchestration.reshard import holds_dtensor
-from tierckpt.orchestration.shardread import _as_box
+from tierckpt.datapath.matching import holds_dtensor
+from tierckpt.datapath.shardread import _as_box
 
 
 def test_a_target_that_holds_itself_is_walked_once() -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from tierckpt.orchestration.checks import check_step
+from tierckpt.facade.checks import check_step
 
 __all__ = ["step_of", "valid_id"]
 

@@ -20,14 +20,15 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
+from tierckpt.datapath.manifests import load_manifest, load_tree
+from tierckpt.datapath.restore import read_checkpoint
 from tierckpt.dcp._ids import step_of, valid_id
 from tierckpt.dcp._layout import RESERVED, lookup
 from tierckpt.dcp._record import RECORD_FORMAT, Location, decode_metadata
 from tierckpt.errors import CheckpointNotFoundError, CorruptCheckpointError, TierckptError
+from tierckpt.facade.checks import check_step
+from tierckpt.facade.verify import holds
 from tierckpt.format.tree import resolve_tree
-from tierckpt.orchestration.checks import check_step
-from tierckpt.orchestration.restore import load_manifest, load_tree, read_checkpoint
-from tierckpt.orchestration.verify import holds
 from tierckpt.tiers.base import CheckpointKey, Tier
 
 if TYPE_CHECKING:

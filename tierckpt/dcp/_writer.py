@@ -26,9 +26,9 @@ from tierckpt.dcp._ids import step_of, valid_id
 from tierckpt.dcp._layout import build_state, place_items
 from tierckpt.dcp._record import RECORD_FORMAT, Location, PathElem, encode_metadata
 from tierckpt.errors import ConfigError, StateError, TierckptError
+from tierckpt.facade.checks import check_step
 from tierckpt.format.tree import flatten
-from tierckpt.orchestration.checks import check_step
-from tierckpt.orchestration.coordinator import SoloCoordinator
+from tierckpt.ranks.coordinator import SoloCoordinator
 
 if TYPE_CHECKING:
     from tierckpt.hierarchy import Hierarchy, SaveHandle

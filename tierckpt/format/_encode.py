@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import pickle
 import struct
-import sys
 from collections import OrderedDict
 from typing import Any, NamedTuple
 
@@ -20,10 +19,10 @@ import torch
 from tierckpt.errors import StateError
 from tierckpt.format._decode import EXT_CODES
 from tierckpt.format._diagnose import _I64_MIN, _U64_MAX
-from tierckpt.format._memory import as_plain, in_storage, unreadable
+from tierckpt.format.memory import as_plain, dtensor_type, in_storage, unreadable
 from tierckpt.format.sharding import Mesh, Placement, placement_of, shard_box, writer_of
 
-__all__ = ["MAX_NESTING", "ShardSpec", "TensorRef", "TooDeep", "Walk", "dtensor_type", "encode"]
+__all__ = ["MAX_NESTING", "ShardSpec", "TensorRef", "TooDeep", "Walk", "encode"]
 
 EXT_TUPLE, EXT_TENSOR, EXT_PICKLE, EXT_ODICT, EXT_INT, EXT_DTYPE, EXT_DEVICE, EXT_SIZE = EXT_CODES
 _PLAIN = (type(None), bool, int, float, str, bytes)
@@ -48,12 +47,6 @@ class ShardSpec(NamedTuple):
     placements: tuple[Placement, ...]
     global_shape: tuple[int, ...]
     stored: bool
-
-
-def dtensor_type() -> type | None:
-    """DTensor's class, if torch.distributed.tensor is imported (else no DTensor can exist)."""
-    mod = sys.modules.get("torch.distributed.tensor")
-    return getattr(mod, "DTensor", None) if mod is not None else None
 
 
 class TooDeep(Exception):
@@ -290,7 +283,7 @@ def _identity(t: torch.Tensor) -> tuple[Any, ...]:
 
 def _readable(t: torch.Tensor, path: str) -> tuple[torch.Tensor, int, int]:
     """``(t, t.data_ptr(), t.nbytes)`` for a tensor whose bytes :func:`flatten` may read (all in its
-    storage's memory: format/_memory.py); a subclass becomes the plain tensor it is, if it is one.
+    storage's memory: format/memory.py); a subclass becomes the plain tensor it is, if it is one.
 
     Raises:
         StateError: naming ``path`` and what the tensor is.

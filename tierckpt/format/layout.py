@@ -14,11 +14,14 @@ in aligned chunks, so the alignment of a tensor inside them costs no I/O. Blob s
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
-__all__ = ["PAD_RATIO", "SMALL_ALIGN", "Extent", "Layout", "extent_align", "plan", "round_up"]
+from tierckpt.format.manifest import BlobEntry
+
+__all__ = ["PAD_RATIO", "SMALL_ALIGN", "Extent", "Layout", "data_offsets", "extent_align", "plan", "round_up"]
 
 SMALL_ALIGN = 64
 PAD_RATIO = 64  #: alignment padding before an extent is at most 1/PAD_RATIO of its length
@@ -112,3 +115,8 @@ def plan(lengths: Sequence[int], *, align: int, blob_bytes: int, small_align: in
     if end > 0:
         sizes.append((end + big_mask) & ~big_mask)
     return Layout(blobs=blobs, offsets=offsets, lengths=lengths, blob_sizes=tuple(sizes), align=align)
+
+
+def data_offsets(blobs: Sequence[BlobEntry]) -> list[int]:
+    """Where each blob starts in a ``data.bin`` holding them all back to back."""
+    return list(itertools.accumulate((b.size for b in blobs), initial=0))[: len(blobs)]

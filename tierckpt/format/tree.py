@@ -111,7 +111,7 @@ def flatten(state: Any, *, allow_pickle: bool = False, version: int = FORMAT_VER
             to walk, tensors that are sparse, quantized, meta or nested, and tensors whose bytes are not
             all in their storage's memory or whose value is not those bytes (a DTensor or another
             subclass with its own ``__torch_dispatch__``, torch.func wrappers, a freed storage: see
-            :mod:`tierckpt.format._memory`). A plain Python subclass of ``torch.Tensor`` is saved as the
+            :mod:`tierckpt.format.memory`). A plain Python subclass of ``torch.Tensor`` is saved as the
             plain tensor it is (its ``__torch_function__`` is not called).
         version: the format version whose tree encoding to write (1 and 2 share one).
 

@@ -1,64 +1,20 @@
-"""The I/O engine interface and the ``auto`` selection.
-
-An engine moves bytes between memory (raw addresses) and file descriptors and returns
-``concurrent.futures.Future`` objects, like KvikIO's ``pread``/``pwrite``. Rules every engine keeps:
-
-* ``pwrite``/``pread`` transfer exactly ``nbytes`` (short transfers are resubmitted); a read returns
-  fewer bytes only at end of file, and the future's result is the byte count.
-* The memory at ``addr`` must stay alive and unchanged until the future is done.
-* With O_DIRECT file descriptors, ``addr``, ``nbytes`` and ``offset`` must be multiples of the file
-  system's alignment (4 KiB always works); the engines do not check.
-* A failure is an ``OSError`` with the errno, the path and the operation in the message.
-"""
+"""Choosing an I/O engine: :func:`make_engine` (``uring``, ``threads``, or ``auto``: io_uring where it
+works, else the thread pool). The interface every engine implements is :mod:`tierckpt.io.base`
+(re-exported here); the engines load lazily, so importing this module loads no io_uring binding."""
 
 from __future__ import annotations
 
 import logging
-import os
 import threading
-from abc import ABC, abstractmethod
-from concurrent.futures import Future
 
 from tierckpt.errors import ConfigError
+from tierckpt.io.base import IOEngine, op_error
 
 __all__ = ["IOEngine", "make_engine", "op_error"]
 
 log = logging.getLogger(__name__)
 _fallback_logged = False
 _fallback_lock = threading.Lock()
-
-
-def op_error(err: int, op: str, fd: int, offset: int, nbytes: int, path: str | None) -> OSError:
-    """An OSError (of the errno's subclass) that names the operation, offset, length and path."""
-    return OSError(err, f"{os.strerror(err)} [{op} fd={fd} offset={offset} len={nbytes}]", path)
-
-
-class IOEngine(ABC):
-    """Asynchronous positional I/O on file descriptors. Thread-safe: any thread may submit."""
-
-    name: str = "abstract"
-
-    @abstractmethod
-    def pwrite(self, fd: int, addr: int, nbytes: int, offset: int, *, path: str | None = None) -> Future[int]:
-        """Write ``nbytes`` from ``addr`` at ``offset`` of ``fd``."""
-
-    @abstractmethod
-    def pread(self, fd: int, addr: int, nbytes: int, offset: int, *, path: str | None = None) -> Future[int]:
-        """Read up to ``nbytes`` at ``offset`` of ``fd`` into ``addr``; fewer only at end of file."""
-
-    @abstractmethod
-    def fsync(self, fd: int, *, path: str | None = None) -> Future[int]:
-        """Flush ``fd``'s data and metadata to stable storage."""
-
-    @abstractmethod
-    def close(self) -> None:
-        """Finish the operations in flight and stop the engine's threads."""
-
-    def __enter__(self) -> IOEngine:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
 
 def make_engine(kind: str, queue_depth: int) -> IOEngine:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import os
 from concurrent.futures import Future, ThreadPoolExecutor
 
+from tierckpt.io.base import IOEngine, op_error
 from tierckpt.io.buffers import ptr_mv
-from tierckpt.io.engine import IOEngine, op_error
 
 __all__ = ["ThreadEngine"]
 

@@ -26,7 +26,7 @@ import threading
 from concurrent.futures import Future
 from typing import Any
 
-from tierckpt.io.engine import IOEngine, op_error
+from tierckpt.io.base import IOEngine, op_error
 
 __all__ = ["UringEngine", "ring_backend"]
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from tierckpt.format.layout import data_offsets
 from tierckpt.format.manifest import HEADER, decode_manifest
 from tierckpt.format.record import RECORDS_SINCE, decode_record, encode_record, manifest_tag
-from tierckpt.tiers._fileread import data_offsets
 
 __all__ = ["blob_file", "rewrite_manifest"]
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import itertools
 import os
 import stat
 import threading
@@ -25,6 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
 from tierckpt.errors import CheckpointEvictedError, CheckpointNotFoundError, CorruptCheckpointError, TierIOError
+from tierckpt.format.layout import data_offsets
 from tierckpt.format.manifest import HEADER, MAGIC, MAX_PAYLOAD_BYTES, TRAILER_BYTES, BlobEntry
 from tierckpt.io.fsutil import dio_alignment
 from tierckpt.tiers.base import CheckpointKey, TierCopy, TierReader
@@ -32,7 +32,7 @@ from tierckpt.tiers.base import CheckpointKey, TierCopy, TierReader
 if TYPE_CHECKING:
     from tierckpt.tiers._files import FileTier
 
-__all__ = ["DATA_NAME", "MANIFEST_NAME", "FileCopy", "data_offsets", "io_error"]
+__all__ = ["DATA_NAME", "MANIFEST_NAME", "FileCopy", "io_error"]
 
 MANIFEST_NAME = "manifest"
 DATA_NAME = "data.bin"  # a copy's blobs back to back, where the tier writes one data file a copy
@@ -41,11 +41,6 @@ _FILE_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 # the header's length is checked against the file's size before the rest is read (docs/format.md)
 _MAX_MANIFEST_BYTES = HEADER.size + MAX_PAYLOAD_BYTES + TRAILER_BYTES
 _OPAQUE_BYTES = 1 << 20  # read whole without looking; larger manifests must show their framing first
-
-
-def data_offsets(blobs: Sequence[BlobEntry]) -> list[int]:
-    """Where each blob starts in a ``data.bin`` holding them all back to back."""
-    return list(itertools.accumulate((b.size for b in blobs), initial=0))[: len(blobs)]
 
 
 def io_error(tier: str, what: str, e: OSError) -> TierIOError:

@@ -21,9 +21,10 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from tierckpt.format.layout import data_offsets
 from tierckpt.format.manifest import BlobEntry
 from tierckpt.io.fsutil import fsync_dir
-from tierckpt.tiers._fileread import DATA_NAME, MANIFEST_NAME, data_offsets, io_error
+from tierckpt.tiers._fileread import DATA_NAME, MANIFEST_NAME, io_error
 from tierckpt.tiers.base import CheckpointKey, TierWriter
 
 if TYPE_CHECKING:

@@ -48,7 +48,6 @@ from typing import Any
 
 from tierckpt.config import LEASE_STALE_SECS
 from tierckpt.errors import TierBusyError, TierIOError
-from tierckpt.tiers._jobs import HOST, JobId, ProcessId, current_process, resolve_job
 from tierckpt.tiers._lease_state import (
     GEN_RE,
     MEMBER_RE,
@@ -64,6 +63,7 @@ from tierckpt.tiers._lease_state import (
     unlink,
     write_new,
 )
+from tierckpt.tiers.jobs import HOST, JobId, ProcessId, current_process, resolve_job
 
 __all__ = ["LEASE_DIR", "Lease"]
 
@@ -235,7 +235,7 @@ class Lease:
         Args:
             directory: the tier directory.
             tier: the tier's name, for messages.
-            job: the job identity (default: :func:`~tierckpt.tiers._jobs.resolve_job`).
+            job: the job identity (default: :func:`~tierckpt.tiers.jobs.resolve_job`).
             stale_secs: renewal timeout of holders on other hosts.
 
         Raises:

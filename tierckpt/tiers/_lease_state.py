@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from tierckpt.errors import TierIOError
-from tierckpt.tiers._jobs import ProcessId
+from tierckpt.tiers.jobs import ProcessId
 
 __all__ = [
     "GEN_RE", "MEMBER_RE", "TMP_RE", "Member", "State", "Watch", "exists", "gen_name", "io_error", "read_record",

@@ -11,7 +11,7 @@ from tierckpt.errors import TierFullError
 from tierckpt.policies.retention import Held
 
 if TYPE_CHECKING:
-    from tierckpt.orchestration.catalog import Catalog
+    from tierckpt.background.catalog import Catalog
 
 __all__ = ["HeldCopies"]
 

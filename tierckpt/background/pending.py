@@ -11,7 +11,7 @@ from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
-from tierckpt.orchestration.handles import SaveHandle
+from tierckpt.background.handles import SaveHandle
 
 __all__ = ["Pending"]
 

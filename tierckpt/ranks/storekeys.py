@@ -1,4 +1,4 @@
-"""What :class:`~tierckpt.orchestration.distributed.StoreCoordinator` writes to the store: the names of a
+"""What :class:`~tierckpt.ranks.distributed.StoreCoordinator` writes to the store: the names of a
 call's keys, and its values and outcomes, msgpack-encoded (never pickled) and bounded in size."""
 
 from __future__ import annotations

@@ -11,12 +11,12 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from tierckpt.config import HierarchyConfig, parse_config
-from tierckpt.orchestration.coordinator import Coordinator
-from tierckpt.orchestration.distributed import default_coordinator, shared_job
-from tierckpt.orchestration.engines import Engines
+from tierckpt.facade.engines import Engines
+from tierckpt.ranks.coordinator import Coordinator
+from tierckpt.ranks.distributed import default_coordinator, shared_job
 from tierckpt.registry import get_tier_class
-from tierckpt.tiers._jobs import resolve_job
 from tierckpt.tiers.base import Tier
+from tierckpt.tiers.jobs import resolve_job
 
 __all__ = ["Parts", "open_parts"]
 

@@ -33,7 +33,7 @@ from typing import Any
 
 from tierckpt.errors import CoordinationError, TierckptError
 from tierckpt.format.record import CommitRecord, encode_record, manifest_tag
-from tierckpt.orchestration.coordinator import Coordinator
+from tierckpt.ranks.coordinator import Coordinator
 from tierckpt.tiers.base import CheckpointKey, Tier
 
 __all__ = ["Commits", "DecisionKeys"]

@@ -18,99 +18,21 @@ from typing import Any
 import torch
 import xxhash
 
-from tierckpt.errors import CheckpointEvictedError, CheckpointNotFoundError, CorruptCheckpointError, StateError
-from tierckpt.format.manifest import Manifest, ManifestHead, decode_head, dtype_from_name
+from tierckpt.datapath.manifests import load_manifest, load_tree, located
+from tierckpt.datapath.reshard import read_sharded
+from tierckpt.errors import CorruptCheckpointError
+from tierckpt.format.manifest import Manifest, dtype_from_name
 from tierckpt.format.native import THREADS, all_zero, native, records
-from tierckpt.format.record import RECORDS_SINCE, decode_record
 from tierckpt.format.table import blob_spans
 from tierckpt.format.tree import decode_tree, resolve_tree
 from tierckpt.io.buffers import MappedBuffer, ptr_mv
-from tierckpt.tiers.base import CheckpointKey, Tier, TierCopy, TierReader
+from tierckpt.tiers.base import CheckpointKey, Tier, TierReader
 
-__all__ = ["load_head", "load_manifest", "load_rest", "load_tree", "read_checkpoint", "verify_checkpoint"]
+__all__ = ["read_checkpoint", "verify_checkpoint"]
 
 log = logging.getLogger(__name__)
 _PREFAULT_THREADS = max(1, min(4, os.cpu_count() or 1))
 _ZEROS = bytes(4096)
-
-
-def _located(e: CorruptCheckpointError, tier: Tier, key: CheckpointKey) -> CorruptCheckpointError:
-    """``e`` naming ``tier`` and the step (as it is, if it names a tier already)."""
-    return e if e.tier is not None else CorruptCheckpointError(str(e), tier=tier.name, step=key.step)
-
-
-def load_manifest(
-    tier: Tier, key: CheckpointKey, *, allow_pickle: bool = True, copy: TierCopy | None = None
-) -> Manifest:
-    """Read and validate the manifest of ``key`` on ``tier`` (from ``copy``, an opened copy of it, if given).
-
-    Raises:
-        StateError: the checkpoint holds pickled values and ``allow_pickle`` is False.
-    """
-    return load_rest(tier, key, load_head(tier, key, allow_pickle=allow_pickle, copy=copy))
-
-
-def load_head(
-    tier: Tier, key: CheckpointKey, *, allow_pickle: bool = True, copy: TierCopy | None = None
-) -> ManifestHead:
-    """Read the manifest of ``key`` on ``tier`` (from ``copy``, an opened copy of it, if given) and
-    validate its head (what says which blobs to read); :func:`load_rest` validates the rest.
-
-    Raises:
-        StateError: the checkpoint holds pickled values and ``allow_pickle`` is False.
-    """
-    data = copy.read_manifest() if copy is not None else tier.read_manifest(key)
-    try:
-        head = decode_head(data)
-    except CorruptCheckpointError as e:
-        raise _located(e, tier, key) from None
-    if head.version >= RECORDS_SINCE:
-        check_committed(tier, key, data)
-    if (head.step, head.rank) != (key.step, key.rank):
-        raise CorruptCheckpointError(
-            f"manifest says step {head.step} rank {head.rank}, stored as step {key.step} rank {key.rank}",
-            tier=tier.name,
-            step=key.step,
-        )
-    if head.has_pickle and not allow_pickle:
-        raise StateError(
-            f"step {key.step} on tier {tier.name!r} holds pickled values; pass allow_pickle=True "
-            "to restore() only if you trust where it came from"
-        )
-    return head
-
-
-def check_committed(tier: Tier, key: CheckpointKey, manifest: bytes) -> None:
-    """Check that ``manifest`` is the copy the step's commit record on ``tier`` names for ``key.rank``.
-
-    Raises:
-        CheckpointNotFoundError: the tier holds no record of the step (never committed, or evicted).
-        CorruptCheckpointError: the record is damaged.
-        CheckpointEvictedError: the record names another copy of the rank (a save of the same step replaced
-            it and has not committed yet, or its commit failed): it must not be mixed with the other ranks'
-            copies (a reader lists the steps again).
-    """
-    data = tier.read_record(key.step)
-    if data is None:
-        raise CheckpointNotFoundError(f"step {key.step} is not committed on tier {tier.name!r} (no commit record)")
-    try:
-        record = decode_record(data, key.step)
-    except CorruptCheckpointError as e:
-        raise CorruptCheckpointError(str(e), tier=tier.name, step=key.step) from None
-    if not record.matches(key.rank, manifest):  # not damaged: another save of the step is replacing it
-        raise CheckpointEvictedError(
-            f"step {key.step} on tier {tier.name!r}: rank {key.rank}'s copy is not the one the step's commit "
-            f"record names (of {record.world_size} ranks): the step is being saved again, or that save's "
-            "commit did not complete"
-        )
-
-
-def load_rest(tier: Tier, key: CheckpointKey, head: ManifestHead) -> Manifest:
-    """The whole manifest of ``head`` (tensor table and tree validated; errors name the tier)."""
-    try:
-        return head.manifest()
-    except CorruptCheckpointError as e:
-        raise _located(e, tier, key) from None
 
 
 def _fresh_buffers(tier: Tier, key: CheckpointKey, m: Manifest) -> list[MappedBuffer]:
@@ -274,7 +196,7 @@ def verify_checkpoint(tier: Tier, key: CheckpointKey) -> Manifest:
             value, ref = decode_tree(m.tree, len(m.tensors), m.version, allow_pickle=True, unpickle=False)
             resolve_tree(value, ref, _no_tensor, len(m.tensors))
         except CorruptCheckpointError as e:
-            raise _located(e, tier, key) from None
+            raise located(e, tier, key) from None
         _read_blobs(
             tier, key, m, copy.reader(m.blobs), _Verifier(tier, key, m).verify
         )  # every blob open, its size checked first
@@ -290,9 +212,7 @@ def read_checkpoint(tier: Tier, key: CheckpointKey, *, allow_pickle: bool = Fals
     """
     with tier.open_copy(key) as copy:  # one copy, whatever other processes do to the step meanwhile
         m = load_manifest(tier, key, allow_pickle=allow_pickle, copy=copy)
-        if m.sharding:  # DTensor shards, some stored by other ranks: orchestration/reshard.py
-            from tierckpt.orchestration.reshard import read_sharded  # it builds on this module
-
+        if m.sharding:  # DTensor shards, some stored by other ranks: datapath/reshard.py
             return read_sharded(tier, key, allow_pickle=allow_pickle), m
         tree, ref = load_tree(tier, key, m, allow_pickle=allow_pickle)  # valid before a blob is opened
         cache: dict[int, torch.Tensor] = {}
@@ -320,12 +240,4 @@ def read_checkpoint(tier: Tier, key: CheckpointKey, *, allow_pickle: bool = Fals
     try:
         return resolve_tree(tree, ref, tensor_at, len(t)), m
     except CorruptCheckpointError as e:
-        raise _located(e, tier, key) from None
-
-
-def load_tree(tier: Tier, key: CheckpointKey, m: Manifest, *, allow_pickle: bool) -> tuple[Any, type[int]]:
-    """:func:`~tierckpt.format.tree.decode_tree` of manifest ``m`` (errors name the tier)."""
-    try:
-        return decode_tree(m.tree, len(m.tensors), m.version, allow_pickle=allow_pickle)
-    except CorruptCheckpointError as e:
-        raise _located(e, tier, key) from None
+        raise located(e, tier, key) from None

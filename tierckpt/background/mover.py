@@ -2,7 +2,7 @@
 
 It decides nothing: which tiers a save goes to, the fill order of a prefetch, the ``on_close`` copies,
 what retention evicts and what a full tier gives up all come from :func:`~tierckpt.policies.place`. The
-mover runs each copy on its destination's worker (:mod:`~tierckpt.orchestration.worker`), records every
+mover runs each copy on its destination's worker (:mod:`~tierckpt.background.worker`), records every
 state in the catalog, pins the sources a copy reads, applies retention after every change, and makes
 room on a full tier as its plan says.
 """
@@ -15,19 +15,19 @@ import threading
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 
+from tierckpt.background.catalog import Catalog
+from tierckpt.background.held import HeldCopies
+from tierckpt.background.worker import Worker
+from tierckpt.datapath.blobcopy import copy_blobs, write_chunk, writer_for
+from tierckpt.datapath.manifests import load_manifest
 from tierckpt.errors import CheckpointNotFoundError, TierckptError, TierFullError
 from tierckpt.format.manifest import BlobEntry
 from tierckpt.format.record import decode_record
 from tierckpt.io.buffers import StagingPool
-from tierckpt.orchestration.blobcopy import copy_blobs, write_chunk, writer_for
-from tierckpt.orchestration.catalog import Catalog
-from tierckpt.orchestration.commit import Commits, DecisionKeys
-from tierckpt.orchestration.coordinator import Coordinator
-from tierckpt.orchestration.held import HeldCopies
-from tierckpt.orchestration.restore import load_manifest
-from tierckpt.orchestration.worker import Worker
 from tierckpt.policies.placement import Copy, CopyPlan, MakeRoom, Policy, Retain, place
 from tierckpt.policies.retention import RetentionPlan
+from tierckpt.ranks.commit import Commits, DecisionKeys
+from tierckpt.ranks.coordinator import Coordinator
 from tierckpt.tiers.base import CheckpointKey, Tier, TierWriter
 
 __all__ = ["Mover", "Room", "resolved"]
@@ -61,7 +61,7 @@ class Room:
 
 
 #: A job that writes a checkpoint to the room's tier: returns the manifest it committed (the mover then
-#: publishes the copy: :class:`~tierckpt.orchestration.commit.Commits`), or None for a copy that needs no
+#: publishes the copy: :class:`~tierckpt.ranks.commit.Commits`), or None for a copy that needs no
 #: commit of all ranks (a promotion, which copies the step's record along).
 Job = Callable[[Room], bytes | None]
 

@@ -26,6 +26,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 import xxhash
 
+from tierckpt.datapath.manifests import load_head, load_rest
+from tierckpt.datapath.matching import Match, holds_dtensor, match_target
+from tierckpt.datapath.reshard import restore_sharded
 from tierckpt.errors import CorruptCheckpointError
 from tierckpt.format.layout import round_up
 from tierckpt.format.manifest import Manifest, ManifestHead
@@ -33,13 +36,10 @@ from tierckpt.format.native import THREADS, Records, all_zero, native, records
 from tierckpt.format.table import blob_spans
 from tierckpt.format.tree import resolve_tree
 from tierckpt.io.buffers import StagingPool, memmove, ptr_mv
-from tierckpt.orchestration.matching import Match, match_target
-from tierckpt.orchestration.reshard import holds_dtensor, restore_sharded
-from tierckpt.orchestration.restore import load_head, load_rest
 from tierckpt.tiers.base import CheckpointKey, Tier, TierReader
 
 if TYPE_CHECKING:
-    from tierckpt.orchestration.replicas import ReplicaExchange
+    from tierckpt.datapath.replicas import ReplicaExchange
 
 __all__ = ["RestoreStaging", "restore_into"]
 
@@ -125,10 +125,10 @@ def restore_into(
         allow_pickle: accept checkpoints that hold pickled values.
         strict: every dict of ``target`` must have exactly the checkpoint's keys; else a key only the
             target has is left as it is and one only the checkpoint has is added (with a warning).
-        others: for a sharded checkpoint or DTensor target (orchestration/reshard.py), the tiers to
+        others: for a sharded checkpoint or DTensor target (datapath/reshard.py), the tiers to
             take another rank's copy from where ``tier`` lacks it.
         replicas: for a DTensor target in a job, the exchange that splits the reads of its replicated
-            shards among their replicas (orchestration/replicas.py; the caller settles it).
+            shards among their replicas (datapath/replicas.py; the caller settles it).
 
     Raises:
         StateError: ``target`` does not match the checkpoint (nothing was changed; every mismatch is

@@ -1,4 +1,4 @@
-"""Range reads of the saved ranks' copies for a resharding restore (orchestration/reshard.py): which
+"""Range reads of the saved ranks' copies for a resharding restore (datapath/reshard.py): which
 copies to open, which whole checksum chunks of which rows to read for a target's box, their
 verification, and the copy of each overlap into place.
 
@@ -19,12 +19,12 @@ from dataclasses import dataclass, field
 import torch
 import xxhash
 
+from tierckpt.datapath.manifests import load_manifest
 from tierckpt.errors import CheckpointNotFoundError, CorruptCheckpointError, TierIOError
 from tierckpt.format.layout import round_up
 from tierckpt.format.manifest import Manifest, dtype_from_name
 from tierckpt.format.sharding import ShardRow, chunk_span, shard_box, writer_of
 from tierckpt.io.buffers import aligned_empty, memmove
-from tierckpt.orchestration.restore import load_manifest
 from tierckpt.tiers.base import CheckpointKey, Tier, TierReader
 
 __all__ = ["Box", "Copies", "Dest", "Filler"]

@@ -18,14 +18,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from tierckpt.background.handles import SaveHandle
+from tierckpt.background.mover import Mover, Room
+from tierckpt.background.process import gc_paused
+from tierckpt.datapath.packing import build_manifest, pack_and_write, shard_chunk_sums
 from tierckpt.errors import TierckptError
 from tierckpt.format.layout import Layout, plan, round_up
 from tierckpt.format.manifest import BlobEntry
 from tierckpt.format.tree import FlatState
-from tierckpt.orchestration.handles import SaveHandle
-from tierckpt.orchestration.mover import Mover, Room
-from tierckpt.orchestration.packing import build_manifest, pack_and_write, shard_chunk_sums
-from tierckpt.orchestration.process import gc_paused
 from tierckpt.policies.placement import SavePlan
 from tierckpt.tiers.base import CheckpointKey, Tier, TierWriter
 
@@ -34,7 +34,7 @@ __all__ = ["SaveJob"]
 
 class SaveJob:
     """One save of one rank's state, executed by the mover as its plan says (the packing runs in the
-    :class:`~tierckpt.orchestration.mover.Room` the mover lends it: it never reaches back into the mover).
+    :class:`~tierckpt.background.mover.Room` the mover lends it: it never reaches back into the mover).
 
     Args:
         mover: executes the copies.

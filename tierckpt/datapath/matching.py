@@ -12,6 +12,7 @@ few torch attribute reads and no call.
 from __future__ import annotations
 
 import logging
+import sys
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -19,20 +20,37 @@ from typing import Any
 
 import torch
 
+from tierckpt.datapath.manifests import load_tree
 from tierckpt.errors import StateError
-from tierckpt.format._encode import dtensor_type
-from tierckpt.format._memory import copies, in_storage, unreadable
 from tierckpt.format.manifest import Manifest, dtype_from_name
+from tierckpt.format.memory import copies, dtensor_type, in_storage, unreadable
 from tierckpt.format.tree import Int, Opaque, check_ref, format_path
-from tierckpt.orchestration.restore import load_tree
 from tierckpt.tiers.base import CheckpointKey, Tier
 
-__all__ = ["Match", "match_target"]
+__all__ = ["Match", "holds_dtensor", "match_target"]
 
 log = logging.getLogger(__name__)
 
 _ABSENT: Any = object()  # a key the target's dict lacks
 _SHOWN = 20  # mismatches a StateError lists (the rest are counted)
+
+
+def holds_dtensor(state: Any) -> bool:
+    """Whether ``state`` (nested dicts, lists, tuples) holds a DTensor (False at once where
+    ``torch.distributed.tensor`` was never imported: no DTensor can exist then)."""
+    mod = sys.modules.get("torch.distributed.tensor")
+    cls = getattr(mod, "DTensor", None) if mod is not None else None
+    if cls is None:
+        return False
+    todo, seen = [state], set()
+    while todo:
+        v = todo.pop()
+        if isinstance(v, cls):
+            return True
+        if isinstance(v, (dict, list, tuple)) and id(v) not in seen:  # a container met twice (or in itself): once
+            seen.add(id(v))
+            todo.extend(v.values() if isinstance(v, dict) else v)
+    return False
 
 
 @dataclass
@@ -47,7 +65,7 @@ class Match:
         ref: the type of a tensor reference in ``assigns``' values.
         direct: the target tensor each tensor's bytes go straight into (or None).
         sharded: ``(DTensor, manifest index)`` of each DTensor of the target (matched by global
-            shape and dtype), for the resharding restore (orchestration/reshard.py) to fill.
+            shape and dtype), for the resharding restore (datapath/reshard.py) to fill.
     """
 
     made: dict[int, torch.Tensor]

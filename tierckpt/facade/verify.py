@@ -5,9 +5,9 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 
+from tierckpt.background.catalog import CheckpointInfo
+from tierckpt.datapath.restore import verify_checkpoint
 from tierckpt.errors import CheckpointNotFoundError, CorruptCheckpointError
-from tierckpt.orchestration.catalog import CheckpointInfo
-from tierckpt.orchestration.restore import verify_checkpoint
 from tierckpt.tiers.base import CheckpointKey, Tier
 
 __all__ = ["holds", "verify_copies"]

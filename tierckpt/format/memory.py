@@ -24,10 +24,16 @@ import sys
 
 import torch
 
-__all__ = ["as_plain", "copies", "in_storage", "unreadable"]
+__all__ = ["as_plain", "copies", "dtensor_type", "in_storage", "unreadable"]
 
 _PYTHON_KEY = torch._C.DispatchKey.Python
 _STORAGE_ERRORS = (RuntimeError, NotImplementedError, TypeError)
+
+
+def dtensor_type() -> type | None:
+    """DTensor's class, if torch.distributed.tensor is imported (else no DTensor can exist)."""
+    mod = sys.modules.get("torch.distributed.tensor")
+    return getattr(mod, "DTensor", None) if mod is not None else None
 
 
 def in_storage(t: torch.Tensor, start: int, nbytes: int) -> bool:

@@ -1,7 +1,7 @@
 """The ranks of a job agree through torch.distributed's key-value store (docs/distributed.md,
 "Coordination").
 
-:class:`StoreCoordinator` implements :class:`~tierckpt.orchestration.coordinator.Coordinator` on a
+:class:`StoreCoordinator` implements :class:`~tierckpt.ranks.coordinator.Coordinator` on a
 ``torch.distributed.Store`` (the job's TCPStore, a FileStore, an in-process HashStore): every call is a
 *gather* under a key. Each rank other than 0 appends its value to the key's value list and counts itself
 in; the rank that completes the count marks the key full; rank 0 waits for that mark, reads the list,
@@ -28,14 +28,14 @@ import msgpack
 
 from tierckpt.configvalues import check_timeout
 from tierckpt.errors import ConfigError, CoordinationError
-from tierckpt.orchestration.coordinator import SoloCoordinator, check_rank, dist_rank
-from tierckpt.orchestration.storekeys import KeyNames, Keys, check_key, decode, encode, failure, parse_values
-from tierckpt.tiers._jobs import resolve_job
+from tierckpt.ranks.coordinator import SoloCoordinator, check_rank, dist_rank
+from tierckpt.ranks.storekeys import KeyNames, Keys, check_key, decode, encode, failure, parse_values
+from tierckpt.tiers.jobs import resolve_job
 
 if TYPE_CHECKING:
     from torch.distributed import Store
 
-    from tierckpt.orchestration.coordinator import Coordinator
+    from tierckpt.ranks.coordinator import Coordinator
 
 __all__ = [
     "DEFAULT_TIMEOUT",

@@ -15,10 +15,10 @@ from collections.abc import Callable, Mapping, Sequence
 from functools import partial
 from typing import Any
 
+from tierckpt.background.catalog import CheckpointInfo
+from tierckpt.datapath.replicas import ReplicaExchange, replica_exchange, settled
 from tierckpt.errors import CheckpointEvictedError, CheckpointNotFoundError, CorruptCheckpointError, TierIOError
-from tierckpt.orchestration.catalog import CheckpointInfo
-from tierckpt.orchestration.coordinator import Coordinator, agreed_step
-from tierckpt.orchestration.replicas import ReplicaExchange, replica_exchange, settled
+from tierckpt.ranks.coordinator import Coordinator, agreed_step
 
 __all__ = ["MAX_RELISTS", "choose_and_read", "read_agreed", "unusable"]
 
@@ -50,7 +50,7 @@ def read_agreed(
         climbing: ``climbing(step)`` waits for a prefetch of ``step`` still climbing; True if it did
             (the listing changed).
         read: reads one copy: ``read(step, tier_name, replicas)`` (``replicas``: the job's exchange of
-            replicated DTensors, or None; :mod:`tierckpt.orchestration.replicas`).
+            replicated DTensors, or None; :mod:`tierckpt.datapath.replicas`).
         into: the restore's target (None: fresh tensors).
         where: what was listed, for messages.
 

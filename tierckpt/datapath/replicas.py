@@ -36,9 +36,9 @@ from typing import Any, TypeVar
 import torch
 import xxhash
 
+from tierckpt.datapath.matching import holds_dtensor
 from tierckpt.errors import CoordinationError
-from tierckpt.orchestration.coordinator import Coordinator, SoloCoordinator, dist_rank
-from tierckpt.orchestration.reshard import holds_dtensor
+from tierckpt.ranks.coordinator import Coordinator, SoloCoordinator, dist_rank
 
 __all__ = ["MIN_PIECE_BYTES", "ReplicaExchange", "replica_exchange", "settled"]
 

@@ -14,44 +14,25 @@ not save (a larger world size).
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Sequence
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from tierckpt.datapath.manifests import load_tree
+from tierckpt.datapath.matching import Match, match_target
+from tierckpt.datapath.shardread import Box, Copies, Dest, Filler
 from tierckpt.errors import StateError
 from tierckpt.format.manifest import Manifest, dtype_from_name
 from tierckpt.format.sharding import placement_of, shard_box, writer_of
 from tierckpt.format.tree import resolve_tree
-from tierckpt.orchestration.matching import Match, match_target
-from tierckpt.orchestration.restore import load_tree
-from tierckpt.orchestration.shardread import Box, Copies, Dest, Filler
 from tierckpt.tiers.base import CheckpointKey, Tier
 
 if TYPE_CHECKING:
-    from tierckpt.orchestration.replicas import ReplicaExchange
+    from tierckpt.datapath.replicas import ReplicaExchange
 
-__all__ = ["holds_dtensor", "read_box", "read_sharded", "restore_sharded"]
-
-
-def holds_dtensor(state: Any) -> bool:
-    """Whether ``state`` (nested dicts, lists, tuples) holds a DTensor (False at once where
-    ``torch.distributed.tensor`` was never imported: no DTensor can exist then)."""
-    mod = sys.modules.get("torch.distributed.tensor")
-    cls = getattr(mod, "DTensor", None) if mod is not None else None
-    if cls is None:
-        return False
-    todo, seen = [state], set()
-    while todo:
-        v = todo.pop()
-        if isinstance(v, cls):
-            return True
-        if isinstance(v, (dict, list, tuple)) and id(v) not in seen:  # a container met twice (or in itself): once
-            seen.add(id(v))
-            todo.extend(v.values() if isinstance(v, dict) else v)
-    return False
+__all__ = ["read_box", "read_sharded", "restore_sharded"]
 
 
 def restore_sharded(
@@ -74,8 +55,8 @@ def restore_sharded(
 
     ``others``: tiers to take another rank's copy from where ``tier`` lacks it (fastest first).
     ``replicas``: in a job, the exchange that splits the reads of replicated DTensor targets among
-    their replicas (orchestration/replicas.py): this call reads this rank's pieces only, and the
-    caller runs the exchange (:meth:`~tierckpt.orchestration.replicas.ReplicaExchange.settle`).
+    their replicas (datapath/replicas.py): this call reads this rank's pieces only, and the
+    caller runs the exchange (:meth:`~tierckpt.datapath.replicas.ReplicaExchange.settle`).
 
     Raises:
         StateError: ``target`` does not match (nothing changed), or a DTensor target is ``Partial``.

@@ -9,7 +9,7 @@ A hierarchy asks its coordinator
 * whether a time-based demotion is due (:meth:`Coordinator.decide`: every rank plans with rank 0's clock).
 
 :class:`SoloCoordinator`: every rank decides alone, as in a single process (or in a job whose ranks
-share nothing). :class:`~tierckpt.orchestration.distributed.StoreCoordinator` is the multi-rank one: it
+share nothing). :class:`~tierckpt.ranks.distributed.StoreCoordinator` is the multi-rank one: it
 agrees through torch.distributed's key-value store (never the training thread's collectives), and a
 hierarchy picks it by default when a process group of several ranks is initialized. Every method takes a
 ``timeout`` (None: the coordinator's own default, set when it is built) and raises
