@@ -49,8 +49,6 @@ def loops(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> st
     """Each implementation of the per-tensor loops of save and restore in turn: the C extension
     (skipped where it is not built) and the pure-Python ones it replaces (tierckpt.format.native)."""
     import tierckpt.datapath.packing
-    import tierckpt.datapath.restore
-    import tierckpt.datapath.restore_into
     import tierckpt.format.native
 
     if request.param == "native":
@@ -58,8 +56,6 @@ def loops(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> st
             pytest.skip("tierckpt.format._native is not built here (or TIERCKPT_NATIVE=0)")
     else:
         for mod in (
-            tierckpt.datapath.restore,
-            tierckpt.datapath.restore_into,
             tierckpt.datapath.packing,
             tierckpt.format.native,
         ):

@@ -18,8 +18,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import tierckpt.datapath.packing
-import tierckpt.datapath.restore
-import tierckpt.datapath.restore_into
 import tierckpt.format.native as nat
 from tierckpt import Hierarchy, StateError
 from tierckpt.format.memory import copies
@@ -204,8 +202,6 @@ def _fuzz(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, impl: str, tier: str,
         for mod in (
             nat,
             tierckpt.datapath.packing,
-            tierckpt.datapath.restore,
-            tierckpt.datapath.restore_into,
         ):
             monkeypatch.setattr(mod, "native", None)
     spec = {"host": {"kind": "host", "capacity": "64MiB"}, "local": {"kind": "local", "path": str(tmp_path / "t")}}

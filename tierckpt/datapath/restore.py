@@ -16,23 +16,20 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
-import xxhash
 
 from tierckpt.datapath.manifests import load_manifest, load_tree, located
 from tierckpt.datapath.reshard import read_sharded
+from tierckpt.datapath.verifier import BlobVerifier, Where
 from tierckpt.errors import CorruptCheckpointError
 from tierckpt.format.manifest import Manifest, dtype_from_name
-from tierckpt.format.native import THREADS, all_zero, native, records
-from tierckpt.format.table import blob_spans
 from tierckpt.format.tree import decode_tree, resolve_tree
-from tierckpt.io.buffers import MappedBuffer, ptr_mv
+from tierckpt.io.buffers import MappedBuffer
 from tierckpt.tiers.base import CheckpointKey, Tier, TierReader
 
 __all__ = ["read_checkpoint", "verify_checkpoint"]
 
 log = logging.getLogger(__name__)
 _PREFAULT_THREADS = max(1, min(4, os.cpu_count() or 1))
-_ZEROS = bytes(4096)
 
 
 def _fresh_buffers(tier: Tier, key: CheckpointKey, m: Manifest) -> list[MappedBuffer]:
@@ -54,12 +51,12 @@ def _read_blobs(
     key: CheckpointKey,
     m: Manifest,
     reader: TierReader,
-    on_data: Callable[[int, MappedBuffer, int], object],
+    on_data: Callable[[int, MappedBuffer, int, int], object],
 ) -> list[MappedBuffer]:
     """Read every blob into fresh page-aligned buffers through ``reader`` (closed when done).
 
-    ``on_data(i, buf, upto)`` runs (in this thread) each time the first ``upto`` bytes of blob i are in,
-    chunk by chunk, so checking and rebuilding overlap the reads still in flight.
+    ``on_data(i, buf, offset, n)`` runs (in this thread) each time the ``n`` bytes of blob i at ``offset``
+    are in, chunk by chunk and in order, so checking and rebuilding overlap the reads still in flight.
 
     The buffers' pages are faulted in by ``_PREFAULT_THREADS`` helper threads ahead of the reads (each
     helper populates a chunk, then submits its read), so the page faults of fresh memory overlap the I/O
@@ -89,14 +86,10 @@ def _read_blobs(
     tasks: list[Future[Future[int]]] = []
     try:
         tasks = [pool.submit(prep, bi, off, n) for bi, off, n in pieces]
+        where = Where(tier.name, key.step)
         for (bi, off, n), t in zip(pieces, tasks):
-            got = t.result().result()
-            if got != n:
-                raise CorruptCheckpointError(
-                    f"blob is truncated: read {got} of {n} bytes at offset {off}",
-                    tier=tier.name, step=key.step, blob=m.blobs[bi].name,
-                )  # fmt: skip
-            on_data(bi, bufs[bi], off + n)
+            where.check_read(m.blobs[bi].name, off, n, t.result().result())
+            on_data(bi, bufs[bi], off, n)
     finally:
         for t in tasks:  # never free a buffer the engine may still be reading into
             if t.cancel():
@@ -108,88 +101,14 @@ def _read_blobs(
     return bufs
 
 
-class _Verifier:
-    """Checks every tensor's checksum, and that every byte no tensor covers is zero (format.md: gaps
-    and padding are zero), so that damage anywhere in a blob is found.
-
-    :meth:`verify` is called with a blob's received prefix (``upto`` bytes, growing); it checks what
-    lies wholly inside it and was not checked yet. With :mod:`tierckpt.format.native`, each call is
-    one GIL-free C loop.
-    """
-
-    def __init__(self, tier: Tier, key: CheckpointKey, m: Manifest) -> None:
-        self.tier, self.key, self.m = tier, key, m
-        t = m.tensors
-        self.order = t.order()  # non-empty tensors by (blob, offset)
-        self.span = blob_spans(self.order, t.blobs)
-        # per blob: next position in order, bytes checked
-        self.done = [(self.span.get(bi, (0, 0))[0], 0) for bi in range(len(m.blobs))]
-        self.recs = records(self.order, t.offsets, t.lengths, t.checksums).table if native is not None else None
-
-    def verify(self, bi: int, buf: MappedBuffer, upto: int) -> list[int]:
-        """Check what the first ``upto`` bytes of blob ``bi`` (in ``buf``) complete; return the indices
-        of the tensors checked."""
-        k, end = self.done[bi]
-        k0, stop = k, self.span.get(bi, (0, 0))[1]
-        if self.recs is not None:
-            k, end, err, g0, g1 = native.scatter(self.recs, k, stop, buf.addr, 0, upto, end, upto, THREADS)  # type: ignore[union-attr]  # the C path runs only when native is not None
-            if err == 1:
-                self._mismatch(bi, self.order[k])
-            elif err == 2:
-                self._padding_error(bi, g0, g1)
-        else:
-            k, end = self._verify_python(bi, buf, upto, k, stop, end)
-        size = self.m.blobs[bi].size
-        if k == stop and upto >= size and size > end:
-            if not all_zero(buf.addr + end, size - end):
-                self._padding_error(bi, end, size)
-            end = size
-        self.done[bi] = (k, end)
-        return self.order[k0:k]
-
-    def _verify_python(self, bi: int, buf: MappedBuffer, upto: int, k: int, stop: int, end: int) -> tuple[int, int]:
-        """:meth:`verify` without the C loop, from position ``k`` (bytes checked up to ``end``): returns
-        the new ``(k, end)``."""
-        t = self.m.tensors
-        order, offsets, lengths, checksums = self.order, t.offsets, t.lengths, t.checksums
-        digest, zeros, nz = xxhash.xxh3_64_intdigest, _ZEROS, len(_ZEROS)
-        view = ptr_mv(buf.addr, buf.nbytes, writable=False)  # sliced per tensor: cheaper than a view each
-        while k < stop:
-            i = order[k]
-            o = offsets[i]
-            end_i = o + lengths[i]
-            if end_i > upto:
-                break
-            if o != end and (
-                view[end:o].tobytes() != zeros[: o - end] if o - end <= nz else not all_zero(buf.addr + end, o - end)
-            ):
-                self._padding_error(bi, end, o)
-            if digest(view[o:end_i]) != checksums[i]:
-                self._mismatch(bi, i)
-            end = end_i
-            k += 1
-        return k, end
-
-    def _mismatch(self, bi: int, i: int) -> None:
-        raise CorruptCheckpointError(
-            "checksum mismatch", tier=self.tier.name, step=self.key.step, blob=self.m.blobs[bi].name,
-            key=self.m.tensors.paths[i],
-        )  # fmt: skip
-
-    def _padding_error(self, bi: int, start: int, stop: int) -> None:
-        raise CorruptCheckpointError(
-            f"padding bytes [{start}, {stop}) are not zero",
-            tier=self.tier.name, step=self.key.step, blob=self.m.blobs[bi].name,
-        )  # fmt: skip
-
-
 def _no_tensor(i: int) -> Any:
     return None
 
 
-def verify_checkpoint(tier: Tier, key: CheckpointKey) -> Manifest:
+def verify_checkpoint(tier: Tier, key: CheckpointKey, *, name_rank: bool = False) -> Manifest:
     """Re-read every blob of ``key`` on ``tier`` and check every checksum, after the whole manifest and the
-    state tree (what ``restore()`` would check before it reads); raise on the first problem."""
+    state tree (what ``restore()`` would check before it reads); raise on the first problem (naming the
+    rank with ``name_rank``)."""
     with tier.open_copy(key) as copy:  # one copy, whatever other processes do to the step meanwhile
         m = load_manifest(tier, key, copy=copy)
         try:  # the tree as restore() reads it: decoded and every reference in range, no pickle ever loaded
@@ -197,9 +116,13 @@ def verify_checkpoint(tier: Tier, key: CheckpointKey) -> Manifest:
             resolve_tree(value, ref, _no_tensor, len(m.tensors))
         except CorruptCheckpointError as e:
             raise located(e, tier, key) from None
-        _read_blobs(
-            tier, key, m, copy.reader(m.blobs), _Verifier(tier, key, m).verify
-        )  # every blob open, its size checked first
+        verifier = BlobVerifier(Where(tier.name, key.step, key.rank if name_rank else None), m.tensors, m.blobs)
+
+        def on_data(bi: int, buf: MappedBuffer, off: int, n: int) -> None:
+            verifier.feed(bi, off, n, buf.addr + off)
+
+        _read_blobs(tier, key, m, copy.reader(m.blobs), on_data)  # every blob open, its size checked first
+        verifier.finish()
     return m
 
 
@@ -216,20 +139,21 @@ def read_checkpoint(tier: Tier, key: CheckpointKey, *, allow_pickle: bool = Fals
             return read_sharded(tier, key, allow_pickle=allow_pickle), m
         tree, ref = load_tree(tier, key, m, allow_pickle=allow_pickle)  # valid before a blob is opened
         cache: dict[int, torch.Tensor] = {}
-        verify = _Verifier(tier, key, m).verify
-
         t = m.tensors
+        verifier = BlobVerifier(Where(tier.name, key.step), t, m.blobs)
         dtypes = [dtype_from_name(d) for d in t.dtypes]
-        offsets, lengths, shapes = t.offsets, t.lengths, t.shapes
+        offsets, lengths, shapes, order = t.offsets, t.lengths, t.shapes, verifier.order
 
-        def on_data(bi: int, buf: MappedBuffer, upto: int) -> None:
+        def on_data(bi: int, buf: MappedBuffer, off: int, n: int) -> None:
             carve = buf.tensor
-            for i in verify(bi, buf, upto):  # build the views now, while later chunks are still being read
+            k0, k = verifier.feed(bi, off, n, buf.addr + off)
+            for i in order[k0:k]:  # build the views now, while later chunks are still being read
                 cache[i] = carve(offsets[i], lengths[i], dtypes[i], shapes[i])
 
         # every blob is opened, and its size checked against its file, before anything is allocated;
         # every non-empty tensor is in the cache once this returns
         _read_blobs(tier, key, m, copy.reader(m.blobs), on_data)
+        verifier.finish()
 
     def tensor_at(i: int) -> torch.Tensor:
         got = cache.get(i)

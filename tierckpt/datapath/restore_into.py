@@ -24,18 +24,15 @@ from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
 import torch
-import xxhash
 
 from tierckpt.datapath.manifests import load_head, load_rest
 from tierckpt.datapath.matching import Match, holds_dtensor, match_target
 from tierckpt.datapath.reshard import restore_sharded
-from tierckpt.errors import CorruptCheckpointError
+from tierckpt.datapath.verifier import BlobVerifier, Where
 from tierckpt.format.layout import round_up
 from tierckpt.format.manifest import Manifest, ManifestHead
-from tierckpt.format.native import THREADS, Records, all_zero, native, records
-from tierckpt.format.table import blob_spans
 from tierckpt.format.tree import resolve_tree
-from tierckpt.io.buffers import StagingPool, memmove, ptr_mv
+from tierckpt.io.buffers import StagingPool
 from tierckpt.tiers.base import CheckpointKey, Tier, TierReader
 
 if TYPE_CHECKING:
@@ -49,10 +46,8 @@ __all__ = ["RestoreStaging", "restore_into"]
 _SLOTS = 16
 _SLOT_BYTES = 16 << 20
 _STEADY_READS = 2  # reads in flight once the target is matched (see restore_into)
-_BLOCK_BYTES = 1 << 20  # copy-then-hash unit: the hash reads the bytes while they are still cached
+_BLOCK_BYTES = 1 << 20  # longest tensor checked before it is copied (longer ones: hashed block by block as copied)
 _DIRECT_MIN = 4 << 20  # a tensor body this large is read straight into its destination where alignment allows
-_ZEROS = bytes(4096)
-xxh3_64_intdigest = xxhash.xxh3_64_intdigest
 
 
 class RestoreStaging:
@@ -188,9 +183,6 @@ class _Stream:
         self, tier: Tier, key: CheckpointKey, head: ManifestHead, reader: TierReader, pool: Callable[[], StagingPool]
     ) -> None:
         self.tier, self.key, self.head, self.reader = tier, key, head, reader
-        self.k = 0  # position in order of the next tensor (or the one partly copied)
-        self.recs: Records | None = None  # for the native loop: built once ``addrs`` is set
-        self.hasher = xxhash.xxh3_64()
         bufs = [reader.buffer(bi) for bi in range(len(head.blobs))]
         self.in_memory = all(b is not None and b.device.type == "cpu" for b in bufs)  # copy straight out
         self.bufs = bufs
@@ -219,7 +211,8 @@ class _Stream:
         self.m = m
         self.addrs = [0] * len(m.tensors)  # destination of each tensor's bytes; set before run()
         self.order = m.tensors.order()
-        self.spans = blob_spans(self.order, m.tensors.blobs)
+        # a small tensor is checked before it is copied; a long one, block by block as it is copied
+        self.verifier = BlobVerifier(Where(self.tier.name, self.key.step), m.tensors, m.blobs, max_len=_BLOCK_BYTES)
 
     def _pieces(self, bi: int, start: int, stop: int, dest: int = 0) -> list[tuple[int, int, int, int]]:
         """Reads of at most one slot each covering ``[start, stop)`` of blob ``bi`` (into ``dest`` if set)."""
@@ -319,13 +312,12 @@ class _Stream:
 
     def run(self) -> None:
         """Copy and verify every tensor's bytes to ``addrs``."""
-        if native is not None:
-            t = self.m.tensors
-            self.recs = records(self.order, t.offsets, t.lengths, t.checksums, self.addrs)
+        verifier = self.verifier
+        verifier.set_destinations(self.addrs)
         if self.in_memory:
             for bi, (b, buf) in enumerate(zip(self.head.blobs, self.bufs)):
                 if b.size:
-                    self.consume(bi, 0, b.size, buf.data_ptr())  # type: ignore[union-attr]  # a memory tier's reader has a buffer for every blob
+                    verifier.feed(bi, 0, b.size, buf.data_ptr())  # type: ignore[union-attr]  # a memory tier's reader has a buffer for every blob
         else:
             while True:
                 self.fill()
@@ -333,19 +325,13 @@ class _Stream:
                     if not self.inflight:
                         break
                     bi, off, n, slot, fut, base = self.inflight[0]
-                got = fut.result()
-                if got != n:
-                    raise CorruptCheckpointError(
-                        f"blob is truncated: read {got} of {n} bytes at offset {off}",
-                        tier=self.tier.name, step=self.key.step, blob=self.head.blobs[bi].name,
-                    )  # fmt: skip
-                self.consume(bi, off, n, base)
+                verifier.where.check_read(self.head.blobs[bi].name, off, n, fut.result())
+                verifier.feed(bi, off, n, base)
                 with self.lock:
                     self.inflight.popleft()
                     if slot is not None:
                         self.pool.release(slot)  # type: ignore[union-attr]  # the pool exists while reads are in flight
-        if self.k != len(self.order):  # pragma: no cover - the manifest's validation rules this out
-            raise CorruptCheckpointError("blobs end before the tensors do", tier=self.tier.name, step=self.key.step)
+        verifier.finish()
 
     def close(self) -> None:
         """Wait for the reads still in flight and give their slots back (never reuse a slot the engine
@@ -358,94 +344,3 @@ class _Stream:
                 fut.exception()
             if slot is not None:
                 self.pool.release(slot)  # type: ignore[union-attr]  # the pool exists while reads are in flight
-
-    def consume(self, bi: int, p0: int, n: int, base: int) -> None:
-        """Take bytes ``[p0, p0 + n)`` of blob ``bi``, found at address ``base``; pieces come in order.
-
-        Bytes are hashed where they arrived, then copied (the copy reads them from the cache), so a
-        small tensor's target only ever receives verified bytes; a large one is verified once its
-        last block is in (:meth:`_consume_part`).
-        """
-        t = self.m.tensors
-        order, blobs, offsets, lengths, addrs, sums = self.order, t.blobs, t.offsets, t.lengths, self.addrs, t.checksums
-        digest, copy, zeros, nz = xxh3_64_intdigest, memmove, _ZEROS, len(_ZEROS)
-        p1, nk, k = p0 + n, len(order), self.k
-        view = ptr_mv(base, n, writable=False)
-        cursor = p0  # bytes before it are accounted for (tensor bytes copied, gap bytes checked)
-        recs, scatter = self.recs, native.scatter if native is not None else None
-        stop = self.spans.get(bi, (k, k))[1]
-        try:
-            while k < nk:
-                if recs is not None:  # whole small tensors of this piece: in C, without the GIL
-                    k, cursor, err, g0, g1 = scatter(recs.table, k, stop, base, p0, n, cursor, _BLOCK_BYTES, THREADS)  # type: ignore[misc]  # scatter is the C loop's, set only where it exists
-                    if err:
-                        self._scatter_error(bi, k, err, g0, g1)
-                    if k == nk:
-                        break
-                i = order[k]
-                o = offsets[i]
-                if blobs[i] != bi or o >= p1:
-                    break
-                end = o + lengths[i]
-                if o > cursor:  # a gap (alignment padding): must be zero
-                    g0, g1 = cursor - p0, o - p0
-                    if g1 - g0 > nz or view[g0:g1].tobytes() != zeros[: g1 - g0]:
-                        self._check_zero(bi, base, g0, g1, p0)
-                if o >= p0 and end <= p1 and end - o <= _BLOCK_BYTES:  # a whole small tensor
-                    s0 = o - p0
-                    if digest(view[s0 : s0 + end - o]) != sums[i]:
-                        self._mismatch(bi, i)
-                    copy(addrs[i], base + s0, end - o)
-                    cursor, k = end, k + 1
-                    continue
-                cursor = min(end, p1)
-                if not self._consume_part(bi, i, view, base, p0, o, end):
-                    return  # the tensor goes on in the next piece
-                k += 1
-            if cursor < p1:
-                self._check_zero(bi, base, cursor - p0, n, p0)
-        finally:
-            self.k = k
-
-    def _consume_part(self, bi: int, i: int, view: memoryview, base: int, p0: int, o: int, end: int) -> bool:
-        """Hash and copy the part of tensor ``i`` (extent ``[o, end)``) that piece ``view`` (blob
-        ``bi`` from ``p0``, at ``base``) holds, in blocks; True once its last byte is in and verified."""
-        a, z = max(o, p0), min(end, p0 + len(view))
-        hasher, dst = self.hasher, self.addrs[i]
-        if a == o:
-            hasher.reset()
-        if dst - o == base - p0:  # read straight into the destination: hash only
-            hasher.update(view[a - p0 : z - p0])
-        else:
-            for q in range(a, z, _BLOCK_BYTES):
-                c = min(_BLOCK_BYTES, z - q)
-                hasher.update(view[q - p0 : q - p0 + c])
-                memmove(dst + q - o, base + q - p0, c)
-        if z < end:
-            return False
-        if hasher.intdigest() != self.m.tensors.checksums[i]:
-            self._mismatch(bi, i)
-        return True
-
-    def _scatter_error(self, bi: int, k: int, err: int, g0: int, g1: int) -> None:
-        """Raise what the C loop found at position ``k``: 1, a checksum mismatch; 2, padding ``[g0, g1)``
-        that is not zero."""
-        if err == 1:
-            self._mismatch(bi, self.order[k])
-        self._padding_error(bi, g0, g1)
-
-    def _check_zero(self, bi: int, base: int, start: int, stop: int, base_off: int) -> None:
-        if not all_zero(base + start, stop - start):
-            self._padding_error(bi, base_off + start, base_off + stop)
-
-    def _padding_error(self, bi: int, start: int, stop: int) -> None:
-        raise CorruptCheckpointError(
-            f"padding bytes [{start}, {stop}) are not zero",
-            tier=self.tier.name, step=self.key.step, blob=self.head.blobs[bi].name,
-        )  # fmt: skip
-
-    def _mismatch(self, bi: int, i: int) -> None:
-        raise CorruptCheckpointError(
-            "checksum mismatch", tier=self.tier.name, step=self.key.step, blob=self.head.blobs[bi].name,
-            key=self.m.tensors.paths[i],
-        )  # fmt: skip

@@ -17,9 +17,9 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import torch
-import xxhash
 
 from tierckpt.datapath.manifests import load_manifest
+from tierckpt.datapath.verifier import Where, verify_range
 from tierckpt.errors import CheckpointNotFoundError, CorruptCheckpointError, TierIOError
 from tierckpt.format.layout import round_up
 from tierckpt.format.manifest import Manifest, dtype_from_name
@@ -260,14 +260,17 @@ class Filler:
         t = m.tensors
         for f, _ in futs:  # all landed before any is looked at (the buffer is freed on an error)
             f.exception()
+        where = Where(p.copy.tier.name, self.copies.step, p.copy.rank)
+        blob = m.blobs[t.blobs[p.row]].name
         for f, n in futs:
-            got = f.result()
-            if got != n:
-                raise self._bad(
-                    f"blob is truncated: read {got} of {n} bytes", p.copy, blob=m.blobs[t.blobs[p.row]].name
-                )
+            where.check_read(blob, t.offsets[p.row] + p.c0, n, f.result())
         data = buf[skip : skip + p.c1 - p.c0]
-        self._verify(p, data)
+        if data.numel():
+            verify_range(
+                where, data.data_ptr(), p.c0, p.c1, length=t.lengths[p.row], checksum=t.checksums[p.row],
+                chunk_bytes=m.chunk_bytes, chunks=m.sharding[p.row].chunks if p.row in m.sharding else (),
+                blob=blob, key=t.paths[p.row],
+            )  # fmt: skip
         dtype = dtype_from_name(t.dtypes[p.row])
         src = _as_box(data, dtype, t.shapes[p.row], p.c0, p.src_off, p.sizes)
         dst = p.out
@@ -275,25 +278,6 @@ class Filler:
             dst = dst.narrow(dim, o, n)
         _copy_into(dst, src)
         return buf.numel()
-
-    def _verify(self, p: _Piece, data: torch.Tensor) -> None:
-        """Check the chunks read: the row's checksum when the whole row was read, else each chunk's."""
-        m = p.copy.m
-        t = m.tensors
-        mv = memoryview(data.numpy()) if data.numel() else memoryview(b"")  # type: ignore[arg-type]  # a uint8 ndarray is a buffer
-        digest = xxhash.xxh3_64_intdigest
-        if p.c0 == 0 and p.c1 == t.lengths[p.row]:
-            ok = digest(mv) == t.checksums[p.row]
-        else:
-            chunks, size = m.sharding[p.row].chunks, m.chunk_bytes
-            ok = all(
-                digest(mv[o - p.c0 : min(p.c1, o + size) - p.c0]) == chunks[o // size] for o in range(p.c0, p.c1, size)
-            )
-        if not ok:
-            raise CorruptCheckpointError(
-                f"checksum mismatch in bytes [{p.c0}, {p.c1}) of the tensor (rank {p.copy.rank}'s copy)",
-                tier=p.copy.tier.name, step=self.copies.step, blob=m.blobs[t.blobs[p.row]].name, key=t.paths[p.row],
-            )  # fmt: skip
 
     def _bad(self, msg: str, copy: _Copy, *, blob: str | None = None) -> CorruptCheckpointError:
         where = "" if "rank" in msg else f" (rank {copy.rank}'s copy)"
