@@ -4,8 +4,8 @@
 (:func:`tierckpt.policies.place`) what to do, through the coordinator where every rank must agree, and
 hands the plan to the orchestration below it (:mod:`tierckpt.ranks`, :mod:`tierckpt.datapath`,
 :mod:`tierckpt.background`, :mod:`tierckpt.facade`): a save becomes a
-:class:`~tierckpt.background.savejob.SaveJob` run by the mover, a restore reads the copy that
-:func:`~tierckpt.facade.choose.choose_and_read` picks, and the catalog records every copy's state.
+:class:`~tierckpt.background.savejob.SaveJob` run by the mover, a restore a
+:class:`~tierckpt.facade.restorejob.RestoreJob`, and the catalog records every copy's state.
 """
 
 from __future__ import annotations
@@ -36,14 +36,12 @@ from tierckpt.config import (
 )
 from tierckpt.datapath.blobcopy import staging_for
 from tierckpt.datapath.manifests import load_manifest
-from tierckpt.datapath.replicas import ReplicaExchange
-from tierckpt.datapath.restore import read_checkpoint
 from tierckpt.datapath.restore_into import RestoreStaging
 from tierckpt.errors import CheckpointNotFoundError, ConfigError, TierckptError
 from tierckpt.facade.checks import check_policy_names, check_step, check_tiers
-from tierckpt.facade.choose import read_agreed
 from tierckpt.facade.engines import Engines
 from tierckpt.facade.opening import open_parts
+from tierckpt.facade.restorejob import CopyReader, RestoreJob
 from tierckpt.facade.verify import holds, verify_copies
 from tierckpt.format.manifest import Manifest
 from tierckpt.format.tree import flatten
@@ -426,29 +424,27 @@ class Hierarchy:
             check_step(step)
         if tier is not None:
             self.tier(tier)
-
-        def read(s: int, name: str, replicas: ReplicaExchange | None) -> Any:
-            key = CheckpointKey(s, self.rank)
-            if into is None:
-                return read_checkpoint(self.tier(name), key, allow_pickle=allow_pickle)[0]
-            return self._in_place.restore(
-                self.tier(name), key, into, allow_pickle=allow_pickle, strict=strict, replicas=replicas
-            )
-
-        def climbing(s: int | None) -> bool:  # a prefetch of the step still climbing: wait for it
-            if tier is not None or not self._pending.any_climbing():
-                return False
-            self._pending.wait_climbing(self._locate(s).step)
-            return True
-
-        where = f"rank {self.rank} on " + (f"tier {tier!r}" if tier else "any tier")
-        state, got, name = read_agreed(
-            step, self.coordinator, lambda: self._catalog.committed_steps(tier), climbing, read, into, where
+        job = RestoreJob(
+            CopyReader(self._tiers, self.rank, self._in_place, into, allow_pickle=allow_pickle, strict=strict),
+            lambda: self._catalog.committed_steps(tier),
+            self.coordinator,
+            into=into,
+            where=f"rank {self.rank} on " + (f"tier {tier!r}" if tier else "any tier"),
+            may_commit=self.readonly,  # a writable hierarchy holds its tiers' leases: no other job saves there
+            climbing=lambda s: tier is None and self._climbing(s),
         )
+        state, got, name = job.run(step)
         self.last_restore = (got, name)
         if tier is None and not self.readonly:  # promote_on_restore
             self._promote(place(Restored(got, name), self.placement, self._catalog.view()), self._tiers[0].name)
         return state
+
+    def _climbing(self, step: int) -> bool:
+        """Wait for a prefetch of ``step`` still climbing; True if there was one (the listing changed)."""
+        if not self._pending.any_climbing():
+            return False
+        self._pending.wait_climbing(step)
+        return True
 
     def inspect(self, step: int | None = None) -> tuple[str, Manifest]:
         """The manifest of ``step`` (default: newest) from the fastest tier holding it, and that tier's name."""

@@ -159,7 +159,7 @@ def test_a_copy_the_record_does_not_name_is_refused_and_orphans_are_swept(
     reader = PfsTier("pfs", pfs, engine, readonly=True)
     with (
         Hierarchy([reader], rank=1, world_size=N, readonly=True) as h,
-        pytest.raises(CheckpointNotFoundError, match="evicted or replaced by another process while being opened"),
+        pytest.raises(CheckpointNotFoundError, match="rank 1's copy is not the one the step's commit record names"),
     ):
         h.restore(step=2)
     # a step whose record never came: never listed, and the next save's retention removes it

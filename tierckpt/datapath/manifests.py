@@ -4,15 +4,64 @@ state tree; every error names the tier and the step."""
 
 from __future__ import annotations
 
+import errno
 from typing import Any
 
-from tierckpt.errors import CheckpointEvictedError, CheckpointNotFoundError, CorruptCheckpointError, StateError
+from tierckpt.errors import CheckpointNotFoundError, CorruptCheckpointError, StateError, TierIOError
 from tierckpt.format.manifest import Manifest, ManifestHead, decode_head
 from tierckpt.format.record import RECORDS_SINCE, decode_record
 from tierckpt.format.tree import decode_tree
 from tierckpt.tiers.base import CheckpointKey, Tier, TierCopy
 
-__all__ = ["check_committed", "load_head", "load_manifest", "load_rest", "load_tree", "located"]
+__all__ = [
+    "UnnamedCopyError",
+    "absent",
+    "check_committed",
+    "load_head",
+    "load_manifest",
+    "load_rest",
+    "load_tree",
+    "located",
+]
+
+
+class UnnamedCopyError(CheckpointNotFoundError):
+    """A rank's copy is not the one the step's commit record names: a save of the step again replaced it
+    and has not committed yet, or never will (it was killed before its record). Not damage: the copy may
+    be whole; the step as committed is not on that tier for that rank (a reader takes another tier's copy
+    or an older step).
+
+    Attributes:
+        tier: the tier's name.
+        step: the step.
+        rank: the rank whose copy it is.
+    """
+
+    def __init__(self, tier: str, step: int, rank: int, world_size: int) -> None:
+        super().__init__(
+            f"step {step} on tier {tier!r}: rank {rank}'s copy is not the one the step's commit record names "
+            f"(of {world_size} ranks): a save of step {step} again replaced it and has not committed, or was "
+            "killed before its commit"
+        )
+        self.tier, self.step, self.rank = tier, step, rank
+
+
+def absent(tier: Tier, key: CheckpointKey, e: CheckpointNotFoundError, tiers: str = "") -> BaseException:
+    """The error for a copy ``key`` that ``tier`` does not hold (``e``, the tier's): ``e`` itself (gone:
+    a reader lists the steps again) where the step's record is gone too (an eviction removes the record
+    first) or ``e`` says the tier saw it go; else a :class:`TierIOError` (``ENOENT``) naming the copy: the
+    record is there and the copy never was (a node-local tier holds only its node's ranks' copies), so
+    the step is unusable on ``tier`` for this reader, at once (``tiers``: the tiers looked at, if several)."""
+    if isinstance(e, UnnamedCopyError):
+        return e
+    try:
+        recorded = tier.read_record(key.step) is not None
+    except OSError:
+        recorded = False
+    if not recorded or type(e) is not CheckpointNotFoundError:
+        return e
+    looked = tiers or repr(tier.name)
+    return TierIOError(errno.ENOENT, f"no tier ({looked}) holds a copy of step {key.step} of rank {key.rank} ({e})")
 
 
 def located(e: CorruptCheckpointError, tier: Tier, key: CheckpointKey) -> CorruptCheckpointError:
@@ -67,9 +116,8 @@ def check_committed(tier: Tier, key: CheckpointKey, manifest: bytes) -> None:
     Raises:
         CheckpointNotFoundError: the tier holds no record of the step (never committed, or evicted).
         CorruptCheckpointError: the record is damaged.
-        CheckpointEvictedError: the record names another copy of the rank (a save of the same step replaced
-            it and has not committed yet, or its commit failed): it must not be mixed with the other ranks'
-            copies (a reader lists the steps again).
+        UnnamedCopyError: the record names another copy of the rank (a save of the same step replaced
+            it and has not committed yet, or never will): it must not be mixed with the other ranks' copies.
     """
     data = tier.read_record(key.step)
     if data is None:
@@ -78,12 +126,8 @@ def check_committed(tier: Tier, key: CheckpointKey, manifest: bytes) -> None:
         record = decode_record(data, key.step)
     except CorruptCheckpointError as e:
         raise CorruptCheckpointError(str(e), tier=tier.name, step=key.step) from None
-    if not record.matches(key.rank, manifest):  # not damaged: another save of the step is replacing it
-        raise CheckpointEvictedError(
-            f"step {key.step} on tier {tier.name!r}: rank {key.rank}'s copy is not the one the step's commit "
-            f"record names (of {record.world_size} ranks): the step is being saved again, or that save's "
-            "commit did not complete"
-        )
+    if not record.matches(key.rank, manifest):  # not damaged: another save of the step replaced it
+        raise UnnamedCopyError(tier.name, key.step, key.rank, record.world_size)
 
 
 def load_rest(tier: Tier, key: CheckpointKey, head: ManifestHead) -> Manifest:

@@ -17,14 +17,14 @@ from typing import Any
 
 import torch
 
-from tierckpt.datapath.manifests import load_manifest, load_tree, located
+from tierckpt.datapath.manifests import absent, load_manifest, load_tree, located
 from tierckpt.datapath.reshard import read_sharded
 from tierckpt.datapath.verifier import BlobVerifier, Where
-from tierckpt.errors import CorruptCheckpointError
+from tierckpt.errors import CheckpointNotFoundError, CorruptCheckpointError
 from tierckpt.format.manifest import Manifest, dtype_from_name
 from tierckpt.format.tree import decode_tree, resolve_tree
 from tierckpt.io.buffers import MappedBuffer
-from tierckpt.tiers.base import CheckpointKey, Tier, TierReader
+from tierckpt.tiers.base import CheckpointKey, Tier, TierCopy, TierReader
 
 __all__ = ["read_checkpoint", "verify_checkpoint"]
 
@@ -101,6 +101,15 @@ def _read_blobs(
     return bufs
 
 
+def _open(tier: Tier, key: CheckpointKey) -> TierCopy:
+    """``tier.open_copy(key)``; a copy the tier lacks while it holds the step's record (it never had it)
+    is an I/O error naming it, not one that went away (:func:`~tierckpt.datapath.manifests.absent`)."""
+    try:
+        return tier.open_copy(key)
+    except CheckpointNotFoundError as e:
+        raise absent(tier, key, e) from e
+
+
 def _no_tensor(i: int) -> Any:
     return None
 
@@ -133,7 +142,7 @@ def read_checkpoint(tier: Tier, key: CheckpointKey, *, allow_pickle: bool = Fals
         CorruptCheckpointError: naming the tier, blob and key of what failed validation.
         StateError: the checkpoint holds pickled values and ``allow_pickle`` is False.
     """
-    with tier.open_copy(key) as copy:  # one copy, whatever other processes do to the step meanwhile
+    with _open(tier, key) as copy:  # one copy, whatever other processes do to the step meanwhile
         m = load_manifest(tier, key, allow_pickle=allow_pickle, copy=copy)
         if m.sharding:  # DTensor shards, some stored by other ranks: datapath/reshard.py
             return read_sharded(tier, key, allow_pickle=allow_pickle), m

@@ -25,10 +25,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from tierckpt.datapath.manifests import load_head, load_rest
+from tierckpt.datapath.manifests import absent, load_head, load_rest
 from tierckpt.datapath.matching import Match, holds_dtensor, match_target
 from tierckpt.datapath.reshard import restore_sharded
 from tierckpt.datapath.verifier import BlobVerifier, Where
+from tierckpt.errors import CheckpointNotFoundError
 from tierckpt.format.layout import round_up
 from tierckpt.format.manifest import Manifest, ManifestHead
 from tierckpt.format.tree import resolve_tree
@@ -137,7 +138,17 @@ def restore_into(
         return restore_sharded(
             tier, key, target, allow_pickle=allow_pickle, strict=strict, others=others, replicas=replicas
         )
-    with tier.open_copy(key) as copy:  # one copy; each blob's size is checked against its file here
+    try:
+        opened = tier.open_copy(key)
+    except CheckpointNotFoundError as e:
+        if absent(tier, key, e) is e:  # gone: the restore looks again
+            raise
+        # never here (a step saved by another number of ranks): the base copy is rank 0's, or this
+        # rank's from another tier (datapath/reshard.py), or the error says which copy no tier holds
+        return restore_sharded(
+            tier, key, target, allow_pickle=allow_pickle, strict=strict, others=others, replicas=replicas
+        )
+    with opened as copy:  # one copy; each blob's size is checked against its file here
         head = load_head(tier, key, allow_pickle=allow_pickle, copy=copy)
         if head.meshes:  # a sharded checkpoint: plain targets take whole global tensors
             return restore_sharded(

@@ -9,7 +9,6 @@ The overlap of a saved shard with a target box is found with DCP's helpers
 
 from __future__ import annotations
 
-import errno
 import math
 from collections import deque
 from collections.abc import Iterator, Sequence
@@ -18,9 +17,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tierckpt.datapath.manifests import load_manifest
+from tierckpt.datapath.manifests import UnnamedCopyError, absent, load_manifest
 from tierckpt.datapath.verifier import Where, verify_range
-from tierckpt.errors import CheckpointNotFoundError, CorruptCheckpointError, TierIOError
+from tierckpt.errors import CheckpointNotFoundError, CorruptCheckpointError
 from tierckpt.format.layout import round_up
 from tierckpt.format.manifest import Manifest, dtype_from_name
 from tierckpt.format.sharding import ShardRow, chunk_span, shard_box, writer_of
@@ -64,14 +63,19 @@ class Copies:
     opened: dict[int, _Copy] = field(default_factory=dict)
 
     def get(self, rank: int) -> _Copy:
-        """Rank ``rank``'s copy, opened (and its manifest validated) on first use.
+        """Rank ``rank``'s copy, opened (and its manifest validated) on first use: from ``tier``, else from
+        the first of ``others`` that holds it.
 
         Raises:
-            TierIOError: the tier holds no such copy (a node-local tier holds only its node's ranks'
-                copies): the restore tries the next tier that holds the step.
+            TierIOError: no tier holds such a copy and ``tier`` holds the step's record (a node-local tier
+                holds only its node's ranks' copies): the restore tries the next tier that holds the step.
+            CheckpointNotFoundError: the copy went away (the step was evicted: its record too).
+            UnnamedCopyError: ``tier``'s copy is not the one the step's record names.
         """
         try:
             return self._open(rank)
+        except UnnamedCopyError:
+            raise
         except CheckpointNotFoundError as e:
             for t in self.others:
                 try:
@@ -79,10 +83,7 @@ class Copies:
                 except CheckpointNotFoundError:
                     continue
             tiers = ", ".join(repr(t.name) for t in (self.tier, *self.others))
-            raise TierIOError(
-                errno.ENOENT,
-                f"no tier ({tiers}) holds a copy of step {self.step} of rank {rank}, whose shards this restore needs ({e})",
-            ) from e
+            raise absent(self.tier, CheckpointKey(self.step, rank), e, tiers) from e
 
     def _open(self, rank: int, tier: Tier | None = None) -> _Copy:
         got = self.opened.get(rank)
@@ -95,19 +96,30 @@ class Copies:
         return got
 
     def base(self, rank: int) -> _Copy:
-        """This rank's copy, or rank 0's where this rank is beyond the ranks that saved.
+        """This rank's copy on ``tier``, or rank 0's there where this rank is beyond the ranks that saved
+        (read from ``tier`` alone: the restore names the tier it read).
 
         Raises:
-            CheckpointNotFoundError: this rank saved, and its copy is not (any more) on the tier.
+            CheckpointNotFoundError: the copy needed went away (the step was evicted: its record too).
+            TierIOError: ``tier`` holds the step's record and not the copy needed (a node-local tier holds
+                only its node's ranks' copies): the restore tries the next tier that holds the step.
+            UnnamedCopyError: the copy is not the one the step's record names.
         """
         try:
             return self._open(rank)
-        except CheckpointNotFoundError:
+        except UnnamedCopyError:
+            raise
+        except CheckpointNotFoundError as e:
             if rank == 0:
+                raise absent(self.tier, CheckpointKey(self.step, rank), e) from e
+            try:
+                first = self._open(0)
+            except UnnamedCopyError:
                 raise
-            first = self._open(0)
-            if rank < first.m.world_size:  # it saved: its copy went away, it is not beyond the saved ranks
-                raise
+            except CheckpointNotFoundError as e0:
+                raise absent(self.tier, CheckpointKey(self.step, 0), e0) from e0
+            if rank < first.m.world_size:  # it saved: its copy is what is missing, not beyond the saved ranks
+                raise absent(self.tier, CheckpointKey(self.step, rank), e) from e
             return first
 
     def close(self) -> None:

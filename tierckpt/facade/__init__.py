@@ -1,7 +1,8 @@
 """What :class:`tierckpt.Hierarchy` runs in the caller's thread, and its helpers.
 
-* :mod:`~tierckpt.facade.choose` — which step and copy a restore reads, agreed by every rank;
-* :mod:`~tierckpt.facade.verify` — every copy re-read and checked;
+* :mod:`~tierckpt.facade.restorejob` — a restore's job: choose the step and the copy, agree, read,
+  fall back (:mod:`~tierckpt.facade.choose`: its rules, pure functions);
+* :mod:`~tierckpt.facade.verify` — every rank's copies re-read and checked;
 * :mod:`~tierckpt.facade.opening` — a hierarchy's parts built from its configuration;
   :mod:`~tierckpt.facade.engines` — the I/O engines its file tiers share;
 * :mod:`~tierckpt.facade.checks` — argument checks; :mod:`~tierckpt.facade.describe` — a manifest

@@ -1,179 +1,220 @@
-"""Which copy a restore reads: the fastest good copy of the step asked for, or of the newest step that
-restores, while other processes may evict or replace steps (docs/restore.md, "What a reader sees").
+"""The rules of a restore (docs/restore.md, "Which step and which copy"; docs/distributed.md, "Restore:
+every rank the same step"), as pure functions of what was listed and what failed, so that each is
+tested without I/O; :class:`~tierckpt.facade.restorejob.RestoreJob` carries them out.
 
-Pure control flow over two callables (the hierarchy's listing and one copy's read), so that the rules
-are in one place: a damaged copy falls back to the next tier; a copy that went away while it was being
-opened (CheckpointNotFoundError from the tier) makes the choice start over from a fresh listing; with
-no step given, a step damaged on every tier is skipped for the newest older one, with a warning.
+* what a copy's failure is (:func:`kind_of`): damaged, unreadable, gone while it was being opened, or not
+  the copy the step's commit record names;
+* after every copy of a step failed, whether to look again (:func:`after_copies`): a copy that went away
+  makes the restore list again (bounded); a copy the record does not name may be a save of the step
+  again that is about to commit, where another process may be saving (bounded, shorter); else the step
+  is unusable for this rank;
+* what this rank proposes once it has tried a step (:func:`proposal`) and what the ranks' agreement
+  means (:func:`after_round`): every rank read it, every rank goes to an older step, every rank looks
+  again, or the restore stops;
+* the errors: :func:`unusable`, :func:`nothing_to_read`, and what the other ranks say when a rank
+  stops (:func:`name_failures`).
 """
 
 from __future__ import annotations
 
-import logging
-import time
-from collections.abc import Callable, Mapping, Sequence
-from functools import partial
+import enum
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
-from tierckpt.background.catalog import CheckpointInfo
-from tierckpt.datapath.replicas import ReplicaExchange, replica_exchange, settled
+from tierckpt.datapath.manifests import UnnamedCopyError
 from tierckpt.errors import CheckpointEvictedError, CheckpointNotFoundError, CorruptCheckpointError, TierIOError
-from tierckpt.ranks.coordinator import Coordinator, agreed_step
 
-__all__ = ["MAX_RELISTS", "choose_and_read", "read_agreed", "unusable"]
+__all__ = [
+    "LOOK_AGAIN",
+    "MAX_LOOKS",
+    "MAX_STALE_LOOKS",
+    "Again",
+    "Done",
+    "Failures",
+    "GiveUp",
+    "Kind",
+    "LookAgain",
+    "Next",
+    "Stop",
+    "TooMany",
+    "after_copies",
+    "after_round",
+    "backoff",
+    "kind_of",
+    "name_failures",
+    "nothing_to_read",
+    "proposal",
+    "too_many",
+    "unusable",
+]
 
-log = logging.getLogger("tierckpt.hierarchy")
 # Fresh listings after copies went away under the reader: each costs a listing and a few opens, and a
 # copy is a snapshot once open, so only a writer that evicts faster than a reader opens exhausts this.
-MAX_RELISTS = 50
+MAX_LOOKS = 50
+# Looks at a copy the step's record does not name, where another process may be saving the step again
+# (its commit writes the record that names it): ~3 s (backoff), then the copy is unusable.
+MAX_STALE_LOOKS = 20
+#: what a rank proposes when a copy of the agreed step went away and the step is listed no more: every
+#: rank lists again and the ranks agree anew (steps are never negative)
+LOOK_AGAIN = -1
 Failures = list[tuple[str, BaseException]]
 
 
-def read_agreed(
-    step: int | None,
-    coordinator: Coordinator,
-    listing: Callable[[], Sequence[CheckpointInfo]],
-    climbing: Callable[[int | None], bool],
-    read: Callable[[int, str, ReplicaExchange | None], Any],
-    into: Any,
-    where: str,
-) -> tuple[Any, int, str]:
-    """Read the step every rank of the job restores (docs/distributed.md, "Restore: every rank the same
-    step"): ``step`` as asked, or (None) the newest one every rank can read: the smallest of each rank's
-    newest, agreed through ``coordinator``, then agreed again on the step each rank really read (one may
-    have fallen back to an older step), read again where they differ.
+class Kind(enum.Enum):
+    """What a copy's failure is."""
 
-    Args:
-        step: the step asked for, or None.
-        coordinator: the ranks' coordinator.
-        listing: committed steps (see :func:`choose_and_read`).
-        climbing: ``climbing(step)`` waits for a prefetch of ``step`` still climbing; True if it did
-            (the listing changed).
-        read: reads one copy: ``read(step, tier_name, replicas)`` (``replicas``: the job's exchange of
-            replicated DTensors, or None; :mod:`tierckpt.datapath.replicas`).
-        into: the restore's target (None: fresh tensors).
-        where: what was listed, for messages.
-
-    Returns:
-        (the state, its step, the tier it was read from).
-    """
-    asked = step
-    while True:
-        listed: list[Sequence[CheckpointInfo]] = []
-        if step is None:  # this rank's newest, then the one every rank agreed on
-            listed.append(listing())  # also the read's first listing
-            step = agreed_step(coordinator, listed[0][-1].step if listed[0] else None)
-        if climbing(step):
-            listed.clear()  # the prefetch may have added a faster copy: list again
-        replicas = replica_exchange(coordinator, into)  # a job's replicated DTensors: read once, exchanged
-        state, got, name = settled(replicas, partial(_read_once, listing, listed, read, replicas, step, where))
-        if asked is not None:
-            return state, got, name
-        agreed = agreed_step(coordinator, got)  # a rank that fell back: every rank restores the same step
-        if agreed is None and replicas is not None and replicas.again:  # it holds its pieces only
-            agreed = got
-        if agreed is None:
-            return state, got, name
-        log.warning("restore: step %d is the newest step every rank could read; reading it", agreed)
-        asked = step = agreed
+    DAMAGED = "damaged"  #: fails validation: the next tier's copy
+    UNREADABLE = "unreadable"  #: an I/O error, or a copy no tier holds: the next tier's copy
+    GONE = "gone"  #: went away while being opened (evicted or replaced): list again
+    UNNAMED = "unnamed"  #: not the copy the step's record names: maybe a save of it again, not yet committed
 
 
-def _read_once(
-    listing: Callable[[], Sequence[CheckpointInfo]],
-    listed: list[Sequence[CheckpointInfo]],
-    read: Callable[[int, str, ReplicaExchange | None], Any],
-    replicas: ReplicaExchange | None,
-    step: int | None,
-    where: str,
-) -> tuple[Any, int, str]:
-    return choose_and_read(
-        lambda: listed.pop() if listed else listing(), lambda s, n: read(s, n, replicas), step, where
-    )
-
-
-def choose_and_read(
-    listing: Callable[[], Sequence[CheckpointInfo]],
-    read: Callable[[int, str], Any],
-    step: int | None,
-    where: str,
-) -> tuple[Any, int, str]:
-    """Read ``step`` (None: the newest step that restores) from the first of its tiers that works.
-
-    Args:
-        listing: committed steps (only those on the tier asked for, if any), oldest first.
-        read: reads one copy: ``read(step, tier_name)``; raises CorruptCheckpointError or OSError
-            for a bad copy, CheckpointNotFoundError for one that is not there (any more).
-        step: the step asked for, or None.
-        where: what was listed, for messages (``rank 0 on any tier``).
-
-    Returns:
-        (the state, its step, the tier it was read from).
-    """
-    skipped: dict[int, Failures] = {}  # newest-first steps damaged on every tier (step=None only)
-    relists = 0
-    while True:
-        infos = [i for i in listing() if i.tiers]
-        steps = [i.step for i in infos]
-        if step is None:
-            todo = [i for i in reversed(infos) if i.step not in skipped]
-        else:
-            todo = [i for i in infos if i.step == step]
-        if not todo:
-            raise _nothing_to_read(step, steps, skipped, relisted=relists > 0, where=where)
-        info = todo[0]
-        failures: Failures = []
-        got = _read_any(info, read, failures)
-        if got is not None:
-            if skipped:
-                log.warning("restored step %d: newer steps %s are unusable on every tier", info.step, sorted(skipped))
-            return got[0], info.step, got[1]
-        if any(isinstance(e, CheckpointNotFoundError) for _, e in failures):
-            relists += 1
-            if relists > MAX_RELISTS:
-                raise CheckpointEvictedError(
-                    f"steps on {where} were evicted or replaced by another process while being opened, "
-                    f"{MAX_RELISTS} times in a row (last: step {info.step})"
-                )
-            log.info("step %d: a copy went away while being opened; listing the committed steps again", info.step)
-            # a step saved again is unreadable from its new copy's rename until its new record is in (every
-            # rank's copy): give that save a moment (5 ms, doubling, at most 0.2 s: ~9 s in all)
-            time.sleep(min(0.2, 0.005 * 2 ** (relists - 1)))
-            continue
-        if step is not None:
-            raise unusable(info.step, failures, steps)
-        skipped[info.step] = failures
-        older = [s for s in steps if s < info.step and s not in skipped]
-        if older:
-            log.warning(
-                "step %d is unusable on every tier that holds it (%s); trying step %d",
-                info.step, _describe(failures), older[-1],
-            )  # fmt: skip
-
-
-def _read_any(info: CheckpointInfo, read: Callable[[int, str], Any], failures: Failures) -> tuple[Any, str] | None:
-    """``(state, tier)`` from the first of ``info``'s tiers whose copy reads, or None; each tier that
-    fails is added to ``failures``."""
-    for name in info.tiers:
-        try:
-            state = read(info.step, name)
-        except CheckpointNotFoundError as e:
-            log.info("step %d on tier %r went away while being opened (%s)", info.step, name, e)
-            failures.append((name, e))
-            continue
-        except (CorruptCheckpointError, OSError) as e:
-            log.warning("step %d on tier %r is unusable (%s); trying the next tier", info.step, name, e)
-            failures.append((name, e))
-            continue
-        if failures:
-            log.warning("restored step %d from tier %r instead", info.step, name)
-        return state, name
+def kind_of(e: BaseException) -> Kind | None:
+    """What ``e``, raised by a read of one copy, says about the copy; None: not about the copy (the
+    restore stops: a target that does not match, memory, a coordination failure)."""
+    if isinstance(e, UnnamedCopyError):
+        return Kind.UNNAMED
+    if isinstance(e, CheckpointNotFoundError):
+        return Kind.GONE
+    if isinstance(e, CorruptCheckpointError):
+        return Kind.DAMAGED
+    if isinstance(e, OSError):
+        return Kind.UNREADABLE
     return None
 
 
-def _nothing_to_read(
-    step: int | None, steps: Sequence[int], skipped: dict[int, Failures], *, relisted: bool, where: str
+def backoff(looks: int) -> float:
+    """Seconds to wait before look ``looks`` (1, 2, ...): 5 ms, doubling, at most 0.2 s (~9 s over 50):
+    a save of the step again is unreadable from its new copy's rename until its record is in."""
+    return min(0.2, 0.005 * 2.0 ** (looks - 1))
+
+
+@dataclass(frozen=True)
+class LookAgain:
+    """List the committed steps again (after ``delay`` seconds) and read the step again."""
+
+    delay: float
+    stale: bool  #: for a copy the record does not name (counts against MAX_STALE_LOOKS)
+
+
+@dataclass(frozen=True)
+class GiveUp:
+    """Every copy of the step failed for good: the step is unusable for this rank."""
+
+
+@dataclass(frozen=True)
+class TooMany:
+    """Copies went away MAX_LOOKS times in a row: another process evicts faster than this one opens."""
+
+
+def after_copies(failures: Failures, looks: int, stale_looks: int, *, may_commit: bool) -> LookAgain | GiveUp | TooMany:
+    """What to do once every tier's copy of a step failed (``failures``: each tier's error, in order).
+
+    Args:
+        failures: (tier, error) of each copy tried.
+        looks: fresh listings this restore made already after copies went away.
+        stale_looks: looks again at copies the step's record does not name.
+        may_commit: another process may be saving on these tiers (a read-only hierarchy: the job that
+            writes them may be saving the step again); else (this hierarchy holds the tiers' leases) a
+            copy the record does not name is what a save killed before its commit left, for good.
+    """
+    kinds = {kind_of(e) for _, e in failures}
+    if Kind.GONE in kinds:
+        return LookAgain(backoff(looks + 1), stale=False) if looks < MAX_LOOKS else TooMany()
+    if Kind.UNNAMED in kinds and may_commit and stale_looks < MAX_STALE_LOOKS:
+        return LookAgain(backoff(stale_looks + 1), stale=True)
+    return GiveUp()
+
+
+def too_many(where: str, step: int) -> CheckpointEvictedError:
+    """The error of :class:`TooMany`."""
+    return CheckpointEvictedError(
+        f"steps on {where} were evicted or replaced by another process while being opened, "
+        f"{MAX_LOOKS} times in a row (last: step {step})"
+    )
+
+
+# -- every rank the same step ---------------------------------------------------------------------------
+def proposal(step: int, read: bool, listed: Sequence[int], skipped: Mapping[int, object], *, gone: bool) -> int | None:
+    """What this rank says after it tried ``step`` (the ranks then agree on the smallest proposal,
+    :meth:`~tierckpt.ranks.coordinator.Coordinator.agree_step`).
+
+    Args:
+        step: the step the ranks agreed to read.
+        read: this rank read it.
+        listed: the steps this rank lists now.
+        skipped: steps this rank found unusable on every tier.
+        gone: this rank's copy of ``step`` went away while being opened and ``step`` is listed no more.
+
+    Returns:
+        ``step`` (read); :data:`LOOK_AGAIN` (gone); else the newest listed step older than ``step`` and
+        not skipped, or None (nothing older).
+    """
+    if read:
+        return step
+    if gone:
+        return LOOK_AGAIN
+    older = [s for s in listed if s < step and s not in skipped]
+    return max(older) if older else None
+
+
+@dataclass(frozen=True)
+class Done:
+    """Every rank read the step."""
+
+
+@dataclass(frozen=True)
+class Next:
+    """Some rank could not read the step: every rank reads ``step``, the newest that each may read."""
+
+    step: int
+
+
+@dataclass(frozen=True)
+class Again:
+    """A rank's copy went away: every rank lists again and the ranks agree anew."""
+
+
+@dataclass(frozen=True)
+class Stop:
+    """Some rank has no step left to try (or failed otherwise): every rank raises."""
+
+
+def after_round(step: int, agreed: int | None) -> Done | Next | Again | Stop:
+    """What the ranks' agreement on their proposals (:func:`proposal`) after reading ``step`` means: the
+    smallest proposal is ``step`` only where every rank read it."""
+    if agreed is None:
+        return Stop()
+    if agreed == LOOK_AGAIN:
+        return Again()
+    if agreed == step:
+        return Done()
+    return Next(agreed)
+
+
+def name_failures(errors: Sequence[str | None]) -> dict[str, Any]:
+    """Rank 0's summary of why the ranks stopped (``errors``: each rank's error, None where it had none):
+    the ranks that failed and what they said (the first 8)."""
+    failed = [(r, e) for r, e in enumerate(errors) if e is not None]
+    said = "; ".join(f"rank {r}: {e}" for r, e in failed[:8])
+    if len(failed) > 8:
+        said += f" (and {len(failed) - 8} more ranks)"
+    return {"ranks": [r for r, _ in failed], "said": said}
+
+
+# -- the errors -----------------------------------------------------------------------------------------
+def describe(failures: Failures) -> str:
+    """Each tier's failure, for messages."""
+    return "; ".join(f"tier {n!r}: {e}" for n, e in failures)
+
+
+def nothing_to_read(
+    step: int | None, steps: Sequence[int], skipped: Mapping[int, Failures], *, relisted: bool, where: str
 ) -> BaseException:
-    """The error when no listed step is left to try (``skipped``: those unusable on every tier)."""
+    """The error when no listed step is left to try (``skipped``: those unusable on every tier, with
+    their failures; ``step``: the step asked for, if any; ``relisted``: the listing was made again after
+    copies went away)."""
     if skipped:
         newest = max(skipped)
         also = {s: f for s, f in sorted(skipped.items(), reverse=True) if s != newest}
@@ -181,15 +222,11 @@ def _nothing_to_read(
     if relisted and step is not None:
         return CheckpointEvictedError(
             f"step {step} was evicted or replaced by another process while it was being opened "
-            f"(committed steps on {where} now: {steps})"
+            f"(committed steps on {where} now: {list(steps)})"
         )
     if step is None or not steps:
         return CheckpointNotFoundError(f"no committed checkpoint for {where}")
-    return CheckpointNotFoundError(f"step {step} is not committed (committed steps: {steps})")
-
-
-def _describe(failures: Failures) -> str:
-    return "; ".join(f"tier {n!r}: {e}" for n, e in failures)
+    return CheckpointNotFoundError(f"step {step} is not committed (committed steps: {list(steps)})")
 
 
 def unusable(
@@ -197,25 +234,32 @@ def unusable(
 ) -> BaseException:
     """The error for a step no tier could read: the one failure as it is when there is nothing else to
     say, else one error naming every tier's failure and the older steps that exist (``also``: older
-    steps that failed too, newest first, with their failures; the first three are described)."""
+    steps that failed too, newest first, with their failures; the first three are described).
+
+    Its type: :class:`CorruptCheckpointError` where every failure is damage; a
+    :class:`CheckpointNotFoundError` where none is damage or I/O (copies the step's record does not
+    name); else :class:`TierIOError` (an unreachable tier does not make a copy damaged)."""
     older = [s for s in steps if s < step]
     if len(failures) == 1 and not older and not also:
         return failures[0][1]
-    msg = f"step {step} is unusable on every tier that holds it: {_describe(failures)}"
+    msg = f"step {step} is unusable on every tier that holds it: {describe(failures)}"
     if also:
         shown = list(also.items())[:3]
-        msg += "; older steps are unusable too: " + "; ".join(f"step {s}: {_describe(f)}" for s, f in shown)
+        msg += "; older steps are unusable too: " + "; ".join(f"step {s}: {describe(f)}" for s, f in shown)
         if len(also) > len(shown):
             msg += f"; and steps {sorted(also)[: len(also) - len(shown)]}"
     elif older:
         msg += f"; older committed steps: {older} (restore(step=N) reads one)"
-    first = failures[0][1]
     corrupt = [e for _, e in failures if isinstance(e, CorruptCheckpointError)]
+    io = [e for _, e in failures if kind_of(e) == Kind.UNREADABLE and not isinstance(e, CorruptCheckpointError)]
+    err: BaseException
     if len(corrupt) == len(failures):
-        err: BaseException = CorruptCheckpointError(msg, step=step)
-        err.tier, err.blob, err.key = corrupt[0].tier, corrupt[0].blob, corrupt[0].key  # type: ignore[attr-defined]  # the error's location attributes are set after construction (CorruptCheckpointError's, via BaseException)
+        first, damage = corrupt[0], CorruptCheckpointError(msg, step=step)
+        damage.tier, damage.blob, damage.key, damage.rank = first.tier, first.blob, first.key, first.rank
+        err = damage
+    elif io:
+        err = TierIOError(getattr(io[0], "errno", None), msg)
     else:
-        io = next(e for _, e in failures if not isinstance(e, CorruptCheckpointError))
-        err = TierIOError(getattr(io, "errno", None), msg)
-    err.__cause__ = first
+        err = CheckpointNotFoundError(msg)
+    err.__cause__ = failures[0][1]
     return err
