@@ -21,6 +21,8 @@ from tierckpt import __version__
 from tierckpt.errors import CheckpointNotFoundError, TierckptError
 
 if TYPE_CHECKING:
+    from tierckpt.config import TierConfig
+    from tierckpt.facade.verify import CopyCheck
     from tierckpt.hierarchy import Hierarchy
 
 _EXIT_PIPE = 128 + 13  # as a shell reports a process that SIGPIPE ended
@@ -88,24 +90,93 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def _cmd_verify(args: argparse.Namespace) -> int:
-    with _open(args) as h:
-        results = h.verify(args.step)
-        bad = [r for r in results if r[2] is not None]
-        if args.json:
-            print(json.dumps({
-                "ok": bool(results) and not bad,
-                "copies": [{"step": s, "tier": t, "ok": e is None, "error": None if e is None else str(e)}
-                           for s, t, e in results],
-            }))  # fmt: skip
-        else:
-            for s, t, e in results:
-                print(f"step {s} on {t}: {'ok' if e is None else f'CORRUPT: {e}'}")
-            print(
-                f"{len(results) - len(bad)} of {len(results)} copies verified"
-                + (f", {len(bad)} damaged" if bad else "")
-                + ("" if results else ": no checkpoint found (is the config's path right?)")
-            )
-    return 1 if bad or not results else 0  # a verify that checked nothing proves nothing
+    checks = _verify_every_node(args)
+    bad = [c for _, c in checks if c.error is not None]
+    if args.json:
+        print(json.dumps({
+            "ok": bool(checks) and not bad,
+            "copies": [{"step": c.step, "tier": c.tier, "rank": c.rank, "node": node, "ok": c.error is None,
+                        "error": None if c.error is None else str(c.error)} for node, c in checks],
+        }))  # fmt: skip
+    else:
+        for node, c in checks:
+            where = f"step {c.step} on {c.tier}" + ("" if node is None else f" of node {node}") + f", rank {c.rank}"
+            print(f"{where}: {_verdict(c.error)}")
+        print(
+            f"{len(checks) - len(bad)} of {len(checks)} copies verified"
+            + (f", {len(bad)} damaged or unusable" if bad else "")
+            + ("" if checks else ": no checkpoint found (is the config's path right?)")
+        )
+    return 1 if bad or not checks else 0  # a verify that checked nothing proves nothing
+
+
+def _verdict(error: BaseException | None) -> str:
+    from tierckpt.errors import CorruptCheckpointError
+
+    if error is None:
+        return "ok"
+    return f"{'CORRUPT' if isinstance(error, CorruptCheckpointError) else 'UNUSABLE'}: {error}"
+
+
+def _verify_every_node(args: argparse.Namespace) -> list[tuple[int | None, CopyCheck]]:
+    """Every copy of the config's tiers (of ``--rank`` only, if given), as (node, check): once per node
+    whose directory exists for the tiers whose path holds ``{node}`` (the shared tiers once)."""
+    from tierckpt.config import load_config
+    from tierckpt.facade.verify import verify_copies
+    from tierckpt.hierarchy import Hierarchy
+    from tierckpt.ranks.coordinator import SoloCoordinator
+
+    cfg = load_config(args.config)
+    rank = 0 if args.rank is None else args.rank
+    per_node = {t.name: bool(_nodes_of(t, rank, probe=True)) for t in cfg.tiers}
+    found = sorted(set().union(*(_nodes_of(t, rank) for t in cfg.tiers)))
+    nodes: list[int | None] = [*found] if found else [None]
+    out: list[tuple[int | None, CopyCheck]] = []
+    listed = False
+    for i, node in enumerate(nodes):
+        coordinator = SoloCoordinator(rank, rank + 1, node=node)
+        with Hierarchy.from_config(cfg, readonly=True, coordinator=coordinator) as h:
+            infos = [c for c in h.checkpoints() if c.tiers and (args.step is None or c.step == args.step)]
+            listed = listed or bool(infos)
+            only = [n for n in per_node if per_node[n] or i == 0]  # a shared tier: once
+            ranks = None if args.rank is None else {args.rank}
+            checks = verify_copies(h.tiers, infos, rank, may_commit=True, ranks=ranks, only=only)
+            out += [(node if per_node[c.tier] else None, c) for c in checks]
+    if args.step is not None and not listed:
+        raise CheckpointNotFoundError(f"step {args.step} is not committed on any tier of {args.config}")
+    return sorted(out, key=lambda nc: (nc[1].step, nc[1].tier, -1 if nc[0] is None else nc[0], nc[1].rank))
+
+
+_PROBE_NODES = (98765, 98764)  # node indices no real job uses: where a path differs between them, it holds {node}
+
+
+def _nodes_of(t: TierConfig, rank: int, *, probe: bool = False) -> set[int]:
+    """The nodes whose directory of tier entry ``t`` exists, where its path holds ``{node}`` (else none);
+    with ``probe``, whether it holds ``{node}`` (a set of one probe node, or none)."""
+    import glob
+    import re
+    from dataclasses import replace
+
+    from tierckpt.configvalues import MAX_NODE
+    from tierckpt.tiers.options import local_directory
+
+    try:
+        a, b = (str(local_directory(replace(t, rank=rank, node=n))) for n in _PROBE_NODES)
+    except TierckptError:  # not a directory (a URL, no path): the kind's own
+        return set()
+    if a == b or probe:
+        return set() if a == b else {_PROBE_NODES[0]}
+    digits = str(_PROBE_NODES[0])
+    pattern = re.compile(re.escape(a).replace(digits, "([0-9]+)"))
+    out = set()
+    for path in glob.glob(glob.escape(a).replace(digits, "*")):
+        m = pattern.fullmatch(path)
+        if m is None or len(set(m.groups())) != 1 or int(m.group(1)) >= MAX_NODE:
+            continue
+        node = int(m.group(1))
+        if os.path.isdir(path) and str(local_directory(replace(t, rank=rank, node=node))) == path:
+            out.add(node)
+    return out
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
@@ -124,13 +195,20 @@ def build_parser() -> argparse.ArgumentParser:
     for name, fn, helptext in (
         ("ls", _cmd_ls, "list committed steps and which tiers hold each"),
         ("inspect", _cmd_inspect, "show a step's tensors (dtypes, shapes, sizes), tied tensors and plain values"),
-        ("verify", _cmd_verify, "re-read every copy and check every checksum (exit 1 on damage)"),
+        (
+            "verify",
+            _cmd_verify,
+            "re-read every rank's copies on every node and check every checksum (exit 1 on damage)",
+        ),
     ):
         sp = sub.add_parser(name, help=helptext, description=helptext)
         sp.add_argument("config", help="hierarchy YAML file")
         if name != "ls":
             sp.add_argument("--step", type=int, default=None, help="step (default: newest for inspect, all for verify)")
-            sp.add_argument("--rank", type=int, default=0, help="the rank whose copies to look at (default: 0)")
+            sp.add_argument(
+                "--rank", type=int, default=0 if name == "inspect" else None,
+                help="the rank whose copies to look at (default: 0 for inspect, every rank for verify)",
+            )  # fmt: skip
         sp.add_argument("--json", action="store_true", help="machine-readable output")
         sp.set_defaults(func=fn)
     helptext = "benchmark tierckpt against torch.save, DCP, TorchSnapshot, safetensors and the raw disk"

@@ -452,12 +452,19 @@ class Hierarchy:
         return info.tiers[0], load_manifest(self.tier(info.tiers[0]), CheckpointKey(info.step, self.rank))
 
     def verify(self, step: int | None = None) -> list[tuple[int, str, BaseException | None]]:
-        """Re-read every copy of ``step`` (default: every step) on every tier; (step, tier, error or None).
+        """Re-read every copy of ``step`` (default: every committed step) on every tier that holds it:
+        (step, tier, error or None) for each copy, of every rank the step's commit record names there
+        (in a job, every rank's copies on the shared tiers, and its node's on the node-local ones),
+        in the order (step, tier, rank).
 
         A copy that another process evicts while it is being verified is left out (it is gone, not
-        damaged); one replaced by a new save of its step is verified again."""
+        damaged); one replaced by a new save of its step is verified again. A copy the step's record
+        does not name (a save of the step again that did not commit) is reported, as is one a shared
+        tier lacks while the record names it; neither is damage (their errors are not
+        :class:`CorruptCheckpointError`)."""
         infos = [self._locate(step)] if step is not None else self._catalog.committed_steps()
-        return verify_copies(self._tiers, infos, self.rank)
+        checks = verify_copies(self._tiers, infos, self.rank, may_commit=self.readonly)
+        return [(c.step, c.tier, c.error) for c in checks]
 
     # -- the end -------------------------------------------------------------------------------------------
     def flush(self, timeout: float | None = None) -> bool:

@@ -1,0 +1,117 @@
+"""Audit finding 7: ``tierckpt verify`` and ``Hierarchy.verify`` check every rank's copy that a step's
+commit record names, on every node's directory a ``{node}`` path expands to, and fail on any damage,
+naming the rank and the tier (on 8c32cc0 they checked rank 0's copies in node 0's directory only, and
+reported success for the job).
+
+A job of 4 ranks (threads of this process agreeing through a StoreCoordinator), ranks 0-1 on node 0 and
+2-3 on node 1, each node with its own ssd directory, and one shared pfs directory.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tierckpt import CorruptCheckpointError, Hierarchy
+from tierckpt.cli import main
+from tierckpt.io import make_engine
+from tierckpt.ranks.distributed import StoreCoordinator
+from tierckpt.testing.tamper import blob_file
+from tierckpt.tiers.local import LocalTier
+from tierckpt.tiers.pfs import PfsTier
+
+N = 4
+
+
+@pytest.fixture
+def job(tmp_path: Path, run_ranks: Any) -> Path:
+    """Steps 1 and 2 of the 4-rank job, on every node's ssd and on pfs; the YAML a tool reads them with."""
+    store = dist.HashStore()
+    cs = run_ranks(N, lambda r: StoreCoordinator(store, r, N, timeout=20.0, node=r // 2))
+    engine = make_engine("threads", 4)
+
+    def save(r: int) -> None:
+        c = cs[r]
+        tiers = [
+            LocalTier("ssd", tmp_path / f"node{c.node}" / "ssd", engine, job="j"),
+            PfsTier("pfs", tmp_path / "pfs", engine, job="j"),
+        ]
+        with Hierarchy(tiers, coordinator=c, job="j") as h:
+            for step in (1, 2):
+                h.save({"w": torch.full((1000,), float(100 * step + r)), "step": step}, step=step).wait()
+
+    try:
+        assert run_ranks(N, save) == [None] * N
+    finally:
+        engine.close()
+    yml = tmp_path / "h.yaml"
+    yml.write_text(
+        "tiers:\n  - {name: ssd, kind: local, path: 'node{node}/ssd'}\n  - {name: pfs, kind: pfs, path: pfs}\n"
+        "io: {engine: threads}\n"
+    )
+    return yml
+
+
+def flip(rank_dir: Path) -> None:
+    blob, base = blob_file(rank_dir)
+    data = bytearray(blob.read_bytes())
+    data[base + 5] ^= 0x40
+    blob.write_bytes(bytes(data))
+
+
+def verify(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, list[dict[str, Any]]]:
+    rc = main(["verify", *argv, "--json"])
+    return rc, json.loads(capsys.readouterr().out)["copies"]
+
+
+def test_every_ranks_copy_on_every_node_is_verified(job: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    rc, copies = verify(capsys, str(job))
+    assert rc == 0 and all(c["ok"] for c in copies)
+    got = sorted((c["step"], c["tier"], c["node"], c["rank"]) for c in copies)
+    want = [(s, "pfs", None, r) for s in (1, 2) for r in range(N)]
+    want += [(s, "ssd", r // 2, r) for s in (1, 2) for r in range(N)]
+    assert got == sorted(want)
+
+
+def test_a_flipped_byte_in_rank_1s_shared_copy_fails_the_job(job: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    flip(job.parent / "pfs" / "step-000000000002" / "rank-00001")
+    rc, copies = verify(capsys, str(job))
+    bad = [(c["step"], c["tier"], c["rank"]) for c in copies if not c["ok"]]
+    assert rc == 1 and bad == [(2, "pfs", 1)]
+    assert main(["verify", str(job)]) == 1
+    out = capsys.readouterr().out
+    assert "step 2 on pfs, rank 1: CORRUPT: checksum mismatch" in out and "rank=1" in out
+    with Hierarchy.from_yaml(job, readonly=True) as h:  # rank 0's hierarchy checks rank 1's copies too
+        errors = [(s, t, e) for s, t, e in h.verify() if e is not None]
+    assert [(s, t) for s, t, _ in errors] == [(2, "pfs")] and isinstance(errors[0][2], CorruptCheckpointError)
+    assert errors[0][2].rank == 1
+    rc, copies = verify(capsys, str(job), "--rank", "0")  # one rank's copies: rank 0's are whole
+    assert rc == 0 and {c["rank"] for c in copies} == {0}
+
+
+def test_a_flipped_byte_on_another_nodes_directory_fails_the_job(job: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    flip(job.parent / "node1" / "ssd" / "step-000000000001" / "rank-00003")
+    rc, copies = verify(capsys, str(job))
+    bad = [(c["step"], c["tier"], c["node"], c["rank"]) for c in copies if not c["ok"]]
+    assert rc == 1 and bad == [(1, "ssd", 1, 3)]
+    assert main(["verify", str(job), "--step", "1"]) == 1
+    assert "step 1 on ssd of node 1, rank 3: CORRUPT" in capsys.readouterr().out
+
+
+def test_a_copy_the_record_names_missing_from_the_shared_tier_is_reported(
+    job: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    shutil.rmtree(job.parent / "pfs" / "step-000000000002" / "rank-00002")
+    rc, copies = verify(capsys, str(job))
+    bad = [(c["step"], c["tier"], c["rank"], c["error"]) for c in copies if not c["ok"]]
+    assert rc == 1 and [b[:3] for b in bad] == [(2, "pfs", 2)]
+    assert "rank 2's copy, which the step's record names, is missing" in bad[0][3]
+    shutil.rmtree(job.parent / "node1")  # a node that lost its ssd: its copies are not missing from pfs
+    rc, copies = verify(capsys, str(job), "--step", "1")
+    assert rc == 0 and {(c["tier"], c["node"]) for c in copies} == {("pfs", None), ("ssd", 0)}
