@@ -18,10 +18,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tierckpt import CorruptCheckpointError, Hierarchy
+from tierckpt import CorruptCheckpointError, Hierarchy, StoreCoordinator
 from tierckpt.cli import main
 from tierckpt.io import make_engine
-from tierckpt.ranks.distributed import StoreCoordinator
 from tierckpt.testing.tamper import blob_file
 from tierckpt.tiers.local import LocalTier
 from tierckpt.tiers.pfs import PfsTier
