@@ -4,7 +4,7 @@ Memory → file writes straight from the memory tier's blob buffers; file → me
 them; device memory ↔ memory is the device tier's own copy (:meth:`Tier.copy_buffer`); file → file
 goes through a few staging buffers, in chunks sized for the destination, reads and writes overlapping.
 A worker spends its time in the I/O engine's futures (the engine's thread waits in the kernel without
-the GIL, URING.md §6) or in ``memmove`` (which releases the GIL), so a training thread beside it keeps
+the GIL: docs/io.md) or in ``memmove`` (which releases the GIL), so a training thread beside it keeps
 running.
 """
 
@@ -29,7 +29,7 @@ _PAGE = 4096  # the memory alignment O_DIRECT asks for (512 on some disks, never
 #: A save's staging pool: 6 slots of one io chunk (32 MiB by default, 192 MiB in all). A virtual disk
 #: here completes a whole queue of writes at once, so the packer must have slots free to fill while
 #: a full queue is in flight; 3 slots of 64 MiB (the same memory) left the disk idle while they were
-#: refilled (docs/benchmarks-journal.md, "Six staging slots").
+#: refilled (docs/io.md, "Staging buffers: how many").
 STAGING_SLOTS = 6
 
 

@@ -1,7 +1,7 @@
 """Save data path: pack tensors once into aligned chunks, checksum them, write every chunk to every tier.
 
 The packing thread copies tensor bytes with ``ctypes.memmove`` (GIL released, single-threaded; torch's
-multi-threaded ``copy_`` stalls on small tensors, URING.md §9) into either the top memory tier's own
+multi-threaded ``copy_`` stalls on small tensors: docs/io.md) into either the top memory tier's own
 blob buffers or a small pool of reusable staging buffers, while the I/O engines write earlier chunks.
 Gaps and padding are zeroed, so the same state always gives the same bytes.
 """
