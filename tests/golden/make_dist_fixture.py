@@ -57,11 +57,11 @@ def config(root: Path, kind: str, node: int, timeout: float = 30.0) -> dict[str,
 def _set_chunk_bytes() -> None:
     """Small checksum chunks (no public knob: the writer's module constant, as tests/multiproc sets it)."""
     try:
-        from tierckpt.orchestration import packing
+        from tierckpt.datapath import packing
     except ImportError as e:
         raise RuntimeError("the packer's module moved: point make_dist_fixture.py at its CHUNK_BYTES") from e
     if not hasattr(packing, "CHUNK_BYTES"):
-        raise RuntimeError("tierckpt.orchestration.packing has no CHUNK_BYTES: update make_dist_fixture.py")
+        raise RuntimeError("tierckpt.datapath.packing has no CHUNK_BYTES: update make_dist_fixture.py")
     packing.CHUNK_BYTES = CHUNK
 
 

@@ -300,6 +300,12 @@ def test_there_are_many_rank_fixtures() -> None:
     assert _versions("dcp") == VERSIONS, "every version has a dist-vN and a dcp-vN fixture"
 
 
+# Bugs these fixtures found (issue 27): restore() of a sharded step on a rank beyond the saved ones opens
+# the rank's own (absent) copy; restore() without into= looks for other ranks' copies on the tier being
+# read only. The restore-job work fixes them and removes these marks (strict: a pass fails the run).
+KNOWN_BUG = pytest.mark.xfail(strict=True, reason="issue 27: sharded restore() looks on one tier / at this rank's copy")
+
+
 @versions
 def test_dist_fixture_is_what_it_claims(version: int) -> None:
     """Committed files only (no lease, no scratch), a record on each node's ``ssd`` and on ``pfs``; two
@@ -379,6 +385,7 @@ def test_one_process_reads_the_2_rank_checkpoint(tmp_path: Path, version: int) -
     assert read_dist(0, 1, str(root), sharded=False) == expected(0, 1, sharded=False)
 
 
+@KNOWN_BUG
 @versions
 def test_rank_1_restarting_on_its_node_reads_its_own_copy(tmp_path: Path, version: int) -> None:
     """Rank 1 of the same 2 ranks on the same nodes: its ``ssd`` holds its copy (``rep``, stored by rank
@@ -388,6 +395,7 @@ def test_rank_1_restarting_on_its_node_reads_its_own_copy(tmp_path: Path, versio
         assert h.last_restore == (ds.DIST_STEP, "ssd")
 
 
+@KNOWN_BUG
 @versions
 def test_a_rank_beyond_the_saved_ones_restores_rank_0s_part(tmp_path: Path, version: int) -> None:
     """Rank 2 of 4 (no copy of its own): ``restore()`` returns rank 0's part and ``restore(into=)``
@@ -417,7 +425,7 @@ def test_one_process_loads_the_dcp_checkpoint_without_a_process_group(tmp_path: 
 
 
 @versions
-@pytest.mark.parametrize("world", [1, 2, 4])
+@pytest.mark.parametrize("world", [1, pytest.param(2, marks=KNOWN_BUG), pytest.param(4, marks=KNOWN_BUG)])
 def test_ranks_read_both_fixtures(tmp_path: Path, world: int, version: int) -> None:
     """On ``world`` spawned gloo ranks: restore, restore(into=) sharded for them, listing, verify, dcp.load."""
     dist_root, dcp_root = _copy("dist", version, tmp_path), _copy("dcp", version, tmp_path)
