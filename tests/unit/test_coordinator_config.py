@@ -122,6 +122,8 @@ def test_the_distributed_section() -> None:
 class _Gathers(SoloCoordinator):
     """Rank ``rank`` of a job whose ranks resolved ``values`` (``[explicit identity or None, identity]``)."""
 
+    connects_ranks = True  # it stands for a coordinator the ranks agree through
+
     def __init__(self, rank: int, values: list[list[Any]]) -> None:
         super().__init__(rank=rank, world_size=len(values))
         self.values = values

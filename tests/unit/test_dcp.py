@@ -236,7 +236,7 @@ def test_a_hierarchy_of_another_rank_is_refused(tmp_path: Path) -> None:
     with Hierarchy.from_config({"tiers": [tier]}) as h0:
 
         class Rank1(SoloCoordinator):  # a coordinator that says rank 1 (DCP's process says rank 0)
-            pass
+            connects_ranks = True  # it stands for a coordinator the ranks agree through
 
         h1 = Hierarchy(h0.tiers, coordinator=Rank1(1, 2))
         with pytest.raises(CheckpointException, match="DCP's rank 0 is not the hierarchy's rank 1"):

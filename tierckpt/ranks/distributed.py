@@ -77,11 +77,14 @@ class StoreCoordinator:
         node: this rank's node.
         local_rank: this rank's position among the ranks of its node (ascending global ranks).
         generation: this coordinator's number among those built on ``store`` under ``prefix``.
+        connects_ranks: True: the ranks of the job agree through it.
 
     Raises:
         ConfigError: a bad rank, world size, node or timeout.
         CoordinationError: some rank did not build its coordinator in time.
     """
+
+    connects_ranks: bool = True  #: every rank gets rank 0's answer, made from every rank's value
 
     def __init__(
         self,
@@ -428,7 +431,7 @@ def shared_job(coordinator: Coordinator, job: str | None) -> str | None:
             environments.
         CoordinationError: some rank did not take part in time.
     """
-    if coordinator.world_size == 1:
+    if coordinator.world_size == 1 or not coordinator.connects_ranks:
         return job
     mine = resolve_job(job)
     explicit = None if mine.source == "process" else mine.value
