@@ -134,7 +134,7 @@ class Hierarchy:
         self._index = {n: i for i, n in enumerate(names)}
         self.io = io or default_io()
         self.layout = layout or LayoutConfig()
-        self.coordinator = check_coordinator(coordinator or default_coordinator(rank, world_size))
+        self.coordinator = check_coordinator(coordinator or default_coordinator(rank, world_size, readonly=readonly))
         self.rank, self.world_size = self.coordinator.rank, self.coordinator.world_size
         if self.world_size > 1 and not self.coordinator.connects_ranks and not readonly:
             raise ConfigError(

@@ -55,7 +55,8 @@ def open_parts(
     """
     cfg = config if isinstance(config, HierarchyConfig) else parse_config(config, base_dir)
     coord = check_coordinator(
-        coordinator or default_coordinator(timeout=cfg.distributed.timeout, node=cfg.distributed.node)
+        coordinator
+        or default_coordinator(timeout=cfg.distributed.timeout, node=cfg.distributed.node, readonly=readonly)
     )
     cfg = replace(cfg, tiers=tuple(replace(t, rank=coord.rank, node=coord.node) for t in cfg.tiers))
     if readonly:
