@@ -531,5 +531,18 @@ class Hierarchy:
     def __enter__(self) -> Self:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: object) -> None:
+        """:meth:`close`. With an exception of the ``with`` block in flight, that exception is what
+        propagates: a failure of the close (a background copy's) is logged and added to it as a note
+        (Python 3.11+), never raised in its place."""
+        if exc is None:
+            self.close()
+            return
+        try:
+            self.close()
+        except Exception as err:  # a KeyboardInterrupt while closing still ends the process
+            what = f"{type(err).__name__}: {err}"
+            log.error("closing the hierarchy after %s was raised in its with block: %s", type(exc).__name__, what)
+            add_note = getattr(exc, "add_note", None)  # BaseException.add_note: Python 3.11+
+            if add_note is not None:
+                add_note(f"tierckpt: closing the hierarchy then failed too: {what}")
