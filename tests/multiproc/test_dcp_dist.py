@@ -182,3 +182,42 @@ def test_a_dtensor_state_saved_on_4_ranks_loads_back_on_4(saved: Path) -> None:
 
 def test_resharded_load_on_2_ranks_equals_dcps_own(saved: Path) -> None:
     _spawn(_load2, 2, str(saved))
+
+
+def _sharded_tensors(rank: int, world: int, tmp: str) -> None:
+    """Several shards of one ShardedTensor on one rank: the second one has no key path of its own and is
+    kept in that rank's ``__dcp__`` entry (rank 0's holds the metadata record too)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed._shard.sharded_tensor import empty
+    from torch.distributed._shard.sharding_spec import ChunkShardingSpec
+
+    from tierckpt.dcp import HierarchyReader, HierarchyWriter
+
+    _init(rank, world, tmp, "sharded")
+    specs = {
+        "a": ChunkShardingSpec(dim=0, placements=["rank:0/cpu", "rank:0/cpu"]),
+        "b": ChunkShardingSpec(dim=1, placements=["rank:1/cpu", "rank:1/cpu", "rank:0/cpu"]),
+    }
+
+    def state(fill: bool) -> dict[str, Any]:
+        sd: dict[str, Any] = {name: empty(spec, 6, 6) for name, spec in specs.items()}
+        for st in sd.values():
+            for shard in st.local_shards():
+                off = shard.metadata.shard_offsets
+                shard.tensor.copy_(shard.tensor.new_full(shard.tensor.shape, 100.0 * off[0] + off[1] if fill else 0))
+        return {**sd, "n": 3 if fill else 0}
+
+    with _hierarchy(tmp) as h:
+        saved = state(True)
+        dcp.save(saved, storage_writer=HierarchyWriter(h, step=1))
+        got = state(False)
+        dcp.load(got, storage_reader=HierarchyReader(h, step=1))
+        for name in specs:
+            want = [s.tensor for s in saved[name].local_shards()]
+            assert all(torch.equal(a.tensor, b) for a, b in zip(got[name].local_shards(), want, strict=True)), name
+        assert got["n"] == 3
+    dist.destroy_process_group()
+
+
+def test_two_shards_of_one_sharded_tensor_on_one_rank_round_trip_on_2_ranks(tmp_path: Path) -> None:
+    _spawn(_sharded_tensors, 2, str(tmp_path))

@@ -23,7 +23,7 @@ from torch.futures import Future
 from tierckpt.datapath.manifests import load_manifest, load_tree
 from tierckpt.datapath.restore import read_checkpoint
 from tierckpt.dcp._ids import step_of, valid_id
-from tierckpt.dcp._layout import RESERVED, lookup
+from tierckpt.dcp._layout import CHUNKS, RESERVED, lookup
 from tierckpt.dcp._record import RECORD_FORMAT, Location, decode_metadata
 from tierckpt.errors import CheckpointNotFoundError, CorruptCheckpointError, TierckptError
 from tierckpt.facade.checks import check_step
@@ -168,9 +168,10 @@ class HierarchyReader(StorageReader):
             tree, ref = load_tree(tier, key, m, allow_pickle=False)
             if not isinstance(tree, dict) or RESERVED not in tree:
                 raise TierckptError(f"step {step} on tier {tier.name!r} was not written through DCP (no {RESERVED!r})")
-            rec = _reserved(
-                {RESERVED: resolve_tree(tree[RESERVED], ref, _no_tensor, len(m.tensors))}, 0, tier.name, step
-            )
+            entry = tree[RESERVED]
+            if isinstance(entry, dict):  # items kept in the entry are read with the part, not as the record
+                entry = {k: v for k, v in entry.items() if k != CHUNKS}
+            rec = _reserved({RESERVED: resolve_tree(entry, ref, _no_tensor, len(m.tensors))}, 0, tier.name, step)
             world = rec.get("world_size")
             if type(world) is not int or world < 1:
                 raise CorruptCheckpointError(f"DCP record: world_size: got {world!r}", tier=tier.name, step=step)
