@@ -346,3 +346,22 @@ def test_a_tensor_in_the_record_itself_is_still_refused(h: Hierarchy) -> None:
     h.save(state, step=2).wait()
     with pytest.raises(CorruptCheckpointError, match="DCP record: holds tensor"):
         HierarchyReader(h, step=2).read_metadata()
+
+
+def test_a_tierckpt_error_reaches_the_other_ranks_whole() -> None:
+    """DCP hands each rank's exception to the others pickled: each error comes back with its message,
+    type and fields (CorruptCheckpointError did not unpickle: the ranks got a TypeError instead)."""
+    import pickle
+
+    from tierckpt.errors import CoordinationError, TierBusyError, TierFullError, UnsupportedFormatError
+
+    for err in (
+        CorruptCheckpointError("DCP metadata: format: expected 1, got 2", tier="pfs", step=3, blob="b0", key="w"),
+        TierFullError("tier 'ssd' is full"),
+        UnsupportedFormatError("manifest version 9"),
+        TierBusyError("leased by job 'A'", tier="ssd", job="A", pid=5),
+        CoordinationError("rank(s) 2 did not arrive", (2,), undecided=True),
+    ):
+        back = pickle.loads(pickle.dumps(err))
+        assert (type(back), str(back), back.__dict__) == (type(err), str(err), err.__dict__)
+        assert getattr(back, "errno", None) == getattr(err, "errno", None)
