@@ -221,3 +221,56 @@ def _sharded_tensors(rank: int, world: int, tmp: str) -> None:
 
 def test_two_shards_of_one_sharded_tensor_on_one_rank_round_trip_on_2_ranks(tmp_path: Path) -> None:
     _spawn(_sharded_tensors, 2, str(tmp_path))
+
+
+class _Slow:
+    """A gate that holds each call for a while (a slow shared file system's commit)."""
+
+    def wait(self) -> None:
+        time.sleep(1.5)
+
+
+def _two_nodes(rank: int, world: int, tmp: str) -> None:
+    """Rank r on node r: host memory, the node's own ssd, a shared pfs whose commits are slow."""
+    import os
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from tierckpt import Hierarchy
+    from tierckpt.dcp import HierarchyReader, HierarchyWriter
+    from tierckpt.io import make_engine
+    from tierckpt.testing import FaultyTier
+    from tierckpt.tiers.host import HostTier
+    from tierckpt.tiers.local import LocalTier
+    from tierckpt.tiers.pfs import PfsTier
+
+    os.environ["TIERCKPT_NODE"] = str(rank)
+    _init(rank, world, tmp, "nodes")
+    engine = make_engine("threads", 4)
+    pfs = FaultyTier(PfsTier("pfs", f"{tmp}/pfs", engine, job="j"), gates={"commit": _Slow()})
+    tiers = [HostTier("host"), LocalTier("ssd", f"{tmp}/node{rank}/ssd", engine, job="j"), pfs]
+    sd = {"w": torch.arange(8.0), "n": 3}  # replicated: DCP writes it once, into rank 0's part
+    with Hierarchy(tiers, job="j") as h:
+        # saved, and listed on every rank, before it is on the shared tier: rank 1 cannot load it yet,
+        # and says why (rank 0's part, with DCP's metadata, is only on node 0's tiers)
+        dcp.save(sd, storage_writer=HierarchyWriter(h, step=1, durable="top"))
+        assert [c.step for c in h.checkpoints()] == [1]
+        try:
+            dcp.load({"w": torch.zeros(8), "n": 0}, storage_reader=HierarchyReader(h, step=1))
+        except CheckpointException as e:
+            assert "none of rank 1's tiers (host, ssd, pfs) holds rank 0's part" in str(e), str(e)
+            assert "on a shared tier (pfs)" in str(e), str(e)
+        else:
+            raise AssertionError("step 1 loaded on rank 1 before it reached the shared tier")
+        # the default durability: dcp.save returns once every rank can load the step
+        dcp.save(sd, storage_writer=HierarchyWriter(h, step=2))
+        got = {"w": torch.zeros(8), "n": 0}
+        dcp.load(got, storage_reader=HierarchyReader(h, step=2))
+        assert torch.equal(got["w"], sd["w"]) and got["n"] == 3
+    engine.close()
+    dist.destroy_process_group()
+
+
+def test_a_step_dcp_save_returned_for_loads_on_every_rank_of_every_node(tmp_path: Path) -> None:
+    _spawn(_two_nodes, 2, str(tmp_path))

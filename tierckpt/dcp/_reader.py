@@ -160,7 +160,24 @@ class HierarchyReader(StorageReader):
         if errors:
             each = "; ".join(f"tier {n!r}: {e}" for n, e in errors)
             raise CorruptCheckpointError(f"rank {rank}'s part of step {step} is unusable on every tier: {each}")
-        raise CheckpointNotFoundError(f"step {step}: no tier holds rank {rank}'s part")
+        raise CheckpointNotFoundError(self._missing(rank, step))
+
+    def _missing(self, rank: int, step: int) -> str:
+        """Why this rank finds no copy of ``rank``'s part of ``step`` on its tiers."""
+        me, tiers = self.h.rank, self.h.tiers
+        msg = f"step {step}: none of rank {me}'s tiers ({', '.join(t.name for t in tiers)}) holds rank {rank}'s part"
+        if rank == me:
+            return msg
+        own = [t.name for t in tiers if holds(t, CheckpointKey(step, me))]
+        shared = [t.name for t in tiers if t.capabilities.shared]
+        return (
+            f"{msg}{' (with DCP metadata)' if rank == 0 else ''}; this rank's own part is "
+            f"{'on ' + ', '.join(own) if own else 'on none of them either'}. Another rank's part is read from a "
+            f"tier every rank reads, so the step loads on every rank once it is on a shared tier "
+            f"({', '.join(shared) if shared else 'this hierarchy has none'}): HierarchyWriter's default, "
+            "durable='shared', waits for that; durable='persistent' or 'top', or a demotion policy that does not "
+            "send the step there, leaves it on the tiers of the node that saved it"
+        )
 
     def _record(self, step: int) -> Metadata:
         def read(tier: Tier, key: CheckpointKey) -> Metadata:

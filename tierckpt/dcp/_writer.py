@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import logging
 import os
 import uuid
 from dataclasses import replace
@@ -31,10 +32,13 @@ from tierckpt.format.tree import flatten
 
 if TYPE_CHECKING:
     from tierckpt.hierarchy import Hierarchy, SaveHandle
+    from tierckpt.tiers.base import Tier
 
 __all__ = ["HierarchyWriter"]
 
-DURABLE = ("persistent", "top", "all")
+log = logging.getLogger(__name__)
+
+DURABLE = ("shared", "persistent", "top", "all")
 _NOT_PLAIN = object()
 
 
@@ -54,15 +58,20 @@ class HierarchyWriter(StorageWriter):
     Args:
         h: the hierarchy; its ``rank`` and ``world_size`` must be DCP's (torch.distributed's).
         step: the step to save (``dcp.save(checkpoint_id=...)`` may replace it: an int or its digits).
-        durable: which tier to wait for: ``"persistent"`` (the fastest persistent tier this step goes
-            to, else the top tier), ``"top"`` (the top tier) or ``"all"`` (every tier it goes to).
+        durable: which tier to wait for. ``"shared"`` (the default): what a later ``dcp.load`` on any
+            rank of any job can read, the fastest shared tier this step goes to (other ranks' parts,
+            DCP's metadata in rank 0's among them, are read from a tier every rank reads), else every
+            tier it goes to (with a warning where the ranks span several nodes: a rank of another node
+            than rank 0's cannot load it). ``"persistent"``: the fastest persistent tier this step goes
+            to, else the top tier (a node-local tier: loadable by the ranks of that node only).
+            ``"top"``: the top tier. ``"all"``: every tier it goes to.
 
     Raises:
         ValueError: a bad ``step`` or ``durable``.
         TierckptError: the hierarchy is read-only.
     """
 
-    def __init__(self, h: Hierarchy, step: int, *, durable: str = "persistent") -> None:
+    def __init__(self, h: Hierarchy, step: int, *, durable: str = "shared") -> None:
         check_step(step)
         if durable not in DURABLE:
             raise ValueError(f"durable: expected one of {', '.join(DURABLE)}, got {durable!r}")
@@ -208,19 +217,38 @@ class HierarchyWriter(StorageWriter):
         handle.staged.result()  # the items' bytes are in the top tier: DCP may drop or reuse them
 
     def _wait(self, handle: SaveHandle) -> None:
-        if self.durable == "all":
+        tier = self._durable_tier([t for t in self.h.tiers if t.name in handle.durable])
+        if tier is None:
             handle.wait()
             return
-        goes = [t for t in self.h.tiers if t.name in handle.durable]
-        persistent = [t for t in goes if t.capabilities.persistent] if self.durable == "persistent" else []
         try:
-            handle.wait(tier=(persistent or goes)[0].name)
+            handle.wait(tier=tier)
         except BaseException:
             # DCP reports this save's failure: the other tiers' failures of it are reported with it (a
             # zero-timeout wait marks them seen), not raised again by the hierarchy's close()
             with contextlib.suppress(BaseException):
                 handle.wait(timeout=0)
             raise
+
+    def _durable_tier(self, goes: list[Tier]) -> str | None:
+        """The tier to wait for, of the tiers this step goes to (fastest first); None: every one."""
+        if self.durable == "all":
+            return None
+        if self.durable == "shared":
+            shared = [t.name for t in goes if t.capabilities.shared]
+            if shared:
+                return shared[0]
+            if len(self.h.coordinator.ranks_on_node()) < self.h.world_size:
+                log.warning(
+                    "DCP save of step %d: it goes to no shared tier (only to %s), so a dcp.load on a rank of another "
+                    "node than rank 0's cannot read it (DCP's metadata is in rank 0's part); a shared tier (pfs) "
+                    "in the hierarchy and a demotion policy that sends this step there make it loadable everywhere",
+                    self.step,
+                    ", ".join(t.name for t in goes),
+                )
+            return None
+        persistent = [t.name for t in goes if t.capabilities.persistent] if self.durable == "persistent" else []
+        return (persistent or [t.name for t in goes])[0]
 
 
 def _resolve(item: WriteItem, planner: SavePlanner) -> tuple[Any, int, bool]:
