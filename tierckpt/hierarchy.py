@@ -51,7 +51,7 @@ from tierckpt.io.buffers import StagingPool
 from tierckpt.policies.demotion import Demotion
 from tierckpt.policies.placement import Close, CopyPlan, Policy, Prefetch, Restored, Save, SavePlan, place
 from tierckpt.policies.retention import RetentionPolicy
-from tierckpt.ranks.coordinator import Coordinator, SoloCoordinator
+from tierckpt.ranks.coordinator import Coordinator, check_coordinator
 from tierckpt.ranks.distributed import default_coordinator
 from tierckpt.tiers.base import CheckpointKey, Tier
 from tierckpt.tiers.jobs import hierarchy_job
@@ -134,9 +134,9 @@ class Hierarchy:
         self._index = {n: i for i, n in enumerate(names)}
         self.io = io or default_io()
         self.layout = layout or LayoutConfig()
-        self.coordinator = coordinator or default_coordinator(rank, world_size)
+        self.coordinator = check_coordinator(coordinator or default_coordinator(rank, world_size, readonly=readonly))
         self.rank, self.world_size = self.coordinator.rank, self.coordinator.world_size
-        if self.world_size > 1 and type(self.coordinator) is SoloCoordinator and not readonly:
+        if self.world_size > 1 and not self.coordinator.connects_ranks and not readonly:
             raise ConfigError(
                 f"rank {self.rank} of {self.world_size}: the ranks of a job must agree on each commit (a step is "
                 "committed only once every rank's copy is in), and nothing connects these ones: initialize "
@@ -531,5 +531,18 @@ class Hierarchy:
     def __enter__(self) -> Self:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: object) -> None:
+        """:meth:`close`. With an exception of the ``with`` block in flight, that exception is what
+        propagates: a failure of the close (a background copy's) is logged and added to it as a note
+        (Python 3.11+), never raised in its place."""
+        if exc is None:
+            self.close()
+            return
+        try:
+            self.close()
+        except Exception as err:  # a KeyboardInterrupt while closing still ends the process
+            what = f"{type(err).__name__}: {err}"
+            log.error("closing the hierarchy after %s was raised in its with block: %s", type(exc).__name__, what)
+            add_note = getattr(exc, "add_note", None)  # BaseException.add_note: Python 3.11+
+            if add_note is not None:
+                add_note(f"tierckpt: closing the hierarchy then failed too: {what}")

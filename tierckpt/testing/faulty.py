@@ -140,6 +140,9 @@ class FaultyTier(Tier):
     def location(self) -> str | None:
         return self.inner.location()
 
+    def lease_job(self) -> str | None:
+        return self.inner.lease_job()
+
     def close(self) -> None:
         self.inner.close()
 

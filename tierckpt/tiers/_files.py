@@ -408,6 +408,10 @@ class FileTier(Tier):
             self.lease.release()
         self._close_engine()
 
+    def lease_job(self) -> str | None:
+        """The job identity the directory's lease is held for; None for a read-only tier (no lease)."""
+        return None if self.lease is None else self.lease.job.value
+
     def _check_lease(self) -> None:
         if self.lease is not None:
             self.lease.check()

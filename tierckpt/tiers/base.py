@@ -413,6 +413,13 @@ class Tier(ABC):
         """Where the tier keeps its bytes, for humans."""
         return self.kind
 
+    def lease_job(self) -> str | None:
+        """Optional: the job identity this tier's lease on its location is held for (docs/jobs.md), or
+        None (the default) for a tier that holds no lease: memory tiers, a read-only file tier. A tier
+        that leases its location to one job at a time returns the identity it holds it for; a hierarchy
+        checks that every tier's is its own job's (:func:`~tierckpt.tiers.jobs.hierarchy_job`)."""
+        return None
+
     def location(self) -> str | None:
         """Optional: where the tier keeps its bytes, as a string two tiers that would share copies both
         return (a resolved directory, a bucket URL with its prefix); None (the default) for a place of
