@@ -395,7 +395,7 @@ class FileTier(Tier):
     def open_copy(self, key: CheckpointKey) -> FileCopy:
         """Open ``key``'s copy by its rank directory: the manifest and blobs read through it are that
         copy's, even if another process evicts or replaces the step meanwhile (tierckpt.tiers._fileread)."""
-        return FileCopy(self, key, step_dir_name(key.step), rank_dir_name(key.rank))
+        return FileCopy(self, self, key, step_dir_name(key.step), rank_dir_name(key.rank))
 
     def read_manifest(self, key: CheckpointKey) -> bytes:
         with self.open_copy(key) as copy:
@@ -432,8 +432,10 @@ class FileTier(Tier):
                 key,
                 blobs,
                 need if self.capacity_bytes is not None else 0,
+                self._unreserve,
                 step_dir=step_dir,
                 tmp=step_dir / _scratch("tmp", key.rank),
+                final=self._rank_dir(key),
                 old=step_dir / _scratch("old", key.rank),
                 one_file=self.one_file,
             )
