@@ -30,7 +30,7 @@ from tierckpt.io.engine import IOEngine
 from tierckpt.io.fsutil import dio_alignment
 from tierckpt.tiers.base import CheckpointKey, Tier, TierCopy, TierReader
 
-__all__ = ["DATA_NAME", "MANIFEST_NAME", "FileCopy", "FileSpace", "io_error"]
+__all__ = ["DATA_NAME", "MANIFEST_NAME", "FileCopy", "FileSpace", "io_error", "read_regular"]
 
 MANIFEST_NAME = "manifest"
 DATA_NAME = "data.bin"  # a copy's blobs back to back, where the tier writes one data file a copy
@@ -180,12 +180,12 @@ class FileCopy(TierCopy):
             if size > _MAX_MANIFEST_BYTES:
                 raise self._bad(f"manifest {p} is {size} bytes, more than a manifest can be ({_MAX_MANIFEST_BYTES})")
             if size > _OPAQUE_BYTES:  # a small file is read as it is; decode_head checks everything
-                magic, _, _, _, n = HEADER.unpack(_pread_all(fd, HEADER.size, 0))
+                magic, _, _, _, n = HEADER.unpack(pread_all(fd, HEADER.size, 0))
                 if magic != MAGIC:
                     raise self._bad(f"bad magic {magic!r} (not a tierckpt manifest)")
                 if HEADER.size + n + TRAILER_BYTES != size:
                     raise self._bad(f"manifest {p} is {size} bytes, its header says {n} + framing")
-            return _pread_all(fd, size, 0)
+            return pread_all(fd, size, 0)
         except OSError as e:
             if isinstance(e, CorruptCheckpointError):
                 raise
@@ -240,7 +240,43 @@ class FileCopy(TierCopy):
             self.fd = -1
 
 
-def _pread_all(fd: int, n: int, offset: int) -> bytes:
+def read_regular(tier: str, path: Path, step: int, what: str, limit: int) -> bytes | None:
+    """The bytes of ``path``, a regular file of at most ``limit`` bytes; None where there is none (or a
+    link, which is not followed). Opened with ``O_NONBLOCK``: a FIFO there never blocks.
+
+    Raises:
+        CorruptCheckpointError: naming ``what`` (e.g. "commit record") of ``step``: not a regular file, or
+            larger than ``limit``.
+        TierIOError: it cannot be read.
+    """
+    try:
+        fd = os.open(path, _FILE_FLAGS)
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            return None
+        raise io_error(tier, f"cannot read the {what} of step {step}", e) from e
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise CorruptCheckpointError(
+                f"{what} {path} is not a regular file ({kind_of(st.st_mode)})", tier=tier, step=step
+            )
+        if st.st_size > limit:
+            raise CorruptCheckpointError(
+                f"{what} {path} is {st.st_size} bytes, more than it can be ({limit})", tier=tier, step=step
+            )
+        return pread_all(fd, st.st_size, 0)
+    except CorruptCheckpointError:
+        raise
+    except OSError as e:
+        raise io_error(tier, f"cannot read the {what} of step {step}", e) from e
+    finally:
+        os.close(fd)
+
+
+def pread_all(fd: int, n: int, offset: int) -> bytes:
     parts, got = [], 0
     while got < n:
         b = os.pread(fd, n - got, offset + got)

@@ -34,7 +34,7 @@ from tierckpt.errors import TierFullError, TierIOError
 from tierckpt.format.manifest import BlobEntry
 from tierckpt.io.engine import IOEngine, make_engine
 from tierckpt.io.fsutil import fsync_dir, probe_direct
-from tierckpt.tiers._fileread import MANIFEST_NAME, FileCopy, io_error
+from tierckpt.tiers._fileread import MANIFEST_NAME, FileCopy, io_error, read_regular
 from tierckpt.tiers._filewrite import FileWriter, write_file
 from tierckpt.tiers._lease import Lease
 from tierckpt.tiers.base import CheckpointKey, EngineSource, Tier, TierCapabilities, TierReader, TierWriter
@@ -49,6 +49,7 @@ _STEP_RE = re.compile(r"step-(\d{12})")
 _RANK_RE = re.compile(r"rank-(\d{5})")
 _SCRATCH_RE = re.compile(r"\.(tmp|old|evict)-(?:rank-\d{5}|commit)-(.+)-(\d+)-[0-9a-f]+")
 RECORD_NAME = "commit"  # a step's commit record, beside its rank directories (docs/format.md)
+_MAX_RECORD_BYTES = 1 << 27  # far more than a record of any job (docs/format.md): larger is not one
 _HOST = socket.gethostname().replace("-", "_")[:32] or "host"
 
 
@@ -354,16 +355,17 @@ class FileTier(Tier):
             raise io_error(self.name, f"cannot write the commit record of step {step}", e) from e
 
     def read_record(self, step: int) -> bytes | None:
+        """The bytes of ``step-N/commit``; None where there is none (a link is not followed). Anything but
+        a regular file there (a FIFO, a device, a directory) is refused without blocking in open(2).
+
+        Raises:
+            CorruptCheckpointError: the record is not a regular file, or larger than any record can be.
+            TierIOError: it cannot be read.
+        """
         p = self._record_path(step)
-        if os.path.islink(p.parent) or os.path.islink(p):
+        if os.path.islink(p.parent):
             return None  # links are not followed
-        try:
-            with open(p, "rb") as f:
-                return f.read(1 << 27)
-        except FileNotFoundError:
-            return None
-        except OSError as e:
-            raise io_error(self.name, f"cannot read the commit record of step {step}", e) from e
+        return read_regular(self.name, p, step, "commit record", _MAX_RECORD_BYTES)
 
     def remove_record(self, step: int) -> None:
         self._check_lease()
