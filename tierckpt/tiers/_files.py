@@ -33,7 +33,8 @@ from tierckpt.config import LEASE_STALE_SECS, IOConfig, TierConfig, default_io
 from tierckpt.errors import TierFullError, TierIOError
 from tierckpt.format.manifest import BlobEntry
 from tierckpt.io.engine import IOEngine, make_engine
-from tierckpt.io.fsutil import fsync_dir, probe_direct
+from tierckpt.io.fsutil import fsync_dir, probe_fs
+from tierckpt.io.geometry import FsFacts, IOGeometry, io_geometry
 from tierckpt.tiers._fileread import MANIFEST_NAME, FileCopy, io_error, read_regular
 from tierckpt.tiers._filewrite import FileWriter, write_file
 from tierckpt.tiers._lease import Lease
@@ -92,7 +93,9 @@ def _is_file(p: Path) -> bool:
 
 
 class FileTier(Tier):
-    """A tier in a directory. Subclasses set ``kind``, ``shared`` and their preferred blob size.
+    """A tier in a directory. Subclasses set ``kind``, ``shared``, ``one_file``, ``whole_blocks`` and
+    their preferred blob size; the sizes of its I/O are its :attr:`geometry`, from its file system's
+    facts (:attr:`facts`, probed when it is built) and its io settings.
 
     Args:
         name: tier name.
@@ -110,12 +113,16 @@ class FileTier(Tier):
 
     Raises:
         TierBusyError: (writable) another job holds the directory's lease.
+        TierIOError: the directory is missing (``readonly``), cannot be made, or is not readable (and
+            writable).
     """
 
     kind = "file"
     shared = False
     #: whether a copy's blobs go into one data file (``data.bin``) rather than a file each
     one_file = False
+    #: whether I/O is aligned to the file system's block (a parallel file system's stripe or block)
+    whole_blocks = False
 
     def __init__(
         self,
@@ -155,12 +162,17 @@ class FileTier(Tier):
             self._take_lease()
         self._engine, self._engine_given, self._own_engine = engine, engine is not None, False
         self._asked = (direct, chunk_bytes)  # None: from the io settings of the hierarchy the tier joins
-        self._can_direct, align = probe_direct(self.path)
-        self._set_io(default_io(), max(align, self._fs_alignment()))
+        try:
+            self.facts: FsFacts = probe_fs(self.path)
+        except OSError as e:
+            raise io_error(name, f"cannot probe {self.path}", e) from e
         self.capacity_bytes = capacity_bytes
         if blob_bytes:
             self.preferred_blob_bytes = blob_bytes
-        self.capabilities = TierCapabilities(persistent=True, shared=self.shared, device="file", alignment_bytes=align)
+        self.capabilities = TierCapabilities(
+            persistent=True, shared=self.shared, device="file", alignment_bytes=self.facts.direct_alignment_bytes
+        )
+        self._set_io(default_io())
         self._lock = threading.Lock()
         self._reserved = 0  # bytes of checkpoints being written by this process (counted against capacity)
         self._evicted: list[Path] = []  # renamed away by evict(free=False), deleted by reclaim()
@@ -168,14 +180,24 @@ class FileTier(Tier):
         if not readonly:
             self._sweep()
 
-    def _set_io(self, io: IOConfig, align: int) -> None:
-        """``direct`` and the chunk size: as given to the constructor, else as ``io`` says."""
+    def plan_geometry(self, io: IOConfig) -> IOGeometry:
+        """:func:`~tierckpt.io.geometry.io_geometry` of the tier's capabilities, its file system's
+        :attr:`facts` and its settings: ``direct`` and the chunk as given to the constructor, else as
+        ``io`` says."""
         direct, chunk = self._asked
-        direct = io.direct if direct is None else direct
-        self.direct = direct and self._can_direct
-        if direct and not self._can_direct:
-            log.info("tier %r: %s does not support O_DIRECT; using buffered I/O", self.name, self.path)
-        self.chunk_bytes = max(align, (io.chunk_bytes if chunk is None else chunk) // align * align)
+        return io_geometry(
+            self.capabilities, io, self.facts, blob_bytes=self.preferred_blob_bytes, chunk_bytes=chunk,
+            direct=direct, one_file=self.one_file, whole_blocks=self.whole_blocks,
+        )  # fmt: skip
+
+    def _set_io(self, io: IOConfig) -> None:
+        """Fix the geometry for ``io``; ``direct`` and ``chunk_bytes`` are the geometry's."""
+        g = self._geometry = self.plan_geometry(io)
+        self.direct, self.chunk_bytes = g.direct, g.chunk_bytes
+        if (io.direct if self._asked[0] is None else self._asked[0]) and not g.direct:
+            log.info(
+                "tier %r: %s does not support O_DIRECT; using buffered I/O", self.name, self.path,
+            )  # fmt: skip
 
     def _take_lease(self) -> None:
         job, stale_secs = self._lease_args
@@ -189,10 +211,10 @@ class FileTier(Tier):
         earlier hierarchy takes its directory's lease again."""
         if self.lease is not None and self.lease.released:
             self._take_lease()
+        self._set_io(io)
         if not self._engine_given:
             self._close_engine()  # an engine made while the tier was used on its own
-            self._engine = engines.get(io.engine, io.queue_depth)
-        self._set_io(io, self.capabilities.alignment_bytes)
+            self._engine = engines.get(io.engine, self.geometry.queue_depth)
 
     @property
     def engine(self) -> IOEngine:
@@ -201,12 +223,8 @@ class FileTier(Tier):
             with self._lock:
                 if self._engine is None:
                     io = default_io()
-                    self._engine, self._own_engine = make_engine(io.engine, io.queue_depth), True
+                    self._engine, self._own_engine = make_engine(io.engine, self.geometry.queue_depth), True
         return self._engine
-
-    def _fs_alignment(self) -> int:
-        """Extra alignment the file system asks for (the PFS tier returns the stripe size)."""
-        return 4096
 
     @classmethod
     def from_config(cls, cfg: TierConfig, engines: EngineSource) -> FileTier:
@@ -439,7 +457,7 @@ class FileTier(Tier):
                 tmp=step_dir / _scratch("tmp", key.rank),
                 final=self._rank_dir(key),
                 old=step_dir / _scratch("old", key.rank),
-                one_file=self.one_file,
+                one_file=self.geometry.one_file,
             )
         except BaseException:
             self._unreserve(need if self.capacity_bytes is not None else 0)
