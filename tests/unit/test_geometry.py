@@ -1,12 +1,17 @@
 """One I/O geometry (tierckpt.io.geometry): a pure function from a tier's capabilities, its file system's
 facts (recorded here) and its io settings to every size its I/O uses; a hierarchy's checkpoint geometry
-from its layout settings and its tiers'. And what the tiers make of it."""
+from its layout settings and its tiers'. And what the tiers make of it: facts probed without writing,
+the geometry every sizing site reads."""
 
 from __future__ import annotations
+
+import os
+from pathlib import Path
 
 import pytest
 
 from tierckpt.config import IOConfig, LayoutConfig
+from tierckpt.io.fsutil import probe_fs
 from tierckpt.io.geometry import (
     READ_SLOT_BYTES,
     READ_SLOTS,
@@ -92,6 +97,20 @@ def test_a_checkpoint_takes_the_largest_alignment_and_blob_size_and_every_tier_f
     assert (c.align_bytes, c.blob_bytes, c.tiers["ssd"].chunk_bytes) == (64 * KiB, MiB + 64 * KiB, 64 * KiB)
     with pytest.raises(ValueError, match="not a power of two of at least"):
         pfs.aligned_to(4096)
+
+
+def test_facts_are_probed_without_writing_where_the_tier_only_reads(tmp_path: Path) -> None:
+    before = os.stat(tmp_path).st_mtime_ns
+    facts = probe_fs(tmp_path, writable=False)
+    assert not facts.direct and not facts.readonly and facts.block_bytes > 0  # nothing to try O_DIRECT on
+    (tmp_path / "manifest").write_bytes(b"x" * 4096)
+    before = os.stat(tmp_path).st_mtime_ns
+    sampled = probe_fs(tmp_path, writable=False, sample=tmp_path / "manifest")
+    assert os.stat(tmp_path).st_mtime_ns == before
+    written = probe_fs(tmp_path, writable=True)  # creates and removes a probe file
+    assert sampled == written
+    os.mkfifo(tmp_path / "fifo")
+    assert not probe_fs(tmp_path, writable=False, sample=tmp_path / "fifo").direct  # and did not block
 
 
 def test_a_tier_without_a_geometry_of_its_own_gets_one_from_its_capabilities() -> None:

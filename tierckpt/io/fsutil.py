@@ -8,6 +8,7 @@ import ctypes.util
 import errno
 import logging
 import os
+import stat
 from pathlib import Path
 
 from tierckpt.io.geometry import PAGE, FsFacts
@@ -65,10 +66,13 @@ def dio_alignment(path: str | os.PathLike[str], default: int = 4096) -> tuple[in
     return _statx_dio(path) or (default, default)
 
 
-def probe_fs(directory: Path) -> FsFacts:
+def probe_fs(directory: Path, *, writable: bool, sample: Path | None = None) -> FsFacts:
     """The facts of the file system holding ``directory`` (:class:`~tierckpt.io.geometry.FsFacts`).
 
-    Whether files there take O_DIRECT is learnt by creating and removing a probe file.
+    Whether files there take O_DIRECT is learnt by creating and removing a probe file where ``writable``
+    and the file system is not mounted read-only; otherwise without writing anything: by opening
+    ``sample`` (an existing regular file there; a link is not followed, a FIFO never blocks) with
+    O_DIRECT, and with no sample, O_DIRECT is not used (buffered reads work everywhere).
 
     Raises:
         OSError: the probe file cannot be created (for another reason than O_DIRECT refused).
@@ -82,7 +86,12 @@ def probe_fs(directory: Path) -> FsFacts:
         io_block = os.stat(directory).st_blksize
     except OSError:
         io_block = PAGE
-    direct, align = _probe_new_file(directory)
+    if writable and not readonly:
+        direct, align = _probe_new_file(directory)
+    elif sample is not None:
+        direct, align = _probe_existing_file(sample)
+    else:
+        direct, align = False, None
     mem, off = align or (None, None)
     return FsFacts(block, io_block, direct, mem, off, readonly)
 
@@ -101,6 +110,21 @@ def _probe_new_file(directory: Path) -> tuple[bool, tuple[int, int] | None]:
     finally:
         os.close(fd)
         probe.unlink(missing_ok=True)
+
+
+def _probe_existing_file(sample: Path) -> tuple[bool, tuple[int, int] | None]:
+    """(O_DIRECT works, its statx alignment) for the regular file ``sample``, opened for reading only;
+    (False, None) where it cannot be opened so or is no regular file."""
+    try:
+        fd = os.open(sample, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC | _O_DIRECT)
+    except OSError:
+        return False, None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return False, None
+        return hasattr(os, "O_DIRECT"), _statx_dio(sample)
+    finally:
+        os.close(fd)
 
 
 def fsync_dir(path: str | os.PathLike[str]) -> None:

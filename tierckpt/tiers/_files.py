@@ -16,7 +16,6 @@ directories, so it never sees a half-written checkpoint, and a crash leaves the 
 from __future__ import annotations
 
 import contextlib
-import errno
 import logging
 import os
 import re
@@ -30,11 +29,12 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from tierckpt.config import LEASE_STALE_SECS, IOConfig, TierConfig, default_io
-from tierckpt.errors import TierFullError, TierIOError
+from tierckpt.errors import TierFullError
 from tierckpt.format.manifest import BlobEntry
 from tierckpt.io.engine import IOEngine, make_engine
 from tierckpt.io.fsutil import fsync_dir, probe_fs
 from tierckpt.io.geometry import FsFacts, IOGeometry, io_geometry
+from tierckpt.tiers._filedir import open_directory
 from tierckpt.tiers._fileread import MANIFEST_NAME, FileCopy, io_error, read_regular
 from tierckpt.tiers._filewrite import FileWriter, write_file
 from tierckpt.tiers._lease import Lease
@@ -84,6 +84,12 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
+def _names(directory: Path, pattern: re.Pattern[str]) -> list[str]:
+    """The names in ``directory`` that match ``pattern`` whole and are not links."""
+    with os.scandir(directory) as it:
+        return [e.name for e in it if pattern.fullmatch(e.name) and not e.is_symlink()]
+
+
 def _is_file(p: Path) -> bool:
     """Whether ``p`` is a regular file itself (not a link to one)."""
     try:
@@ -113,8 +119,8 @@ class FileTier(Tier):
 
     Raises:
         TierBusyError: (writable) another job holds the directory's lease.
-        TierIOError: the directory is missing (``readonly``), cannot be made, or is not readable (and
-            writable).
+        TierIOError: the directory is missing (``readonly``), cannot be made, is not readable (and
+            writable), or is on a read-only file system and the tier is not ``readonly``.
     """
 
     kind = "file"
@@ -143,18 +149,7 @@ class FileTier(Tier):
         if one_file is not None:
             self.one_file = one_file
         self.path = Path(path)
-        if readonly:  # a tool that only reads: a missing directory is a mistake, not one to create
-            if not self.path.is_dir():
-                raise TierIOError(errno.ENOENT, f"tier {name!r}: directory {self.path} does not exist", str(self.path))
-        else:
-            try:
-                self.path.mkdir(parents=True, exist_ok=True)
-            except OSError as e:
-                raise io_error(name, f"cannot create directory {self.path}", e) from e
-        need = os.R_OK | os.X_OK if readonly else os.R_OK | os.W_OK | os.X_OK
-        if not os.access(self.path, need):
-            what = "readable" if readonly else "readable and writable"
-            raise TierIOError(errno.EACCES, f"tier {name!r}: directory {self.path} is not {what}", str(self.path))
+        open_directory(name, self.path, readonly)
         # the directory is this job's before anything is written or swept (released by close(), or GC)
         self._lease_args = (job, lease_stale_secs)
         self.lease: Lease | None = None
@@ -162,8 +157,10 @@ class FileTier(Tier):
             self._take_lease()
         self._engine, self._engine_given, self._own_engine = engine, engine is not None, False
         self._asked = (direct, chunk_bytes)  # None: from the io settings of the hierarchy the tier joins
-        try:
-            self.facts: FsFacts = probe_fs(self.path)
+        try:  # a read-only tier writes nothing, not even a probe file
+            self.facts: FsFacts = probe_fs(
+                self.path, writable=not readonly, sample=self._sample() if readonly else None
+            )
         except OSError as e:
             raise io_error(name, f"cannot probe {self.path}", e) from e
         self.capacity_bytes = capacity_bytes
@@ -179,6 +176,16 @@ class FileTier(Tier):
         self._junk: set[Path] = set()  # rank-like entries that are not checkpoints (warned about once)
         if not readonly:
             self._sweep()
+
+    def _sample(self) -> Path | None:
+        """A manifest of one of the newest copies, to try O_DIRECT on without writing; None when there is
+        none. Links are not followed."""
+        with contextlib.suppress(OSError):
+            for step in sorted(_names(self.path, _STEP_RE), reverse=True)[:4]:
+                for rank in _names(self.path / step, _RANK_RE)[:4]:
+                    if _is_file(p := self.path / step / rank / MANIFEST_NAME):
+                        return p
+        return None
 
     def plan_geometry(self, io: IOConfig) -> IOGeometry:
         """:func:`~tierckpt.io.geometry.io_geometry` of the tier's capabilities, its file system's
@@ -196,7 +203,8 @@ class FileTier(Tier):
         self.direct, self.chunk_bytes = g.direct, g.chunk_bytes
         if (io.direct if self._asked[0] is None else self._asked[0]) and not g.direct:
             log.info(
-                "tier %r: %s does not support O_DIRECT; using buffered I/O", self.name, self.path,
+                "tier %r: O_DIRECT is unavailable in %s (or, read-only, there was no file to try it on); "
+                "using buffered I/O", self.name, self.path,
             )  # fmt: skip
 
     def _take_lease(self) -> None:
