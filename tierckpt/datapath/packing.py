@@ -113,9 +113,9 @@ def pack_and_write(
     chunk, or the whole chunk where that is below the tier's smallest part; None: the whole chunk), each
     as soon as it is packed, so the disk gets the first bytes of a chunk while the rest is still being
     packed and always has several operations queued (whole-chunk writes from 3 staging slots kept only
-    2 in flight while the third was packed). Bytes are copied and hashed in ``_BLOCK_BYTES`` blocks, so the hash reads them from
-    the cache, and small gaps are zeroed by slice assignment (a ctypes call costs ~1 us; there is a
-    gap next to almost every one of 20,000 small tensors).
+    2 in flight while the third was packed). Bytes are copied and hashed in ``_BLOCK_BYTES`` blocks, so
+    the hash reads them from the cache, and small gaps are zeroed by slice assignment (a ctypes call
+    costs ~1 us; there is a gap next to almost every one of 20,000 small tensors).
 
     A writer whose write fails is recorded in ``failed`` (first error) and gets no further chunks; the
     others go on. ``on_staged`` runs once every tensor byte has been copied out of the caller's state;

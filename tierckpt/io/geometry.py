@@ -41,7 +41,7 @@ MAX_FS_ALIGN = 16 << 20
 #: A save's or copy's staging buffers per tier worker, each one chunk (32 MiB by default, 192 MiB in
 #: all). A virtual disk here completes a whole queue of writes at once, so the packer must have slots
 #: free to fill while a full queue is in flight; 3 slots of 64 MiB (the same memory) left the disk idle
-#: while they were refilled (docs/benchmarks.md).
+#: while they were refilled (measured on this project's VMs).
 STAGING_SLOTS = 6
 #: A save hands each staging chunk to the writers in this many pieces, each as soon as it is packed, so
 #: the disk always has several writes queued (whole-chunk writes from 3 slots kept only 2 in flight).
