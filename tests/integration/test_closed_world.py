@@ -338,14 +338,13 @@ LISTING = textwrap.dedent(
 
 
 @pytest.mark.parametrize("mode", ["ro", "rw"])
-def test_a_fifo_in_place_of_a_commit_record_never_blocks(tmp_path: Path, mode: str) -> None:
-    """Step 2's commit record is a FIFO: the step is not listed (nor its copy removed as an orphan),
-    step 1 is restored and verified, the record read by name is refused naming it, and the command line
-    lists and verifies; nothing blocks in open(2)."""
+@pytest.mark.parametrize("kind", ["a FIFO", "a symbolic link"])
+def test_a_fifo_in_place_of_a_commit_record_never_blocks(tmp_path: Path, mode: str, kind: str) -> None:
+    """Step 2's commit record is a FIFO (or a link to one): the step is not listed (nor its copy removed
+    as an orphan), step 1 is restored and verified, the record read by name is refused naming it, and
+    the command line lists and verifies; nothing blocks in open(2)."""
     saved(tmp_path, "ssd", steps=(1, 2))
-    record = tmp_path / "ssd" / STEP_DIR.format(2) / "commit"
-    record.unlink()
-    os.mkfifo(record)
+    put_fifo(tmp_path / "ssd" / STEP_DIR.format(2) / "commit", linked=kind != "a FIFO")
     yml = tmp_path / "tiers.json"  # JSON is YAML
     yml.write_text(json.dumps(cfg(tmp_path, "ssd")))
     p = subprocess.run(
@@ -356,7 +355,7 @@ def test_a_fifo_in_place_of_a_commit_record_never_blocks(tmp_path: Path, mode: s
     out = json.loads(p.stdout.strip().splitlines()[-1])
     assert out["listed"] == [1] and out["restored"] == 1 and out["verified"] == [[1, "ssd", True]], out
     assert (
-        out["record"].startswith("CorruptCheckpointError") and "commit is not a regular file (a FIFO)" in out["record"]
+        out["record"].startswith("CorruptCheckpointError") and f"commit is not a regular file ({kind}" in out["record"]
     )
     assert out["codes"] == [0, 0], p.stdout
     assert (rank_dir(tmp_path, "ssd", 2) / "manifest").is_file()  # the copy is left alone

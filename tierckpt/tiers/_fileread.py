@@ -241,12 +241,12 @@ class FileCopy(TierCopy):
 
 
 def read_regular(tier: str, path: Path, step: int, what: str, limit: int) -> bytes | None:
-    """The bytes of ``path``, a regular file of at most ``limit`` bytes; None where there is none (or a
-    link, which is not followed). Opened with ``O_NONBLOCK``: a FIFO there never blocks.
+    """The bytes of ``path``, a regular file of at most ``limit`` bytes; None where there is none. Opened
+    with ``O_NOFOLLOW | O_NONBLOCK``: a link is not followed, a FIFO never blocks.
 
     Raises:
-        CorruptCheckpointError: naming ``what`` (e.g. "commit record") of ``step``: not a regular file, or
-            larger than ``limit``.
+        CorruptCheckpointError: naming ``what`` (e.g. "commit record") of ``step``: not a regular file (a
+            link, a FIFO, a device, a directory), or larger than ``limit``.
         TierIOError: it cannot be read.
     """
     try:
@@ -255,7 +255,9 @@ def read_regular(tier: str, path: Path, step: int, what: str, limit: int) -> byt
         return None
     except OSError as e:
         if e.errno == errno.ELOOP:
-            return None
+            raise CorruptCheckpointError(
+                f"{what} {path} is not a regular file ({kind_of(stat.S_IFLNK)})", tier=tier, step=step
+            ) from None
         raise io_error(tier, f"cannot read the {what} of step {step}", e) from e
     try:
         st = os.fstat(fd)

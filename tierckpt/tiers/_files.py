@@ -381,8 +381,9 @@ class FileTier(Tier):
             raise io_error(self.name, f"cannot write the commit record of step {step}", e) from e
 
     def read_record(self, step: int) -> bytes | None:
-        """The bytes of ``step-N/commit``; None where there is none (a link is not followed). Anything but
-        a regular file there (a FIFO, a device, a directory) is refused without blocking in open(2).
+        """The bytes of ``step-N/commit``; None where there is none (or the step directory is a link, not
+        followed). Anything but a regular file there (a link, a FIFO, a device, a directory) is refused,
+        without following it or blocking in open(2).
 
         Raises:
             CorruptCheckpointError: the record is not a regular file, or larger than any record can be.
