@@ -34,7 +34,6 @@ from tierckpt.config import (
     load_config,
     parse_policy,
 )
-from tierckpt.datapath.blobcopy import staging_for
 from tierckpt.datapath.manifests import load_manifest
 from tierckpt.datapath.replicas import ReplicaExchange
 from tierckpt.datapath.restore import read_checkpoint
@@ -47,7 +46,7 @@ from tierckpt.facade.opening import open_parts
 from tierckpt.facade.verify import holds, verify_copies
 from tierckpt.format.manifest import Manifest
 from tierckpt.format.tree import flatten
-from tierckpt.io.buffers import StagingPool
+from tierckpt.io.geometry import checkpoint_geometry
 from tierckpt.policies.demotion import Demotion
 from tierckpt.policies.placement import Close, CopyPlan, Policy, Prefetch, Restored, Save, SavePlan, place
 from tierckpt.policies.retention import RetentionPolicy
@@ -144,17 +143,21 @@ class Hierarchy:
                 "store every rank reaches (torch.distributed.TCPStore / FileStore; docs/distributed.md)"
             )
         self.placement = Policy.from_config(names, self.policy, retention, demotion)
-        self.align = max([self.layout.align_bytes] + [t.capabilities.alignment_bytes for t in tiers])
         self._engines = _engines or Engines()
         for t in self._tiers:  # tiers built from Python without an engine or io settings take this io's
             t.use_io(self._engines, self.io)
+        # every size: the checkpoint's alignment (the largest of the layout's and the tiers'), blob size,
+        # and each tier's chunks and staging in that alignment (docs/tiers.md, "I/O geometry")
+        self._geometry = checkpoint_geometry(self.layout, {t.name: t.geometry for t in self._tiers})
+        self.align = self._geometry.align_bytes
         self._catalog = Catalog(self._tiers, self.rank, now=_clock(), world_size=self.world_size)
-        self._mover = Mover(self._tiers, self.placement, self._catalog, self.coordinator, self._staging)
+        self._mover = Mover(self._tiers, self.placement, self._catalog, self.coordinator, self._geometry.tiers)
         self._pending = Pending()
         self._lock = threading.RLock()
         self._closed = False
         self.last_restore: tuple[int, str] | None = None
-        self._in_place = RestoreStaging(tiers=self._tiers)
+        geo = self._geometry
+        self._in_place = RestoreStaging(geo.read_slots, geo.read_slot_bytes, tiers=self._tiers)
 
     @property
     def retention(self) -> Mapping[str, RetentionPolicy]:
@@ -243,9 +246,6 @@ class Hierarchy:
             raise KeyError(f"no tier named {name!r} (tiers: {', '.join(t.name for t in self._tiers)})")
         return self._tiers[self._index[name]]
 
-    def _staging(self, tier: Tier) -> StagingPool:
-        return staging_for(tier, self.align, self.io.chunk_bytes)
-
     # -- save ---------------------------------------------------------------------------------------------
     @gc_paused()
     def save(self, state: Any, *, step: int, allow_pickle: bool = False, blocking: bool = False) -> SaveHandle:
@@ -281,7 +281,7 @@ class Hierarchy:
         self._check_writable("save")
         check_step(step)
         flat = flatten(state, allow_pickle=allow_pickle)
-        layout = SaveJob.lay_out(flat, self._tiers, self.align, self.layout.blob_bytes)
+        layout = SaveJob.lay_out(flat, self._geometry)
         key = CheckpointKey(step, self.rank)
         with self._lock:
             plan = self._plan_save(key)
