@@ -11,7 +11,7 @@ engine (QD 16). The slots are either plain anonymous memory (4 KiB pages) or the
 measurement after the page cache is dropped (as a long-running process allocates its buffers from a
 fragmented free list) and faulted in before the timer. The same file is also written from each kind of
 buffer (O_DIRECT, 16 MiB writes, fsync). The order of the kinds alternates from repeat to repeat.
-docs/benchmarks-journal.md, "Huge-page I/O buffers", says what it showed and why.
+docs/io.md, "Huge-page buffers", says why it matters; docs/benchmarks.md has the latest figures.
 """
 
 from __future__ import annotations

@@ -12,12 +12,14 @@ from typing import Any
 from tierckpt.errors import ConfigError
 
 __all__ = [
+    "LAUNCH_ENV_VARS",
     "NODE_ENV_VARS",
     "check_node",
     "check_timeout",
     "expand_path",
     "expand_placeholders",
     "format_size",
+    "launched_world_size",
     "no_nul",
     "node_identity",
     "parse_size",
@@ -199,6 +201,26 @@ def node_identity(rank: int, node: int | None = None) -> tuple[int, int]:
     local = _env_int("LOCAL_RANK", 0)
     local = _env_int("SLURM_LOCALID", 0) if local is None else local
     return node, (rank % lws if lws else rank) if local is None else local
+
+
+#: where a launcher says how many processes it started for the job, in this order: torchrun's (and
+#: torch.distributed's env:// convention), Open MPI's mpirun, SLURM's srun. Not ``$SLURM_NTASKS``: a
+#: batch script of a job that asked for several tasks has it too, and is one process.
+LAUNCH_ENV_VARS = ("WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "SLURM_STEP_NUM_TASKS")
+
+
+def launched_world_size() -> tuple[str, int] | None:
+    """The first of :data:`LAUNCH_ENV_VARS` that is set, and its value: the number of processes a
+    launcher started for this job; None where no launcher says.
+
+    Raises:
+        ConfigError: naming the variable whose value is not a positive integer.
+    """
+    for var in LAUNCH_ENV_VARS:
+        n = _env_int(var, 1)
+        if n is not None:
+            return var, n
+    return None
 
 
 def process_rank() -> int:

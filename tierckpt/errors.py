@@ -7,6 +7,7 @@ Every error subclasses :class:`TierckptError` and, where one fits, the matching 
 from __future__ import annotations
 
 import errno
+from typing import Any
 
 __all__ = [
     "CheckpointEvictedError",
@@ -25,6 +26,12 @@ __all__ = [
 
 class TierckptError(Exception):
     """Base class of every error raised by tierckpt."""
+
+
+def _by_message(self: OSError) -> tuple[Any, ...]:
+    """How pickle rebuilds an OSError subclass built from its message alone (its ``args`` are errno and
+    message, which its constructor does not take): DCP hands a rank's exception to the others pickled."""
+    return type(self), (self.strerror,), self.__dict__
 
 
 class ConfigError(TierckptError, ValueError):
@@ -76,6 +83,8 @@ class CorruptCheckpointError(TierckptError, OSError):
     def __str__(self) -> str:
         return str(self.strerror)
 
+    __reduce__ = _by_message
+
 
 class UnsupportedFormatError(TierckptError, OSError):
     """An intact checkpoint written in a newer format version than this reader knows (upgrade tierckpt).
@@ -90,6 +99,8 @@ class UnsupportedFormatError(TierckptError, OSError):
     def __str__(self) -> str:
         return str(self.strerror)
 
+    __reduce__ = _by_message
+
 
 class TierIOError(TierckptError, OSError):
     """An I/O operation on a tier failed; ``errno`` and ``filename`` come from the underlying OSError."""
@@ -103,6 +114,8 @@ class TierFullError(TierckptError, OSError):
 
     def __str__(self) -> str:
         return str(self.strerror)
+
+    __reduce__ = _by_message
 
 
 class TierBusyError(TierckptError, BlockingIOError):
@@ -138,6 +151,8 @@ class TierBusyError(TierckptError, BlockingIOError):
 
     def __str__(self) -> str:
         return str(self.strerror)
+
+    __reduce__ = _by_message
 
 
 class CoordinationError(TierckptError, RuntimeError):

@@ -34,7 +34,6 @@ from tierckpt.config import (
     load_config,
     parse_policy,
 )
-from tierckpt.datapath.blobcopy import staging_for
 from tierckpt.datapath.manifests import load_manifest
 from tierckpt.datapath.restore_into import RestoreStaging
 from tierckpt.errors import CheckpointNotFoundError, ConfigError, TierckptError
@@ -45,11 +44,11 @@ from tierckpt.facade.restorejob import CopyReader, RestoreJob
 from tierckpt.facade.verify import holds, verify_copies
 from tierckpt.format.manifest import Manifest
 from tierckpt.format.tree import flatten
-from tierckpt.io.buffers import StagingPool
+from tierckpt.io.geometry import checkpoint_geometry
 from tierckpt.policies.demotion import Demotion
 from tierckpt.policies.placement import Close, CopyPlan, Policy, Prefetch, Restored, Save, SavePlan, place
 from tierckpt.policies.retention import RetentionPolicy
-from tierckpt.ranks.coordinator import Coordinator, SoloCoordinator
+from tierckpt.ranks.coordinator import Coordinator, check_coordinator
 from tierckpt.ranks.distributed import default_coordinator
 from tierckpt.tiers.base import CheckpointKey, Tier
 from tierckpt.tiers.jobs import hierarchy_job
@@ -132,9 +131,9 @@ class Hierarchy:
         self._index = {n: i for i, n in enumerate(names)}
         self.io = io or default_io()
         self.layout = layout or LayoutConfig()
-        self.coordinator = coordinator or default_coordinator(rank, world_size)
+        self.coordinator = check_coordinator(coordinator or default_coordinator(rank, world_size, readonly=readonly))
         self.rank, self.world_size = self.coordinator.rank, self.coordinator.world_size
-        if self.world_size > 1 and type(self.coordinator) is SoloCoordinator and not readonly:
+        if self.world_size > 1 and not self.coordinator.connects_ranks and not readonly:
             raise ConfigError(
                 f"rank {self.rank} of {self.world_size}: the ranks of a job must agree on each commit (a step is "
                 "committed only once every rank's copy is in), and nothing connects these ones: initialize "
@@ -142,17 +141,21 @@ class Hierarchy:
                 "store every rank reaches (torch.distributed.TCPStore / FileStore; docs/distributed.md)"
             )
         self.placement = Policy.from_config(names, self.policy, retention, demotion)
-        self.align = max([self.layout.align_bytes] + [t.capabilities.alignment_bytes for t in tiers])
         self._engines = _engines or Engines()
         for t in self._tiers:  # tiers built from Python without an engine or io settings take this io's
             t.use_io(self._engines, self.io)
+        # every size: the checkpoint's alignment (the largest of the layout's and the tiers'), blob size,
+        # and each tier's chunks and staging in that alignment (docs/tiers.md, "I/O geometry")
+        self._geometry = checkpoint_geometry(self.layout, {t.name: t.geometry for t in self._tiers})
+        self.align = self._geometry.align_bytes
         self._catalog = Catalog(self._tiers, self.rank, now=_clock(), world_size=self.world_size)
-        self._mover = Mover(self._tiers, self.placement, self._catalog, self.coordinator, self._staging)
+        self._mover = Mover(self._tiers, self.placement, self._catalog, self.coordinator, self._geometry.tiers)
         self._pending = Pending()
         self._lock = threading.RLock()
         self._closed = False
         self.last_restore: tuple[int, str] | None = None
-        self._in_place = RestoreStaging(tiers=self._tiers)
+        geo = self._geometry
+        self._in_place = RestoreStaging(geo.read_slots, geo.read_slot_bytes, tiers=self._tiers)
 
     @property
     def retention(self) -> Mapping[str, RetentionPolicy]:
@@ -241,9 +244,6 @@ class Hierarchy:
             raise KeyError(f"no tier named {name!r} (tiers: {', '.join(t.name for t in self._tiers)})")
         return self._tiers[self._index[name]]
 
-    def _staging(self, tier: Tier) -> StagingPool:
-        return staging_for(tier, self.align, self.io.chunk_bytes)
-
     # -- save ---------------------------------------------------------------------------------------------
     @gc_paused()
     def save(self, state: Any, *, step: int, allow_pickle: bool = False, blocking: bool = False) -> SaveHandle:
@@ -279,7 +279,7 @@ class Hierarchy:
         self._check_writable("save")
         check_step(step)
         flat = flatten(state, allow_pickle=allow_pickle)
-        layout = SaveJob.lay_out(flat, self._tiers, self.align, self.layout.blob_bytes)
+        layout = SaveJob.lay_out(flat, self._geometry)
         key = CheckpointKey(step, self.rank)
         with self._lock:
             plan = self._plan_save(key)
@@ -534,5 +534,18 @@ class Hierarchy:
     def __enter__(self) -> Self:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: object) -> None:
+        """:meth:`close`. With an exception of the ``with`` block in flight, that exception is what
+        propagates: a failure of the close (a background copy's) is logged and added to it as a note
+        (Python 3.11+), never raised in its place."""
+        if exc is None:
+            self.close()
+            return
+        try:
+            self.close()
+        except Exception as err:  # a KeyboardInterrupt while closing still ends the process
+            what = f"{type(err).__name__}: {err}"
+            log.error("closing the hierarchy after %s was raised in its with block: %s", type(exc).__name__, what)
+            add_note = getattr(exc, "add_note", None)  # BaseException.add_note: Python 3.11+
+            if add_note is not None:
+                add_note(f"tierckpt: closing the hierarchy then failed too: {what}")

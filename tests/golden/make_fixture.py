@@ -5,7 +5,7 @@ Usage, from the repository root (tests/golden/README.md says when)::
     PYTHONPATH=$PWD python tests/golden/make_fixture.py tests/golden/v5
 
 writes the steps of :func:`states.golden_states` into a fresh local tier and copies the committed files
-(``step-*/rank-*/manifest`` and ``blob-*.bin``; no lease, no scratch directory) into the given
+(``step-*/rank-*/manifest`` and ``blob-*.bin`` or ``data.bin``; no lease, no scratch directory) into the given
 directory, which must not exist yet: a fixture is never rewritten. It runs under the tierckpt of every
 commit since the first one (the fixtures of older versions were written by it, with ``PYTHONPATH``
 pointing at a worktree of the commit named in the README), so it uses only the API they all have.
@@ -60,7 +60,8 @@ def copy_committed(tier_dir: Path, dest: Path) -> list[Path]:
     for rank_dir in sorted(tier_dir.glob("step-" + "[0-9]" * 12 + "/rank-" + "[0-9]" * 5)):
         out = dest / rank_dir.relative_to(tier_dir)
         out.mkdir(parents=True)
-        for f in [rank_dir / "manifest", *sorted(rank_dir.glob("blob-*.bin"))]:
+        data = sorted(rank_dir.glob("blob-*.bin")) + sorted(rank_dir.glob("data.bin"))  # data.bin: one_file tiers
+        for f in [rank_dir / "manifest", *data]:
             shutil.copyfile(f, out / f.name)
             copied.append(out / f.name)
     for record in sorted(tier_dir.glob("step-" + "[0-9]" * 12 + "/commit")):  # format version 5 on

@@ -313,3 +313,49 @@ def test_a_declared_blob_size_of_2_to_the_50_is_refused_without_allocating(tmp_p
     for r in probe(tmp_path):
         assert r["error"].startswith("CorruptCheckpointError") and "is truncated" in r["error"], r
         assert r["rss_growth"] < 64 << 20 and r["secs"] < 10, r
+
+
+LISTING = textwrap.dedent(
+    """
+    import json, sys
+    from tierckpt import Hierarchy
+    from tierckpt.cli import main
+
+    cfg, yml = json.loads(sys.argv[1]), sys.argv[2]
+    with Hierarchy.from_config(cfg, readonly=sys.argv[3] == "ro") as h:
+        listed = [c.step for c in h.checkpoints()]
+        restored = h.restore()["step"]
+        verified = [(s, t, e is None) for s, t, e in h.verify()]
+        try:
+            h.tier("ssd").read_record(2)
+            record = None
+        except Exception as e:
+            record = f"{type(e).__name__}: {e}"
+    codes = [main([cmd, yml, "--json"]) for cmd in ("ls", "verify")]
+    print(json.dumps({"listed": listed, "restored": restored, "verified": verified, "record": record, "codes": codes}))
+    """
+)
+
+
+@pytest.mark.parametrize("mode", ["ro", "rw"])
+@pytest.mark.parametrize("kind", ["a FIFO", "a symbolic link"])
+def test_a_fifo_in_place_of_a_commit_record_never_blocks(tmp_path: Path, mode: str, kind: str) -> None:
+    """Step 2's commit record is a FIFO (or a link to one): the step is not listed (nor its copy removed
+    as an orphan), step 1 is restored and verified, the record read by name is refused naming it, and
+    the command line lists and verifies; nothing blocks in open(2)."""
+    saved(tmp_path, "ssd", steps=(1, 2))
+    put_fifo(tmp_path / "ssd" / STEP_DIR.format(2) / "commit", linked=kind != "a FIFO")
+    yml = tmp_path / "tiers.json"  # JSON is YAML
+    yml.write_text(json.dumps(cfg(tmp_path, "ssd")))
+    p = subprocess.run(
+        [sys.executable, "-c", LISTING, json.dumps(cfg(tmp_path, "ssd")), str(yml), mode],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert p.returncode == 0, p.stderr[-3000:]
+    out = json.loads(p.stdout.strip().splitlines()[-1])
+    assert out["listed"] == [1] and out["restored"] == 1 and out["verified"] == [[1, "ssd", True]], out
+    assert (
+        out["record"].startswith("CorruptCheckpointError") and f"commit is not a regular file ({kind}" in out["record"]
+    )
+    assert out["codes"] == [0, 0], p.stdout
+    assert (rank_dir(tmp_path, "ssd", 2) / "manifest").is_file()  # the copy is left alone

@@ -28,6 +28,8 @@ class Rank0Lost(SoloCoordinator):
     except for step ``LOST``'s commit: it decides (``wrote``: the record is written) or not, then is
     never heard of again."""
 
+    connects_ranks = True  # it stands for a coordinator the ranks agree through
+
     def __init__(self, wrote: bool, undecided: bool) -> None:
         super().__init__(rank=1, world_size=2)
         self.wrote, self.undecided = wrote, undecided
@@ -88,6 +90,8 @@ class Rank0Stuck(SoloCoordinator):
     """Rank 1 of 2, whose rank 0 took up step ``LOST``'s decision and is stuck in it (writing the record
     on a slow file system): this rank gets an unknown outcome, then step ``LOST + 1``'s commit fails
     because rank 0 does not answer (it is still busy), until :meth:`recover` finishes the decision."""
+
+    connects_ranks = True  # it stands for a coordinator the ranks agree through
 
     def __init__(self) -> None:
         super().__init__(rank=1, world_size=2)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import pytest
 import torch
@@ -23,6 +23,8 @@ T = TypeVar("T")
 class Rank0Says(SoloCoordinator):
     """A coordinator whose deciding rank (not this one) answers differently: ``step`` for the agreed
     step, ``override`` to rewrite decided results."""
+
+    connects_ranks = True  # it stands for a coordinator the ranks agree through
 
     def __init__(self, step: int | None = -1, override: Callable[[Any], Any] | None = None) -> None:
         super().__init__(rank=1, world_size=2)
@@ -126,3 +128,59 @@ def test_what_a_shared_tier_evicts_is_the_deciding_ranks_plan(tmp_path: Path) ->
     assert on == {"host": [3], "pfs": [2, 3]}  # the host (not shared) follows its own window
     keys = [k for k, _ in coord.decisions]
     assert keys and all(k.startswith("commit/") for k in keys)  # one gather per tier commit, nothing else
+
+
+# -- what a coordinator declares ------------------------------------------------------------------------------
+class _Bare:
+    """A third-party coordinator written before ``connects_ranks``: the calls and the identity only."""
+
+    rank, world_size, node, local_rank = 0, 1, 0, 0
+
+    def ranks_on_node(self) -> list[int]:
+        return [0]
+
+    def barrier(self, timeout: float | None = None) -> None:
+        pass
+
+    def broadcast(self, obj: T, src: int = 0, timeout: float | None = None) -> T:
+        return obj
+
+    def all_gather(self, obj: T, timeout: float | None = None) -> list[T]:
+        return [obj]
+
+    def agree_step(self, newest: int | None, timeout: float | None = None) -> int | None:
+        return newest
+
+    def decide(self, key: str, fn: Callable[[], T], timeout: float | None = None) -> T:
+        return fn()
+
+    def gather(self, key: str, value: Any, fn: Callable[[list[Any]], T], timeout: float | None = None) -> T:
+        return fn([value])
+
+
+def test_a_coordinator_declares_whether_it_connects_the_ranks(tmp_path: Path) -> None:
+    assert SoloCoordinator(0, 2).connects_ranks is False
+    assert Rank0Says().connects_ranks is True
+    cfg = {"tiers": [{"name": "host", "kind": "host"}]}
+    for build in (
+        lambda c: Hierarchy([HostTier("host")], coordinator=c),
+        lambda c: Hierarchy.from_config(cfg, coordinator=c),
+        lambda c: Hierarchy([HostTier("host")], coordinator=c, readonly=True),
+    ):
+        with pytest.raises(ConfigError, match="_Bare does not declare connects_ranks"):
+            build(cast(Coordinator, _Bare()))
+
+    class Declared(_Bare):
+        connects_ranks = False
+
+    Hierarchy([HostTier("host")], coordinator=Declared()).close()
+
+
+def test_a_subclass_of_the_solo_coordinator_connects_no_ranks_unless_it_says_so(tmp_path: Path) -> None:
+    class Alone(SoloCoordinator):  # inherits connects_ranks=False: its ranks share nothing
+        pass
+
+    with pytest.raises(ConfigError, match="nothing connects these ones"):
+        Hierarchy([HostTier("host")], coordinator=Alone(1, 2))
+    Hierarchy([HostTier("host")], coordinator=Alone(1, 2), readonly=True).close()  # a reader needs none
+    Hierarchy([HostTier("host")], coordinator=Rank0Says()).close()  # a subclass that says it connects them

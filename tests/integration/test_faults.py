@@ -11,6 +11,7 @@ import logging
 import math
 import os
 import shutil
+import sys
 from collections import OrderedDict
 from collections.abc import Iterator
 from fractions import Fraction
@@ -563,6 +564,25 @@ def test_removed_tier_directory_unobserved_failure_surfaces_on_close(tmp_path: P
     h.save({"w": torch.zeros(4)}, step=2)  # handle dropped without wait()
     with pytest.raises(TierIOError):
         h.close()
+
+
+def test_the_users_own_exception_is_not_replaced_by_a_failure_of_the_close(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    with pytest.raises(ValueError, match="the user's own") as e, Hierarchy.from_config(config(tmp_path)) as h:
+        h.save({"w": torch.ones(4)}, step=1).wait()
+        shutil.rmtree(tmp_path / "pfs")
+        h.save({"w": torch.zeros(4)}, step=2)  # its pfs copy fails in the background; nobody waits
+        raise ValueError("the user's own")
+    assert "TierIOError" in caplog.text and "ValueError" in caplog.text  # the close's failure is logged
+    if sys.version_info >= (3, 11):
+        assert any("TierIOError" in note for note in e.value.__notes__)
+    with pytest.raises(RuntimeError, match="closed"):  # closed all the same: tiers and engines released
+        h.restore()
+    with pytest.raises(TierIOError), Hierarchy.from_config(config(tmp_path)) as h:  # no exception: raised
+        h.save({"w": torch.ones(4)}, step=3)
+        shutil.rmtree(tmp_path / "pfs")
+        h.save({"w": torch.zeros(4)}, step=4)
 
 
 # -- replacing a step --------------------------------------------------------------------------------------

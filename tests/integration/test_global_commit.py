@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shutil
 import time
 from pathlib import Path
@@ -136,7 +137,10 @@ def test_a_rank_that_never_commits_fails_the_step_within_the_timeout(
     for r, (err, took, listed) in enumerate(out):
         if r != 3:
             assert isinstance(err, CoordinationError) and err.ranks == (3,), err
-            assert "3 did not arrive within 3.0 s" in str(err) and took < 30
+            # the meaning, not the clock: rank 3 named as missing, after the configured timeout (the
+            # figure of the wait itself is the clock's, 3.1 s on a loaded machine)
+            assert re.search(r"rank\(s\) 3 did not arrive within [0-9.]+ s \(rank 0 waited; timeout 3 s\)", str(err))
+            assert took < 30
         assert listed == [2]
     assert not (tmp_path / "pfs" / "step-000000000001").exists()
 

@@ -303,6 +303,38 @@ def test_hierarchy_job_must_match_its_tiers_leases(tmp_path: Path) -> None:
         engines.close()
 
 
+def test_a_tiers_lease_is_read_through_the_tier_contract(tmp_path: Path) -> None:
+    """``Tier.lease_job()`` is what a hierarchy checks: a tier kind of one's own that leases its place
+    declares it, and a wrapper (FaultyTier) hands on its inner tier's (it hid it: a hierarchy of job B
+    took a directory leased for job A)."""
+    from tierckpt.facade.engines import Engines
+    from tierckpt.testing import FaultyTier
+    from tierckpt.tiers.host import HostTier
+    from tierckpt.tiers.local import LocalTier
+
+    class Leased(HostTier):  # a kind of one's own whose place is leased to job A
+        def lease_job(self) -> str | None:
+            return "A"
+
+    with pytest.raises(ConfigError, match="tier 'mem' holds its lease for job 'A', not 'B'"):
+        Hierarchy([Leased("mem")], job="B")
+    h = Hierarchy([Leased("mem")])
+    assert h.job == "A" and HostTier("x").lease_job() is None
+    h.close()
+    engines = Engines()
+    tier = LocalTier("ssd", tmp_path / "ssd", engines.get("threads", 4), job="A")
+    try:
+        assert tier.lease_job() == "A" and FaultyTier(tier).lease_job() == "A"
+        with pytest.raises(ConfigError, match="tier 'ssd' holds its lease for job 'A', not 'B'"):
+            Hierarchy([FaultyTier(tier)], job="B", _engines=engines)
+    finally:
+        tier.close()
+        engines.close()
+    ro = LocalTier("ssd", tmp_path / "ssd", readonly=True)
+    assert ro.lease_job() is None  # a reader holds no lease
+    ro.close()
+
+
 def test_a_hierarchy_that_lost_a_lease_saves_to_its_other_tiers_only(tmp_path: Path) -> None:
     """Stalled past stale_secs, this process's ssd lease went to job B: the next save fails on the ssd
     with TierBusyError naming B, and still reaches host and pfs; nothing on the ssd is evicted."""

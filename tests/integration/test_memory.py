@@ -17,7 +17,7 @@ import pytest
 
 MiB = 1 << 20
 CHUNK = 32 * MiB
-STAGING_SLOTS = 6  # tierckpt.hierarchy._STAGING_SLOTS
+STAGING_SLOTS = 6  # tierckpt.io.geometry.STAGING_SLOTS
 TOLERANCE = 64 * MiB
 SAVES = 20
 

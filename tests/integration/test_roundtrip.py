@@ -329,10 +329,10 @@ def test_a_file_tier_stages_through_buffers_of_its_own_io_chunk(tmp_path: Path) 
     config = cfg(tmp_path, "ssd", "pfs", io={"chunk": "16MiB"})
     config["tiers"][0]["io"] = {"chunk": "8MiB"}
     with Hierarchy.from_config(config) as h:
-        assert h._staging(h.tier("ssd")).slot_bytes == 8 << 20  # the top tier too
-        assert h._staging(h.tier("pfs")).slot_bytes == 16 << 20
+        assert h._mover.workers["ssd"].pool().slot_bytes == 8 << 20  # the top tier too
+        assert h._mover.workers["pfs"].pool().slot_bytes == 16 << 20
     with Hierarchy.from_config(cfg(tmp_path, "host", "ssd", io={"chunk": "4MiB"})) as h:
-        assert h._staging(h.tier("host")).slot_bytes == 4 << 20
+        assert h._mover.workers["host"].pool().slot_bytes == 4 << 20
 
 
 def test_retention_and_records(tmp_path: Path) -> None:

@@ -182,3 +182,95 @@ def test_a_dtensor_state_saved_on_4_ranks_loads_back_on_4(saved: Path) -> None:
 
 def test_resharded_load_on_2_ranks_equals_dcps_own(saved: Path) -> None:
     _spawn(_load2, 2, str(saved))
+
+
+def _sharded_tensors(rank: int, world: int, tmp: str) -> None:
+    """Several shards of one ShardedTensor on one rank: the second one has no key path of its own and is
+    kept in that rank's ``__dcp__`` entry (rank 0's holds the metadata record too)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed._shard.sharded_tensor import empty
+    from torch.distributed._shard.sharding_spec import ChunkShardingSpec
+
+    from tierckpt.dcp import HierarchyReader, HierarchyWriter
+
+    _init(rank, world, tmp, "sharded")
+    specs = {
+        "a": ChunkShardingSpec(dim=0, placements=["rank:0/cpu", "rank:0/cpu"]),
+        "b": ChunkShardingSpec(dim=1, placements=["rank:1/cpu", "rank:1/cpu", "rank:0/cpu"]),
+    }
+
+    def state(fill: bool) -> dict[str, Any]:
+        sd: dict[str, Any] = {name: empty(spec, 6, 6) for name, spec in specs.items()}
+        for st in sd.values():
+            for shard in st.local_shards():
+                off = shard.metadata.shard_offsets
+                shard.tensor.copy_(shard.tensor.new_full(shard.tensor.shape, 100.0 * off[0] + off[1] if fill else 0))
+        return {**sd, "n": 3 if fill else 0}
+
+    with _hierarchy(tmp) as h:
+        saved = state(True)
+        dcp.save(saved, storage_writer=HierarchyWriter(h, step=1))
+        got = state(False)
+        dcp.load(got, storage_reader=HierarchyReader(h, step=1))
+        for name in specs:
+            want = [s.tensor for s in saved[name].local_shards()]
+            assert all(torch.equal(a.tensor, b) for a, b in zip(got[name].local_shards(), want, strict=True)), name
+        assert got["n"] == 3
+    dist.destroy_process_group()
+
+
+def test_two_shards_of_one_sharded_tensor_on_one_rank_round_trip_on_2_ranks(tmp_path: Path) -> None:
+    _spawn(_sharded_tensors, 2, str(tmp_path))
+
+
+class _Slow:
+    """A gate that holds each call for a while (a slow shared file system's commit)."""
+
+    def wait(self) -> None:
+        time.sleep(1.5)
+
+
+def _two_nodes(rank: int, world: int, tmp: str) -> None:
+    """Rank r on node r: host memory, the node's own ssd, a shared pfs whose commits are slow."""
+    import os
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from tierckpt import Hierarchy
+    from tierckpt.dcp import HierarchyReader, HierarchyWriter
+    from tierckpt.io import make_engine
+    from tierckpt.testing import FaultyTier
+    from tierckpt.tiers.host import HostTier
+    from tierckpt.tiers.local import LocalTier
+    from tierckpt.tiers.pfs import PfsTier
+
+    os.environ["TIERCKPT_NODE"] = str(rank)
+    _init(rank, world, tmp, "nodes")
+    engine = make_engine("threads", 4)
+    pfs = FaultyTier(PfsTier("pfs", f"{tmp}/pfs", engine, job="j"), gates={"commit": _Slow()})
+    tiers = [HostTier("host"), LocalTier("ssd", f"{tmp}/node{rank}/ssd", engine, job="j"), pfs]
+    sd = {"w": torch.arange(8.0), "n": 3}  # replicated: DCP writes it once, into rank 0's part
+    with Hierarchy(tiers, job="j") as h:
+        # saved, and listed on every rank, before it is on the shared tier: rank 1 cannot load it yet,
+        # and says why (rank 0's part, with DCP's metadata, is only on node 0's tiers)
+        dcp.save(sd, storage_writer=HierarchyWriter(h, step=1, durable="top"))
+        assert [c.step for c in h.checkpoints()] == [1]
+        try:
+            dcp.load({"w": torch.zeros(8), "n": 0}, storage_reader=HierarchyReader(h, step=1))
+        except CheckpointException as e:
+            assert "none of rank 1's tiers (host, ssd, pfs) holds rank 0's part" in str(e), str(e)
+            assert "on a shared tier (pfs)" in str(e), str(e)
+        else:
+            raise AssertionError("step 1 loaded on rank 1 before it reached the shared tier")
+        # the default durability: dcp.save returns once every rank can load the step
+        dcp.save(sd, storage_writer=HierarchyWriter(h, step=2))
+        got = {"w": torch.zeros(8), "n": 0}
+        dcp.load(got, storage_reader=HierarchyReader(h, step=2))
+        assert torch.equal(got["w"], sd["w"]) and got["n"] == 3
+    engine.close()
+    dist.destroy_process_group()
+
+
+def test_a_step_dcp_save_returned_for_loads_on_every_rank_of_every_node(tmp_path: Path) -> None:
+    _spawn(_two_nodes, 2, str(tmp_path))

@@ -1,5 +1,6 @@
-"""What the mover reads of a tier's declared write limits: the chunk size within its part sizes, and the
-order of writes to a tier that takes them in order only (tierckpt.datapath.blobcopy)."""
+"""What the mover reads of a tier's declared write limits: the chunk size within its part sizes (its
+geometry's, tierckpt.io.geometry), and the order of writes to a tier that takes them in order only
+(tierckpt.datapath.blobcopy)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from dataclasses import replace
 
 import pytest
 
-from tierckpt.datapath.blobcopy import write_chunk, writer_for
+from tierckpt.datapath.blobcopy import writer_for
 from tierckpt.format.manifest import BlobEntry
 from tierckpt.tiers.base import TierWriter
 from tierckpt.tiers.host import HostTier
@@ -53,15 +54,15 @@ class Recording(TierWriter):
 def test_the_write_chunk_stays_within_the_declared_part_sizes() -> None:
     t = tier(min_part_bytes=8 * MiB, max_part_bytes=16 * MiB)
     t.chunk_bytes = 1 * MiB
-    assert write_chunk(t, 4096) == 8 * MiB
+    assert t.geometry.chunk_bytes == 8 * MiB
     t.chunk_bytes = 64 * MiB
-    assert write_chunk(t, 4096) == 16 * MiB
+    assert t.geometry.chunk_bytes == 16 * MiB
     t.chunk_bytes = 10 * MiB + 100
-    assert write_chunk(t, 4096) == 10 * MiB  # a multiple of the alignment
-    assert write_chunk(tier(), 4096) == HostTier.chunk_bytes
+    assert t.geometry.chunk_bytes == 10 * MiB  # a multiple of the alignment
+    assert tier().geometry.chunk_bytes == HostTier.chunk_bytes
     odd = tier(min_part_bytes=5 * MiB + 1)
     odd.chunk_bytes = 1 * MiB
-    assert write_chunk(odd, 4096) == 5 * MiB + 4096  # rounded up to the alignment, never below the minimum
+    assert odd.geometry.chunk_bytes == 5 * MiB + 4096  # rounded up to the alignment, never below the minimum
 
 
 def test_a_tier_with_random_writes_gets_the_writer_as_it_is() -> None:

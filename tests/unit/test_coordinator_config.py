@@ -122,6 +122,8 @@ def test_the_distributed_section() -> None:
 class _Gathers(SoloCoordinator):
     """Rank ``rank`` of a job whose ranks resolved ``values`` (``[explicit identity or None, identity]``)."""
 
+    connects_ranks = True  # it stands for a coordinator the ranks agree through
+
     def __init__(self, rank: int, values: list[list[Any]]) -> None:
         super().__init__(rank=rank, world_size=len(values))
         self.values = values
@@ -144,3 +146,48 @@ def test_min_step() -> None:
     assert min_step([3, 1, 2]) == 1 and min_step([3, None]) is None
     with pytest.raises(TypeError, match="rank 1 sent True"):
         min_step([3, True])  # type: ignore[list-item]
+
+
+# -- a process a launcher started as one of several, before init_process_group -------------------------------
+_LAUNCH = ("WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "SLURM_STEP_NUM_TASKS", "SLURM_NTASKS")
+
+
+@pytest.mark.parametrize("var", ["WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "SLURM_STEP_NUM_TASKS"])
+def test_one_of_several_launched_ranks_without_a_process_group_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, var: str
+) -> None:
+    from tierckpt import Hierarchy, SoloCoordinator
+    from tierckpt.tiers.host import HostTier
+
+    for v in _LAUNCH:
+        monkeypatch.delenv(v, raising=False)
+    monkeypatch.setenv(var, "2")
+    cfg = {"tiers": [{"name": "host", "kind": "host"}, {"name": "pfs", "kind": "pfs", "path": str(tmp_path / "pfs")}]}
+    want = rf"\${var} is 2: this process is one of the 2 ranks of a job, but torch.distributed is not initialized"
+    with pytest.raises(ConfigError, match=want) as e:
+        Hierarchy.from_config(cfg)
+    assert "init_process_group" in str(e.value) and "coordinator=" in str(e.value)
+    assert not (tmp_path / "pfs").exists()  # refused before any directory is made
+    with pytest.raises(ConfigError, match=want):
+        Hierarchy([HostTier("host")])
+    # the ways out: a process that saves alone says so; a reader needs no coordinator
+    Hierarchy([HostTier("host")], world_size=1).close()
+    Hierarchy.from_config(cfg, coordinator=SoloCoordinator()).close()
+    with Hierarchy.from_config(cfg, readonly=True) as h:
+        assert (h.rank, h.world_size, h.checkpoints()) == (0, 1, [])
+
+
+def test_what_a_launcher_says_is_read_where_it_means_one_process_of_several(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from tierckpt import Hierarchy
+    from tierckpt.tiers.host import HostTier
+
+    for v in _LAUNCH:
+        monkeypatch.delenv(v, raising=False)
+    monkeypatch.setenv("SLURM_NTASKS", "4")  # a batch script of a 4-task job: one process
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    Hierarchy([HostTier("host")]).close()
+    monkeypatch.setenv("WORLD_SIZE", "two")
+    with pytest.raises(ConfigError, match=r"\$WORLD_SIZE: expected an integer of at least 1, got 'two'"):
+        Hierarchy([HostTier("host")])

@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from collections.abc import Iterator
 from concurrent.futures import Future
@@ -236,7 +237,7 @@ def test_a_hierarchy_of_another_rank_is_refused(tmp_path: Path) -> None:
     with Hierarchy.from_config({"tiers": [tier]}) as h0:
 
         class Rank1(SoloCoordinator):  # a coordinator that says rank 1 (DCP's process says rank 0)
-            pass
+            connects_ranks = True  # it stands for a coordinator the ranks agree through
 
         h1 = Hierarchy(h0.tiers, coordinator=Rank1(1, 2))
         with pytest.raises(CheckpointException, match="DCP's rank 0 is not the hierarchy's rank 1"):
@@ -301,3 +302,66 @@ def test_the_record_round_trips_without_pickle(h: Hierarchy) -> None:
         MetadataIndex("n"): Location(0, ("n",)),
     }
     assert back.storage_meta == md.storage_meta
+
+
+# -- items with no key path of their own ---------------------------------------------------------------------
+@pytest.fixture
+def gloo1() -> Iterator[None]:
+    """A process group of this process alone (a ShardedTensor needs one)."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def test_two_shards_of_one_sharded_tensor_on_one_rank_round_trip(h: Hierarchy, gloo1: None, tmp_path: Path) -> None:
+    """The second shard has no key path of its own: it is kept in rank 0's ``__dcp__`` entry beside the
+    metadata record, which must still read (it was refused as "holds tensor 1": no tier could load it)."""
+    from torch.distributed._shard.sharded_tensor import empty
+    from torch.distributed._shard.sharding_spec import ChunkShardingSpec
+
+    spec = ChunkShardingSpec(dim=0, placements=["rank:0/cpu", "rank:0/cpu"])
+    st = empty(spec, 4, 3)
+    for i, shard in enumerate(st.local_shards()):
+        shard.tensor.copy_(torch.arange(6.0).reshape(2, 3) + 10 * i)
+    dcp.save({"st": st, "x": torch.ones(2)}, storage_writer=HierarchyWriter(h, step=1))
+    entry = h.restore(1)["__dcp__"]
+    assert len(entry["chunks"]) == 1 and "metadata" in entry  # the format is as it was
+    h.wait()
+    for tier in ("host", "ssd", "pfs"):  # every tier's copy reads
+        alone = {"tiers": [{"name": tier, "kind": "local" if tier == "ssd" else tier, "path": str(tmp_path / tier)}]}
+        with contextlib.nullcontext(h) if tier == "host" else Hierarchy.from_config(alone, readonly=True) as r:
+            got = {"st": empty(spec, 4, 3), "x": torch.zeros(2)}
+            dcp.load(got, storage_reader=HierarchyReader(r, step=1))
+        assert [s.tensor.tolist() for s in got["st"].local_shards()] == [s.tensor.tolist() for s in st.local_shards()]
+        assert torch.equal(got["x"], torch.ones(2))
+
+
+def test_a_tensor_in_the_record_itself_is_still_refused(h: Hierarchy) -> None:
+    state = _saved_record(h, {"w": torch.ones(2, 3), "n": 1})
+    state["__dcp__"]["metadata"]["version"] = torch.ones(1)  # damage: a tensor where plain data belongs
+    h.save(state, step=2).wait()
+    with pytest.raises(CorruptCheckpointError, match="DCP record: holds tensor"):
+        HierarchyReader(h, step=2).read_metadata()
+
+
+def test_a_tierckpt_error_reaches_the_other_ranks_whole() -> None:
+    """DCP hands each rank's exception to the others pickled: each error comes back with its message,
+    type and fields (CorruptCheckpointError did not unpickle: the ranks got a TypeError instead)."""
+    import pickle
+
+    from tierckpt.errors import CoordinationError, TierBusyError, TierFullError, UnsupportedFormatError
+
+    for err in (
+        CorruptCheckpointError("DCP metadata: format: expected 1, got 2", tier="pfs", step=3, blob="b0", key="w"),
+        TierFullError("tier 'ssd' is full"),
+        UnsupportedFormatError("manifest version 9"),
+        TierBusyError("leased by job 'A'", tier="ssd", job="A", pid=5),
+        CoordinationError("rank(s) 2 did not arrive", (2,), undecided=True),
+    ):
+        back = pickle.loads(pickle.dumps(err))
+        assert (type(back), str(back), back.__dict__) == (type(err), str(err), err.__dict__)
+        assert getattr(back, "errno", None) == getattr(err, "errno", None)

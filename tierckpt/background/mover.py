@@ -9,7 +9,6 @@ room on a full tier as its plan says.
 
 from __future__ import annotations
 
-import functools
 import logging
 import threading
 from collections.abc import Callable, Mapping, Sequence
@@ -18,12 +17,13 @@ from concurrent.futures import Future
 from tierckpt.background.catalog import Catalog
 from tierckpt.background.held import HeldCopies
 from tierckpt.background.worker import Worker
-from tierckpt.datapath.blobcopy import copy_blobs, write_chunk, writer_for
+from tierckpt.datapath.blobcopy import copy_blobs, staging_for, writer_for
 from tierckpt.datapath.manifests import load_manifest
 from tierckpt.errors import CheckpointNotFoundError, TierckptError, TierFullError
 from tierckpt.format.manifest import BlobEntry
 from tierckpt.format.record import decode_record
 from tierckpt.io.buffers import StagingPool
+from tierckpt.io.geometry import IOGeometry
 from tierckpt.policies.placement import Copy, CopyPlan, MakeRoom, Policy, Retain, place
 from tierckpt.policies.retention import RetentionPlan
 from tierckpt.ranks.commit import Commits, DecisionKeys
@@ -42,13 +42,19 @@ def resolved() -> Future[None]:
     return f
 
 
+def _pool_of(geometry: IOGeometry) -> Callable[[], StagingPool]:
+    """A factory of the staging pool of a tier of this geometry (a worker makes it on first use)."""
+    return lambda: staging_for(geometry)
+
+
 class Room:
     """What the mover lends a job that writes a checkpoint to one tier itself (a save's packing job):
-    the tier, room on it (:meth:`reserve`, which makes room as the tier's full-tier plan says) and its
-    worker's staging buffers."""
+    the tier and its geometry in the checkpoint's alignment, room on it (:meth:`reserve`, which makes
+    room as the tier's full-tier plan says) and its worker's staging buffers."""
 
     def __init__(self, mover: Mover, tier: Tier) -> None:
         self.tier = tier
+        self.geometry = mover.geometries[tier.name]
         self._mover = mover
 
     def reserve(self, key: CheckpointKey, blobs: Sequence[BlobEntry]) -> TierWriter:
@@ -92,7 +98,8 @@ class Mover:
         policy: the placement policy.
         catalog: the hierarchy's records.
         coordinator: agrees with the other ranks on evictions from shared tiers.
-        staging: per tier, a factory for that worker's staging pool.
+        geometries: per tier name, its I/O geometry in the checkpoint's alignment: the chunk of copies to
+            it, and its worker's staging buffers (:func:`~tierckpt.datapath.blobcopy.staging_for`).
     """
 
     def __init__(
@@ -101,14 +108,15 @@ class Mover:
         policy: Policy,
         catalog: Catalog,
         coordinator: Coordinator,
-        staging: Callable[[Tier], StagingPool],
+        geometries: Mapping[str, IOGeometry],
     ) -> None:
         self.tiers = {t.name: t for t in tiers}
         self.policy = policy
         self.catalog = catalog
         self.coordinator = coordinator
         self.rank = coordinator.rank
-        self.workers = {t.name: Worker(t.name, functools.partial(staging, t)) for t in tiers}
+        self.geometries = dict(geometries)
+        self.workers = {t.name: Worker(t.name, _pool_of(self.geometries[t.name])) for t in tiers}
         self._shared = {t.name for t in tiers if t.capabilities.shared}
         self._evict_lock = threading.Lock()
         self._unowned: dict[tuple[str, int], list[int]] = {}  # (tier, step): copies rank 0 evicts with its own
@@ -267,15 +275,15 @@ class Mover:
             if blobs is None:
                 blobs = load_manifest(src, key, copy=copy).blobs
             reader = copy.reader(blobs)
-        align = max(src.capabilities.alignment_bytes, dst.capabilities.alignment_bytes)
         try:
             writer = self.reserve(dst, key, blobs)
         except BaseException:
             reader.close()
             raise
+        chunk = self.geometries[dst.name].chunk_bytes
         try:
             try:
-                copy_blobs(src, reader, dst, writer, key, blobs, write_chunk(dst, align), self.workers[dst.name].pool)
+                copy_blobs(src, reader, dst, writer, key, blobs, chunk, self.workers[dst.name].pool)
             finally:
                 reader.close()
             writer.commit(manifest)

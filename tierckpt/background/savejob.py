@@ -16,18 +16,17 @@ The lifecycle of one save:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 from tierckpt.background.handles import SaveHandle
 from tierckpt.background.mover import Mover, Room
 from tierckpt.background.process import gc_paused
 from tierckpt.datapath.packing import build_manifest, pack_and_write, shard_chunk_sums
 from tierckpt.errors import TierckptError
-from tierckpt.format.layout import Layout, plan, round_up
+from tierckpt.format.layout import Layout, plan
 from tierckpt.format.manifest import BlobEntry
 from tierckpt.format.tree import FlatState
+from tierckpt.io.geometry import CheckpointGeometry
 from tierckpt.policies.placement import SavePlan
-from tierckpt.tiers.base import CheckpointKey, Tier, TierWriter
+from tierckpt.tiers.base import CheckpointKey, TierWriter
 
 __all__ = ["SaveJob"]
 
@@ -64,10 +63,10 @@ class SaveJob:
         self.blobs = tuple(BlobEntry(f"blob-{i:05d}.bin", s) for i, s in enumerate(layout.blob_sizes))
 
     @staticmethod
-    def lay_out(flat: FlatState, tiers: Sequence[Tier], align: int, blob_bytes: int | None) -> Layout:
-        """The blobs of a save: ``blob_bytes`` each (default: the largest size any tier prefers)."""
-        target = blob_bytes or max(t.preferred_blob_bytes for t in tiers)
-        return plan(flat.nbytes, align=align, blob_bytes=round_up(target, align))
+    def lay_out(flat: FlatState, geometry: CheckpointGeometry) -> Layout:
+        """The blobs of a save: the checkpoint geometry's blob size and alignment (``layout.blob_size``,
+        else the largest blob size any tier prefers)."""
+        return plan(flat.nbytes, align=geometry.align_bytes, blob_bytes=geometry.blob_bytes)
 
     def start(self) -> None:
         """Queue the stage-and-commit on the top tier, then every demotion (see the module docstring)."""
@@ -124,8 +123,8 @@ class SaveJob:
             encode(checksums)
             return manifest
         failed: dict[str, BaseException] = {}
-        chunk, min_write = pool().slot_bytes, tier.capabilities.min_part_bytes
-        pack_and_write(flat, layout, {tier.name: writer}, failed, pool, chunk, on_staged, encode, min_write)
+        chunk, piece = room.geometry.staging_slot_bytes, room.geometry.piece_bytes  # a staging slot, in pieces
+        pack_and_write(flat, layout, {tier.name: writer}, failed, pool, chunk, on_staged, encode, piece)
         if failed:
             raise failed[tier.name]
         return manifest

@@ -4,7 +4,7 @@ Memory → file writes straight from the memory tier's blob buffers; file → me
 them; device memory ↔ memory is the device tier's own copy (:meth:`Tier.copy_buffer`); file → file
 goes through a few staging buffers, in chunks sized for the destination, reads and writes overlapping.
 A worker spends its time in the I/O engine's futures (the engine's thread waits in the kernel without
-the GIL, URING.md §6) or in ``memmove`` (which releases the GIL), so a training thread beside it keeps
+the GIL: docs/io.md) or in ``memmove`` (which releases the GIL), so a training thread beside it keeps
 running.
 """
 
@@ -21,16 +21,12 @@ import torch
 from tierckpt.errors import CorruptCheckpointError
 from tierckpt.format.manifest import BlobEntry
 from tierckpt.io.buffers import StagingPool, memmove
+from tierckpt.io.geometry import IOGeometry
 from tierckpt.tiers.base import CheckpointKey, Tier, TierReader, TierWriter
 
-__all__ = ["STAGING_SLOTS", "copy_blobs", "staging_for", "write_chunk", "writer_for"]
+__all__ = ["copy_blobs", "staging_for", "writer_for"]
 
 _PAGE = 4096  # the memory alignment O_DIRECT asks for (512 on some disks, never more than a page)
-#: A save's staging pool: 6 slots of one io chunk (32 MiB by default, 192 MiB in all). A virtual disk
-#: here completes a whole queue of writes at once, so the packer must have slots free to fill while
-#: a full queue is in flight; 3 slots of 64 MiB (the same memory) left the disk idle while they were
-#: refilled (docs/benchmarks-journal.md, "Six staging slots").
-STAGING_SLOTS = 6
 
 
 def _check_count(got: int, want: int, src: Tier, key: CheckpointKey, blob: BlobEntry, off: int) -> None:
@@ -58,7 +54,7 @@ def copy_blobs(
     Args:
         src: the source tier (for error messages, and its device copy).
         dst: the destination tier (its device copy).
-        chunk: bytes per operation (a multiple of both tiers' alignment).
+        chunk: bytes per operation (the destination's geometry's, a multiple of both tiers' alignment).
         pool: staging buffers for file → file copies.
 
     Raises:
@@ -155,22 +151,10 @@ def _copy_through_staging(
             pool.release(slot)
 
 
-def write_chunk(tier: Tier, align: int) -> int:
-    """Bytes per write to ``tier``: its ``chunk_bytes`` within its declared part sizes
-    (``min_part_bytes``, ``max_part_bytes``), a multiple of ``align``."""
-    caps = tier.capabilities
-    chunk = max(tier.chunk_bytes, caps.min_part_bytes)
-    if caps.max_part_bytes is not None:
-        chunk = min(chunk, caps.max_part_bytes)
-    chunk = max(align, chunk // align * align)
-    return chunk if chunk >= caps.min_part_bytes else -(-caps.min_part_bytes // align) * align
-
-
-def staging_for(tier: Tier, align: int, io_chunk: int) -> StagingPool:
-    """The staging pool of a save or copy to ``tier``: :data:`STAGING_SLOTS` slots of a file or object
-    tier's own chunk (:func:`write_chunk`), of ``io_chunk`` (the hierarchy's) for a memory tier."""
-    chunk = write_chunk(tier, align) if tier.capabilities.device in ("file", "object") else io_chunk
-    return StagingPool(STAGING_SLOTS, -(-chunk // align) * align, align)
+def staging_for(geometry: IOGeometry) -> StagingPool:
+    """The staging pool of saves and copies to a tier of this geometry (its worker's): its
+    ``staging_slots`` buffers of ``staging_slot_bytes``, aligned to its ``alignment_bytes``."""
+    return StagingPool(geometry.staging_slots, geometry.staging_slot_bytes, geometry.alignment_bytes)
 
 
 def writer_for(tier: Tier, writer: TierWriter, blobs: Sequence[BlobEntry]) -> TierWriter:

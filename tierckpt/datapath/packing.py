@@ -1,7 +1,7 @@
 """Save data path: pack tensors once into aligned chunks, checksum them, write every chunk to every tier.
 
 The packing thread copies tensor bytes with ``ctypes.memmove`` (GIL released, single-threaded; torch's
-multi-threaded ``copy_`` stalls on small tensors, URING.md §9) into either the top memory tier's own
+multi-threaded ``copy_`` stalls on small tensors: docs/io.md) into either the top memory tier's own
 blob buffers or a small pool of reusable staging buffers, while the I/O engines write earlier chunks.
 Gaps and padding are zeroed, so the same state always gives the same bytes.
 """
@@ -31,7 +31,6 @@ __all__ = ["CHUNK_BYTES", "build_manifest", "contiguous_cpu", "pack_and_write", 
 
 log = logging.getLogger(__name__)
 _EMPTY_DIGEST = xxhash.xxh3_64_intdigest(b"")
-_PIECES = 4  # writes per staging chunk, each handed to the writers as soon as it is packed
 _BLOCK_BYTES = 1 << 20  # copy-then-hash unit: the hash reads the bytes while they are still cached
 xxh3_64_intdigest = xxhash.xxh3_64_intdigest
 _ZEROS = bytes(4096)
@@ -106,24 +105,24 @@ def pack_and_write(
     chunk_bytes: int,
     on_staged: Callable[[], None] | None = None,
     on_packed: Callable[[list[int]], None] | None = None,
-    min_write: int = 0,
+    piece_bytes: int | None = None,
 ) -> list[int]:
     """Pack every tensor, hand each chunk to every writer, wait for the writes; return the checksums.
 
-    A chunk is handed to the writers in ``_PIECES`` pieces, each as soon as it is packed, so the disk
-    gets the first bytes of a chunk while the rest is still being packed and always has several
-    operations queued (whole-chunk writes from 3 staging slots kept only 2 in flight while the third
-    was packed); where a piece would be smaller than ``min_write`` (a tier's ``min_part_bytes``), each
-    chunk is one write. Bytes are copied and hashed in ``_BLOCK_BYTES`` blocks, so the hash reads them from
-    the cache, and small gaps are zeroed by slice assignment (a ctypes call costs ~1 us; there is a
-    gap next to almost every one of 20,000 small tensors).
+    A chunk is handed to the writers in pieces of ``piece_bytes`` (the tier's geometry's: a quarter
+    chunk, or the whole chunk where that is below the tier's smallest part; None: the whole chunk), each
+    as soon as it is packed, so the disk gets the first bytes of a chunk while the rest is still being
+    packed and always has several operations queued (whole-chunk writes from 3 staging slots kept only
+    2 in flight while the third was packed). Bytes are copied and hashed in ``_BLOCK_BYTES`` blocks, so
+    the hash reads them from the cache, and small gaps are zeroed by slice assignment (a ctypes call
+    costs ~1 us; there is a gap next to almost every one of 20,000 small tensors).
 
     A writer whose write fails is recorded in ``failed`` (first error) and gets no further chunks; the
     others go on. ``on_staged`` runs once every tensor byte has been copied out of the caller's state;
     ``on_packed(checksums)`` once every checksum is known too, before the writes still in flight are
     waited for (the manifest is built then, while the disk writes the last chunks).
     """
-    packer = _Packer(flat, layout, writers, failed, pool, chunk_bytes, min_write)
+    packer = _Packer(flat, layout, writers, failed, pool, chunk_bytes, piece_bytes or chunk_bytes)
     try:
         packer.pack()
         if on_staged is not None:
@@ -178,14 +177,11 @@ class _Packer:
         failed: dict[str, BaseException],
         pool: Callable[[], StagingPool],
         chunk_bytes: int,
-        min_write: int = 0,
+        piece_bytes: int,
     ) -> None:
         self.tensors, self.layout, self.writers, self.failed, self.pool = flat.tensors, layout, writers, failed, pool
         self.e_blob, self.e_off, self.e_len = layout.blobs, layout.offsets, layout.lengths
-        self.chunk_bytes = chunk_bytes
-        self.piece_bytes = max(layout.align, chunk_bytes // _PIECES // layout.align * layout.align)
-        if self.piece_bytes < min_write:  # a part smaller than the tier takes: one write per chunk
-            self.piece_bytes = chunk_bytes
+        self.chunk_bytes, self.piece_bytes = chunk_bytes, piece_bytes
         self.checksums = [_EMPTY_DIGEST] * len(self.tensors)
         self.order = _packing_order(layout)
         self.mem = _memory_tier(writers, failed, layout)

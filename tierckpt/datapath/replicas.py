@@ -38,7 +38,7 @@ import xxhash
 
 from tierckpt.datapath.matching import holds_dtensor
 from tierckpt.errors import CoordinationError
-from tierckpt.ranks.coordinator import Coordinator, SoloCoordinator, dist_rank
+from tierckpt.ranks.coordinator import Coordinator, dist_rank
 
 __all__ = ["MIN_PIECE_BYTES", "ReplicaExchange", "replica_exchange", "settled"]
 
@@ -165,10 +165,10 @@ class ReplicaExchange:
 
 def replica_exchange(coordinator: Coordinator, into: Any) -> ReplicaExchange | None:
     """The exchange of a ``restore(into=...)``, or None where replicated targets are read by every
-    replica, as in a single process: no target, no DTensor in it, a coordinator of one rank (or a
-    :class:`SoloCoordinator`: ranks that do not restore together), or no process group whose ranks are
-    the coordinator's."""
-    if into is None or coordinator.world_size < 2 or isinstance(coordinator, SoloCoordinator):
+    replica, as in a single process: no target, no DTensor in it, a coordinator of one rank (or one
+    that does not connect the ranks, ``connects_ranks`` False: ranks that do not restore together), or
+    no process group whose ranks are the coordinator's."""
+    if into is None or coordinator.world_size < 2 or not coordinator.connects_ranks:
         return None
     if dist_rank() != (coordinator.rank, coordinator.world_size) or not holds_dtensor(into):
         return None

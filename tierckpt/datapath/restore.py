@@ -63,7 +63,7 @@ def _read_blobs(
     instead of running inside it (see :func:`tierckpt.io.buffers.populate`). The first chunk is read in
     quarters, so the disk starts after a quarter chunk is populated.
     """
-    chunk = max(m.align, getattr(tier, "chunk_bytes", 64 << 20) // m.align * m.align)
+    chunk = max(m.align, tier.geometry.chunk_bytes // m.align * m.align)  # the tier's, in the copy's alignment
     first = max(m.align, chunk // 4 // m.align * m.align)
     try:
         bufs = _fresh_buffers(tier, key, m)  # page-aligned: fine for O_DIRECT

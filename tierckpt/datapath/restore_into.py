@@ -34,6 +34,7 @@ from tierckpt.format.layout import round_up
 from tierckpt.format.manifest import Manifest, ManifestHead
 from tierckpt.format.tree import resolve_tree
 from tierckpt.io.buffers import StagingPool
+from tierckpt.io.geometry import READ_SLOT_BYTES, READ_SLOTS
 from tierckpt.tiers.base import CheckpointKey, Tier, TierReader
 
 if TYPE_CHECKING:
@@ -41,11 +42,6 @@ if TYPE_CHECKING:
 
 __all__ = ["RestoreStaging", "restore_into"]
 
-# Reads in flight or being copied out (the engine's queue depth caps those in flight). Until the target
-# is matched every slot reads, so the slots must hold what the disk reads while the match runs: 16 x 16 MiB
-# (256 MiB, 70-80 ms here) covers a 20,000-tensor match even with cold caches (docs/restore.md).
-_SLOTS = 16
-_SLOT_BYTES = 16 << 20
 _STEADY_READS = 2  # reads in flight once the target is matched (see restore_into)
 _BLOCK_BYTES = 1 << 20  # longest tensor checked before it is copied (longer ones: hashed block by block as copied)
 _DIRECT_MIN = 4 << 20  # a tensor body this large is read straight into its destination where alignment allows
@@ -56,13 +52,14 @@ class RestoreStaging:
     restore (so their pages are faulted once per process), one restore at a time.
 
     Args:
-        slots: reads in flight.
-        slot_bytes: size of one read.
+        slots: reads in flight or being copied out (the engine's queue depth caps those in flight; the
+            hierarchy passes its geometry's ``read_slots``).
+        slot_bytes: size of one read (the geometry's ``read_slot_bytes``).
         tiers: the hierarchy's tiers, fastest first: a resharding restore takes another rank's copy
             from them where the tier it reads lacks it.
     """
 
-    def __init__(self, slots: int = _SLOTS, slot_bytes: int = _SLOT_BYTES, tiers: Sequence[Tier] = ()) -> None:
+    def __init__(self, slots: int = READ_SLOTS, slot_bytes: int = READ_SLOT_BYTES, tiers: Sequence[Tier] = ()) -> None:
         self.slots, self.slot_bytes, self.tiers = slots, slot_bytes, tuple(tiers)
         self._pool: StagingPool | None = None
         self.lock = threading.Lock()

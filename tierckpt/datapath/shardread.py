@@ -258,7 +258,7 @@ class Filler:
         a0 = start // align * align
         a1 = min(m.blobs[blob].size, round_up(t.offsets[p.row] + p.c1, align))
         buf = aligned_empty(a1 - a0, max(4096, align))
-        step = max(align, p.copy.tier.chunk_bytes // align * align)
+        step = max(align, p.copy.tier.geometry.chunk_bytes // align * align)
         futs = [
             (p.copy.reader.read(blob, o, buf.data_ptr() + o - a0, min(step, a1 - o)), min(step, a1 - o))
             for o in range(a0, a1, step)

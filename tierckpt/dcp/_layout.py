@@ -4,7 +4,9 @@ A rank's part of a step is one state saved by ``Hierarchy.save``: the items DCP'
 each at its original key path (from the planner's flattening mappings, ``planner_data``), so that
 ``h.restore(step)`` returns a nested state like the one saved, plus one entry :data:`RESERVED` with the
 DCP bookkeeping. An item with no usable path (no mappings, a second chunk of one tensor on one rank, a
-path that collides with another item's or with :data:`RESERVED`) goes to ``RESERVED["chunks"][n]``.
+path that collides with another item's or with :data:`RESERVED`) goes to ``RESERVED["chunks"][n]``
+(:data:`CHUNKS`): the entry then holds tensors besides the bookkeeping, which a reader of the bookkeeping
+(the metadata record) leaves alone.
 
 The placement is a pure function of a rank's plan (its items in order and its ``planner_data``), so the
 coordinator computes every rank's locations from the global plan and each rank the same for its own.
@@ -19,9 +21,10 @@ from torch.distributed.checkpoint.planner import WriteItem
 
 from tierckpt.dcp._record import Location, PathElem
 
-__all__ = ["RESERVED", "build_state", "lookup", "place_items"]
+__all__ = ["CHUNKS", "RESERVED", "build_state", "lookup", "place_items"]
 
 RESERVED = "__dcp__"  #: the top-level key of a rank's state that holds the DCP bookkeeping
+CHUNKS = "chunks"  #: the key in :data:`RESERVED` of the items with no usable key path of their own
 
 
 def _mapped_path(item: WriteItem, mappings: Any) -> tuple[PathElem, ...] | None:
@@ -40,7 +43,7 @@ def place_items(items: Sequence[WriteItem], planner_data: Any, rank: int) -> lis
     for item in items:
         path = _mapped_path(item, planner_data)
         if path is None or path in leaves or path in inner or any(path[:i] in leaves for i in range(1, len(path))):
-            path, spare = (RESERVED, "chunks", spare), spare + 1
+            path, spare = (RESERVED, CHUNKS, spare), spare + 1
         leaves.add(path)
         inner.update(path[:i] for i in range(1, len(path)))
         out.append(Location(rank, path))

@@ -23,7 +23,7 @@ from torch.futures import Future
 from tierckpt.datapath.manifests import load_manifest, load_tree
 from tierckpt.datapath.restore import read_checkpoint
 from tierckpt.dcp._ids import step_of, valid_id
-from tierckpt.dcp._layout import RESERVED, lookup
+from tierckpt.dcp._layout import CHUNKS, RESERVED, lookup
 from tierckpt.dcp._record import RECORD_FORMAT, Location, decode_metadata
 from tierckpt.errors import CheckpointNotFoundError, CorruptCheckpointError, TierckptError
 from tierckpt.facade.checks import check_step
@@ -160,7 +160,24 @@ class HierarchyReader(StorageReader):
         if errors:
             each = "; ".join(f"tier {n!r}: {e}" for n, e in errors)
             raise CorruptCheckpointError(f"rank {rank}'s part of step {step} is unusable on every tier: {each}")
-        raise CheckpointNotFoundError(f"step {step}: no tier holds rank {rank}'s part")
+        raise CheckpointNotFoundError(self._missing(rank, step))
+
+    def _missing(self, rank: int, step: int) -> str:
+        """Why this rank finds no copy of ``rank``'s part of ``step`` on its tiers."""
+        me, tiers = self.h.rank, self.h.tiers
+        msg = f"step {step}: none of rank {me}'s tiers ({', '.join(t.name for t in tiers)}) holds rank {rank}'s part"
+        if rank == me:
+            return msg
+        own = [t.name for t in tiers if holds(t, CheckpointKey(step, me))]
+        shared = [t.name for t in tiers if t.capabilities.shared]
+        return (
+            f"{msg}{' (with DCP metadata)' if rank == 0 else ''}; this rank's own part is "
+            f"{'on ' + ', '.join(own) if own else 'on none of them either'}. Another rank's part is read from a "
+            f"tier every rank reads, so the step loads on every rank once it is on a shared tier "
+            f"({', '.join(shared) if shared else 'this hierarchy has none'}): HierarchyWriter's default, "
+            "durable='shared', waits for that; durable='persistent' or 'top', or a demotion policy that does not "
+            "send the step there, leaves it on the tiers of the node that saved it"
+        )
 
     def _record(self, step: int) -> Metadata:
         def read(tier: Tier, key: CheckpointKey) -> Metadata:
@@ -168,9 +185,10 @@ class HierarchyReader(StorageReader):
             tree, ref = load_tree(tier, key, m, allow_pickle=False)
             if not isinstance(tree, dict) or RESERVED not in tree:
                 raise TierckptError(f"step {step} on tier {tier.name!r} was not written through DCP (no {RESERVED!r})")
-            rec = _reserved(
-                {RESERVED: resolve_tree(tree[RESERVED], ref, _no_tensor, len(m.tensors))}, 0, tier.name, step
-            )
+            entry = tree[RESERVED]
+            if isinstance(entry, dict):  # items kept in the entry are read with the part, not as the record
+                entry = {k: v for k, v in entry.items() if k != CHUNKS}
+            rec = _reserved({RESERVED: resolve_tree(entry, ref, _no_tensor, len(m.tensors))}, 0, tier.name, step)
             world = rec.get("world_size")
             if type(world) is not int or world < 1:
                 raise CorruptCheckpointError(f"DCP record: world_size: got {world!r}", tier=tier.name, step=step)

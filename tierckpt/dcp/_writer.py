@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import logging
 import os
 import uuid
 from dataclasses import replace
@@ -28,14 +29,16 @@ from tierckpt.dcp._record import RECORD_FORMAT, Location, PathElem, encode_metad
 from tierckpt.errors import ConfigError, StateError, TierckptError
 from tierckpt.facade.checks import check_step
 from tierckpt.format.tree import flatten
-from tierckpt.ranks.coordinator import SoloCoordinator
 
 if TYPE_CHECKING:
     from tierckpt.hierarchy import Hierarchy, SaveHandle
+    from tierckpt.tiers.base import Tier
 
 __all__ = ["HierarchyWriter"]
 
-DURABLE = ("persistent", "top", "all")
+log = logging.getLogger(__name__)
+
+DURABLE = ("shared", "persistent", "top", "all")
 _NOT_PLAIN = object()
 
 
@@ -48,24 +51,27 @@ class HierarchyWriter(StorageWriter):
     holds DCP's :class:`~torch.distributed.checkpoint.metadata.Metadata`, encoded without pickle.
 
     ``dcp.save`` returns (``dcp.async_save``'s future resolves) once every rank's part is committed on
-    the tier ``durable`` names. Ranks that commit alone (several ranks with a ``SoloCoordinator``) each
-    wait for their own part in DCP's write phase, and rank 0 saves its part, with the metadata, in
-    ``finish`` once all of them are in: the metadata is the step's commit record, as in DCP's own
-    writer. With a coordinator that commits a step only once every rank's part is in, rank 0 saves
+    the tier ``durable`` names. The hierarchy commits a step on a tier only once every rank's part is
+    in (a writable hierarchy of several ranks has a coordinator that connects them), so rank 0 saves
     with the others and waits for its part in ``finish`` (docs/distributed.md, "DCP backend").
 
     Args:
         h: the hierarchy; its ``rank`` and ``world_size`` must be DCP's (torch.distributed's).
         step: the step to save (``dcp.save(checkpoint_id=...)`` may replace it: an int or its digits).
-        durable: which tier to wait for: ``"persistent"`` (the fastest persistent tier this step goes
-            to, else the top tier), ``"top"`` (the top tier) or ``"all"`` (every tier it goes to).
+        durable: which tier to wait for. ``"shared"`` (the default): what a later ``dcp.load`` on any
+            rank of any job can read, the fastest shared tier this step goes to (other ranks' parts,
+            DCP's metadata in rank 0's among them, are read from a tier every rank reads), else every
+            tier it goes to (with a warning where the ranks span several nodes: a rank of another node
+            than rank 0's cannot load it). ``"persistent"``: the fastest persistent tier this step goes
+            to, else the top tier (a node-local tier: loadable by the ranks of that node only).
+            ``"top"``: the top tier. ``"all"``: every tier it goes to.
 
     Raises:
         ValueError: a bad ``step`` or ``durable``.
         TierckptError: the hierarchy is read-only.
     """
 
-    def __init__(self, h: Hierarchy, step: int, *, durable: str = "persistent") -> None:
+    def __init__(self, h: Hierarchy, step: int, *, durable: str = "shared") -> None:
         check_step(step)
         if durable not in DURABLE:
             raise ValueError(f"durable: expected one of {', '.join(DURABLE)}, got {durable!r}")
@@ -135,8 +141,7 @@ class HierarchyWriter(StorageWriter):
         """Save this rank's items (rank 0: with the metadata, when it may and the planner has it already;
         else in :meth:`finish`).
 
-        Returns once the items are staged (and committed on the ``durable`` tier, on a rank that
-        commits alone), with each item's location as its storage data."""
+        Returns once the items are staged, with each item's location as its storage data."""
         places = plan.storage_data  # the coordinator's placement of this rank's items, else the same here
         if not (
             isinstance(places, tuple)
@@ -152,14 +157,13 @@ class HierarchyWriter(StorageWriter):
                 payloads.append(list(loc.path))
             results.append(WriteResult(index=item.index, size_in_bytes=size, storage_data=loc))
         reserved: dict[str, Any] = {"format": RECORD_FORMAT, "rank": self.h.rank, "payloads": payloads}
-        early = self._early_metadata(planner) if self._coordinator and not self._alone() else None
+        early = self._early_metadata(planner) if self._coordinator else None
         if not self._coordinator:
-            self._save(values, reserved, wait=self._alone())
-            if not self._alone():
-                self._reported_by_dcp()
+            self._save(values, reserved)
+            self._reported_by_dcp()
         elif early is not None and self._locations is not None:
             self._record = encode_metadata(early, self._locations)
-            self._save(values, {**reserved, "world_size": self.h.world_size, "metadata": self._record}, wait=False)
+            self._save(values, {**reserved, "world_size": self.h.world_size, "metadata": self._record})
             self._reported_by_dcp()
         else:  # the metadata comes with finish(): rank 0's part is saved then
             self._deferred = (values, reserved)
@@ -181,7 +185,7 @@ class HierarchyWriter(StorageWriter):
                 raise TierckptError("HierarchyWriter.finish() before write_data()")
             values, reserved = self._deferred
             record = encode_metadata(metadata, locations)
-            self._save(values, {**reserved, "world_size": self.h.world_size, "metadata": record}, wait=False)
+            self._save(values, {**reserved, "world_size": self.h.world_size, "metadata": record})
         elif locations != self._locations or encode_metadata(metadata, locations) != self._record:
             raise TierckptError(
                 f"step {self.step}: the metadata DCP finished with is not the planner's that rank 0 saved "
@@ -200,13 +204,6 @@ class HierarchyWriter(StorageWriter):
         with contextlib.suppress(BaseException):
             self._handle.wait(timeout=0)
 
-    def _alone(self) -> bool:
-        """Whether the ranks commit their parts alone (several ranks, a SoloCoordinator): then rank 0's
-        part, with the metadata, is the step's commit record, saved in finish() once every other rank's
-        part is durable (DCP's rule: no metadata, no checkpoint). With a coordinator that commits a step
-        on a tier only once every rank's part is there, rank 0 saves with the others."""
-        return self.h.world_size > 1 and isinstance(self.h.coordinator, SoloCoordinator)
-
     def _early_metadata(self, planner: SavePlanner) -> Metadata | None:
         """The metadata DCP will finish with, where the planner provably has it before the writes: DCP's
         own ``create_global_plan`` returns the object it keeps as ``planner.metadata``."""
@@ -215,26 +212,43 @@ class HierarchyWriter(StorageWriter):
         md = getattr(planner, "metadata", None)
         return md if isinstance(md, Metadata) else None
 
-    def _save(self, values: list[tuple[tuple[PathElem, ...], Any]], reserved: dict[str, Any], *, wait: bool) -> None:
+    def _save(self, values: list[tuple[tuple[PathElem, ...], Any]], reserved: dict[str, Any]) -> None:
         handle = self._handle = self.h.save(build_state(values, reserved), step=self.step)
         handle.staged.result()  # the items' bytes are in the top tier: DCP may drop or reuse them
-        if wait:
-            self._wait(handle)
 
     def _wait(self, handle: SaveHandle) -> None:
-        if self.durable == "all":
+        tier = self._durable_tier([t for t in self.h.tiers if t.name in handle.durable])
+        if tier is None:
             handle.wait()
             return
-        goes = [t for t in self.h.tiers if t.name in handle.durable]
-        persistent = [t for t in goes if t.capabilities.persistent] if self.durable == "persistent" else []
         try:
-            handle.wait(tier=(persistent or goes)[0].name)
+            handle.wait(tier=tier)
         except BaseException:
             # DCP reports this save's failure: the other tiers' failures of it are reported with it (a
             # zero-timeout wait marks them seen), not raised again by the hierarchy's close()
             with contextlib.suppress(BaseException):
                 handle.wait(timeout=0)
             raise
+
+    def _durable_tier(self, goes: list[Tier]) -> str | None:
+        """The tier to wait for, of the tiers this step goes to (fastest first); None: every one."""
+        if self.durable == "all":
+            return None
+        if self.durable == "shared":
+            shared = [t.name for t in goes if t.capabilities.shared]
+            if shared:
+                return shared[0]
+            if len(self.h.coordinator.ranks_on_node()) < self.h.world_size:
+                log.warning(
+                    "DCP save of step %d: it goes to no shared tier (only to %s), so a dcp.load on a rank of another "
+                    "node than rank 0's cannot read it (DCP's metadata is in rank 0's part); a shared tier (pfs) "
+                    "in the hierarchy and a demotion policy that sends this step there make it loadable everywhere",
+                    self.step,
+                    ", ".join(t.name for t in goes),
+                )
+            return None
+        persistent = [t.name for t in goes if t.capabilities.persistent] if self.durable == "persistent" else []
+        return (persistent or [t.name for t in goes])[0]
 
 
 def _resolve(item: WriteItem, planner: SavePlanner) -> tuple[Any, int, bool]:

@@ -25,6 +25,7 @@ class _Repr(reprlib.Repr):
     """reprlib with every type bounded *before* formatting: ``repr()`` of a 1 GB bytes value or of a
     100,000-digit int is never computed whole."""
 
+    # ``Repr.repr1`` looks these up by type name (``repr_bytes`` for bytes): called by reprlib, not dead code
     def repr_bytes(self, x: bytes, level: int) -> str:
         s = repr(x[: self.maxstring])  # up to 4 characters per byte: cut the repr too
         return (

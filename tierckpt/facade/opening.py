@@ -12,7 +12,7 @@ from typing import Any
 
 from tierckpt.config import HierarchyConfig, parse_config
 from tierckpt.facade.engines import Engines
-from tierckpt.ranks.coordinator import Coordinator
+from tierckpt.ranks.coordinator import Coordinator, check_coordinator
 from tierckpt.ranks.distributed import default_coordinator, shared_job
 from tierckpt.registry import get_tier_class
 from tierckpt.tiers.base import Tier
@@ -54,7 +54,10 @@ def open_parts(
         CoordinationError: some rank did not build its coordinator in time.
     """
     cfg = config if isinstance(config, HierarchyConfig) else parse_config(config, base_dir)
-    coord = coordinator or default_coordinator(timeout=cfg.distributed.timeout, node=cfg.distributed.node)
+    coord = check_coordinator(
+        coordinator
+        or default_coordinator(timeout=cfg.distributed.timeout, node=cfg.distributed.node, readonly=readonly)
+    )
     cfg = replace(cfg, tiers=tuple(replace(t, rank=coord.rank, node=coord.node) for t in cfg.tiers))
     if readonly:
         cfg = replace(cfg, tiers=tuple(replace(t, readonly=True) for t in cfg.tiers))

@@ -2,7 +2,7 @@
  * tierckpt.format._native: the per-tensor loops of the data path, without the GIL.
  *
  * Restoring 20,000 small tensors in Python costs ~10 us each in interpreter overhead around a hash
- * and a copy that take ~3 us: the restoring thread, not the disk, set the speed (docs/benchmarks-journal.md).
+ * and a copy that take ~3 us: the restoring thread, not the disk, set the speed (docs/io.md, "Copying bytes").
  * These functions run the same loop over a table of records in C.
  *
  * The checksum is not implemented here: the caller hands in the address of xxhash's own

@@ -1,7 +1,7 @@
 """The optional C loops of the data path (``tierckpt.format._native``) and what checks them before use.
 
 On 20,000 tensors of 1-64 KiB the restoring thread spent ~10 us per tensor in the interpreter around a
-hash and a copy of ~3 us, and so ran at half the disk's speed (docs/benchmarks-journal.md). ``_native.scatter``
+hash and a copy of ~3 us, and so ran at half the disk's speed (docs/io.md, "Copying bytes"). ``_native.scatter``
 runs that loop (gap check, xxh3, copy out) over a table of records in C, without the GIL;
 ``_native.gather`` is the save side (copy in, zero the gaps, xxh3), and ``_native.hash_into`` hashes
 a memory tier's packed blob.

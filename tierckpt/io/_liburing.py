@@ -4,7 +4,7 @@ The binding's wheels are built for x86-64 CPUs with AVX-512: on a CPU without it
 ``Ring`` kills the process with SIGILL, which no ``try`` can catch. :func:`liburing_runs` therefore
 tries the binding once in a child process before this process imports it.
 
-Sharp edges handled here (../shared/URING.md §1):
+Sharp edges handled here (docs/io.md, "Sharp edges of the liburing binding"):
 
 * buffers are :func:`~tierckpt.io.buffers.ptr_mv` views that own nothing, and the ``Iovec`` stays
   alive until its CQE is reaped;

@@ -29,7 +29,7 @@ _PyMemoryView_FromMemory.argtypes = [ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c
 _from_memory: Callable[[int, int, int], memoryview] = _PyMemoryView_FromMemory  # the same function, typed
 _PyBUF_READ, _PyBUF_WRITE = 0x100, 0x200
 
-memmove = ctypes.memmove  # releases the GIL; single-threaded (no OpenMP barrier stalls, URING.md §9)
+memmove = ctypes.memmove  # releases the GIL; single-threaded (no OpenMP barrier stalls: docs/io.md)
 
 _MADV_POPULATE_WRITE = 23  # Linux 5.14+
 _PAGE = mmap.PAGESIZE
@@ -95,8 +95,8 @@ def _anonymous_map(nbytes: int) -> mmap.mmap:
     An I/O buffer of 4 KiB pages is physically scattered, so the block layer splits an O_DIRECT request
     at the device's segment limit (254 pages on virtio-blk: ~1 MiB), and each piece costs the device
     (or the VM's host) a request. On this project's VMs, 16 MiB reads into 4 KiB-page buffers ran at
-    1.0-1.3 GB/s, into huge-page buffers at 3.5-4.2 GB/s, as fast as the raw read (docs/benchmarks-journal.md,
-    "Huge-page I/O buffers").
+    1.0-1.3 GB/s, into huge-page buffers at 3.5-4.2 GB/s, as fast as the raw read (docs/io.md,
+    "Huge-page buffers").
     Huge pages also fault in 512x fewer times. Where THP is off (``never``), the advice is a no-op.
     The kernel maps anonymous regions of 2 MiB or more at a 2 MiB boundary (Linux 6.7+); elsewhere
     only the aligned interior gets huge pages.

@@ -1,8 +1,8 @@
 """io_uring engine: one ring, one I/O thread, futures for callers.
 
-One dedicated thread owns the ring (created in that thread, URING.md §1.12) and is the only one that
+One dedicated thread owns the ring (created in that thread: docs/io.md) and is the only one that
 touches it. Other threads enqueue operations and wake it through an eventfd. The thread waits with
-``select.poll`` on the ring fd and the eventfd, which releases the GIL (URING.md §6), so a training
+``select.poll`` on the ring fd and the eventfd, which releases the GIL (liburing's own waits keep it), so a training
 thread next to it keeps its speed.
 
 Two ring backends implement the same small interface (``prep_rw``, ``prep_fsync``, ``prep_nop``,

@@ -11,7 +11,8 @@ A hierarchy asks its coordinator
 :class:`SoloCoordinator`: every rank decides alone, as in a single process (or in a job whose ranks
 share nothing). :class:`~tierckpt.ranks.distributed.StoreCoordinator` is the multi-rank one: it
 agrees through torch.distributed's key-value store (never the training thread's collectives), and a
-hierarchy picks it by default when a process group of several ranks is initialized. Every method takes a
+hierarchy picks it by default when a process group of several ranks is initialized. Callers never test a
+coordinator's type: what they need to know is declared (:attr:`Coordinator.connects_ranks`). Every method takes a
 ``timeout`` (None: the coordinator's own default, set when it is built) and raises
 :class:`~tierckpt.errors.CoordinationError` naming the ranks that did not answer, so a dead rank fails a
 step instead of hanging the job. Decisions are named (``decide(key, fn)``, ``gather(key, value, fn)``):
@@ -29,7 +30,7 @@ from typing import Protocol, TypeVar, runtime_checkable
 from tierckpt.configvalues import check_node, node_identity
 from tierckpt.errors import CheckpointNotFoundError, ConfigError
 
-__all__ = ["Coordinator", "SoloCoordinator", "agreed_step", "check_rank", "dist_rank"]
+__all__ = ["Coordinator", "SoloCoordinator", "agreed_step", "check_coordinator", "check_rank", "dist_rank"]
 
 log = logging.getLogger("tierckpt.hierarchy")
 T = TypeVar("T")
@@ -46,12 +47,25 @@ class Coordinator(Protocol):
         world_size: the number of ranks.
         node: this rank's node (ranks on one node share its node-local tiers).
         local_rank: this rank's position among the ranks of its node.
+        connects_ranks: whether the ranks of the job agree through this coordinator: True when
+            ``gather``/``decide`` run on rank 0 with every rank's value, so every rank gets one answer
+            (:class:`~tierckpt.ranks.distributed.StoreCoordinator`); False when each rank decides
+            alone (:class:`SoloCoordinator`, whatever its world size). A writable hierarchy of several
+            ranks needs True (its commits wait for every rank's copy); a restore exchanges replicated
+            DTensors between the ranks only with True; the job identity is agreed only with True.
+            Every coordinator declares it: a hierarchy refuses one that does not
+            (:func:`check_coordinator`).
     """
 
     rank: int
     world_size: int
     node: int
     local_rank: int
+
+    @property
+    def connects_ranks(self) -> bool:
+        """Whether the ranks of the job agree through this coordinator (see the class docstring)."""
+        ...
 
     def ranks_on_node(self) -> list[int]:
         """The global ranks on this rank's node, ascending."""
@@ -91,7 +105,7 @@ class SoloCoordinator:
     """Every rank decides alone: the behaviour of a single process, and of ranks that share nothing.
 
     ``gather`` runs ``fn`` on this rank's value alone (``fn([value])``, whatever the world size), and
-    :meth:`ranks_on_node` is this rank alone.
+    :meth:`ranks_on_node` is this rank alone: it connects no ranks (``connects_ranks`` is False).
 
     Args:
         rank: this process's rank (default: torch.distributed's, else 0).
@@ -103,6 +117,8 @@ class SoloCoordinator:
         ConfigError: ``rank`` is not in ``[0, world_size)`` or does not fit a rank directory's name; a
             bad node (or node variable in the environment).
     """
+
+    connects_ranks: bool = False  #: every rank decides alone
 
     def __init__(self, rank: int | None = None, world_size: int | None = None, *, node: int | None = None) -> None:
         dr, dw = dist_rank()
@@ -151,6 +167,25 @@ def check_rank(rank: object, world_size: int, key: str) -> int:
     if not 0 <= rank < world_size:
         raise ConfigError(f"{key}: {rank} is not in [0, {world_size})")
     return rank
+
+
+def check_coordinator(coordinator: Coordinator) -> Coordinator:
+    """``coordinator``, once it declares what a hierarchy reads besides the calls: ``connects_ranks``,
+    a bool.
+
+    Raises:
+        ConfigError: naming what it lacks (a third-party coordinator written before ``connects_ranks``).
+    """
+    name = type(coordinator).__name__
+    connects = getattr(coordinator, "connects_ranks", None)
+    if type(connects) is not bool:
+        raise ConfigError(
+            f"coordinator: {name} does not declare connects_ranks (got {connects!r}): a coordinator says whether "
+            "the ranks of the job agree through it (True, as StoreCoordinator: gather and decide run on rank 0 "
+            "with every rank's value) or each rank decides alone (False, as SoloCoordinator); see "
+            'tierckpt.Coordinator and docs/distributed.md, "Coordination"'
+        )
+    return coordinator
 
 
 def agreed_step(coordinator: Coordinator, newest: int | None, timeout: float | None = None) -> int | None:

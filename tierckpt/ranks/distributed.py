@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import msgpack
 
-from tierckpt.configvalues import check_timeout
+from tierckpt.configvalues import check_timeout, launched_world_size
 from tierckpt.errors import ConfigError, CoordinationError
 from tierckpt.ranks.coordinator import SoloCoordinator, check_rank, dist_rank
 from tierckpt.ranks.storekeys import KeyNames, Keys, check_key, decode, encode, failure, parse_values
@@ -77,11 +77,14 @@ class StoreCoordinator:
         node: this rank's node.
         local_rank: this rank's position among the ranks of its node (ascending global ranks).
         generation: this coordinator's number among those built on ``store`` under ``prefix``.
+        connects_ranks: True: the ranks of the job agree through it.
 
     Raises:
         ConfigError: a bad rank, world size, node or timeout.
         CoordinationError: some rank did not build its coordinator in time.
     """
+
+    connects_ranks: bool = True  #: every rank gets rank 0's answer, made from every rank's value
 
     def __init__(
         self,
@@ -404,18 +407,54 @@ def distributed_coordinator(
 
 
 def default_coordinator(
-    rank: int | None = None, world_size: int | None = None, *, timeout: float | None = None, node: int | None = None
+    rank: int | None = None,
+    world_size: int | None = None,
+    *,
+    timeout: float | None = None,
+    node: int | None = None,
+    readonly: bool = False,
 ) -> Coordinator:
     """The coordinator of a hierarchy given none: a :func:`distributed_coordinator` when torch.distributed
     is initialized with more than one rank (and ``rank`` / ``world_size``, if given, are its), else a
     :class:`SoloCoordinator` (every rank alone).
+
+    A writable hierarchy (``readonly`` False) given no ``world_size`` in a process that a launcher
+    started as one of several (``$WORLD_SIZE`` and the others of
+    :data:`~tierckpt.configvalues.LAUNCH_ENV_VARS`) while no process group is initialized is refused:
+    every rank would take itself for rank 0 of 1 and save into rank 0's place.
+
+    Raises:
+        ConfigError: that refusal, naming the variable and the ways out; a bad rank, world size, node,
+            timeout or launcher variable.
+        CoordinationError: some rank did not build its coordinator in time.
     """
     dr, dw = dist_rank()
     if dw > 1 and rank in (None, dr) and world_size in (None, dw):
         return distributed_coordinator(timeout=timeout, node=node)
     if timeout is not None:
         check_timeout(timeout, "timeout")
+    launched = None if readonly or world_size is not None or _process_group() else launched_world_size()
+    if launched is not None and launched[1] > 1:
+        var, n = launched
+        raise ConfigError(
+            f"${var} is {n}: this process is one of the {n} ranks of a job, but torch.distributed is not "
+            "initialized, so it would save as rank 0 of 1, into the place of every other rank's rank 0 (one "
+            "rank's checkpoints lost). Call torch.distributed.init_process_group() before building the "
+            "hierarchy, or pass coordinator=StoreCoordinator(store, rank, world_size) on a store every rank "
+            "reaches; a process that saves alone passes world_size=1 (or coordinator=SoloCoordinator()); "
+            "reading needs none (readonly=True)"
+        )
     return SoloCoordinator(rank, world_size, node=node)
+
+
+def _process_group() -> bool:
+    """Whether torch.distributed's default process group is initialized (of any size)."""
+    try:
+        import torch.distributed as dist
+
+        return bool(dist.is_available() and dist.is_initialized())
+    except Exception:  # pragma: no cover - a broken torch.distributed is not a process group
+        return False
 
 
 def shared_job(coordinator: Coordinator, job: str | None) -> str | None:
@@ -428,7 +467,7 @@ def shared_job(coordinator: Coordinator, job: str | None) -> str | None:
             environments.
         CoordinationError: some rank did not take part in time.
     """
-    if coordinator.world_size == 1:
+    if coordinator.world_size == 1 or not coordinator.connects_ranks:
         return job
     mine = resolve_job(job)
     explicit = None if mine.source == "process" else mine.value

@@ -14,7 +14,8 @@ from tierckpt.format.manifest import BlobEntry
 from tierckpt.tiers.base import CheckpointKey, EngineSource, Tier, TierCopy, TierReader, TierWriter
 
 if TYPE_CHECKING:
-    from tierckpt.config import TierConfig
+    from tierckpt.config import IOConfig, TierConfig
+    from tierckpt.io.geometry import IOGeometry
 
 __all__ = ["FaultyTier"]
 
@@ -70,6 +71,10 @@ class FaultyTier(Tier):
             f"{cfg.key}.kind: a FaultyTier wraps a tier object built in Python (FaultyTier(inner, fail=...)) "
             f"and cannot be built from a config"
         )
+
+    def plan_geometry(self, io: IOConfig) -> IOGeometry:
+        """The inner tier's geometry, as it uses it (a wrapper does not pass the hierarchy's io on)."""
+        return self.inner.geometry
 
     def _hit(self, method: str) -> BaseException | None:
         gate = self.gates.get(method)
@@ -139,6 +144,9 @@ class FaultyTier(Tier):
 
     def location(self) -> str | None:
         return self.inner.location()
+
+    def lease_job(self) -> str | None:
+        return self.inner.lease_job()
 
     def close(self) -> None:
         self.inner.close()

@@ -21,18 +21,16 @@ import threading
 from collections.abc import Sequence
 from concurrent.futures import Future
 from pathlib import Path
-from typing import TYPE_CHECKING, NoReturn
+from typing import NoReturn, Protocol
 
 from tierckpt.errors import CheckpointEvictedError, CheckpointNotFoundError, CorruptCheckpointError, TierIOError
 from tierckpt.format.layout import data_offsets
 from tierckpt.format.manifest import HEADER, MAGIC, MAX_PAYLOAD_BYTES, TRAILER_BYTES, BlobEntry
+from tierckpt.io.engine import IOEngine
 from tierckpt.io.fsutil import dio_alignment
-from tierckpt.tiers.base import CheckpointKey, TierCopy, TierReader
+from tierckpt.tiers.base import CheckpointKey, Tier, TierCopy, TierReader
 
-if TYPE_CHECKING:
-    from tierckpt.tiers._files import FileTier
-
-__all__ = ["DATA_NAME", "MANIFEST_NAME", "FileCopy", "io_error"]
+__all__ = ["DATA_NAME", "MANIFEST_NAME", "FileCopy", "FileSpace", "io_error", "read_regular"]
 
 MANIFEST_NAME = "manifest"
 DATA_NAME = "data.bin"  # a copy's blobs back to back, where the tier writes one data file a copy
@@ -48,6 +46,18 @@ def io_error(tier: str, what: str, e: OSError) -> TierIOError:
     err = TierIOError(e.errno, f"tier {tier!r}: {what}: {e.strerror or e}", e.filename)
     err.__cause__ = e
     return err
+
+
+class FileSpace(Protocol):
+    """What the reader and the writer of a copy use of their directory tier (a
+    :class:`~tierckpt.tiers._files.FileTier`): its name, directory, I/O mode and engine."""
+
+    name: str
+    path: Path
+    direct: bool
+
+    @property
+    def engine(self) -> IOEngine: ...
 
 
 def kind_of(mode: int) -> str:
@@ -71,6 +81,7 @@ class FileCopy(TierCopy):
 
     Args:
         tier: the tier.
+        space: its directory, I/O mode and engine (the same object as ``tier``).
         key: the checkpoint.
         step_name: its step directory's name.
         rank_name: its rank directory's name.
@@ -80,16 +91,16 @@ class FileCopy(TierCopy):
         CorruptCheckpointError: the step or rank entry is not a directory (a link, a file …).
     """
 
-    def __init__(self, tier: FileTier, key: CheckpointKey, step_name: str, rank_name: str) -> None:
+    def __init__(self, tier: Tier, space: FileSpace, key: CheckpointKey, step_name: str, rank_name: str) -> None:
         super().__init__(tier, key)
-        self.ftier = tier
-        self.path = tier.path / step_name / rank_name
+        self.space = space
+        self.path = space.path / step_name / rank_name
         try:  # the tier's own configured path may be a link (the user's choice); nothing below it
-            root = os.open(tier.path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            root = os.open(space.path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         except OSError as e:
-            raise io_error(tier.name, f"cannot open {tier.path}", e) from e
+            raise io_error(tier.name, f"cannot open {space.path}", e) from e
         try:
-            step_fd = self._open_dir(root, step_name, tier.path / step_name)
+            step_fd = self._open_dir(root, step_name, space.path / step_name)
             try:
                 self.fd = self._open_dir(step_fd, rank_name, self.path)
             finally:
@@ -169,12 +180,12 @@ class FileCopy(TierCopy):
             if size > _MAX_MANIFEST_BYTES:
                 raise self._bad(f"manifest {p} is {size} bytes, more than a manifest can be ({_MAX_MANIFEST_BYTES})")
             if size > _OPAQUE_BYTES:  # a small file is read as it is; decode_head checks everything
-                magic, _, _, _, n = HEADER.unpack(_pread_all(fd, HEADER.size, 0))
+                magic, _, _, _, n = HEADER.unpack(pread_all(fd, HEADER.size, 0))
                 if magic != MAGIC:
                     raise self._bad(f"bad magic {magic!r} (not a tierckpt manifest)")
                 if HEADER.size + n + TRAILER_BYTES != size:
                     raise self._bad(f"manifest {p} is {size} bytes, its header says {n} + framing")
-            return _pread_all(fd, size, 0)
+            return pread_all(fd, size, 0)
         except OSError as e:
             if isinstance(e, CorruptCheckpointError):
                 raise
@@ -185,7 +196,7 @@ class FileCopy(TierCopy):
     def reader(self, blobs: Sequence[BlobEntry]) -> TierReader:
         """Open every blob now (the copy is a snapshot from here on) and check its size. A copy holding
         a ``data.bin`` keeps all its blobs in it, back to back (tierckpt.tiers._filewrite)."""
-        flags = os.O_DIRECT if self.ftier.direct else 0
+        flags = os.O_DIRECT if self.space.direct else 0
         if blobs and all(b.name != DATA_NAME for b in blobs) and self._present(DATA_NAME):
             fd, size = self._open_file(DATA_NAME, "data file", flags, DATA_NAME)
             need = sum(b.size for b in blobs)
@@ -196,7 +207,7 @@ class FileCopy(TierCopy):
                     f"{len(blobs)} blob(s) of {need} bytes in all",
                     DATA_NAME,
                 )
-            return FileReader(self.ftier, self.path, blobs, [fd], [(0, o, DATA_NAME) for o in data_offsets(blobs)])
+            return FileReader(self.space, self.path, blobs, [fd], [(0, o, DATA_NAME) for o in data_offsets(blobs)])
         fds: list[int] = []
         try:
             for b in blobs:
@@ -211,7 +222,7 @@ class FileCopy(TierCopy):
             for fd in fds:
                 os.close(fd)
             raise
-        return FileReader(self.ftier, self.path, blobs, fds, [(i, 0, b.name) for i, b in enumerate(blobs)])
+        return FileReader(self.space, self.path, blobs, fds, [(i, 0, b.name) for i, b in enumerate(blobs)])
 
     def _present(self, name: str) -> bool:
         """Whether the copy's directory has an entry ``name`` (of any kind: opening it checks that)."""
@@ -229,7 +240,45 @@ class FileCopy(TierCopy):
             self.fd = -1
 
 
-def _pread_all(fd: int, n: int, offset: int) -> bytes:
+def read_regular(tier: str, path: Path, step: int, what: str, limit: int) -> bytes | None:
+    """The bytes of ``path``, a regular file of at most ``limit`` bytes; None where there is none. Opened
+    with ``O_NOFOLLOW | O_NONBLOCK``: a link is not followed, a FIFO never blocks.
+
+    Raises:
+        CorruptCheckpointError: naming ``what`` (e.g. "commit record") of ``step``: not a regular file (a
+            link, a FIFO, a device, a directory), or larger than ``limit``.
+        TierIOError: it cannot be read.
+    """
+    try:
+        fd = os.open(path, _FILE_FLAGS)
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise CorruptCheckpointError(
+                f"{what} {path} is not a regular file ({kind_of(stat.S_IFLNK)})", tier=tier, step=step
+            ) from None
+        raise io_error(tier, f"cannot read the {what} of step {step}", e) from e
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise CorruptCheckpointError(
+                f"{what} {path} is not a regular file ({kind_of(st.st_mode)})", tier=tier, step=step
+            )
+        if st.st_size > limit:
+            raise CorruptCheckpointError(
+                f"{what} {path} is {st.st_size} bytes, more than it can be ({limit})", tier=tier, step=step
+            )
+        return pread_all(fd, st.st_size, 0)
+    except CorruptCheckpointError:
+        raise
+    except OSError as e:
+        raise io_error(tier, f"cannot read the {what} of step {step}", e) from e
+    finally:
+        os.close(fd)
+
+
+def pread_all(fd: int, n: int, offset: int) -> bytes:
     parts, got = [], 0
     while got < n:
         b = os.pread(fd, n - got, offset + got)
@@ -246,7 +295,7 @@ class FileReader(TierReader):
 
     def __init__(
         self,
-        tier: FileTier,
+        tier: FileSpace,
         rank_dir: Path,
         blobs: Sequence[BlobEntry],
         fds: list[int],

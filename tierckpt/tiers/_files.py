@@ -16,7 +16,6 @@ directories, so it never sees a half-written checkpoint, and a crash leaves the 
 from __future__ import annotations
 
 import contextlib
-import errno
 import logging
 import os
 import re
@@ -30,11 +29,13 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from tierckpt.config import LEASE_STALE_SECS, IOConfig, TierConfig, default_io
-from tierckpt.errors import TierFullError, TierIOError
+from tierckpt.errors import TierFullError
 from tierckpt.format.manifest import BlobEntry
 from tierckpt.io.engine import IOEngine, make_engine
-from tierckpt.io.fsutil import fsync_dir, probe_direct
-from tierckpt.tiers._fileread import MANIFEST_NAME, FileCopy, io_error
+from tierckpt.io.fsutil import fsync_dir, probe_fs
+from tierckpt.io.geometry import FsFacts, IOGeometry, io_geometry
+from tierckpt.tiers._filedir import open_directory
+from tierckpt.tiers._fileread import MANIFEST_NAME, FileCopy, io_error, read_regular
 from tierckpt.tiers._filewrite import FileWriter, write_file
 from tierckpt.tiers._lease import Lease
 from tierckpt.tiers.base import CheckpointKey, EngineSource, Tier, TierCapabilities, TierReader, TierWriter
@@ -49,6 +50,7 @@ _STEP_RE = re.compile(r"step-(\d{12})")
 _RANK_RE = re.compile(r"rank-(\d{5})")
 _SCRATCH_RE = re.compile(r"\.(tmp|old|evict)-(?:rank-\d{5}|commit)-(.+)-(\d+)-[0-9a-f]+")
 RECORD_NAME = "commit"  # a step's commit record, beside its rank directories (docs/format.md)
+_MAX_RECORD_BYTES = 1 << 27  # far more than a record of any job (docs/format.md): larger is not one
 _HOST = socket.gethostname().replace("-", "_")[:32] or "host"
 
 
@@ -82,6 +84,12 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
+def _names(directory: Path, pattern: re.Pattern[str]) -> list[str]:
+    """The names in ``directory`` that match ``pattern`` whole and are not links."""
+    with os.scandir(directory) as it:
+        return [e.name for e in it if pattern.fullmatch(e.name) and not e.is_symlink()]
+
+
 def _is_file(p: Path) -> bool:
     """Whether ``p`` is a regular file itself (not a link to one)."""
     try:
@@ -91,7 +99,9 @@ def _is_file(p: Path) -> bool:
 
 
 class FileTier(Tier):
-    """A tier in a directory. Subclasses set ``kind``, ``shared`` and their preferred blob size.
+    """A tier in a directory. Subclasses set ``kind``, ``shared``, ``one_file``, ``whole_blocks`` and
+    their preferred blob size; the sizes of its I/O are its :attr:`geometry`, from its file system's
+    facts (:attr:`facts`, probed when it is built) and its io settings.
 
     Args:
         name: tier name.
@@ -109,12 +119,16 @@ class FileTier(Tier):
 
     Raises:
         TierBusyError: (writable) another job holds the directory's lease.
+        TierIOError: the directory is missing (``readonly``), cannot be made, is not readable (and
+            writable), or is on a read-only file system and the tier is not ``readonly``.
     """
 
     kind = "file"
     shared = False
     #: whether a copy's blobs go into one data file (``data.bin``) rather than a file each
     one_file = False
+    #: whether I/O is aligned to the file system's block (a parallel file system's stripe or block)
+    whole_blocks = False
 
     def __init__(
         self,
@@ -135,18 +149,7 @@ class FileTier(Tier):
         if one_file is not None:
             self.one_file = one_file
         self.path = Path(path)
-        if readonly:  # a tool that only reads: a missing directory is a mistake, not one to create
-            if not self.path.is_dir():
-                raise TierIOError(errno.ENOENT, f"tier {name!r}: directory {self.path} does not exist", str(self.path))
-        else:
-            try:
-                self.path.mkdir(parents=True, exist_ok=True)
-            except OSError as e:
-                raise io_error(name, f"cannot create directory {self.path}", e) from e
-        need = os.R_OK | os.X_OK if readonly else os.R_OK | os.W_OK | os.X_OK
-        if not os.access(self.path, need):
-            what = "readable" if readonly else "readable and writable"
-            raise TierIOError(errno.EACCES, f"tier {name!r}: directory {self.path} is not {what}", str(self.path))
+        open_directory(name, self.path, readonly)
         # the directory is this job's before anything is written or swept (released by close(), or GC)
         self._lease_args = (job, lease_stale_secs)
         self.lease: Lease | None = None
@@ -154,12 +157,19 @@ class FileTier(Tier):
             self._take_lease()
         self._engine, self._engine_given, self._own_engine = engine, engine is not None, False
         self._asked = (direct, chunk_bytes)  # None: from the io settings of the hierarchy the tier joins
-        self._can_direct, align = probe_direct(self.path)
-        self._set_io(default_io(), max(align, self._fs_alignment()))
+        try:  # a read-only tier writes nothing, not even a probe file
+            self.facts: FsFacts = probe_fs(
+                self.path, writable=not readonly, sample=self._sample() if readonly else None
+            )
+        except OSError as e:
+            raise io_error(name, f"cannot probe {self.path}", e) from e
         self.capacity_bytes = capacity_bytes
         if blob_bytes:
             self.preferred_blob_bytes = blob_bytes
-        self.capabilities = TierCapabilities(persistent=True, shared=self.shared, device="file", alignment_bytes=align)
+        self.capabilities = TierCapabilities(
+            persistent=True, shared=self.shared, device="file", alignment_bytes=self.facts.direct_alignment_bytes
+        )
+        self._set_io(default_io())
         self._lock = threading.Lock()
         self._reserved = 0  # bytes of checkpoints being written by this process (counted against capacity)
         self._evicted: list[Path] = []  # renamed away by evict(free=False), deleted by reclaim()
@@ -167,14 +177,35 @@ class FileTier(Tier):
         if not readonly:
             self._sweep()
 
-    def _set_io(self, io: IOConfig, align: int) -> None:
-        """``direct`` and the chunk size: as given to the constructor, else as ``io`` says."""
+    def _sample(self) -> Path | None:
+        """A manifest of one of the newest copies, to try O_DIRECT on without writing; None when there is
+        none. Links are not followed."""
+        with contextlib.suppress(OSError):
+            for step in sorted(_names(self.path, _STEP_RE), reverse=True)[:4]:
+                for rank in _names(self.path / step, _RANK_RE)[:4]:
+                    if _is_file(p := self.path / step / rank / MANIFEST_NAME):
+                        return p
+        return None
+
+    def plan_geometry(self, io: IOConfig) -> IOGeometry:
+        """:func:`~tierckpt.io.geometry.io_geometry` of the tier's capabilities, its file system's
+        :attr:`facts` and its settings: ``direct`` and the chunk as given to the constructor, else as
+        ``io`` says."""
         direct, chunk = self._asked
-        direct = io.direct if direct is None else direct
-        self.direct = direct and self._can_direct
-        if direct and not self._can_direct:
-            log.info("tier %r: %s does not support O_DIRECT; using buffered I/O", self.name, self.path)
-        self.chunk_bytes = max(align, (io.chunk_bytes if chunk is None else chunk) // align * align)
+        return io_geometry(
+            self.capabilities, io, self.facts, blob_bytes=self.preferred_blob_bytes, chunk_bytes=chunk,
+            direct=direct, one_file=self.one_file, whole_blocks=self.whole_blocks,
+        )  # fmt: skip
+
+    def _set_io(self, io: IOConfig) -> None:
+        """Fix the geometry for ``io``; ``direct`` and ``chunk_bytes`` are the geometry's."""
+        g = self._geometry = self.plan_geometry(io)
+        self.direct, self.chunk_bytes = g.direct, g.chunk_bytes
+        if (io.direct if self._asked[0] is None else self._asked[0]) and not g.direct:
+            log.info(
+                "tier %r: O_DIRECT is unavailable in %s (or, read-only, there was no file to try it on); "
+                "using buffered I/O", self.name, self.path,
+            )  # fmt: skip
 
     def _take_lease(self) -> None:
         job, stale_secs = self._lease_args
@@ -188,10 +219,10 @@ class FileTier(Tier):
         earlier hierarchy takes its directory's lease again."""
         if self.lease is not None and self.lease.released:
             self._take_lease()
+        self._set_io(io)
         if not self._engine_given:
             self._close_engine()  # an engine made while the tier was used on its own
-            self._engine = engines.get(io.engine, io.queue_depth)
-        self._set_io(io, self.capabilities.alignment_bytes)
+            self._engine = engines.get(io.engine, self.geometry.queue_depth)
 
     @property
     def engine(self) -> IOEngine:
@@ -200,12 +231,8 @@ class FileTier(Tier):
             with self._lock:
                 if self._engine is None:
                     io = default_io()
-                    self._engine, self._own_engine = make_engine(io.engine, io.queue_depth), True
+                    self._engine, self._own_engine = make_engine(io.engine, self.geometry.queue_depth), True
         return self._engine
-
-    def _fs_alignment(self) -> int:
-        """Extra alignment the file system asks for (the PFS tier returns the stripe size)."""
-        return 4096
 
     @classmethod
     def from_config(cls, cfg: TierConfig, engines: EngineSource) -> FileTier:
@@ -354,16 +381,18 @@ class FileTier(Tier):
             raise io_error(self.name, f"cannot write the commit record of step {step}", e) from e
 
     def read_record(self, step: int) -> bytes | None:
+        """The bytes of ``step-N/commit``; None where there is none (or the step directory is a link, not
+        followed). Anything but a regular file there (a link, a FIFO, a device, a directory) is refused,
+        without following it or blocking in open(2).
+
+        Raises:
+            CorruptCheckpointError: the record is not a regular file, or larger than any record can be.
+            TierIOError: it cannot be read.
+        """
         p = self._record_path(step)
-        if os.path.islink(p.parent) or os.path.islink(p):
+        if os.path.islink(p.parent):
             return None  # links are not followed
-        try:
-            with open(p, "rb") as f:
-                return f.read(1 << 27)
-        except FileNotFoundError:
-            return None
-        except OSError as e:
-            raise io_error(self.name, f"cannot read the commit record of step {step}", e) from e
+        return read_regular(self.name, p, step, "commit record", _MAX_RECORD_BYTES)
 
     def remove_record(self, step: int) -> None:
         self._check_lease()
@@ -395,7 +424,7 @@ class FileTier(Tier):
     def open_copy(self, key: CheckpointKey) -> FileCopy:
         """Open ``key``'s copy by its rank directory: the manifest and blobs read through it are that
         copy's, even if another process evicts or replaces the step meanwhile (tierckpt.tiers._fileread)."""
-        return FileCopy(self, key, step_dir_name(key.step), rank_dir_name(key.rank))
+        return FileCopy(self, self, key, step_dir_name(key.step), rank_dir_name(key.rank))
 
     def read_manifest(self, key: CheckpointKey) -> bytes:
         with self.open_copy(key) as copy:
@@ -407,6 +436,10 @@ class FileTier(Tier):
         if self.lease is not None:
             self.lease.release()
         self._close_engine()
+
+    def lease_job(self) -> str | None:
+        """The job identity the directory's lease is held for; None for a read-only tier (no lease)."""
+        return None if self.lease is None else self.lease.job.value
 
     def _check_lease(self) -> None:
         if self.lease is not None:
@@ -432,10 +465,12 @@ class FileTier(Tier):
                 key,
                 blobs,
                 need if self.capacity_bytes is not None else 0,
+                self._unreserve,
                 step_dir=step_dir,
                 tmp=step_dir / _scratch("tmp", key.rank),
+                final=self._rank_dir(key),
                 old=step_dir / _scratch("old", key.rank),
-                one_file=self.one_file,
+                one_file=self.geometry.one_file,
             )
         except BaseException:
             self._unreserve(need if self.capacity_bytes is not None else 0)

@@ -16,19 +16,15 @@ import ctypes.util
 import errno
 import os
 import shutil
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from tierckpt.format.layout import data_offsets
 from tierckpt.format.manifest import BlobEntry
 from tierckpt.io.fsutil import fsync_dir
-from tierckpt.tiers._fileread import DATA_NAME, MANIFEST_NAME, io_error
+from tierckpt.tiers._fileread import DATA_NAME, MANIFEST_NAME, FileSpace, io_error
 from tierckpt.tiers.base import CheckpointKey, TierWriter
-
-if TYPE_CHECKING:
-    from tierckpt.tiers._files import FileTier
 
 __all__ = ["FileWriter", "write_file"]
 
@@ -65,32 +61,35 @@ class FileWriter(TierWriter):
     """One copy being written into the scratch directory ``tmp`` of ``step_dir``, published as ``final``.
 
     Args:
-        tier: the tier.
+        tier: the tier's directory, I/O mode and engine.
         key: the checkpoint.
         blobs: its blobs (sizes multiples of the checkpoint's alignment).
         reserved: bytes of the tier's capacity to give back once committed or aborted.
+        unreserve: gives ``reserved`` bytes back to the tier's capacity.
         step_dir: the step's directory (created if missing).
         tmp: the scratch directory to write in (created; must not exist).
+        final: the copy's rank directory once published.
         old: a free scratch name, for replacing an existing copy where an atomic swap is unsupported.
         one_file: all blobs in one ``data.bin`` rather than a file each.
     """
 
     def __init__(
         self,
-        tier: FileTier,
+        tier: FileSpace,
         key: CheckpointKey,
         blobs: Sequence[BlobEntry],
         reserved: int,
+        unreserve: Callable[[int], None],
         *,
         step_dir: Path,
         tmp: Path,
+        final: Path,
         old: Path,
         one_file: bool,
     ) -> None:
         self.tier, self.key, self.blobs = tier, key, list(blobs)
-        self._reserved = reserved  # given back to the tier's capacity once committed or aborted
-        self.step_dir, self.tmp, self._old = step_dir, tmp, old
-        self.final = tier._rank_dir(key)
+        self._reserved, self._unreserve = reserved, unreserve  # given back once committed or aborted
+        self.step_dir, self.tmp, self.final, self._old = step_dir, tmp, final, old
         self.fds: list[int] = []  # one per file
         self._open = True
         names = [DATA_NAME] if one_file and self.blobs else [b.name for b in self.blobs]
@@ -148,7 +147,7 @@ class FileWriter(TierWriter):
 
     def _give_back(self) -> None:
         reserved, self._reserved = self._reserved, 0
-        self.tier._unreserve(reserved)
+        self._unreserve(reserved)
 
     def _replace(self) -> None:
         """Put the new copy in place of an existing one without a moment where neither is listed."""

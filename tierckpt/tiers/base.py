@@ -64,12 +64,14 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from tierckpt.config import IOConfig
 from tierckpt.format.manifest import BlobEntry
+from tierckpt.io.geometry import IOGeometry, io_geometry
 
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-    from tierckpt.config import IOConfig, TierConfig
+    from tierckpt.config import TierConfig
     from tierckpt.format.layout import Layout
     from tierckpt.format.tree import FlatState
     from tierckpt.io.buffers import StagingPool
@@ -262,8 +264,9 @@ class Tier(ABC):
 
     Attributes:
         name: the tier's name in the hierarchy (policies and records use it).
-        preferred_blob_bytes: blob size this tier writes best (the hierarchy takes the largest).
-        chunk_bytes: size of one I/O operation on this tier.
+        preferred_blob_bytes: blob size this tier writes best (its :attr:`geometry`'s ``blob_bytes``;
+            the hierarchy takes the largest).
+        chunk_bytes: size of one I/O operation on this tier (its :attr:`geometry`'s ``chunk_bytes``).
 
     What a full tier does (wait for room or fail) is policy, not the tier's: ``policy.on_full``.
     """
@@ -272,6 +275,7 @@ class Tier(ABC):
     capabilities: TierCapabilities
     preferred_blob_bytes: int = 256 << 20
     chunk_bytes: int = 32 << 20
+    _geometry: IOGeometry | None = None
 
     def __init__(self, name: str) -> None:
         self.name = name
@@ -293,9 +297,24 @@ class Tier(ABC):
             ConfigError: naming the key (``tiers[1].path: ...``, ``tiers[1].options.bucket: ...``).
         """
 
-    def use_io(self, engines: EngineSource, io: IOConfig) -> None:  # noqa: B027 - optional hook
+    def use_io(self, engines: EngineSource, io: IOConfig) -> None:
         """Called once by the hierarchy the tier joins: take what the constructor left unset (a file
-        tier's engine, ``direct``, chunk size) from the hierarchy's ``io`` settings."""
+        tier's engine, ``direct``, chunk size) from the hierarchy's ``io`` settings, and fix the tier's
+        :attr:`geometry` for them (an override calls ``super().use_io(engines, io)``)."""
+        self._geometry = self.plan_geometry(io)
+
+    def plan_geometry(self, io: IOConfig) -> IOGeometry:
+        """The tier's I/O geometry under the io settings ``io`` (docs/tiers.md, "I/O geometry"): by
+        default :func:`~tierckpt.io.geometry.io_geometry` of its capabilities, :attr:`chunk_bytes` and
+        :attr:`preferred_blob_bytes`; a kind that knows more of its storage overrides it (the file tiers
+        add their file system's facts)."""
+        return io_geometry(self.capabilities, io, blob_bytes=self.preferred_blob_bytes, chunk_bytes=self.chunk_bytes)
+
+    @property
+    def geometry(self) -> IOGeometry:
+        """The sizes of the tier's I/O (alignment, chunk, blob size, staging slots ...), fixed by
+        :meth:`use_io` when it joins a hierarchy; before that, under the default io settings."""
+        return self._geometry if self._geometry is not None else self.plan_geometry(IOConfig())
 
     @abstractmethod
     def reserve(self, key: CheckpointKey, blobs: Sequence[BlobEntry]) -> TierWriter:
@@ -412,6 +431,13 @@ class Tier(ABC):
     def describe(self) -> str:
         """Where the tier keeps its bytes, for humans."""
         return self.kind
+
+    def lease_job(self) -> str | None:
+        """Optional: the job identity this tier's lease on its location is held for (docs/jobs.md), or
+        None (the default) for a tier that holds no lease: memory tiers, a read-only file tier. A tier
+        that leases its location to one job at a time returns the identity it holds it for; a hierarchy
+        checks that every tier's is its own job's (:func:`~tierckpt.tiers.jobs.hierarchy_job`)."""
+        return None
 
     def location(self) -> str | None:
         """Optional: where the tier keeps its bytes, as a string two tiers that would share copies both

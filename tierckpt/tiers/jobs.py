@@ -16,9 +16,12 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tierckpt.errors import ConfigError
+
+if TYPE_CHECKING:
+    from tierckpt.tiers.base import Tier
 
 __all__ = ["HOST", "JOB_ENV_VARS", "JobId", "ProcessId", "current_process", "hierarchy_job", "resolve_job"]
 
@@ -187,14 +190,15 @@ def current_process() -> ProcessId:
     return _me_cache[pid]
 
 
-def hierarchy_job(tiers: Sequence[object], job: str | None) -> str:
+def hierarchy_job(tiers: Sequence[Tier], job: str | None) -> str:
     """The job identity of a writable hierarchy of ``tiers``: ``job`` (or the environment's) when no
-    tier holds a lease, else the one their leases are held for, which must agree with ``job``.
+    tier holds a lease, else the one their leases are held for (:meth:`Tier.lease_job`), which must
+    agree with ``job``.
 
     Raises:
         ConfigError: the tiers' leases are held for different jobs, or not for ``job``.
     """
-    held = {t.name: t.lease.job.value for t in tiers if getattr(t, "lease", None) is not None}  # type: ignore[attr-defined]  # file tiers have a lease; other tiers are skipped by the getattr
+    held = {t.name: value for t in tiers if (value := t.lease_job()) is not None}
     want = resolve_job(job).value if job is not None or not held else None
     for name, value in held.items():
         want = want or value

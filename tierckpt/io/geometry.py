@@ -1,0 +1,268 @@
+"""A tier's I/O geometry: every size its reads, writes and buffers use, decided in one place.
+
+Like ROMIO's MPI-IO hints (``striping_unit``, ``cb_buffer_size``), the facts of the storage and the
+user's settings become sizes here and nowhere else:
+
+* :class:`FsFacts`: what the file system says about a tier's directory, as plain values, probed at open
+  by :func:`tierckpt.io.fsutil.probe_fs` (tests use recorded ones);
+* :func:`io_geometry`: a pure function from a tier's capabilities, those facts and its ``io`` settings
+  (the hierarchy's merged with the tier's own) to its :class:`IOGeometry`;
+* :func:`checkpoint_geometry`: a hierarchy's checkpoints, from its ``layout`` settings and its tiers'
+  geometries: one alignment and blob size, and each tier's geometry in that alignment.
+
+Which setting or fact sets each field: docs/tiers.md, "I/O geometry".
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+from typing import Protocol
+
+from tierckpt.config import IOConfig, LayoutConfig
+
+__all__ = [
+    "MAX_FS_ALIGN",
+    "PAGE",
+    "PIECES",
+    "READ_SLOTS",
+    "READ_SLOT_BYTES",
+    "STAGING_SLOTS",
+    "CheckpointGeometry",
+    "FsFacts",
+    "IOGeometry",
+    "checkpoint_geometry",
+    "io_geometry",
+]
+
+PAGE = 4096  #: the least alignment of file I/O (O_DIRECT's unit almost everywhere)
+#: the largest file-system block a tier aligns its I/O to (a larger or odd one is not a block size)
+MAX_FS_ALIGN = 16 << 20
+#: A save's or copy's staging buffers per tier worker, each one chunk (32 MiB by default, 192 MiB in
+#: all). A virtual disk here completes a whole queue of writes at once, so the packer must have slots
+#: free to fill while a full queue is in flight; 3 slots of 64 MiB (the same memory) left the disk idle
+#: while they were refilled (docs/io.md, "Staging buffers: how many").
+STAGING_SLOTS = 6
+#: A save hands each staging chunk to the writers in this many pieces, each as soon as it is packed, so
+#: the disk always has several writes queued (whole-chunk writes from 3 slots kept only 2 in flight).
+PIECES = 4
+#: ``restore(into=)``'s staging buffers: until the target is matched every slot reads, so the slots hold
+#: what the disk reads while the match runs: 16 x 16 MiB (256 MiB, 70-80 ms here) covers a 20,000-tensor
+#: match even with cold caches (docs/restore.md).
+READ_SLOTS = 16
+READ_SLOT_BYTES = 16 << 20
+
+
+@dataclass(frozen=True)
+class FsFacts:
+    """What the file system holding a tier's directory says about it, as plain values.
+
+    Attributes:
+        block_bytes: the file system's block size (``statvfs`` ``f_bsize``).
+        io_block_bytes: the directory's preferred I/O size (``st_blksize``; Lustre and GPFS set it from
+            the stripe or block size).
+        direct: files there can be opened with O_DIRECT.
+        dio_mem_align: the memory alignment O_DIRECT needs (``statx`` ``STATX_DIOALIGN``; None: not
+            reported).
+        dio_offset_align: the offset and length alignment O_DIRECT needs (as above).
+        readonly: the file system is mounted read-only.
+    """
+
+    # The next facts (file-system type, Lustre/GPFS/CephFS stripe unit and count, object size) go here,
+    # as plain values probed by tierckpt.io.fsutil.probe_fs, and are read by io_geometry alone.
+    block_bytes: int = PAGE
+    io_block_bytes: int = PAGE
+    direct: bool = False
+    dio_mem_align: int | None = None
+    dio_offset_align: int | None = None
+    readonly: bool = False
+
+    @property
+    def direct_alignment_bytes(self) -> int:
+        """The alignment O_DIRECT needs of memory, offsets and lengths: at least a page."""
+        return max(PAGE, self.dio_mem_align or 0, self.dio_offset_align or 0)
+
+    @property
+    def fs_block_bytes(self) -> int:
+        """The larger of ``block_bytes`` and ``io_block_bytes``, where that is a power of two from a page
+        to :data:`MAX_FS_ALIGN`; else a page."""
+        block = max(self.block_bytes, self.io_block_bytes)
+        return block if PAGE <= block <= MAX_FS_ALIGN and not block & (block - 1) else PAGE
+
+
+class Needs(Protocol):
+    """What the geometry reads of a tier's capabilities (:class:`tierckpt.tiers.base.TierCapabilities`)."""
+
+    @property
+    def device(self) -> str: ...
+    @property
+    def alignment_bytes(self) -> int: ...
+    @property
+    def min_part_bytes(self) -> int: ...
+    @property
+    def max_part_bytes(self) -> int | None: ...
+
+
+@dataclass(frozen=True)
+class IOGeometry:
+    """The sizes of one tier's I/O (docs/tiers.md, "I/O geometry"); made by :func:`io_geometry`.
+
+    Attributes:
+        alignment_bytes: memory, offsets and lengths of its reads and writes are multiples of it (the
+            checkpoint's alignment is the largest of the layout's and every tier's).
+        direct: its files are opened with O_DIRECT.
+        blob_bytes: the blob size it writes best (the hierarchy packs with the largest of its tiers').
+        one_file: a copy's blobs go into one data file (its size: the sum of the blobs') rather than a
+            file each.
+        chunk_bytes: one read or write of a copy to or from it, within its part sizes.
+        piece_bytes: one write of a save packed for it (a staging chunk is handed over in pieces).
+        queue_depth: operations in flight on its I/O engine.
+        staging_slots: staging buffers of its worker (saves packed for it, copies to it).
+        staging_slot_bytes: the size of each (its chunk; a memory tier's: the hierarchy's ``io.chunk``).
+        read_slots: staging buffers of ``restore(into=)``.
+        read_slot_bytes: the size of each.
+        min_part_bytes: its smallest write but a blob's last (its capabilities').
+        max_part_bytes: its largest write (its capabilities'; None: no bound).
+    """
+
+    alignment_bytes: int
+    direct: bool
+    blob_bytes: int
+    one_file: bool
+    chunk_bytes: int
+    piece_bytes: int
+    queue_depth: int
+    staging_slots: int
+    staging_slot_bytes: int
+    read_slots: int
+    read_slot_bytes: int
+    min_part_bytes: int = 0
+    max_part_bytes: int | None = None
+
+    def aligned_to(self, align: int) -> IOGeometry:
+        """This geometry in a checkpoint whose alignment is ``align`` (a power of two, a multiple of
+        :attr:`alignment_bytes`): every size a multiple of it, the parts still within bounds.
+
+        Raises:
+            ValueError: ``align`` is not such a power of two.
+        """
+        if align == self.alignment_bytes:
+            return self
+        if align < self.alignment_bytes or align & (align - 1):
+            raise ValueError(f"alignment {align} is not a power of two of at least {self.alignment_bytes}")
+        chunk = _within_parts(self.chunk_bytes, align, self.min_part_bytes, self.max_part_bytes)
+        # a tier that stages through its own chunk goes on doing so; a memory tier's slots are rounded up
+        slot = chunk if self.staging_slot_bytes == self.chunk_bytes else _round_up(self.staging_slot_bytes, align)
+        return replace(
+            self,
+            alignment_bytes=align,
+            blob_bytes=_round_up(self.blob_bytes, align),
+            chunk_bytes=chunk,
+            piece_bytes=_piece(slot, align, self.min_part_bytes),
+            staging_slot_bytes=slot,
+            read_slot_bytes=_round_up(self.read_slot_bytes, align),
+        )
+
+
+def _round_up(n: int, align: int) -> int:
+    return -(-n // align) * align
+
+
+def _within_parts(chunk: int, align: int, lo: int, hi: int | None) -> int:
+    """``chunk`` within ``[lo, hi]``, a multiple of ``align`` (rounded down, but never below ``lo``)."""
+    chunk = max(chunk, lo)
+    if hi is not None:
+        chunk = min(chunk, hi)
+    chunk = max(align, chunk // align * align)
+    return chunk if chunk >= lo else _round_up(lo, align)
+
+
+def _piece(chunk: int, align: int, min_part: int) -> int:
+    """A quarter chunk (:data:`PIECES`), aligned; the whole chunk where that is below the smallest part."""
+    piece = max(align, chunk // PIECES // align * align)
+    return chunk if piece < min_part else piece
+
+
+def io_geometry(
+    caps: Needs,
+    io: IOConfig,
+    facts: FsFacts | None = None,
+    *,
+    blob_bytes: int,
+    chunk_bytes: int | None = None,
+    direct: bool | None = None,
+    one_file: bool = False,
+    whole_blocks: bool = False,
+) -> IOGeometry:
+    """A tier's geometry. Pure: the same arguments always give the same sizes.
+
+    Args:
+        caps: the tier's capabilities: its alignment, part sizes and device.
+        io: the tier's ``io`` settings (the hierarchy's, with the tier's own ``io:`` entry merged in).
+        facts: its file system's facts (None: a tier without one, such as memory or an object store).
+        blob_bytes: the blob size the tier prefers (its kind's, or its ``blob_size``).
+        chunk_bytes: the tier's own chunk (its constructor's, or its kind's), over ``io.chunk_bytes``. A
+            memory tier's staging slots are the hierarchy's ``io.chunk_bytes`` whatever it says.
+        direct: the tier's own O_DIRECT setting, over ``io.direct``; only where ``facts.direct``.
+        one_file: a copy's blobs go into one data file.
+        whole_blocks: align I/O to the file system's block (:attr:`FsFacts.fs_block_bytes`), as a
+            parallel file system wants whole stripes or blocks written (the ``pfs`` kind).
+    """
+    align = caps.alignment_bytes
+    if whole_blocks and facts is not None:
+        align = max(align, facts.fs_block_bytes)
+    lo, hi = caps.min_part_bytes, caps.max_part_bytes
+    chunk = _within_parts(io.chunk_bytes if chunk_bytes is None else chunk_bytes, align, lo, hi)
+    memory = caps.device not in ("file", "object")  # its blobs are memory: staging only for device copies
+    slot = _round_up(io.chunk_bytes, align) if memory else _round_up(chunk, align)
+    wants_direct = io.direct if direct is None else direct
+    return IOGeometry(
+        alignment_bytes=align,
+        direct=wants_direct and facts is not None and facts.direct,
+        blob_bytes=_round_up(blob_bytes, align),
+        one_file=one_file,
+        chunk_bytes=chunk,
+        piece_bytes=_piece(slot, align, lo),
+        queue_depth=io.queue_depth,
+        staging_slots=STAGING_SLOTS,
+        staging_slot_bytes=slot,
+        read_slots=READ_SLOTS,
+        read_slot_bytes=_round_up(READ_SLOT_BYTES, align),
+        min_part_bytes=lo,
+        max_part_bytes=hi,
+    )
+
+
+@dataclass(frozen=True)
+class CheckpointGeometry:
+    """The sizes of a hierarchy's checkpoints; made by :func:`checkpoint_geometry`.
+
+    Attributes:
+        align_bytes: the checkpoint's alignment (extents of large tensors, blob sizes, every I/O).
+        blob_bytes: the target blob size of a save.
+        read_slots: ``restore(into=)``'s staging buffers (one pool for the hierarchy).
+        read_slot_bytes: the size of each.
+        tiers: per tier name, its geometry in that alignment (:meth:`IOGeometry.aligned_to`).
+    """
+
+    align_bytes: int
+    blob_bytes: int
+    read_slots: int
+    read_slot_bytes: int
+    tiers: Mapping[str, IOGeometry]
+
+
+def checkpoint_geometry(layout: LayoutConfig, tiers: Mapping[str, IOGeometry]) -> CheckpointGeometry:
+    """A hierarchy's checkpoint geometry: the alignment is the largest of ``layout.align_bytes`` and
+    every tier's; the blob size is ``layout.blob_bytes``, else the largest any tier prefers, rounded up
+    to the alignment; ``restore(into=)`` reads through the most and largest slots any tier asks for."""
+    align = max([layout.align_bytes, *(g.alignment_bytes for g in tiers.values())])
+    blob = layout.blob_bytes or max(g.blob_bytes for g in tiers.values())
+    aligned = {name: g.aligned_to(align) for name, g in tiers.items()}
+    return CheckpointGeometry(
+        align_bytes=align,
+        blob_bytes=_round_up(blob, align),
+        read_slots=max(g.read_slots for g in aligned.values()),
+        read_slot_bytes=max(g.read_slot_bytes for g in aligned.values()),
+        tiers=aligned,
+    )
