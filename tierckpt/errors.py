@@ -62,7 +62,7 @@ class CorruptCheckpointError(TierckptError, OSError):
         step: checkpoint step.
         blob: blob file name, when the damage is inside a blob.
         key: key path of the damaged tensor, when known.
-        rank: the rank whose copy it is, where the message names it (another rank's copy).
+        rank: the rank whose copy it is, where the message names it ("rank 1's copy": another rank's).
     """
 
     def __init__(
@@ -75,8 +75,7 @@ class CorruptCheckpointError(TierckptError, OSError):
         key: str | None = None,
         rank: int | None = None,
     ) -> None:
-        named = (("tier", tier), ("step", step), ("rank", rank), ("blob", blob), ("key", key))
-        where = [f"{k}={v}" for k, v in named if v is not None]
+        where = [f"{k}={v}" for k, v in (("tier", tier), ("step", step), ("blob", blob), ("key", key)) if v is not None]
         super().__init__(errno.EBADMSG, f"{message} [{', '.join(where)}]" if where else message)
         self.tier, self.step, self.blob, self.key, self.rank = tier, step, blob, key, rank
 

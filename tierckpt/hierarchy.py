@@ -453,9 +453,11 @@ class Hierarchy:
 
     def verify(self, step: int | None = None) -> list[tuple[int, str, BaseException | None]]:
         """Re-read every copy of ``step`` (default: every committed step) on every tier that holds it:
-        (step, tier, error or None) for each copy, of every rank the step's commit record names there
-        (in a job, every rank's copies on the shared tiers, and its node's on the node-local ones),
-        in the order (step, tier, rank).
+        (step, tier, error or None) for each copy, in the order (step, tier, rank).
+
+        Whose copies: in a job whose ranks are connected (every rank verifies), this rank's; in a
+        process alone (an evaluation or a tool: ``tierckpt verify``), every rank's that the step's
+        commit record names, on the shared tiers and on this node's node-local ones.
 
         A copy that another process evicts while it is being verified is left out (it is gone, not
         damaged); one replaced by a new save of its step is verified again. A copy the step's record
@@ -463,7 +465,8 @@ class Hierarchy:
         tier lacks while the record names it; neither is damage (their errors are not
         :class:`CorruptCheckpointError`)."""
         infos = [self._locate(step)] if step is not None else self._catalog.committed_steps()
-        checks = verify_copies(self._tiers, infos, self.rank, may_commit=self.readonly)
+        ranks = {self.rank} if self.coordinator.connects_ranks else None
+        checks = verify_copies(self._tiers, infos, self.rank, may_commit=self.readonly, ranks=ranks)
         return [(c.step, c.tier, c.error) for c in checks]
 
     # -- the end -------------------------------------------------------------------------------------------

@@ -85,7 +85,7 @@ def test_a_flipped_byte_in_rank_1s_shared_copy_fails_the_job(job: Path, capsys: 
     assert rc == 1 and bad == [(2, "pfs", 1)]
     assert main(["verify", str(job)]) == 1
     out = capsys.readouterr().out
-    assert "step 2 on pfs, rank 1: CORRUPT: checksum mismatch" in out and "rank=1" in out
+    assert "step 2 on pfs, rank 1: CORRUPT: checksum mismatch (rank 1's copy)" in out
     with Hierarchy.from_yaml(job, readonly=True) as h:  # rank 0's hierarchy checks rank 1's copies too
         errors = [(s, t, e) for s, t, e in h.verify() if e is not None]
     assert [(s, t) for s, t, _ in errors] == [(2, "pfs")] and isinstance(errors[0][2], CorruptCheckpointError)

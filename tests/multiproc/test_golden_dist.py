@@ -250,7 +250,8 @@ def expected(rank: int, world: int, sharded: bool = True) -> dict[str, Any]:
     Every rank lists the step on both tiers (its node's ``ssd`` holds the step's record) and reads it
     from its node's ``ssd`` where the copy it starts from is there (its own, or rank 0's beyond the
     saved ranks; the saving rank ``r`` was on node ``r``; another rank's copy comes from ``pfs``), else
-    from ``pfs``. It verifies its own copies: on ``pfs``, and on its node's ``ssd`` if saved there."""
+    from ``pfs``. It verifies its own copies (on ``pfs``, and on its node's ``ssd`` if saved there); a
+    process alone (one rank: no ranks to connect) verifies every saved rank's that its tiers hold."""
     listed = [[ds.DIST_STEP, ["ssd", "pfs"]]]
     tier = "ssd" if _node(rank, world) == _base(rank) else "pfs"
     reads = ["fresh", *(["into_sharded"] if sharded else []), "into_whole", "newest"]
@@ -265,7 +266,9 @@ def expected(rank: int, world: int, sharded: bool = True) -> dict[str, Any]:
         "into_whole": [],
         "newest": [],
         "verify": [[ds.DIST_STEP, t, None] for t in verified] if rank < ds.SAVED_WORLD else [],
-    }
+    } | (
+        {"verify": [[ds.DIST_STEP, "ssd", None]] + [[ds.DIST_STEP, "pfs", None]] * ds.SAVED_WORLD} if world == 1 else {}
+    )
 
 
 def _as_rank(root: Path, rank: int, world: int, **kw: Any) -> Hierarchy:
@@ -298,12 +301,6 @@ def _flip_row(rank_dir: Path, m: Any, key: str, at: int) -> None:
 def test_there_are_many_rank_fixtures() -> None:
     assert VERSIONS, f"no many-rank golden fixtures in {GOLDEN} (tests/golden/README.md)"
     assert _versions("dcp") == VERSIONS, "every version has a dist-vN and a dcp-vN fixture"
-
-
-# Bugs these fixtures found (issue 27): restore() of a sharded step on a rank beyond the saved ones opens
-# the rank's own (absent) copy; restore() without into= looks for other ranks' copies on the tier being
-# read only. The restore-job work fixes them and removes these marks (strict: a pass fails the run).
-KNOWN_BUG = pytest.mark.xfail(strict=True, reason="issue 27: sharded restore() looks on one tier / at this rank's copy")
 
 
 @versions
@@ -385,7 +382,6 @@ def test_one_process_reads_the_2_rank_checkpoint(tmp_path: Path, version: int) -
     assert read_dist(0, 1, str(root), sharded=False) == expected(0, 1, sharded=False)
 
 
-@KNOWN_BUG
 @versions
 def test_rank_1_restarting_on_its_node_reads_its_own_copy(tmp_path: Path, version: int) -> None:
     """Rank 1 of the same 2 ranks on the same nodes: its ``ssd`` holds its copy (``rep``, stored by rank
@@ -395,7 +391,6 @@ def test_rank_1_restarting_on_its_node_reads_its_own_copy(tmp_path: Path, versio
         assert h.last_restore == (ds.DIST_STEP, "ssd")
 
 
-@KNOWN_BUG
 @versions
 def test_a_rank_beyond_the_saved_ones_restores_rank_0s_part(tmp_path: Path, version: int) -> None:
     """Rank 2 of 4 (no copy of its own): ``restore()`` returns rank 0's part and ``restore(into=)``
@@ -421,11 +416,11 @@ def test_one_process_loads_the_dcp_checkpoint_without_a_process_group(tmp_path: 
         target = dcp_target(1)
         dcp.load(target, storage_reader=HierarchyReader(h, step=ds.DCP_STEP), no_dist=True)
         assert diff(target, dcp_whole()) == []
-        assert h.verify() == [(ds.DCP_STEP, "pfs", None)]
+        assert h.verify() == [(ds.DCP_STEP, "pfs", None)] * 2  # a process alone: both ranks' parts
 
 
 @versions
-@pytest.mark.parametrize("world", [1, pytest.param(2, marks=KNOWN_BUG), pytest.param(4, marks=KNOWN_BUG)])
+@pytest.mark.parametrize("world", [1, 2, 4])
 def test_ranks_read_both_fixtures(tmp_path: Path, world: int, version: int) -> None:
     """On ``world`` spawned gloo ranks: restore, restore(into=) sharded for them, listing, verify, dcp.load."""
     dist_root, dcp_root = _copy("dist", version, tmp_path), _copy("dcp", version, tmp_path)
@@ -450,15 +445,22 @@ def test_a_flipped_byte_in_rank_1s_copy_is_found(tmp_path: Path, version: int) -
         _, m = h.inspect(ds.DIST_STEP)
     _flip_row(root / "pfs" / STEP / "rank-00001", m, "state['model']['s0']", 5)
     _flip_row(root / "node1" / "ssd" / STEP / "rank-00001", m, "state['model']['big']", 4096 + 100)
-    with _as_rank(root, 1, 2) as h:
-        (s1, t1, e1), (s2, t2, e2) = h.verify()
-        assert (s1, t1, s2, t2) == (ds.DIST_STEP, "ssd", ds.DIST_STEP, "pfs")
-        assert isinstance(e1, CorruptCheckpointError) and "['big']" in str(e1), e1
-        assert isinstance(e2, CorruptCheckpointError) and "['s0']" in str(e2), e2
+    with _as_rank(root, 1, 2) as h:  # a process alone: every rank's copy its tiers hold (rank 0's on pfs too)
+        (s1, t1, e1), (s2, t2, e0), (s3, t3, e2) = h.verify()
+        assert (s1, t1, s2, t2, s3, t3) == (ds.DIST_STEP, "ssd", ds.DIST_STEP, "pfs", ds.DIST_STEP, "pfs")
+        assert isinstance(e1, CorruptCheckpointError) and "['big']" in str(e1) and e1.rank == 1, e1
+        assert isinstance(e2, CorruptCheckpointError) and "['s0']" in str(e2) and e2.rank == 1, e2
+        assert e0 is None
         with pytest.raises(CorruptCheckpointError, match=r"(?s)tier 'ssd'.*\['big'\].*tier 'pfs'.*\['s0'\]"):
             h.restore(ds.DIST_STEP, into=target_of(whole_state(1)))
     with _as_rank(root, 0, 1) as h:
         with pytest.raises(CorruptCheckpointError, match=r"rank 1's copy.*\['s0'\]"):
             h.restore(ds.DIST_STEP, into=target_of(whole_state(0)))
         assert diff(h.restore(ds.DIST_STEP), fresh_part(0)) == []
-        assert h.verify() == [(ds.DIST_STEP, "ssd", None), (ds.DIST_STEP, "pfs", None)]
+        ssd, pfs0, (step, tier, err) = h.verify()  # rank 1's pfs copy too (issue 27, finding 7)
+        assert [ssd, pfs0, (step, tier)] == [
+            (ds.DIST_STEP, "ssd", None),
+            (ds.DIST_STEP, "pfs", None),
+            (ds.DIST_STEP, "pfs"),
+        ]
+        assert isinstance(err, CorruptCheckpointError) and err.rank == 1 and "['s0']" in str(err), err

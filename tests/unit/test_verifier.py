@@ -147,7 +147,7 @@ def test_a_short_read_is_a_truncated_blob() -> None:
     with pytest.raises(CorruptCheckpointError, match=r"blob is truncated: read 100 of 4096 bytes at offset 8192") as e:
         WHERE.check_read("blob-00000.bin", 8192, 4096, 100)
     assert (e.value.tier, e.value.step, e.value.blob, e.value.rank) == ("ssd", 7, "blob-00000.bin", None)
-    with pytest.raises(CorruptCheckpointError, match=r"rank=3, blob=blob-00001.bin"):
+    with pytest.raises(CorruptCheckpointError, match=r"\(rank 3's copy\) \[tier=pfs, step=7, blob=blob-00001.bin\]"):
         Where("pfs", 7, rank=3).check_read("blob-00001.bin", 0, 10, 0)
 
 

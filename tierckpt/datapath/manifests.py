@@ -43,7 +43,10 @@ class UnnamedCopyError(CheckpointNotFoundError):
             f"(of {world_size} ranks): a save of step {step} again replaced it and has not committed, or was "
             "killed before its commit"
         )
-        self.tier, self.step, self.rank = tier, step, rank
+        self.tier, self.step, self.rank, self.world_size = tier, step, rank, world_size
+
+    def __reduce__(self) -> tuple[type[UnnamedCopyError], tuple[str, int, int, int]]:
+        return type(self), (self.tier, self.step, self.rank, self.world_size)  # pickled whole (DCP sends errors)
 
 
 def absent(tier: Tier, key: CheckpointKey, e: CheckpointNotFoundError, tiers: str = "") -> BaseException:

@@ -84,13 +84,16 @@ def restore_sharded(
     return target
 
 
-def read_sharded(tier: Tier, key: CheckpointKey, *, allow_pickle: bool) -> Any:
+def read_sharded(
+    tier: Tier, key: CheckpointKey, *, allow_pickle: bool, others: Sequence[Tier] = ()
+) -> tuple[Any, Manifest]:
     """The state of rank ``key.rank``'s copy as fresh CPU tensors, each DTensor shard as the plain
     tensor of the box that rank saved (a replicated shard it did not store is read from the replica
-    that did)."""
-    copies = Copies(tier, key.step, allow_pickle)
+    that did, from ``tier`` or else the first of ``others`` that holds its copy); rank 0's where
+    ``key.rank`` is beyond the ranks that saved. Returns the state and the manifest it was read by."""
+    copies = Copies(tier, key.step, allow_pickle, others)
     try:
-        base = copies.get(key.rank)
+        base = copies.base(key.rank)
         m = base.m
         tree, ref = load_tree(tier, key, m, allow_pickle=allow_pickle)
         t = m.tensors
@@ -108,7 +111,7 @@ def read_sharded(tier: Tier, key: CheckpointKey, *, allow_pickle: bool) -> Any:
         Filler(copies, base).fill(dests)
     finally:
         copies.close()
-    return resolve_tree(tree, ref, made.__getitem__, len(made))
+    return resolve_tree(tree, ref, made.__getitem__, len(made)), m
 
 
 def read_box(

@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -24,7 +24,7 @@ from tierckpt.errors import CheckpointNotFoundError, CorruptCheckpointError
 from tierckpt.format.manifest import Manifest, dtype_from_name
 from tierckpt.format.tree import decode_tree, resolve_tree
 from tierckpt.io.buffers import MappedBuffer
-from tierckpt.tiers.base import CheckpointKey, Tier, TierCopy, TierReader
+from tierckpt.tiers.base import CheckpointKey, Tier, TierReader
 
 __all__ = ["read_checkpoint", "verify_checkpoint"]
 
@@ -101,15 +101,6 @@ def _read_blobs(
     return bufs
 
 
-def _open(tier: Tier, key: CheckpointKey) -> TierCopy:
-    """``tier.open_copy(key)``; a copy the tier lacks while it holds the step's record (it never had it)
-    is an I/O error naming it, not one that went away (:func:`~tierckpt.datapath.manifests.absent`)."""
-    try:
-        return tier.open_copy(key)
-    except CheckpointNotFoundError as e:
-        raise absent(tier, key, e) from e
-
-
 def _no_tensor(i: int) -> Any:
     return None
 
@@ -135,17 +126,31 @@ def verify_checkpoint(tier: Tier, key: CheckpointKey, *, name_rank: bool = False
     return m
 
 
-def read_checkpoint(tier: Tier, key: CheckpointKey, *, allow_pickle: bool = False) -> tuple[Any, Manifest]:
+def read_checkpoint(
+    tier: Tier, key: CheckpointKey, *, allow_pickle: bool = False, others: Sequence[Tier] = ()
+) -> tuple[Any, Manifest]:
     """Read, verify and rebuild the state of ``key`` from ``tier`` as fresh CPU tensors.
+
+    A sharded checkpoint (DTensor shards, some stored by other ranks) is read by
+    :func:`~tierckpt.datapath.reshard.read_sharded`: another rank's copy that ``tier`` lacks comes from
+    the first of ``others`` that holds it, and a rank beyond the ranks that saved reads rank 0's part.
 
     Raises:
         CorruptCheckpointError: naming the tier, blob and key of what failed validation.
         StateError: the checkpoint holds pickled values and ``allow_pickle`` is False.
+        CheckpointNotFoundError: the copy went away (evicted: the step's record too).
+        TierIOError: ``tier`` holds the step's record, not the copy this rank reads (``ENOENT``).
     """
-    with _open(tier, key) as copy:  # one copy, whatever other processes do to the step meanwhile
+    try:
+        opened = tier.open_copy(key)
+    except CheckpointNotFoundError as e:
+        if absent(tier, key, e) is e:  # gone: the restore looks again
+            raise
+        return read_sharded(tier, key, allow_pickle=allow_pickle, others=others)  # a step saved by other ranks
+    with opened as copy:  # one copy, whatever other processes do to the step meanwhile
         m = load_manifest(tier, key, allow_pickle=allow_pickle, copy=copy)
         if m.sharding:  # DTensor shards, some stored by other ranks: datapath/reshard.py
-            return read_sharded(tier, key, allow_pickle=allow_pickle), m
+            return read_sharded(tier, key, allow_pickle=allow_pickle, others=others)
         tree, ref = load_tree(tier, key, m, allow_pickle=allow_pickle)  # valid before a blob is opened
         cache: dict[int, torch.Tensor] = {}
         t = m.tensors

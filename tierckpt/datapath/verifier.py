@@ -57,7 +57,9 @@ class Where:
     rank: int | None = None
 
     def error(self, message: str, *, blob: str | None = None, key: str | None = None) -> CorruptCheckpointError:
-        """A damage error naming this copy."""
+        """A damage error naming this copy (``… (rank 1's copy) [tier=…, step=…, blob=…, key=…]``)."""
+        if self.rank is not None:
+            message += f" (rank {self.rank}'s copy)"
         return CorruptCheckpointError(message, tier=self.tier, step=self.step, blob=blob, key=key, rank=self.rank)
 
     def check_read(self, blob: str, offset: int, want: int, got: int) -> None:

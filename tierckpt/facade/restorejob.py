@@ -92,8 +92,9 @@ class CopyReader:
     def __call__(self, step: int, tier: str, replicas: ReplicaExchange | None) -> Any:
         t = next(x for x in self.tiers if x.name == tier)
         key = CheckpointKey(step, self.rank)
-        if self.into is None:
-            return read_checkpoint(t, key, allow_pickle=self.allow_pickle)[0]
+        if self.into is None:  # another rank's copy that ``t`` lacks: from the first other tier holding it
+            others = [x for x in self.tiers if x is not t]
+            return read_checkpoint(t, key, allow_pickle=self.allow_pickle, others=others)[0]
         return self.staging.restore(
             t, key, self.into, allow_pickle=self.allow_pickle, strict=self.strict, replicas=replicas
         )
