@@ -388,7 +388,9 @@ class Hierarchy:
         says which). Another process may save and evict on the same tiers meanwhile (an evaluation job
         following a training run): a copy is read as the snapshot it was when opened, and one that is
         evicted or replaced before it is fully opened makes the restore look again (docs/restore.md,
-        "What a reader sees"); it is never reported as damaged.
+        "What a reader sees"); it is never reported as damaged. Nor is a copy the step's commit record
+        does not name (a save of the step again that did not commit): the next tier's copy is read, else
+        the newest older step. In a job, every rank restores the same step (docs/distributed.md).
 
         Args:
             step: the step, or None for the newest that restores.
@@ -410,9 +412,11 @@ class Hierarchy:
 
         Raises:
             CheckpointNotFoundError: no such step; :class:`CheckpointEvictedError` where ``step`` was
-                evicted by another process while it was being opened.
+                evicted by another process while it was being opened; where the step's copies are not
+                the ones its commit records name.
             CorruptCheckpointError: every copy failed validation; with several copies (or older steps
                 to suggest) one error names every tier's failure and the older committed steps.
+            TierIOError: no copy could be read, one of them for an I/O error (or a copy no tier holds).
             StateError: ``into`` does not match the checkpoint, or it holds pickled values.
             CoordinationError: in a job, another rank failed its part of the agreement on the step or of
                 the exchange of replicated DTensors (naming it and its error), or did not take part in
