@@ -21,7 +21,7 @@ from tierckpt.background.held import HeldCopies
 from tierckpt.background.worker import Worker
 from tierckpt.datapath.blobcopy import copy_blobs, write_chunk, writer_for
 from tierckpt.datapath.manifests import load_manifest
-from tierckpt.errors import CheckpointNotFoundError, TierckptError, TierFullError
+from tierckpt.errors import CheckpointNotFoundError, DeviceFullError, TierckptError, TierFullError
 from tierckpt.format.manifest import BlobEntry
 from tierckpt.io.buffers import StagingPool
 from tierckpt.policies.placement import Copy, CopyPlan, MakeRoom, Policy, Retain, place
@@ -283,16 +283,18 @@ class Mover:
     # -- room -------------------------------------------------------------------------------------------
     def reserve(self, tier: Tier, key: CheckpointKey, blobs: Sequence[BlobEntry]) -> TierWriter:
         """Reserve room on ``tier`` (a writer that honours the tier's declared write order). When it is
-        full, do what its :class:`~tierckpt.policies.MakeRoom` plan says: evict its oldest copy that
-        another tier holds (never a pinned or held one); or wait for the transfers that pin copies on it
-        (``on_full: wait``, backpressure); or fail (``on_full: fail``, or nothing will free room)."""
+        full (its capacity, or its device: :class:`~tierckpt.errors.DeviceFullError`), do what its
+        :class:`~tierckpt.policies.MakeRoom` plan says: evict its oldest copy that another tier holds (a
+        lower one, for a full device; never a pinned or held one); or wait for the transfers that pin
+        copies on it (``on_full: wait``, backpressure); or fail (``on_full: fail``, or nothing will free
+        room)."""
         while True:
             try:
                 return writer_for(tier, tier.reserve(key, blobs), blobs)
             except TierFullError as full:
                 self.apply_retention()
                 committed = self.ranks.listing.committed_all()
-                event = MakeRoom(tier.name, key.step)
+                event = MakeRoom(tier.name, key.step, device=isinstance(full, DeviceFullError))
                 room = place(event, self.policy, self.catalog.view(committed, self.held.copies()))
                 if room.victims:
                     log.info("tier %r is full: evicting step %d (another tier holds it)", tier.name, room.victims[0])
