@@ -236,11 +236,18 @@ def test_a_tier_lists_legacy_copies_and_steps_saved_by_another_number_of_ranks()
     assert unrecorded_copies(holdings) == [2]
 
 
-def test_strays_are_copies_of_ranks_beyond_the_job_of_steps_without_a_record() -> None:
-    """Finding 4: one rank looks (rank 0 on a shared tier, a node's lowest rank on its node-local one),
-    at copies of ranks beyond this job's world size only, of steps without a record."""
-    listing = TierHoldings("pfs", records=frozenset({1}), ranks={1: frozenset({0, 5}), 2: frozenset({0, 1, 2, 3})})
-    assert stray_copies(listing, ThisRank(0, 2)) == [EvictCopy("pfs", 2, 2), EvictCopy("pfs", 2, 3)]
+def test_strays_are_copies_of_ranks_beyond_the_job_no_record_names() -> None:
+    """Finding 4: one rank looks (rank 0 on a shared tier, a node's lowest rank on its node-local one), at
+    copies of ranks beyond this job's world size of steps without a record (2) or whose record names fewer
+    ranks (3: saved again by this job); a record naming them (1) or unreadable (4) leaves them to the
+    step's eviction."""
+    listing = TierHoldings(
+        "pfs",
+        records=frozenset({1, 3, 4}),
+        record_sizes={1: 8, 3: 2, 4: None},
+        ranks={s: frozenset({0, 1, 2, 3}) for s in (1, 2, 3, 4)},
+    )
+    assert stray_copies(listing, ThisRank(0, 2)) == [EvictCopy("pfs", s, r) for s in (2, 3) for r in (2, 3)]
     assert stray_copies(TierHoldings("pfs", records=frozenset({1})), ThisRank(0, 2)) == []  # not every rank's
     assert sweeps_strays(ThisRank(0, 2), shared=True) and not sweeps_strays(ThisRank(1, 2), shared=True)
     assert sweeps_strays(ThisRank(2, 4, frozenset({2, 3})), shared=False)

@@ -32,8 +32,8 @@ class Listing:
 
     What a tier's listing showed (its :class:`~tierckpt.policies.protocol.TierHoldings`) is kept until
     the next one: the rank executor's orphan sweep judges the copies it showed without a record. The
-    first listing of a persistent tier whose stray copies this rank sweeps
-    (:func:`~tierckpt.policies.protocol.sweeps_strays`) looks at every rank's copies, and is kept until
+    first listing of a persistent tier by a retention pass, where this rank sweeps the tier's strays
+    (:func:`~tierckpt.policies.protocol.sweeps_strays`), looks at every rank's copies, and is kept until
     the sweep takes it. The number of ranks a record names is read once a step and tier (until the step
     is evicted), and the format version of a record-less copy this hierarchy never wrote once (it stays
     legacy).
@@ -61,15 +61,17 @@ class Listing:
         self._warned_order = False
 
     # -- one tier ---------------------------------------------------------------------------------------
-    def holdings(self, tier: Tier) -> TierHoldings | None:
-        """What ``tier`` holds for this rank now (None, with a warning, when it cannot list)."""
+    def holdings(self, tier: Tier, everyone: bool = False) -> TierHoldings | None:
+        """What ``tier`` holds for this rank now (None, with a warning, when it cannot list); with
+        ``everyone``, every rank's copies too if this rank sweeps the tier's strays and has not listed
+        them yet."""
         name = tier.name
         states = self.catalog.states()
         with self._lock:
             sizes = {s: n for (s, t), n in self._sizes.items() if t == name}
             # a copy this hierarchy writes or wrote is read again: it may have replaced a legacy one
             versions = {s: v for (s, t), v in self._versions.items() if t == name and name not in states.get(s, {})}
-            everyone = name in self._everyone and self._everyone[name] is None
+            everyone = everyone and name in self._everyone and self._everyone[name] is None
         try:
             got = read_holdings(tier, self.me.rank, sizes, versions, every_rank=everyone)
         except OSError as e:
@@ -85,25 +87,27 @@ class Listing:
             )
         return got
 
-    def _listed(self, tier: Tier) -> list[int] | None:
-        got = self.holdings(tier)
+    def _listed(self, tier: Tier, everyone: bool = False) -> list[int] | None:
+        got = self.holdings(tier, everyone)
         return None if got is None else listed_steps(got, self.me.world_size)
 
-    def committed(self, tier: Tier) -> list[int]:
+    def committed(self, tier: Tier, everyone: bool = False) -> list[int]:
         """The steps of this rank committed on ``tier``, oldest first ([] with a warning when it cannot
-        list); a tier whose listing is not cheap is listed once, then followed by the catalog."""
+        list); a tier whose listing is not cheap is listed once, then followed by the catalog.
+        ``everyone``: see :meth:`holdings` (a retention pass asks: a read-only hierarchy never pays for
+        a listing of every rank's copies)."""
         followed = self.catalog.followed(tier.name)
         if followed is not None:
             return sorted(followed)
-        steps = self._listed(tier)
+        steps = self._listed(tier, everyone)
         if steps is None:
             return []
         followed = self.catalog.follow(tier.name, steps)
         return steps if followed is None else sorted(followed)
 
-    def committed_all(self) -> dict[str, list[int]]:
+    def committed_all(self, everyone: bool = False) -> dict[str, list[int]]:
         """:meth:`committed` of every tier, fastest first."""
-        return {t.name: self.committed(t) for t in self.tiers}
+        return {t.name: self.committed(t, everyone) for t in self.tiers}
 
     def unrecorded(self) -> list[tuple[int, str]]:
         """This rank's copies the last listing of each tier showed without a record (see

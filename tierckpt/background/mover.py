@@ -327,7 +327,7 @@ class Mover:
         a pass without one (after a promotion, a failed commit, for a full tier) leaves shared tiers to
         the next commit."""
         with self._evict_lock:
-            committed = self.ranks.listing.committed_all()
+            committed = self.ranks.listing.committed_all(everyone=True)
             plan = self.ranks.agree(place(Retain(), self.policy, self.catalog.view(committed)), shared)
             self.held.update(plan.held)
             self.ranks.sweep()

@@ -36,8 +36,8 @@ rule                                         decides
                                              full shared tier removes it too), and which copies the evicting
                                              rank removes: its own, and those of ranks no rank of this job
                                              owns after a world-size change (:func:`unowned_ranks`)
-:func:`sweeps_strays`, :func:`stray_copies`  record-less copies of ranks beyond this job's world size (a
-                                             larger job killed before it committed): who removes them
+:func:`sweeps_strays`, :func:`stray_copies`  copies of ranks beyond this job's world size no record names
+                                             (a larger job killed before it committed): who removes them
 ===========================================  ============================================================
 """
 
@@ -103,8 +103,8 @@ class TierHoldings:
         tier: the tier's name.
         own: the steps of which this rank's copy is in place (its manifest durable).
         records: the steps whose commit record the tier holds.
-        record_sizes: for each step with a record but no copy of this rank, the number of ranks its record
-            names (None: unreadable).
+        record_sizes: for each step with a record but no copy of this rank (a listing of every rank's
+            copies: each step with a record), the number of ranks its record names (None: unreadable).
         versions: for each copy of this rank without a record, its manifest's format version (None:
             unreadable).
         ranks: per step, the ranks whose copies the tier holds, when the listing looked at every rank's
@@ -402,17 +402,24 @@ def sweeps_strays(me: ThisRank, *, shared: bool) -> bool:
 
 
 def stray_copies(holdings: TierHoldings, me: ThisRank) -> list[EvictCopy]:
-    """The copies of ranks beyond this job's world size of steps without a record, of a listing that
-    looked at every rank's copies (``holdings.ranks``; none otherwise). A larger job died before it
-    committed the step: no record names them and no rank of this job owns them, so nothing else ever
-    removes them (:func:`sweeps_strays` says which rank looks). A step with a record is left to its
-    eviction (:func:`eviction` removes the copies of the ranks its record names that no rank of this job
-    owns). Copies of ranks of this job are never strays, whatever node they are on: a node-local
-    directory shared by mistake holds the copies other nodes' ranks are writing."""
+    """The copies of ranks beyond this job's world size that no record names, of a listing that looked at
+    every rank's copies (``holdings.ranks``; none otherwise): of a step without a record (a larger job
+    died before it committed it), or whose record names fewer ranks (``holdings.record_sizes``; a step
+    this job saved again). No rank of this job owns them and nothing else ever removes them
+    (:func:`sweeps_strays` says which rank looks). The copies a record names are left to the step's
+    eviction (:func:`eviction` removes those no rank of this job owns), and so are those of a record
+    that cannot be read. Copies of ranks of this job are never strays, whatever node they are on: a
+    node-local directory shared by mistake holds the copies other nodes' ranks are writing."""
+
+    def named(step: int, rank: int) -> bool:
+        if step not in holdings.records:
+            return False
+        size = holdings.record_sizes.get(step)
+        return size is None or rank < size
+
     return [
         EvictCopy(holdings.tier, step, r)
         for step, ranks in sorted((holdings.ranks or {}).items())
-        if step not in holdings.records
         for r in sorted(ranks)
-        if r >= me.world_size
+        if r >= me.world_size and not named(step, r)
     ]

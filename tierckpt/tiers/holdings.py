@@ -27,7 +27,7 @@ def read_holdings(
     of a step without a copy of ``rank`` names, and the format version of each copy without a record
     (those in ``known_sizes`` / ``known_versions`` are taken from there instead of read again). With
     ``every_rank``, every rank's copies are listed too (on a file tier a ``readdir`` a step and a ``stat``
-    a copy, instead of one ``stat`` a step).
+    a copy, instead of one ``stat`` a step), and the world size of every record is read.
 
     Raises:
         OSError: the tier cannot list.
@@ -42,7 +42,10 @@ def read_holdings(
         tier.name,
         own,
         records,
-        {s: sizes[s] if s in sizes else record_world_size(tier, s) for s in sorted(records - own)},
+        {
+            s: sizes[s] if s in sizes else record_world_size(tier, s)
+            for s in sorted(records if every_rank else records - own)
+        },
         {
             s: versions[s] if s in versions else copy_version(tier, CheckpointKey(s, rank))
             for s in sorted(own - records)
