@@ -24,6 +24,7 @@ from tierckpt.policies.protocol import (
     orphan,
     rank_evictions,
     removes_record,
+    resharded_steps,
     shared_decision,
     still_unknown,
     stray_copies,
@@ -233,6 +234,7 @@ def test_a_tier_lists_legacy_copies_and_steps_saved_by_another_number_of_ranks()
         versions={1: 4, 2: 5},  # 1: written before records existed
     )
     assert listed_steps(holdings, 4) == [1, 3, 4]
+    assert resharded_steps(holdings, 4) == [4]
     assert unrecorded_copies(holdings) == [2]
 
 

@@ -23,9 +23,9 @@ rule                                         decides
                                              outcome keeps the copy
 :func:`still_unknown`                        until when a copy whose commit outcome is unknown is kept (rank
                                              0 published a later commit on that tier)
-:func:`listed_steps`                         which steps a tier lists for this rank: its copies with a
-                                             record, legacy copies (format 4 and older), steps saved by
-                                             another number of ranks
+:func:`listed_steps`,                        which steps a tier lists for this rank: its copies with a
+:func:`resharded_steps`                      record, legacy copies (format 4 and older), steps saved by
+                                             another number of ranks (listed by their record alone)
 :func:`unrecorded_copies`, :func:`orphan`    which record-less copies of this rank go (orphans), and which
                                              stay (a commit in flight, an unknown outcome, a copy a
                                              transfer reads)
@@ -69,6 +69,7 @@ __all__ = [
     "orphan",
     "rank_evictions",
     "removes_record",
+    "resharded_steps",
     "shared_decision",
     "still_unknown",
     "stray_copies",
@@ -276,8 +277,14 @@ def listed_steps(holdings: TierHoldings, world_size: int) -> list[int]:
     wherever they are: on a node-local tier the node's directory may lack them)."""
     out = set(holdings.own & holdings.records)
     out |= {s for s in holdings.own - holdings.records if _legacy(holdings.versions.get(s))}
-    out |= {s for s in holdings.records - holdings.own if holdings.record_sizes.get(s) not in (None, world_size)}
-    return sorted(out)
+    return sorted(out | set(resharded_steps(holdings, world_size)))
+
+
+def resharded_steps(holdings: TierHoldings, world_size: int) -> list[int]:
+    """Of :func:`listed_steps`, those listed for this rank only because their record names another
+    number of ranks: the tier holds no copy of this rank, and a restore reads other ranks' copies, which
+    a node-local tier may not hold either (they are on the saving job's other nodes)."""
+    return sorted(s for s in holdings.records - holdings.own if holdings.record_sizes.get(s) not in (None, world_size))
 
 
 def unrecorded_copies(holdings: TierHoldings) -> list[int]:
