@@ -15,6 +15,7 @@ __all__ = [
     "ConfigError",
     "CoordinationError",
     "CorruptCheckpointError",
+    "DeviceFullError",
     "StateError",
     "TierBusyError",
     "TierFullError",
@@ -115,6 +116,19 @@ class TierFullError(TierckptError, OSError):
         return str(self.strerror)
 
     __reduce__ = _by_message
+
+
+class DeviceFullError(TierFullError, TierIOError):
+    """A tier's device (its file system) has no room for a checkpoint that would fit on it empty: a
+    :class:`TierFullError`, so the hierarchy makes room as for a full ``capacity`` (evicting the oldest
+    copies a lower tier holds), and a :class:`TierIOError` with the device's ``errno`` (``ENOSPC``,
+    ``EDQUOT``), as it was before it was told apart."""
+
+    def __init__(self, errno_: int, message: str, filename: str | None = None) -> None:
+        OSError.__init__(self, errno_, message, filename)
+
+    def __str__(self) -> str:
+        return str(self.strerror)
 
 
 class TierBusyError(TierckptError, BlockingIOError):

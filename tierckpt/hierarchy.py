@@ -150,6 +150,7 @@ class Hierarchy:
         self.align = self._geometry.align_bytes
         self._catalog = Catalog(self._tiers, self.rank, now=_clock(), world_size=self.world_size)
         self._mover = Mover(self._tiers, self.placement, self._catalog, self.coordinator, self._geometry.tiers)
+        self._listing = self._mover.ranks.listing
         self._pending = Pending()
         self._lock = threading.RLock()
         self._closed = False
@@ -283,7 +284,7 @@ class Hierarchy:
         key = CheckpointKey(step, self.rank)
         with self._lock:
             plan = self._plan_save(key)
-            self._catalog.saw_step(step)
+            self._listing.saw_step(step)
             handle = SaveHandle(step, plan.tiers)
             self._pending.add_save(handle)
             self._catalog.plan(step, plan.tiers)
@@ -300,7 +301,7 @@ class Hierarchy:
         tier that holds one; only a step no newer than one seen before can be held anywhere, so a new
         step asks no tier (a save must not wait for a slow shared tier)."""
         holders: list[str] = []
-        if key.step <= self._catalog.newest_step():
+        if key.step <= self._listing.newest_step():
             holders = [t.name for t in self._tiers[1:] if holds(t, key)]
         # a plan from counts alone is the same on every rank; one that reads the clock reads one rank's
         now = _clock()
@@ -357,14 +358,14 @@ class Hierarchy:
     def checkpoints(self) -> list[CheckpointInfo]:
         """This rank's steps, oldest first: where each is committed, and its state on every tier
         (``pending``, ``writing``, ``committed``, ``failed``, ``evicting`` or ``absent``)."""
-        return self._catalog.listing()
+        return self._listing.checkpoints()
 
     def _locate(self, step: int | None, tier: str | None = None) -> CheckpointInfo:
         if step is not None:
             check_step(step)
         if tier is not None:
             self.tier(tier)
-        return self._catalog.locate(step, tier)
+        return self._listing.locate(step, tier)
 
     @gc_paused()
     def restore(
@@ -430,7 +431,7 @@ class Hierarchy:
             self.tier(tier)
         job = RestoreJob(
             CopyReader(self._tiers, self.rank, self._in_place, into, allow_pickle=allow_pickle, strict=strict),
-            lambda: self._catalog.committed_steps(tier),
+            lambda: self._listing.committed_steps(tier),
             self.coordinator,
             into=into,
             where=f"rank {self.rank} on " + (f"tier {tier!r}" if tier else "any tier"),
@@ -468,7 +469,7 @@ class Hierarchy:
         does not name (a save of the step again that did not commit) is reported, as is one a shared
         tier lacks while the record names it; neither is damage (their errors are not
         :class:`CorruptCheckpointError`)."""
-        infos = [self._locate(step)] if step is not None else self._catalog.committed_steps()
+        infos = [self._locate(step)] if step is not None else self._listing.committed_steps()
         ranks = {self.rank} if self.coordinator.connects_ranks else None
         checks = verify_copies(self._tiers, infos, self.rank, may_commit=self.readonly, ranks=ranks)
         return [(c.step, c.tier, c.error) for c in checks]
@@ -485,7 +486,7 @@ class Hierarchy:
             return False
         if self.readonly:  # it copied nothing, and must copy nothing
             return True
-        infos = self._catalog.committed_steps()
+        infos = self._listing.committed_steps()
         newest = infos[-1] if infos else None
         event = Close(newest.step, newest.tiers) if newest else Close(None)
         plan: CopyPlan = place(event, self.placement, self._catalog.view())

@@ -88,3 +88,39 @@ def test_a_job_of_fewer_ranks_evicts_the_copies_of_the_ranks_it_does_not_have(tm
         h.save({"w": torch.zeros(8), "step": 3}, step=3).wait()
     assert copies(tmp_path / "pfs") == ["3/0"]
     eng.close()
+
+
+def test_a_smaller_job_removes_the_uncommitted_copies_of_the_ranks_beyond_it(tmp_path: Path, run_ranks: Any) -> None:
+    """A 4-rank job (two simulated nodes) killed before step 2's records: every rank's copy, no record,
+    on the node-local ssd and the pfs. A 2-rank job (one rank a node) restores step 1 and saves step 2
+    again: the copies of ranks 2-3 go with its first retention pass (rank 0 on the pfs, the lowest rank
+    of a node on its ssd), and step 2 is the new save's, whole. (Rank 1's old copy on node 0's ssd stays:
+    rank 1 now runs on node 1, and a rank of this job may be writing there: docs/distributed.md.)"""
+    eng = make_engine("threads", 2)
+
+    def tiers(node: int) -> list[Any]:
+        return [
+            LocalTier("ssd", tmp_path / f"node{node}", eng, job="j"),
+            PfsTier("pfs", tmp_path / "pfs", eng, job="j"),
+        ]
+
+    def job(n: int, node: Any, steps: list[int], restore: bool) -> list[Any]:
+        cs = coordinators(run_ranks, n, node)
+
+        def body(r: int) -> Any:
+            with Hierarchy(tiers(cs[r].node), coordinator=cs[r], job="j") as h:
+                got = h.restore()["step"] if restore else None
+                for step in steps:
+                    h.save({"w": torch.full((8,), float(10 * step + r)), "step": step}, step=step).wait()
+                return got
+
+        return run_ranks(n, body)
+
+    job(4, lambda r: r // 2, [1, 2], restore=False)
+    for d in ("node0", "node1", "pfs"):
+        (tmp_path / d / "step-000000000002" / "commit").unlink()
+    assert job(2, lambda r: r, [2], restore=True) == [1, 1]
+    assert copies(tmp_path / "pfs") == ["1/0", "1/1", "1/2", "1/3", "2/0", "2/1"]
+    assert copies(tmp_path / "node1") == ["1/2", "1/3", "2/1"]  # the 4-rank job's step 1 is committed
+    assert copies(tmp_path / "node0") == ["1/0", "1/1", "2/0", "2/1"]
+    eng.close()

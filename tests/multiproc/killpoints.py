@@ -40,7 +40,7 @@ def arm(point: str, step: int) -> None:
     """Make this process die at ``point`` of its save of ``step``."""
     import tierckpt.tiers._files as files
     import tierckpt.tiers._filewrite as filewrite
-    from tierckpt.ranks.commit import Commits
+    from tierckpt.background.executor import RankExecutor
     from tierckpt.ranks.distributed import StoreCoordinator
 
     if point in ("write_top", "write_demotion"):
@@ -57,7 +57,7 @@ def arm(point: str, step: int) -> None:
         filewrite.FileWriter.write = write_then_die  # type: ignore[method-assign]
     elif point in ("before_gather", "after_commit"):
         tier = "ssd" if point == "before_gather" else "pfs"
-        publish = Commits.publish
+        publish = RankExecutor.publish
 
         def publish_around(self: Any, t: Any, key: Any, manifest: bytes, then: Any) -> Any:
             hit = t.name == tier and key.step == step
@@ -68,7 +68,7 @@ def arm(point: str, step: int) -> None:
                 die()
             return out
 
-        Commits.publish = publish_around  # type: ignore[method-assign]
+        RankExecutor.publish = publish_around  # type: ignore[method-assign]
     elif point == "in_gather":
         wait = StoreCoordinator._wait
 

@@ -178,3 +178,12 @@ def test_a_policy_naming_what_is_not_there_is_refused(kw: dict[str, object], mat
 def test_an_unknown_event_is_refused() -> None:
     with pytest.raises(TypeError, match="unknown event"):
         place(object(), policy(), CatalogView())  # type: ignore[call-overload]  # deliberately not an event
+
+
+def test_a_full_device_gives_up_only_copies_a_lower_tier_holds() -> None:
+    """Finding 10: a device that ran out (not a capacity) evicts the oldest copy a slower tier keeps; the
+    bottom tier has none to give up, and a copy only a faster tier holds stays."""
+    view = CatalogView(committed={"host": [1, 2, 3], "ssd": [1, 2, 3], "pfs": [2]})
+    assert place(MakeRoom("ssd", 4, device=True), policy(), view).victims == (2,)
+    assert place(MakeRoom("ssd", 4), policy(), view).victims == (1, 2, 3)  # a capacity: any other tier
+    assert place(MakeRoom("pfs", 4, device=True), policy(), view).victims == ()

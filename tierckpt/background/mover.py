@@ -15,18 +15,17 @@ from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 
 from tierckpt.background.catalog import Catalog
+from tierckpt.background.executor import RankExecutor
 from tierckpt.background.held import HeldCopies
 from tierckpt.background.worker import Worker
 from tierckpt.datapath.blobcopy import copy_blobs, staging_for, writer_for
 from tierckpt.datapath.manifests import load_manifest
-from tierckpt.errors import CheckpointNotFoundError, TierckptError, TierFullError
+from tierckpt.errors import CheckpointNotFoundError, DeviceFullError, TierckptError, TierFullError
 from tierckpt.format.manifest import BlobEntry
-from tierckpt.format.record import decode_record
 from tierckpt.io.buffers import StagingPool
 from tierckpt.io.geometry import IOGeometry
 from tierckpt.policies.placement import Copy, CopyPlan, MakeRoom, Policy, Retain, place
-from tierckpt.policies.retention import RetentionPlan
-from tierckpt.ranks.commit import Commits, DecisionKeys
+from tierckpt.ranks.commit import DecisionKeys
 from tierckpt.ranks.coordinator import Coordinator
 from tierckpt.tiers.base import CheckpointKey, Tier, TierWriter
 
@@ -117,13 +116,11 @@ class Mover:
         self.rank = coordinator.rank
         self.geometries = dict(geometries)
         self.workers = {t.name: Worker(t.name, _pool_of(self.geometries[t.name])) for t in tiers}
-        self._shared = {t.name for t in tiers if t.capabilities.shared}
         self._evict_lock = threading.Lock()
-        self._unowned: dict[tuple[str, int], list[int]] = {}  # (tier, step): copies rank 0 evicts with its own
         self._full_logged: set[str] = set()
         self.held = HeldCopies(catalog)  # copies retention keeps beyond their window, and why
         self.keys = DecisionKeys()
-        self.commits = Commits(coordinator, self.keys)
+        self.ranks = RankExecutor(tiers, catalog, coordinator, self.keys)  # the many-rank protocol's plans
 
     # -- plans ------------------------------------------------------------------------------------------
     def execute(self, plan: CopyPlan) -> dict[str, Future[None]]:
@@ -173,11 +170,10 @@ class Mover:
                 try:
                     manifest = job(room)
                 except BaseException:
-                    self.commits.abandon(room.tier, key)
+                    self.ranks.abandon(room.tier, key)
                     raise
                 if manifest is not None:
-                    shared = self.commits.publish(room.tier, key, manifest, self._shared_evictions)
-                    self.catalog.decided(tier)
+                    shared = self.ranks.publish(room.tier, key, manifest, self._shared_evictions)
             except BaseException as e:
                 error = e
                 self.catalog.set(step, tier, "failed", e)
@@ -295,20 +291,22 @@ class Mover:
     # -- room -------------------------------------------------------------------------------------------
     def reserve(self, tier: Tier, key: CheckpointKey, blobs: Sequence[BlobEntry]) -> TierWriter:
         """Reserve room on ``tier`` (a writer that honours the tier's declared write order). When it is
-        full, do what its :class:`~tierckpt.policies.MakeRoom` plan says: evict its oldest copy that
-        another tier holds (never a pinned or held one); or wait for the transfers that pin copies on it
-        (``on_full: wait``, backpressure); or fail (``on_full: fail``, or nothing will free room)."""
+        full (its capacity, or its device: :class:`~tierckpt.errors.DeviceFullError`), do what its
+        :class:`~tierckpt.policies.MakeRoom` plan says: evict its oldest copy that another tier holds (a
+        lower one, for a full device; never a pinned or held one); or wait for the transfers that pin
+        copies on it (``on_full: wait``, backpressure); or fail (``on_full: fail``, or nothing will free
+        room)."""
         while True:
             try:
                 return writer_for(tier, tier.reserve(key, blobs), blobs)
             except TierFullError as full:
                 self.apply_retention()
-                committed = self.catalog.committed_all()
-                event = MakeRoom(tier.name, key.step)
+                committed = self.ranks.listing.committed_all()
+                event = MakeRoom(tier.name, key.step, device=isinstance(full, DeviceFullError))
                 room = place(event, self.policy, self.catalog.view(committed, self.held.copies()))
                 if room.victims:
                     log.info("tier %r is full: evicting step %d (another tier holds it)", tier.name, room.victims[0])
-                    self._evict(tier, room.victims[0], alone=True)
+                    self.ranks.evict(tier, room.victims[0], alone=True)
                     continue
                 with self.catalog.changed:  # decided again under the lock: no unpin is missed
                     room = place(event, self.policy, self.catalog.view(committed, self.held.copies()))
@@ -327,110 +325,35 @@ class Mover:
                         )  # fmt: skip
                     self.catalog.changed.wait(1.0)
 
-    def _evict(self, tier: Tier, step: int, free: bool = True, *, alone: bool = False) -> None:
-        """Evict this rank's copy of ``step``: the step's record goes first (the step is unlisted at once,
-        for every rank); on a shared tier of a job of several ranks, rank 0 removed it when it decided,
-        unless this rank evicts ``alone`` (a full tier: the record names a copy about to go, so it goes
-        too, and the other ranks' copies are orphans their next retention pass removes). The rank that
-        removed the record also evicts the copies no rank of this job owns there."""
-        self.catalog.set(step, tier.name, "evicting")
-        unowned = self._unowned.pop((tier.name, step), [])
-        evicted = False
-        try:
-            if alone or not (tier.name in self._shared and self.coordinator.world_size > 1):
-                unowned = self._remove_record(tier, step)
-            tier.evict(CheckpointKey(step, self.rank), free=free)
-            evicted = True
-        except OSError as e:
-            log.warning("cannot evict step %d from tier %r: %s", step, tier.name, e)
-            self.catalog.set(step, tier.name, "committed")
-        for rank in unowned:  # whatever became of this rank's own copy: nothing else ever removes them
-            try:
-                tier.evict(CheckpointKey(step, rank), free=free)
-            except OSError as e:
-                log.warning("cannot evict rank %d's copy of step %d from tier %r: %s", rank, step, tier.name, e)
-        if evicted:
-            self.catalog.forget(step, tier.name)
-
-    def _remove_record(self, tier: Tier, step: int) -> list[int]:
-        """Remove ``step``'s record from ``tier``; return the ranks whose copies of it there no rank of this
-        job evicts as its own: the step was saved by another number of ranks (a resharded restart), and
-        this is a shared tier and they are beyond this job's ranks, or a node-local one and they are not
-        ranks of this node. The record is read first: it names the ranks that saved the step."""
-        unowned: list[int] = []
-        try:
-            data = tier.read_record(step) if tier.capabilities.persistent else None
-            saved = decode_record(data, step).world_size if data is not None else self.coordinator.world_size
-        except (OSError, TierckptError) as e:
-            log.warning("step %d on tier %r: cannot read its commit record (%s): other ranks' copies stay", step,
-                        tier.name, e)  # fmt: skip
-            saved = self.coordinator.world_size
-        if saved != self.coordinator.world_size:
-            mine = range(self.coordinator.world_size) if tier.name in self._shared else self.coordinator.ranks_on_node()
-            unowned = sorted(set(range(saved)) - set(mine))
-        tier.remove_record(step)
-        return unowned
-
     def apply_retention(self, free: bool = True, shared: list[tuple[str, int]] | None = None) -> set[str]:
-        """Evict what the retention plan says now; return the names of the tiers evicted from.
-        ``free=False``: the copies are only unlisted, and the caller frees their space with
-        ``Tier.reclaim()``. In a job of several ranks, evictions from shared tiers are rank 0's decision,
-        made with a commit every rank makes and sent with its outcome (``shared``, see
-        :meth:`_shared_evictions`): no collective of its own; a pass without one (after a promotion, a
-        failed commit, for a full tier) leaves shared tiers to the next commit."""
+        """Evict what the retention plan says now, as this rank's part of it
+        (:meth:`RankExecutor.agree <tierckpt.background.executor.RankExecutor.agree>`), and the orphans
+        the listing found; return the names of the tiers evicted from. ``free=False``: the copies are
+        only unlisted, and the caller frees their space with ``Tier.reclaim()``. In a job of several
+        ranks, evictions from shared tiers are rank 0's decision, made with a commit every rank makes
+        and sent with its outcome (``shared``, see :meth:`_shared_evictions`): no collective of its own;
+        a pass without one (after a promotion, a failed commit, for a full tier) leaves shared tiers to
+        the next commit."""
         with self._evict_lock:
-            committed = self.catalog.committed_all()
-            plan = place(Retain(), self.policy, self.catalog.view(committed))
-            plan = self._agree_shared(plan, shared)
+            committed = self.ranks.listing.committed_all(everyone=True)
+            plan = self.ranks.agree(place(Retain(), self.policy, self.catalog.view(committed)), shared)
             self.held.update(plan.held)
-            self._evict_orphans()
+            self.ranks.sweep()
             for name, step in plan.evict:
                 log.debug("retention: evicting step %d from tier %r", step, name)
-                self._evict(self.tiers[name], step, free=free)
+                self.ranks.evict(self.tiers[name], step, free=free)
             gone = set(plan.evict)
             self.catalog.prune({s for n, steps in committed.items() for s in steps if (n, s) not in gone})
             return {name for name, _ in plan.evict}
 
-    def _agree_shared(self, plan: RetentionPlan, decided: list[tuple[str, int]] | None) -> RetentionPlan:
-        """``plan`` with its evictions from shared tiers replaced by rank 0's decision (``decided``)."""
-        if not self._shared or self.coordinator.world_size == 1:
-            return plan
-        own = [(n, s) for n, s in plan.evict if n not in self._shared]
-        return RetentionPlan(own + [(n, s) for n, s in decided or () if n in self._shared], plan.held)
-
     def _shared_evictions(self) -> list[tuple[str, int]]:
         """Rank 0, in a commit every rank makes (once every rank's copy is in): what its retention plan
         evicts from shared tiers, the steps' records removed already (every rank then evicts its copy)."""
-        if not self._shared:
+        if not self.ranks.shared:
             return []
         with self._evict_lock:
-            plan = place(Retain(), self.policy, self.catalog.view(self.catalog.committed_all()))
-            return self._unrecord([(n, s) for n, s in plan.evict if n in self._shared])
-
-    def _evict_orphans(self) -> None:
-        """Evict this rank's copies that have no commit record (see ``Catalog.orphans``): the sweep that
-        leaves nothing of a step some rank never finished, nor of one another rank evicted first."""
-        for step, name in self.catalog.orphans():
-            log.info("step %d on tier %r has no commit record (never committed by every rank, or evicted by "
-                     "another rank): removing this rank's copy", step, name)  # fmt: skip
-            try:
-                self.tiers[name].evict(CheckpointKey(step, self.rank))
-            except OSError as e:
-                log.warning("cannot remove the unrecorded copy of step %d from tier %r: %s", step, name, e)
-
-    def _unrecord(self, evict: list[tuple[str, int]]) -> list[tuple[str, int]]:
-        """Rank 0's part of a shared eviction: remove the steps' records (unlisted for every rank before
-        any rank evicts its copy); the evictions whose record could not be removed are left for later."""
-        done = []
-        for name, step in evict:
-            try:
-                unowned = self._remove_record(self.tiers[name], step)
-            except OSError as e:
-                log.warning("cannot remove the commit record of step %d on tier %r: %s", step, name, e)
-                continue
-            self._unowned[(name, step)] = unowned  # evicted with rank 0's own copy, once every rank has the decision
-            done.append((name, step))
-        return done
+            plan = place(Retain(), self.policy, self.catalog.view(self.ranks.listing.committed_all()))
+            return self.ranks.decide_shared(plan.evict)
 
     def close(self, timeout: float | None = None) -> None:
         for w in self.workers.values():

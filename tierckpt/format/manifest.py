@@ -48,6 +48,7 @@ __all__ = [
     "dtype_from_name",
     "dtype_name",
     "encode_manifest",
+    "manifest_version",
 ]
 
 MAGIC = b"TIERCKPT"
@@ -267,6 +268,16 @@ class ManifestHead:
             meshes=self.meshes,
             sharding=sharding,
         )
+
+
+def manifest_version(head: bytes) -> int | None:
+    """The format version a manifest file's header says (``head``: its first :data:`HEADER` ``.size``
+    bytes at least); None when they are not a manifest's header (too short, another magic). Nothing
+    else is checked: enough to tell a copy written before commit records existed (docs/format.md)."""
+    if len(head) < _HEADER.size:
+        return None
+    magic, version = _HEADER.unpack_from(head)[:2]
+    return int(version) if magic == MAGIC else None
 
 
 def decode_head(data: bytes) -> ManifestHead:

@@ -4,7 +4,10 @@
   on close);
 * retention (:mod:`tierckpt.policies.retention`): which copies a tier keeps, and the eviction safety rules;
 * placement (:mod:`tierckpt.policies.placement`): :func:`place`, the one function that turns an event
-  (save, prefetch, close, retention, a full tier) and the catalog into a plan the mover executes.
+  (save, prefetch, close, retention, a full tier) and the catalog into a plan the mover executes;
+* the many-rank protocol (:mod:`tierckpt.policies.protocol`): every rank-wide decision about copies and
+  commit records (a commit's outcome, who evicts which copies and records, orphans, unknown outcomes,
+  world-size changes), as pure rules whose plans the rank executor carries out.
 """
 
 from tierckpt.policies.demotion import AnyOf, Cadence, Demotion, DemotionRule, Every, EverySecs, Never

@@ -13,7 +13,7 @@ event                  plan
 :class:`Restored`      :class:`CopyPlan`: the promotion after a restore (``promote_on_restore``)
 :class:`Close`         :class:`CopyPlan`: the ``on_close`` copies of the newest step
 :class:`Retain`        :class:`~tierckpt.policies.retention.RetentionPlan`: evictions and held copies
-:class:`MakeRoom`      :class:`RoomPlan`: the capacity victim, or wait, or fail
+:class:`MakeRoom`      :class:`RoomPlan`: the victim of a full capacity or device, or wait, or fail
 =====================  ===================================================================
 """
 
@@ -191,10 +191,12 @@ class Retain:
 
 @dataclass(frozen=True)
 class MakeRoom:
-    """``tier`` is full while ``step`` is written to it."""
+    """``tier`` is full while ``step`` is written to it: its configured capacity, or (``device``) the
+    device under it."""
 
     tier: str
     step: int
+    device: bool = False
 
 
 # -- plans -------------------------------------------------------------------------------------------------
@@ -369,9 +371,12 @@ def _place_close(event: Close, policy: Policy) -> CopyPlan:
 
 def _place_room(event: MakeRoom, policy: Policy, catalog: CatalogView) -> RoomPlan:
     """A full tier gives up its oldest copy that another tier holds, never a protected or held one; if
-    none can go, it waits while transfers still pin copies on it (``on_full: wait``), else fails."""
+    none can go, it waits while transfers still pin copies on it (``on_full: wait``), else fails. A full
+    device (not a budget the policy set: the disk ran out) gives up only copies a lower tier holds, so
+    that it never leaves a step on faster, less durable tiers alone."""
     here = catalog.committed.get(event.tier, ())
-    elsewhere = {s for t, steps in catalog.committed.items() if t != event.tier for s in steps}
+    others = policy.tiers[policy.tiers.index(event.tier) + 1 :] if event.device else policy.tiers
+    elsewhere = {s for t, steps in catalog.committed.items() if t != event.tier and t in others for s in steps}
     keep = {s for s, t in (*catalog.protected, *catalog.pinned, *catalog.held) if t == event.tier}
     victims = capacity_victims(here, elsewhere, keep, exclude=event.step)
     if victims:

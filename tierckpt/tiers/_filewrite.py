@@ -20,6 +20,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from pathlib import Path
 
+from tierckpt.errors import DeviceFullError
 from tierckpt.format.layout import data_offsets
 from tierckpt.format.manifest import BlobEntry
 from tierckpt.io.fsutil import fsync_dir
@@ -55,6 +56,27 @@ def write_file(path: Path, data: bytes) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def _device_full(tier: FileSpace, key: CheckpointKey, need: int, e: OSError) -> DeviceFullError | None:
+    """A full device as the tier contract's "no room" (so that the hierarchy makes room as for a full
+    ``capacity``): ENOSPC or EDQUOT for a copy that would fit on the file system were it empty. None for
+    any other error, and for a copy larger than the whole device (no eviction makes it fit)."""
+    if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+        return None
+    try:
+        st = os.statvfs(tier.path)
+    except OSError:
+        return None
+    if need > st.f_blocks * st.f_frsize:
+        return None
+    free = st.f_bavail * st.f_frsize
+    return DeviceFullError(
+        e.errno,
+        f"tier {tier.name!r}: the device of {tier.path} is full: step {key.step} needs {need} bytes, {free} are free "
+        f"({e.strerror or e})",
+        e.filename,
+    )
 
 
 class FileWriter(TierWriter):
@@ -115,7 +137,8 @@ class FileWriter(TierWriter):
         except OSError as e:
             self._reserved = 0  # reserve() gives it back when the writer cannot start
             self.abort()
-            raise io_error(tier.name, f"cannot start step {key.step} in {step_dir}", e) from e
+            err = io_error(tier.name, f"cannot start step {key.step} in {step_dir}", e)
+            raise _device_full(tier, key, sum(sizes), e) or err from e
 
     def write(self, blob: int, offset: int, addr: int, nbytes: int) -> Future[int]:
         f, base = self._where[blob]

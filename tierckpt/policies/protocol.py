@@ -1,0 +1,432 @@
+"""The many-rank protocol: every rank-wide decision about copies and commit records, as pure rules.
+
+A step is committed on a tier once the tier holds its commit record (docs/distributed.md, "The global
+commit, step by step"). Who writes that record, who removes it, whose copies go when a step is evicted,
+which copies nothing will ever list again (orphans) and which must stay because a commit's outcome is
+unknown: each of these is decided here, from plain records, with no I/O. The rank executor
+(:class:`~tierckpt.background.executor.RankExecutor`) reads what a rule needs from the tiers (through
+:func:`tierckpt.tiers.holdings.read_holdings`) and from the catalog, calls the rule, and carries out the
+actions it returns; it decides nothing itself. Like :func:`~tierckpt.policies.place`, which decides what
+moves where, and like etcd's raft (a pure state machine whose ``Ready()`` hands the application what to
+persist and send): inputs are data, outputs are plans.
+
+===========================================  ============================================================
+rule                                         decides
+===========================================  ============================================================
+:func:`decide_commit`                        rank 0, from every rank's report: committed, or failed naming
+                                             the ranks
+:func:`deciding_actions`                     what rank 0 does on the tier before it publishes that outcome
+                                             (shared tier: write the record, or remove the step's old one)
+:func:`committed_actions`                    what each rank does once it learns the step is committed
+                                             (node-local tier: write its node's record)
+:func:`failed_commit_actions`                what a failed commit leaves, and who removes it; an unknown
+                                             outcome keeps the copy
+:func:`still_unknown`                        until when a copy whose commit outcome is unknown is kept (rank
+                                             0 published a later commit on that tier)
+:func:`listed_steps`,                        which steps a tier lists for this rank: its copies with a
+:func:`resharded_steps`                      record, legacy copies (format 4 and older), steps saved by
+                                             another number of ranks (listed by their record alone)
+:func:`unrecorded_copies`, :func:`orphan`    which record-less copies of this rank go (orphans), and which
+                                             stay (a commit in flight, an unknown outcome, a copy a
+                                             transfer reads)
+:func:`rank_evictions`,                      retention: shared tiers evict what rank 0 decides with a commit
+:func:`shared_decision`,                     (it removes the records first); node-local tiers: each rank
+:func:`deciding_eviction`                    its own window
+:func:`removes_record`, :func:`eviction`     who removes an evicted step's record (a rank making room on a
+                                             full shared tier removes it too), and which copies the evicting
+                                             rank removes: its own, and those of ranks no rank of this job
+                                             owns after a world-size change (:func:`unowned_ranks`)
+:func:`sweeps_strays`, :func:`stray_copies`  copies of ranks beyond this job's world size no record names
+                                             (a larger job killed before it committed): who removes them
+===========================================  ============================================================
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from tierckpt.format.record import RECORDS_SINCE, CommitRecord
+
+__all__ = [
+    "Action",
+    "CommitOutcome",
+    "CopyState",
+    "EvictCopy",
+    "Keep",
+    "RemoveRecord",
+    "ThisRank",
+    "TierHoldings",
+    "Warn",
+    "WriteRecord",
+    "committed_actions",
+    "decide_commit",
+    "deciding_actions",
+    "deciding_eviction",
+    "eviction",
+    "failed_commit_actions",
+    "listed_steps",
+    "orphan",
+    "rank_evictions",
+    "removes_record",
+    "resharded_steps",
+    "shared_decision",
+    "still_unknown",
+    "stray_copies",
+    "sweeps_strays",
+    "unowned_ranks",
+    "unrecorded_copies",
+]
+
+
+# -- inputs --------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ThisRank:
+    """Where this rank stands in its job.
+
+    Attributes:
+        rank: this rank.
+        world_size: the job's number of ranks.
+        node_ranks: the ranks of this rank's node (they share its node-local tiers' directories).
+    """
+
+    rank: int
+    world_size: int
+    node_ranks: frozenset[int] = frozenset()
+
+
+@dataclass(frozen=True)
+class TierHoldings:
+    """What one tier holds for one rank, as its listing showed it
+    (:func:`tierckpt.tiers.holdings.read_holdings`).
+
+    Attributes:
+        tier: the tier's name.
+        own: the steps of which this rank's copy is in place (its manifest durable).
+        records: the steps whose commit record the tier holds.
+        record_sizes: for each step with a record but no copy of this rank (a listing of every rank's
+            copies: each step with a record), the number of ranks its record names (None: unreadable).
+        versions: for each copy of this rank without a record, its manifest's format version (None:
+            unreadable).
+        ranks: per step, the ranks whose copies the tier holds, when the listing looked at every rank's
+            (None: at this rank's only).
+    """
+
+    tier: str
+    own: frozenset[int] = frozenset()
+    records: frozenset[int] = frozenset()
+    record_sizes: Mapping[int, int | None] = field(default_factory=dict)
+    versions: Mapping[int, int | None] = field(default_factory=dict)
+    ranks: Mapping[int, frozenset[int]] | None = None
+
+
+@dataclass(frozen=True)
+class CopyState:
+    """What this hierarchy tracks of its copy of one step on one tier (its catalog).
+
+    Attributes:
+        state: one of the catalog's states (``pending``, ``writing``, ``committed``, ``failed``,
+            ``evicting``), or None for a copy this hierarchy never wrote (an earlier process's).
+        pinned: a transfer of this rank reads the copy.
+        unknown: the copy's commit failed without an outcome (rank 0 may have written the record).
+    """
+
+    state: str | None = None
+    pinned: bool = False
+    unknown: bool = False
+
+
+# -- actions -------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class WriteRecord:
+    """Write the step's commit record on the tier (the outcome's record)."""
+
+    tier: str
+    step: int
+
+
+@dataclass(frozen=True)
+class RemoveRecord:
+    """Remove the step's commit record from the tier (idempotent): the step is unlisted for every rank."""
+
+    tier: str
+    step: int
+
+
+@dataclass(frozen=True)
+class EvictCopy:
+    """Evict rank ``rank``'s copy of the step from the tier (a missing one is no error)."""
+
+    tier: str
+    step: int
+    rank: int
+
+
+@dataclass(frozen=True)
+class Keep:
+    """Leave rank ``rank``'s copy of the step where it is, for ``why``."""
+
+    tier: str
+    step: int
+    rank: int
+    why: str
+
+
+@dataclass(frozen=True)
+class Warn:
+    """Say ``message`` as a warning."""
+
+    message: str
+
+
+Action = WriteRecord | RemoveRecord | EvictCopy | Keep | Warn
+
+
+# -- the commit ----------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class CommitOutcome:
+    """Rank 0's decision of one commit, from every rank's report.
+
+    Attributes:
+        step: the step.
+        record: the record to publish when every rank's copy is in (None: failed).
+        failed: the ranks whose copies failed (empty when committed).
+    """
+
+    step: int
+    record: CommitRecord | None
+    failed: tuple[int, ...] = ()
+
+    @property
+    def committed(self) -> bool:
+        """Whether the step is committed."""
+        return self.record is not None
+
+
+def decide_commit(step: int, tags: Sequence[int | None]) -> CommitOutcome:
+    """Rank 0's decision: committed when every rank reported its copy's manifest tag (``tags[r]``, None
+    for a copy that failed), with a record naming each; else failed, naming the ranks that failed."""
+    failed = tuple(r for r, t in enumerate(tags) if t is None)
+    if failed or not tags:
+        return CommitOutcome(step, None, failed)
+    return CommitOutcome(step, CommitRecord(step, len(tags), tuple(t for t in tags if t is not None)))
+
+
+def deciding_actions(tier: str, shared: bool, outcome: CommitOutcome) -> list[Action]:
+    """What rank 0 does on ``tier`` before any rank learns ``outcome``. On a shared tier it writes the
+    record (so that once any rank's ``wait()`` returns, the step is listed on every rank), or, on a
+    failure, removes the step's record: a step saved again whose commit failed must not stay listed by
+    a record naming the copies this save replaced. A node-local tier: nothing (each rank writes its
+    node's record, :func:`committed_actions`)."""
+    if not shared:
+        return []
+    if outcome.committed:
+        return [WriteRecord(tier, outcome.step)]
+    return [RemoveRecord(tier, outcome.step)]
+
+
+def committed_actions(tier: str, shared: bool, outcome: CommitOutcome) -> list[Action]:
+    """What every rank does once it learns that ``outcome`` committed the step: on a node-local tier it
+    writes the record it received into its node's directory (the same bytes from each rank of a node:
+    an atomic replace); on a shared tier rank 0 wrote it already."""
+    return [] if shared or not outcome.committed else [WriteRecord(tier, outcome.step)]
+
+
+def failed_commit_actions(
+    tier: str, shared: bool, step: int, me: ThisRank, *, undecided: bool, why: str = ""
+) -> list[Action]:
+    """What a rank does with its copy of ``step`` when the step's commit on ``tier`` failed (``why``).
+
+    A failure whose outcome is known (a copy failed, a rank did not arrive, rank 0 never took the decision
+    up): the step's record goes (a record names every rank's copy; on a shared tier rank 0 removes it, one
+    metadata operation instead of one a rank), then this rank's copy. An unknown outcome (``undecided``:
+    rank 0 took the decision up and published nothing in time, so it may have written the record): the
+    copy stays, since the step may be committed (evicting it would leave a record naming a copy that is
+    gone); if no record ever comes, it is an orphan (:func:`orphan`) once :func:`still_unknown` lets it go.
+    """
+    if undecided:
+        return [
+            Keep(tier, step, me.rank, "the commit's outcome is unknown"),
+            Warn(
+                f"step {step} on tier {tier!r}: the commit's outcome is unknown ({why}); this rank's copy stays, "
+                "and is removed by retention unless the step's record is there"
+            ),
+        ]
+    out: list[Action] = []
+    if not shared or me.rank == 0:
+        out.append(RemoveRecord(tier, step))
+    out.append(EvictCopy(tier, step, me.rank))
+    return out
+
+
+def still_unknown(unknown: Collection[tuple[int, str]], tier: str, *, published: bool) -> set[tuple[int, str]]:
+    """The copies (step, tier) whose commit outcome stays unknown once a commit on ``tier`` has ended.
+    Only a commit rank 0 published (``published``) settles those on its tier: rank 0 decides a tier's
+    commits in order, on that tier's worker, so it is then past every earlier decision there (the earlier
+    record is there, or never will be). Nothing else does: not a local failure, nor a commit that failed
+    because rank 0 did not answer (it may still be writing the earlier record), nor a promotion."""
+    return {(s, t) for s, t in unknown if t != tier or not published}
+
+
+# -- what a tier lists ---------------------------------------------------------------------------------
+def listed_steps(holdings: TierHoldings, world_size: int) -> list[int]:
+    """The steps a tier lists for this rank, oldest first: its copies whose step's record the tier
+    holds; its copies written before records existed (format version below
+    :data:`~tierckpt.format.record.RECORDS_SINCE`: committed by themselves); and the steps recorded there
+    by a job of another number of ranks (this rank restores them by resharding other ranks' copies,
+    wherever they are: on a node-local tier the node's directory may lack them)."""
+    out = set(holdings.own & holdings.records)
+    out |= {s for s in holdings.own - holdings.records if _legacy(holdings.versions.get(s))}
+    return sorted(out | set(resharded_steps(holdings, world_size)))
+
+
+def resharded_steps(holdings: TierHoldings, world_size: int) -> list[int]:
+    """Of :func:`listed_steps`, those listed for this rank only because their record names another
+    number of ranks: the tier holds no copy of this rank, and a restore reads other ranks' copies, which
+    a node-local tier may not hold either (they are on the saving job's other nodes)."""
+    return sorted(s for s in holdings.records - holdings.own if holdings.record_sizes.get(s) not in (None, world_size))
+
+
+def unrecorded_copies(holdings: TierHoldings) -> list[int]:
+    """This rank's copies that are not committed: no record, and not of a legacy version. Each is a
+    commit in flight, one that never completed, or one whose record another rank removed (it evicted
+    the step); :func:`orphan` says which go."""
+    return sorted(s for s in holdings.own - holdings.records if not _legacy(holdings.versions.get(s)))
+
+
+def _legacy(version: int | None) -> bool:
+    return version is not None and version < RECORDS_SINCE
+
+
+def orphan(tier: str, step: int, me: ThisRank, recorded: bool | None, copy: CopyState) -> EvictCopy | Keep:
+    """Whether this rank's unrecorded copy of ``step`` (:func:`unrecorded_copies`) goes, judged when it is
+    about to be evicted, from the step's record looked at again (``recorded``; None: it could not be
+    read) and what this hierarchy tracks of the copy now.
+
+    It goes when its record is still missing and the copy is either left by a commit that never completed
+    (one this hierarchy does not track, or one whose commit failed; one whose outcome is unknown only once
+    :func:`still_unknown`), or one this hierarchy committed whose record another process removed,
+    evicting the step (the other ranks of its node on a node-local tier, rank 0 or a rank making room on
+    a shared one), that no transfer of this rank reads. It stays while this hierarchy writes or evicts it
+    (a commit writes the record after the copy), or is about to write it again."""
+    if recorded is None:
+        return Keep(tier, step, me.rank, "its commit record could not be read")
+    if recorded:
+        return Keep(tier, step, me.rank, "its commit record is there")
+    if copy.state not in (None, "failed", "committed"):
+        return Keep(tier, step, me.rank, f"this rank's copy is {copy.state}")
+    if copy.unknown:
+        return Keep(tier, step, me.rank, "its commit's outcome is unknown")
+    if copy.state == "committed" and copy.pinned:
+        return Keep(tier, step, me.rank, "a transfer reads it")
+    return EvictCopy(tier, step, me.rank)
+
+
+# -- retention and eviction ----------------------------------------------------------------------------
+def rank_evictions(
+    evict: Sequence[tuple[str, int]],
+    shared: Collection[str],
+    world_size: int,
+    decided: Sequence[tuple[str, int]] | None,
+) -> list[tuple[str, int]]:
+    """What this rank evicts of a retention plan's ``evict`` ((tier, step), in order): on a node-local
+    tier, its own window; on a shared tier in a job of several ranks, only rank 0's decision sent with a
+    commit every rank made (``decided``, see :func:`shared_decision`; None: a pass without one, after a
+    promotion, a failed commit or for a full tier, leaves shared tiers to the next commit)."""
+    if not shared or world_size == 1:
+        return list(evict)
+    own = [(n, s) for n, s in evict if n not in shared]
+    return own + [(n, s) for n, s in decided or () if n in shared]
+
+
+def shared_decision(evict: Sequence[tuple[str, int]], shared: Collection[str]) -> list[tuple[str, int]]:
+    """Rank 0's decision, made in a commit every rank makes (once every rank's copy is in): what its
+    retention plan evicts from shared tiers. Rank 0 removes those steps' records first
+    (:func:`eviction` with ``decided``), and every rank then evicts its copy."""
+    return [(n, s) for n, s in evict if n in shared]
+
+
+def removes_record(shared: bool, world_size: int, *, alone: bool = False) -> bool:
+    """Whether the rank evicting a step removes the step's record itself: on a node-local tier, yes (each
+    rank its own window; idempotent); on a shared tier of a job of several ranks, no (rank 0 removed it
+    when it decided), unless the rank evicts ``alone`` to make room on a full tier (the record would
+    name a copy that is gone: the step leaves the tier for every rank)."""
+    return alone or not shared or world_size == 1
+
+
+def unowned_ranks(saved_world_size: int, me: ThisRank, shared: bool) -> list[int]:
+    """The ranks of the job that saved a step (``saved_world_size`` ranks, as its record says) whose
+    copies on a tier no rank of this job evicts as its own: after a world-size change, on a shared tier
+    the ranks beyond this job's, on a node-local one the ranks not on this node. None on the same
+    world size (a rank placed on another node keeps its old copies: docs/distributed.md)."""
+    if saved_world_size == me.world_size:
+        return []
+    mine = range(me.world_size) if shared else me.node_ranks
+    return sorted(set(range(saved_world_size)) - set(mine))
+
+
+def deciding_eviction(
+    tier: str, step: int, me: ThisRank, saved_world_size: int | None
+) -> tuple[list[Action], list[int]]:
+    """Rank 0's part of a shared tier's eviction it decides (:func:`shared_decision`): the step's record
+    goes now, so that the step is unlisted for every rank before any rank evicts its copy; returned with
+    it, the ranks whose copies rank 0 evicts with its own once every rank has the decision (those no rank
+    of this job owns, :func:`unowned_ranks` of the world size the record named, read before it went)."""
+    unowned = unowned_ranks(saved_world_size, me, shared=True) if saved_world_size is not None else []
+    return [RemoveRecord(tier, step)], unowned
+
+
+def eviction(
+    tier: str,
+    step: int,
+    me: ThisRank,
+    *,
+    shared: bool,
+    alone: bool = False,
+    saved_world_size: int | None = None,
+    unowned: Sequence[int] = (),
+) -> list[Action]:
+    """How this rank evicts ``step`` from ``tier``: the record first when it removes it
+    (:func:`removes_record`: the step is unlisted at once for every rank), then its own copy, then the
+    copies of the saving job's ranks no rank of this job owns (:func:`unowned_ranks` of the world size
+    the record named, read before it went: ``saved_world_size``; or ``unowned``, decided by rank 0 when
+    it removed a shared tier's record), so that an evicted step leaves no copy behind."""
+    out: list[Action] = []
+    if removes_record(shared, me.world_size, alone=alone):
+        out.append(RemoveRecord(tier, step))
+        if saved_world_size is not None:
+            unowned = unowned_ranks(saved_world_size, me, shared)
+    out.append(EvictCopy(tier, step, me.rank))
+    out += [EvictCopy(tier, step, r) for r in unowned if r != me.rank]
+    return out
+
+
+def sweeps_strays(me: ThisRank, *, shared: bool) -> bool:
+    """Whether this rank looks for stray copies (:func:`stray_copies`) on a tier, once a hierarchy (its
+    first listing of the tier looks at every rank's copies): rank 0 on a shared tier, the lowest rank of
+    its node on a node-local one (the other ranks of a node share its directory)."""
+    return me.rank == (0 if shared else min(me.node_ranks, default=me.rank))
+
+
+def stray_copies(holdings: TierHoldings, me: ThisRank) -> list[EvictCopy]:
+    """The copies of ranks beyond this job's world size that no record names, of a listing that looked at
+    every rank's copies (``holdings.ranks``; none otherwise): of a step without a record (a larger job
+    died before it committed it), or whose record names fewer ranks (``holdings.record_sizes``; a step
+    this job saved again). No rank of this job owns them and nothing else ever removes them
+    (:func:`sweeps_strays` says which rank looks). The copies a record names are left to the step's
+    eviction (:func:`eviction` removes those no rank of this job owns), and so are those of a record
+    that cannot be read. Copies of ranks of this job are never strays, whatever node they are on: a
+    node-local directory shared by mistake holds the copies other nodes' ranks are writing."""
+
+    def named(step: int, rank: int) -> bool:
+        if step not in holdings.records:
+            return False
+        size = holdings.record_sizes.get(step)
+        return size is None or rank < size
+
+    return [
+        EvictCopy(holdings.tier, step, r)
+        for step, ranks in sorted((holdings.ranks or {}).items())
+        for r in sorted(ranks)
+        if r >= me.world_size and not named(step, r)
+    ]
