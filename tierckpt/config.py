@@ -25,6 +25,7 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Mapping
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import MappingProxyType
@@ -225,7 +226,7 @@ class HierarchyConfig:
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
 
 
-def _check_keys(d: Any, key: str, allowed: set[str], required: set[str] = frozenset()) -> Mapping[str, Any]:  # type: ignore[assignment]  # a frozenset default for a set parameter: never mutated
+def _check_keys(d: Any, key: str, allowed: AbstractSet[str], required: AbstractSet[str] = frozenset()) -> Mapping[str, Any]:
     if not isinstance(d, Mapping):
         raise ConfigError(f"{key}: expected a mapping, got {type(d).__name__} {_short(d)}")
     for k in d:
@@ -413,7 +414,8 @@ _POLICY_KEYS = {"keep", "demote", "promote", "on_full"}
 def _choice(v: Any, key: str, choices: tuple[str, ...]) -> str:
     if v not in choices:
         raise ConfigError(f"{key}: expected one of {', '.join(choices)}, got {_short(v)}")
-    return v  # type: ignore[no-any-return]  # v is one of the str choices (checked above)
+    choice: str = v  # one of the str choices (checked above)
+    return choice
 
 
 def _bool(v: Any, key: str) -> bool:

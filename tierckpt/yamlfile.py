@@ -5,6 +5,7 @@ fail with an error that names nothing)."""
 from __future__ import annotations
 
 import reprlib
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +26,10 @@ class StrictLoader(yaml.SafeLoader):
     def __init__(self, stream: str) -> None:
         super().__init__(stream)
         self._depth = 0
+        # per mapping node, its own keys, kept before a merge (<<) that uses the node prepends its keys
+        self._own_pairs: weakref.WeakKeyDictionary[yaml.Node, list[tuple[yaml.Node, yaml.Node]]] = (
+            weakref.WeakKeyDictionary()
+        )
 
     def compose_node(self, parent: Any, index: Any) -> Any:
         self._depth += 1
@@ -38,15 +43,14 @@ class StrictLoader(yaml.SafeLoader):
 
     def compose_mapping_node(self, anchor: Any) -> Any:
         node = super().compose_mapping_node(anchor)
-        # The mapping's own keys, kept before a merge (<<) that uses this node prepends its keys.
-        node.own_pairs = list(node.value)  # type: ignore[attr-defined]  # our field: PyYAML's Node declares none
+        self._own_pairs[node] = list(node.value)
         return node
 
     def construct_mapping(self, node: Any, deep: bool = False) -> Any:
         if isinstance(node, yaml.MappingNode):
             seen: set[Any] = set()
-            pairs: list[tuple[yaml.Node, yaml.Node]] = node.value  # typed, so that getattr's result is iterable
-            for key_node, _ in getattr(node, "own_pairs", pairs):
+            own = self._own_pairs.get(node)
+            for key_node, _ in node.value if own is None else own:
                 if key_node.tag == "tag:yaml.org,2002:merge":
                     continue  # several << keys merge several mappings, as safe_load does
                 key = self.construct_object(key_node, deep=True)

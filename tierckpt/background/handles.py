@@ -32,9 +32,10 @@ class SaveHandle:
     def errors(self) -> dict[str, BaseException]:
         """Failures so far, by tier name (``"staged"`` for a failure before any tier got the bytes)."""
         out: dict[str, BaseException] = {}
-        if self.staged.done() and self.staged.exception() is not None:
-            out["staged"] = self.staged.exception()  # type: ignore[assignment]  # done and not None: checked on the line above
-        out.update({n: f.exception() for n, f in self.durable.items() if f.done() and f.exception() is not None})  # type: ignore[misc]  # the filter keeps only futures whose exception() is not None
+        for name, f in [("staged", self.staged), *self.durable.items()]:
+            err = f.exception() if f.done() else None
+            if err is not None:
+                out[name] = err
         return out
 
     def wait(self, tier: str | None = None, timeout: float | None = None) -> None:

@@ -153,7 +153,11 @@ def _memory_tier(writers: dict[str, TierWriter], failed: dict[str, BaseException
     )
 
 
-_Inflight = tuple[StagingPool | None, object, list[tuple[str, Future[int]]]]  # (pool, slot, writes) of a chunk
+#: ``_native.gather(recs, k, stop, base, p0, n, cursor, max_len, hash) -> (k, cursor)``: the C packing loop
+_Gather = Callable[..., tuple[int, int]]
+_Inflight = tuple[
+    StagingPool | None, torch.Tensor | None, list[tuple[str, Future[int]]]
+]  # (pool, slot, writes) of a chunk
 
 
 class _Packer:
@@ -193,7 +197,7 @@ class _Packer:
         self.held: torch.Tensor | None = None  # its CPU copy, if one was made, kept alive meanwhile
         self.hasher = xxhash.xxh3_64()
         self.recs: Records | None = None
-        self.gather = native.gather if native is not None else None
+        self.gather: _Gather | None = native.gather if native is not None else None
         self.spans: dict[int, tuple[int, int]] = {}
         self.done: list[tuple[int, int]] = []  # [k0, k1) ranges of order packed by the C loop
         # positions of order whose source address recs holds: set piece by piece, just ahead of the C
@@ -230,7 +234,9 @@ class _Packer:
             self.pack_piece(b, base, view, c0, p0, p1)
             self.submit(b, p0, base + p0, p1 - p0, futs)
 
-    def chunk_memory(self, c0: int, primary: torch.Tensor | None) -> tuple[int, StagingPool | None, object]:
+    def chunk_memory(
+        self, c0: int, primary: torch.Tensor | None
+    ) -> tuple[int, StagingPool | None, torch.Tensor | None]:
         """``(base, pool, slot)``: where the chunk starting at blob offset ``c0`` is packed (``base`` +
         blob offset), and the staging slot it holds (None, None when packing in place)."""
         if primary is not None:
@@ -248,8 +254,8 @@ class _Packer:
         e_blob, e_off, e_len, order, nk = self.e_blob, self.e_off, self.e_len, self.order, self.nk
         cursor = p0  # bytes before it are packed
         while self.k < nk:
-            if self.recs is not None and not self.src:
-                cursor = self.gather_run(b, base, p0, p1, cursor)
+            if self.recs is not None and self.gather is not None and not self.src:
+                cursor = self.gather_run(self.recs, self.gather, b, base, p0, p1, cursor)
                 if self.k == nk:
                     break
             i = order[self.k]
@@ -266,18 +272,16 @@ class _Packer:
         if cursor < p1:
             _zero(view, cursor - c0, p1 - c0)
 
-    def gather_run(self, b: int, base: int, p0: int, p1: int, cursor: int) -> int:
-        """Pack with the C loop the run of whole tensors of piece ``[p0, p1)`` from position :attr:`k`
-        on (zeroing the gaps from ``cursor``); returns the new cursor."""
-        recs: Records = self.recs  # type: ignore[assignment]  # called only with the C loop
+    def gather_run(self, recs: Records, gather: _Gather, b: int, base: int, p0: int, p1: int, cursor: int) -> int:
+        """Pack with the C loop (``gather``, over the records ``recs``) the run of whole tensors of piece
+        ``[p0, p1)`` from position :attr:`k` on (zeroing the gaps from ``cursor``); returns the new cursor."""
         if self.filled < self.nk:
             self.filled = _fill_sources(
                 recs, self.tensors, self.order, self.e_blob, self.e_off, self.e_len, self.filled, b, p1
             )
         k0 = self.k
         stop = self.spans.get(b, (k0, k0))[1]
-        gather = self.gather  # _native.gather(recs, k, stop, base, p0, n, cursor, max_len, hash) -> (k, cursor)
-        self.k, cursor = gather(recs.table, k0, stop, base + p0, p0, p1 - p0, cursor, self.max_len, not self.defer)  # type: ignore[misc]  # self.gather is set only when the C loop exists (checked by the caller)
+        self.k, cursor = gather(recs.table, k0, stop, base + p0, p0, p1 - p0, cursor, self.max_len, not self.defer)
         if self.k > k0:
             self.done.append((k0, self.k))
         return cursor
@@ -331,18 +335,29 @@ class _Packer:
     def hash_in_place(self) -> None:
         """With :attr:`defer`: every checksum, from the memory tier's buffers (one GIL-free call per
         blob with the C loop)."""
-        bases = [self.writers[self.mem].buffer(b).data_ptr() for b in range(len(self.layout.blob_sizes))]  # type: ignore[index, union-attr]  # deferred hashing only happens with a memory tier, whose writer has buffers
-        checksums, order = self.checksums, self.order
-        if self.recs is not None:
+        bases = self.memory_bases()
+        checksums, order, loops = self.checksums, self.order, native
+        if self.recs is not None and loops is not None:
             table = self.recs.table
             for b, base in enumerate(bases):
-                native.hash_into(table, *self.spans.get(b, (0, 0)), base)  # type: ignore[union-attr]  # recs is not None only when the C loop (native) exists
+                loops.hash_into(table, *self.spans.get(b, (0, 0)), base)
             for pos, i in enumerate(order):
                 checksums[i] = table[4 * pos + 2]
         else:
             e_blob, e_off, e_len = self.e_blob, self.e_off, self.e_len
             for i in order:
                 checksums[i] = xxh3_64_intdigest(ptr_mv(bases[e_blob[i]] + e_off[i], e_len[i], writable=False))
+
+    def memory_bases(self) -> list[int]:
+        """The addresses of the memory tier's blob buffers, which :attr:`defer` packs into (it is set only
+        where a memory tier's writer has them)."""
+        out = []
+        for b in range(len(self.layout.blob_sizes)):
+            buf = self.writers[self.mem].buffer(b) if self.mem is not None else None
+            if buf is None:
+                raise RuntimeError(f"hashing in place needs the memory tier's blob buffers (blob {b} has none)")
+            out.append(buf.data_ptr())
+        return out
 
     def drain(self) -> None:
         """Wait for every write still in flight."""
@@ -359,9 +374,9 @@ class _Packer:
                 if name not in self.failed:
                     log.error("writing to tier %r failed: %s", name, e)
                     self.failed[name] = e
-        if owner is not None:
+        if owner is not None and slot is not None:
             self.staged -= 1
-            owner.release(slot)  # type: ignore[arg-type]  # owner is the pool the slot came from: a StagingPool
+            owner.release(slot)
 
 
 def shard_chunk_sums(flat: FlatState) -> tuple[int, dict[int, tuple[int, ...]]]:

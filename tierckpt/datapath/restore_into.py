@@ -192,8 +192,10 @@ class _Stream:
     ) -> None:
         self.tier, self.key, self.head, self.reader = tier, key, head, reader
         bufs = [reader.buffer(bi) for bi in range(len(head.blobs))]
-        self.in_memory = all(b is not None and b.device.type == "cpu" for b in bufs)  # copy straight out
-        self.bufs = bufs
+        cpu = [b for b in bufs if b is not None and b.device.type == "cpu"]
+        # a memory tier's blobs in this process's memory: copied straight out, no reads
+        self.mem_bufs: list[torch.Tensor] | None = cpu if len(cpu) == len(bufs) else None
+        self.in_memory = self.mem_bufs is not None
         self.pool: StagingPool | None = None
         # reads to make, in blob order: (blob, offset, length, destination address or 0 for a staging slot)
         self.todo: deque[tuple[int, int, int, int]] = deque()
@@ -289,21 +291,22 @@ class _Stream:
 
     def _submit(self) -> None:  # with self.lock held
         pool = self.pool
+        if pool is None:  # a copy in memory: nothing to read
+            return
         # a read that run() took out of inflight has landed even where its _landed callback has not run
         # yet (running not decremented): counting it would submit nothing and end run() early
         while (
             self.todo and min(self.running, len(self.inflight)) < self.reads
-            and len(self.inflight) < pool.slots  # type: ignore[union-attr]  # pool is set once the manifest is attached, before any read is submitted
+            and len(self.inflight) < pool.slots
             and not self.closed and self.error is None
         ):  # fmt: skip
             bi, off, n, dest = self.todo.popleft()
-            slot = None if dest else pool.acquire()  # type: ignore[union-attr]  # never waits: one is free
-            base = dest or slot.data_ptr()  # type: ignore[union-attr]  # a read without a direct destination always has a staging slot
+            slot = None if dest else pool.acquire()  # never waits: one is free
+            base = dest if slot is None else slot.data_ptr()
             try:
                 fut = self.reader.read(bi, off, base, n)
             except BaseException:
-                if slot is not None:
-                    pool.release(slot)  # type: ignore[union-attr]  # the pool exists while reads are in flight
+                self._release(slot)
                 raise
             self.running += 1
             self.inflight.append((bi, off, n, slot, fut, base))
@@ -322,10 +325,10 @@ class _Stream:
         """Copy and verify every tensor's bytes to ``addrs``."""
         verifier = self.verifier
         verifier.set_destinations(self.addrs)
-        if self.in_memory:
-            for bi, (b, buf) in enumerate(zip(self.head.blobs, self.bufs)):
+        if self.mem_bufs is not None:
+            for bi, (b, buf) in enumerate(zip(self.head.blobs, self.mem_bufs)):
                 if b.size:
-                    verifier.feed(bi, 0, b.size, buf.data_ptr())  # type: ignore[union-attr]  # a memory tier's reader has a buffer for every blob
+                    verifier.feed(bi, 0, b.size, buf.data_ptr())
         else:
             while True:
                 self.fill()
@@ -337,8 +340,7 @@ class _Stream:
                 verifier.feed(bi, off, n, base)
                 with self.lock:
                     self.inflight.popleft()
-                    if slot is not None:
-                        self.pool.release(slot)  # type: ignore[union-attr]  # the pool exists while reads are in flight
+                    self._release(slot)
         verifier.finish()
 
     def close(self) -> None:
@@ -350,5 +352,9 @@ class _Stream:
             _, _, _, slot, fut, _ = self.inflight.popleft()
             with contextlib.suppress(BaseException):
                 fut.exception()
-            if slot is not None:
-                self.pool.release(slot)  # type: ignore[union-attr]  # the pool exists while reads are in flight
+            self._release(slot)
+
+    def _release(self, slot: torch.Tensor | None) -> None:
+        """Give a staging slot back (None: the read had a direct destination)."""
+        if slot is not None and self.pool is not None:  # a slot comes from the pool
+            self.pool.release(slot)

@@ -209,7 +209,7 @@ class Filler:
             if not math.prod(s_sizes) or not _check_shard_metadata_pair_overlap(have, want):
                 continue
             copy = self.copies.get(mesh.ranks[flat])
-            row = self._row(copy, path, spec, s_sizes)
+            row = self._row(copy, path, spec, s_sizes, d.row)
             narrows = _shards_get_overlap_region_wrt_saved_tensor(have, want)
             src_off = tuple(n[1] for n in narrows)
             dst_off = tuple(n[2] for n in narrows)
@@ -217,24 +217,26 @@ class Filler:
             c0, c1 = self._span(copy, row, s_sizes, src_off, lens)
             yield _Piece(copy, row, c0, c1, src_off, lens, d.out, dst_off)
 
-    def _row(self, copy: _Copy, path: str, spec: ShardRow, sizes: tuple[int, ...]) -> int:
-        """The row of ``copy`` holding the shard of ``path``, checked against the base copy's record."""
+    def _row(self, copy: _Copy, path: str, spec: ShardRow, sizes: tuple[int, ...], base_row: int) -> int:
+        """The row of ``copy`` holding the shard of ``path``, checked against the base copy's record
+        (``spec``, row ``base_row`` of the base copy's manifest)."""
         i = copy.row(path)
         other = copy.m.sharding.get(i) if i is not None else None
         if (
-            other is None
+            i is None
+            or other is None
             or other.global_shape != spec.global_shape
             or other.placements != spec.placements
             or copy.m.meshes[other.mesh] != self.base.m.meshes[spec.mesh]
             or not other.stored
-            or copy.m.tensors.shapes[i] != sizes  # type: ignore[index]  # i is not None here
-            or copy.m.tensors.dtypes[i] != self.base.m.tensors.dtypes[self.base.row(path)]  # type: ignore[index]
+            or copy.m.tensors.shapes[i] != sizes
+            or copy.m.tensors.dtypes[i] != self.base.m.tensors.dtypes[base_row]
         ):
             raise self._bad(
                 f"rank {copy.rank}'s manifest does not store {path} as rank {self.base.rank}'s sharding record says",
                 copy,
             )
-        return i  # type: ignore[return-value]  # checked above
+        return i
 
     def _span(
         self, copy: _Copy, row: int, sizes: tuple[int, ...], off: tuple[int, ...], lens: tuple[int, ...]

@@ -13,8 +13,7 @@ def step_of(checkpoint_id: object) -> int:
     """The step a DCP ``checkpoint_id`` names: an int, or a str of its decimal digits."""
     raw = os.fspath(checkpoint_id) if isinstance(checkpoint_id, (str, os.PathLike)) else checkpoint_id
     step = int(raw) if isinstance(raw, str) and raw.isdecimal() and raw.isascii() else raw
-    check_step(step)
-    return step  # type: ignore[return-value]  # check_step raised unless it is an int
+    return check_step(step)
 
 
 def valid_id(checkpoint_id: object) -> bool:

@@ -50,7 +50,7 @@ def place_items(items: Sequence[WriteItem], planner_data: Any, rank: int) -> lis
     return out
 
 
-class _Node(dict):  # type: ignore[type-arg]
+class _Node(dict[Any, Any]):
     """A container :func:`build_state` made (the values placed in it are the user's, left as they are)."""
 
 
@@ -76,7 +76,8 @@ def build_state(values: Sequence[tuple[tuple[PathElem, ...], Any]], reserved: di
             node = node.setdefault(k, _Node())
         node[path[-1]] = value
     root[RESERVED] = _Node({**root.get(RESERVED, {}), **reserved})  # last: h.restore shows the user's keys first
-    return _finish(root)  # type: ignore[no-any-return]
+    state: dict[str, Any] = _finish(root)  # the root is a dict (its keys are paths' first elements)
+    return state
 
 
 def lookup(state: Any, path: Sequence[PathElem]) -> Any:

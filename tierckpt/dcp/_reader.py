@@ -199,7 +199,8 @@ class HierarchyReader(StorageReader):
 
     def _read_part(self, rank: int) -> tuple[Any, str]:
         assert self._read is not None  # read_data checked
-        return self._first_good(rank, self._read, lambda t, k: (read_checkpoint(t, k)[0], t.name))  # type: ignore[no-any-return]
+        got: tuple[Any, str] = self._first_good(rank, self._read, lambda t, k: (read_checkpoint(t, k)[0], t.name))
+        return got
 
     def _load(self, planner: LoadPlanner, req: ReadItem, loc: Location, value: Any, payload: bool) -> None:
         if req.type == LoadItemType.BYTE_IO:

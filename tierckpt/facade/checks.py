@@ -18,10 +18,12 @@ log = logging.getLogger("tierckpt.hierarchy")
 MAX_STEP = 10**12 - 1  #: file tiers name a step with 12 decimal digits (docs/format.md)
 
 
-def check_step(step: object) -> None:
-    """Raises ValueError unless ``step`` is an int a checkpoint can have (bools and floats are not)."""
-    if type(step) is not int or not 0 <= step <= MAX_STEP:
+def check_step(step: object) -> int:
+    """``step``, once checked: ValueError unless it is an int a checkpoint can have (bools and floats are
+    not)."""
+    if not isinstance(step, int) or type(step) is not int or not 0 <= step <= MAX_STEP:
         raise ValueError(f"step must be an int in [0, {MAX_STEP}], got {step!r}")
+    return step
 
 
 def check_tiers(tiers: Sequence[Tier]) -> list[str]:

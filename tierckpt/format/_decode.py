@@ -52,7 +52,7 @@ class _Levels:
     """One decode: the ext payloads set aside, and the containers still to build from them."""
 
     def __init__(self, make_hook: Callable[[Callable[[int, bytes], Any]], Callable[[int, bytes], Any]]) -> None:
-        self.hook = make_hook(self.defer)
+        self.hook: Callable[[int, bytes], Any] | None = make_hook(self.defer)
         self.made = self.opened = 0
         self.build: list[tuple[Any, Any, int, list[Any], list[Any]]] = []  # (parent, key, code, keys, values)
 
@@ -135,7 +135,7 @@ def decode_levels(
     try:
         return _decode(st, tree, max_depth)
     finally:
-        st.hook = None  # type: ignore[assignment]  # the hook holds st.defer: a cycle until a GC pass
+        st.hook = None  # the hook holds st.defer: a cycle until a GC pass
 
 
 def _decode(st: _Levels, tree: bytes, max_depth: int) -> Any:

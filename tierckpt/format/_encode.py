@@ -291,9 +291,9 @@ def _readable(t: torch.Tensor, path: str) -> tuple[torch.Tensor, int, int]:
     tt = type(t)
     if tt is not torch.Tensor and tt is not torch.nn.Parameter:
         plain = as_plain(t)
-        if type(plain) is str:
+        if isinstance(plain, str):
             raise StateError(f"{path}: cannot save {plain}")
-        t = plain  # type: ignore[assignment]  # the plain tensor replaces the subclass for the rest of the walk
+        t = plain  # the plain tensor replaces the subclass for the rest of the walk
     try:
         if t.layout is torch.strided and not (t.is_quantized or t.is_meta or t.is_nested):
             nb, p = t.nbytes, t.data_ptr()

@@ -140,7 +140,9 @@ class TensorTable(Sequence[TensorEntry]):
             return NotImplemented
         return len(self) == len(other) and all(a == b for a, b in zip(self, other))
 
-    __hash__ = None  # type: ignore[assignment]  # unhashable, as list is: __eq__ compares contents
+    def __hash__(self) -> int:
+        """Unhashable, as a list is: ``__eq__`` compares contents."""
+        raise TypeError(f"unhashable type: {type(self).__name__!r}")
 
     def __repr__(self) -> str:
         return f"TensorTable({len(self)} tensors, {sum(self.lengths)} bytes)"

@@ -292,7 +292,7 @@ def resolve_tree(value: Any, ref: type[int], tensor_at: Callable[[int], torch.Te
     try:
         return resolve(value)
     finally:
-        resolve = None  # type: ignore[assignment]  # it referred to itself: a cycle holding tensor_at
+        del resolve  # it refers to itself: a cycle holding tensor_at until a GC pass
 
 
 def check_ref(i: int, n_tensors: int, *, tier: str | None = None, step: int | None = None) -> int:

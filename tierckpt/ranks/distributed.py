@@ -174,11 +174,14 @@ class StoreCoordinator:
         """
         check_key(key)
         wait = self.timeout if timeout is None else check_timeout(timeout, "timeout")
+        result: T  # what fn returned, through msgpack (the same plain data)
         if self.world_size == 1:
-            return decode(encode(fn([decode(encode(value, self.max_bytes, key))]), self._result_bytes, key))  # type: ignore[no-any-return]  # msgpack gives Any
-        if self.rank == 0:
-            return self._decide(key, value, fn, wait)  # type: ignore[no-any-return]  # msgpack gives Any
-        return self._follow(key, value, wait)  # type: ignore[no-any-return]  # msgpack gives Any
+            result = decode(encode(fn([decode(encode(value, self.max_bytes, key))]), self._result_bytes, key))
+        elif self.rank == 0:
+            result = self._decide(key, value, fn, wait)
+        else:
+            result = self._follow(key, value, wait)
+        return result
 
     @property
     def _result_bytes(self) -> int:
@@ -275,7 +278,8 @@ class StoreCoordinator:
         """The outcome another rank is publishing under ``k``."""
         if not self._wait(st, k.result, wait, key):
             raise CoordinationError(f"{key!r}: no outcome within {wait:g} s (rank {self.rank} waited)", (0,))
-        return self._op(st.get, k.result, what=key)  # type: ignore[no-any-return]  # the store gives bytes
+        outcome: bytes = self._op(st.get, k.result, what=key)
+        return outcome
 
     def _sweep(self, st: Store) -> None:
         """Delete what lingers of keys decided :attr:`linger` seconds ago: the outcome of a failed key
@@ -379,7 +383,8 @@ def min_step(steps: list[int | None]) -> int | None:
     for r, s in enumerate(steps):
         if s is not None and (type(s) is not int or s < 0):
             raise TypeError(f"rank {r} sent {s!r} as its newest step (expected a non-negative int or None)")
-    return None if any(s is None for s in steps) else min(steps)  # type: ignore[type-var]  # no None left
+    held = [s for s in steps if s is not None]
+    return min(held) if len(held) == len(steps) else None
 
 
 def distributed_coordinator(

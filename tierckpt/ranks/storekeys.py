@@ -86,7 +86,8 @@ def decode(payload: bytes) -> Any:
 def failure(message: str, ranks: tuple[int, ...], by: int = 0) -> bytes:
     """The outcome of a failed call: ``message``, naming ``ranks``, published by rank ``by`` (not 0: a
     rank that gave up on rank 0)."""
-    return msgpack.packb({"err": message, "ranks": list(ranks), "by": by})  # type: ignore[no-any-return]  # msgpack is untyped
+    packed: bytes = msgpack.packb({"err": message, "ranks": list(ranks), "by": by})
+    return packed
 
 
 def parse_values(blob: bytes, world_size: int, key: str) -> tuple[dict[int, bytes], bytes | None]:

@@ -320,7 +320,7 @@ class FileTier(Tier):
         the step directory and a ``stat`` per copy."""
         out = []
         for step in self._step_dirs():
-            s = int(_STEP_RE.fullmatch(step.name).group(1))  # type: ignore[union-attr]  # the name matched _STEP_RE when the entry was listed
+            s = int(step.name.removeprefix("step-"))  # the name matched _STEP_RE when the entry was listed
             if rank is not None:  # one stat, not a listing of every rank's entry (N ranks: N x N entries)
                 if self._holds(CheckpointKey(s, rank)):
                     out.append(CheckpointKey(s, rank))

@@ -195,6 +195,7 @@ def choice(*values: str) -> Parser:
     def parse(v: Any, key: str) -> str:
         if v not in values:
             raise ConfigError(f"{key}: expected one of {', '.join(values)}, got {short(v)}")
-        return v  # type: ignore[no-any-return]  # one of the str values
+        picked: str = v  # one of the str values
+        return picked
 
     return parse
