@@ -226,7 +226,9 @@ class HierarchyConfig:
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
 
 
-def _check_keys(d: Any, key: str, allowed: AbstractSet[str], required: AbstractSet[str] = frozenset()) -> Mapping[str, Any]:
+def _check_keys(
+    d: Any, key: str, allowed: AbstractSet[str], required: AbstractSet[str] = frozenset()
+) -> Mapping[str, Any]:
     if not isinstance(d, Mapping):
         raise ConfigError(f"{key}: expected a mapping, got {type(d).__name__} {_short(d)}")
     for k in d:

@@ -271,28 +271,27 @@ def resolve_tree(value: Any, ref: type[int], tensor_at: Callable[[int], torch.Te
         CorruptCheckpointError: a reference is out of range.
     """
 
-    def resolve(v: Any) -> Any:
+    # the walk gets itself as an argument rather than through its closure: a function whose closure
+    # holds itself is a reference cycle, which would keep tensor_at (and what it holds) until a GC pass
+    def resolve(v: Any, again: Callable[[Any, Any], Any]) -> Any:
         tv = type(v)
         if tv is ref:
             return tensor_at(check_ref(v, n_tensors))
         if tv is Int:
             return int(v)
         if tv is dict:
-            return {k: resolve(x) for k, x in v.items()}
+            return {k: again(x, again) for k, x in v.items()}
         if tv is list:
-            return [resolve(x) for x in v]
+            return [again(x, again) for x in v]
         if tv is tuple:
-            return tuple(resolve(x) for x in v)
+            return tuple(again(x, again) for x in v)
         if tv is OrderedDict:
-            return OrderedDict((k, resolve(x)) for k, x in v.items())
+            return OrderedDict((k, again(x, again)) for k, x in v.items())
         if tv is Opaque:
             return v.value
         return v  # None, bool, int (versions 1-2), float, str, bytes, torch.dtype / device / Size
 
-    try:
-        return resolve(value)
-    finally:
-        del resolve  # it refers to itself: a cycle holding tensor_at until a GC pass
+    return resolve(value, resolve)
 
 
 def check_ref(i: int, n_tensors: int, *, tier: str | None = None, step: int | None = None) -> int:
