@@ -12,6 +12,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 import tierckpt
 
 ROOT = Path(tierckpt.__file__).parent
@@ -41,11 +43,29 @@ def _layer(module: str) -> int:
 
 
 def _imports(path: Path) -> set[str]:
-    """Every tierckpt module ``path`` imports, at the top or inside a function."""
+    """Every tierckpt module ``path`` imports, at the top, inside a function or under TYPE_CHECKING alike:
+    relative imports resolved against the module's package, ``from tierckpt.x import y`` as module
+    ``tierckpt.x.y`` where ``y`` is one, and a name of the package's lazy exports (``from tierckpt import
+    Hierarchy``) as the module that defines it."""
+    mods = _modules()
+    name = next(n for n, p in mods.items() if p == path)
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     out = set()
     for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("tierckpt"):
-            out.add(node.module)
+        if isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative: up level - 1 packages from this module's package
+                parts = package.split(".")
+                base = ".".join(parts[: len(parts) - node.level + 1] + ([base] if base else []))
+            if not base.startswith("tierckpt"):
+                continue
+            for a in node.names:
+                if base == "tierckpt" and a.name in tierckpt._LAZY:
+                    out.add(tierckpt._LAZY[a.name])
+                elif f"{base}.{a.name}" in mods:
+                    out.add(f"{base}.{a.name}")
+                else:
+                    out.add(base)
         elif isinstance(node, ast.Import):
             out.update(a.name for a in node.names if a.name.startswith("tierckpt"))
     return out
@@ -56,6 +76,10 @@ def _modules() -> dict[str, Path]:
         "tierckpt." + ".".join(p.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__"): p
         for p in ROOT.rglob("*.py")
     }
+
+
+_MODULES = _modules()
+_read = Path.read_text
 
 
 def test_imports_only_go_downward() -> None:
@@ -70,23 +94,10 @@ def test_imports_only_go_downward() -> None:
 
 
 def _edges() -> dict[str, set[str]]:
-    """Per module, the tierckpt modules it imports (``from tierckpt.x import y`` names module ``x.y``
-    where ``y`` is one), at the top, inside a function or under TYPE_CHECKING alike: a cycle that only
-    type checking sees still ties the two modules into one."""
+    """Per module, the tierckpt modules it imports (:func:`_imports`): a cycle that only type checking
+    sees still ties the two modules into one."""
     mods = _modules()
-    out: dict[str, set[str]] = {}
-    for name, path in mods.items():
-        targets = set()
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("tierckpt"):
-                subs = {f"{node.module}.{a.name}" for a in node.names} & mods.keys()
-                targets |= subs or {node.module}
-                if len(subs) < len(node.names):
-                    targets.add(node.module)
-            elif isinstance(node, ast.Import):
-                targets |= {a.name for a in node.names if a.name.startswith("tierckpt")}
-        out[name] = {m for m in targets if m in mods and m != name}
-    return out
+    return {name: {m for m in _imports(path) if m in mods and m != name} for name, path in mods.items()}
 
 
 def _cycles(edges: dict[str, set[str]]) -> list[list[str]]:
@@ -138,6 +149,18 @@ def test_no_import_cycle() -> None:
     assert not cycles, "modules that import each other (directly or around a circle):\n" + "\n".join(
         " <-> ".join(c) for c in cycles
     )
+
+
+def test_the_import_reader_resolves_relative_and_lazy_imports(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The reader sees an upward import however it is spelled: relative, or through the package's lazy
+    exports (the two ways it once missed)."""
+    planted = ROOT / "policies" / "_planted_for_test.py"
+    monkeypatch.setattr(
+        sys.modules[__name__], "_modules", lambda: {**_MODULES, "tierckpt.policies._planted_for_test": planted}
+    )
+    src = "from ..hierarchy import Hierarchy\nfrom tierckpt import TrainState\nfrom . import placement\n"
+    monkeypatch.setattr(Path, "read_text", lambda self, *a, **k: src if self == planted else _read(self, *a, **k))
+    assert _imports(planted) == {"tierckpt.hierarchy", "tierckpt.resume", "tierckpt.policies.placement"}
 
 
 def test_the_cycle_finder_finds_cycles() -> None:
