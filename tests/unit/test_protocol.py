@@ -79,7 +79,7 @@ def test_a_rank_dies_with_its_copy_durable_before_it_reports_it() -> None:
     left = restarted()
     assert listed_steps(left, 4) == [] and unrecorded_copies(left) == [STEP]
     assert orphan("pfs", STEP, RANKS[3], False, CopyState()) == EvictCopy("pfs", STEP, 3)
-    everyone = TierHoldings("pfs", frozenset(), frozenset(), ranks={STEP: frozenset({3})})
+    everyone = TierHoldings("pfs", frozenset(), frozenset(), ranks={STEP: frozenset({3})}, step_versions={STEP: 5})
     assert stray_copies(everyone, ThisRank(0, 2)) == [EvictCopy("pfs", STEP, 3)]
 
 
@@ -248,9 +248,42 @@ def test_strays_are_copies_of_ranks_beyond_the_job_no_record_names() -> None:
         records=frozenset({1, 3, 4}),
         record_sizes={1: 8, 3: 2, 4: None},
         ranks={s: frozenset({0, 1, 2, 3}) for s in (1, 2, 3, 4)},
+        step_versions={2: 5},
     )
     assert stray_copies(listing, ThisRank(0, 2)) == [EvictCopy("pfs", s, r) for s in (2, 3) for r in (2, 3)]
     assert stray_copies(TierHoldings("pfs", records=frozenset({1})), ThisRank(0, 2)) == []  # not every rank's
     assert sweeps_strays(ThisRank(0, 2), shared=True) and not sweeps_strays(ThisRank(1, 2), shared=True)
     assert sweeps_strays(ThisRank(2, 4, frozenset({2, 3})), shared=False)
     assert not sweeps_strays(ThisRank(3, 4, frozenset({2, 3})), shared=False)
+
+
+#: a 2-rank directory of four record-less steps, listed by rank 0 of a job of 1 rank (every rank's copies)
+TWO_RANKS = {s: frozenset({0, 1}) for s in (1, 2, 3, 4)}
+
+
+def recordless(step_versions: dict[int, int | None]) -> TierHoldings:
+    return TierHoldings("pfs", frozenset(TWO_RANKS), ranks=TWO_RANKS, versions={s: 4 for s in TWO_RANKS},
+                        step_versions=step_versions)  # fmt: skip
+
+
+def test_a_legacy_step_of_ranks_beyond_the_job_is_not_a_stray() -> None:
+    """B1 (the audit's f4legacy): copies of format 4 and older have no record and are committed by
+    themselves (listed_steps lists them): a record-less step of such a format is never swept."""
+    legacy = recordless({1: 4, 2: 3, 3: 1, 4: 4})
+    assert stray_copies(legacy, ThisRank(0, 1)) == []
+    assert listed_steps(legacy, 1) == [1, 2, 3, 4]
+
+
+def test_a_recordless_step_whose_version_cannot_be_read_is_not_a_stray() -> None:
+    """B1: what cannot be told apart is kept: a version that could not be read (None), or was never read
+    (a step the listing has no version of)."""
+    assert stray_copies(recordless({1: None, 2: None}), ThisRank(0, 1)) == []
+    assert stray_copies(recordless({}), ThisRank(0, 1)) == []
+
+
+def test_a_recordless_step_of_a_format_with_records_is_a_stray() -> None:
+    """B1: a record-less step of format 5 or later beyond this job's ranks is a larger job's uncommitted
+    step: its copies of ranks beyond this job go (finding 4), next to legacy and unreadable ones that stay."""
+    assert stray_copies(recordless({1: 4, 2: None, 3: 5, 4: 6}), ThisRank(0, 1)) == [
+        EvictCopy("pfs", 3, 1), EvictCopy("pfs", 4, 1),
+    ]  # fmt: skip

@@ -110,6 +110,9 @@ class TierHoldings:
             unreadable).
         ranks: per step, the ranks whose copies the tier holds, when the listing looked at every rank's
             (None: at this rank's only).
+        step_versions: when the listing looked at every rank's copies, for each step without a record,
+            the format version of one copy of it (its highest rank's, the one a stray would be; None:
+            unreadable): a step of format 4 or older has no record and is committed by itself.
     """
 
     tier: str
@@ -118,6 +121,7 @@ class TierHoldings:
     record_sizes: Mapping[int, int | None] = field(default_factory=dict)
     versions: Mapping[int, int | None] = field(default_factory=dict)
     ranks: Mapping[int, frozenset[int]] | None = None
+    step_versions: Mapping[int, int | None] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -298,6 +302,11 @@ def _legacy(version: int | None) -> bool:
     return version is not None and version < RECORDS_SINCE
 
 
+def _recorded_format(version: int | None) -> bool:
+    """Whether a copy of this format version is committed by a record only (None: unknown, so no)."""
+    return version is not None and version >= RECORDS_SINCE
+
+
 def orphan(tier: str, step: int, me: ThisRank, recorded: bool | None, copy: CopyState) -> EvictCopy | Keep:
     """Whether this rank's unrecorded copy of ``step`` (:func:`unrecorded_copies`) goes, judged when it is
     about to be evicted, from the step's record looked at again (``recorded``; None: it could not be
@@ -415,12 +424,15 @@ def stray_copies(holdings: TierHoldings, me: ThisRank) -> list[EvictCopy]:
     this job saved again). No rank of this job owns them and nothing else ever removes them
     (:func:`sweeps_strays` says which rank looks). The copies a record names are left to the step's
     eviction (:func:`eviction` removes those no rank of this job owns), and so are those of a record
-    that cannot be read. Copies of ranks of this job are never strays, whatever node they are on: a
-    node-local directory shared by mistake holds the copies other nodes' ranks are writing."""
+    that cannot be read. A step without a record is a stray's only when its copies are of a format that
+    has records (``holdings.step_versions``): one of format 4 or older is committed by itself (as
+    :func:`listed_steps` lists it), and one whose version could not be read is kept (what cannot be
+    told apart is never deleted). Copies of ranks of this job are never strays, whatever node they are
+    on: a node-local directory shared by mistake holds the copies other nodes' ranks are writing."""
 
     def named(step: int, rank: int) -> bool:
         if step not in holdings.records:
-            return False
+            return not _recorded_format(holdings.step_versions.get(step))
         size = holdings.record_sizes.get(step)
         return size is None or rank < size
 
