@@ -20,11 +20,12 @@ from tierckpt.background.held import HeldCopies
 from tierckpt.background.worker import Worker
 from tierckpt.datapath.blobcopy import copy_blobs, staging_for, writer_for
 from tierckpt.datapath.manifests import load_manifest
-from tierckpt.errors import CheckpointNotFoundError, DeviceFullError, TierckptError, TierFullError
+from tierckpt.errors import DeviceFullError, TierckptError, TierFullError
 from tierckpt.format.manifest import BlobEntry
 from tierckpt.io.buffers import StagingPool
 from tierckpt.io.geometry import IOGeometry
 from tierckpt.policies.placement import Copy, CopyPlan, MakeRoom, Policy, Retain, place
+from tierckpt.policies.protocol import unknown_outcome
 from tierckpt.ranks.commit import DecisionKeys
 from tierckpt.ranks.coordinator import Coordinator
 from tierckpt.tiers.base import CheckpointKey, Tier, TierWriter
@@ -176,7 +177,7 @@ class Mover:
                     shared = self.ranks.publish(room.tier, key, manifest, self._shared_evictions)
             except BaseException as e:
                 error = e
-                self.catalog.set(step, tier, "failed", e)
+                self.catalog.set(step, tier, "failed", e, unknown=unknown_outcome(e))
                 log.error("step %d: tier %r failed: %s", step, tier, e)
             else:
                 self.catalog.set(step, tier, "committed")
@@ -238,11 +239,8 @@ class Mover:
                 pins.release(keep=src)
                 self.catalog.set(key.step, dst, "writing")
                 manifest = self._copy(key, self.tiers[src], self.tiers[dst], blobs)
-                if promoted:  # a cache of this rank's copy: the step's record comes along, no commit of all ranks
-                    record = self.tiers[src].read_record(key.step)
-                    if record is None:
-                        raise CheckpointNotFoundError(f"step {key.step} lost its commit record on tier {src!r}")
-                    self.tiers[dst].write_record(key.step, record)
+                if promoted:  # a cache of this rank's copy: no commit of all ranks (the protocol says what it needs)
+                    self.ranks.promote(self.tiers[src], self.tiers[dst], key.step, manifest)
                     self.catalog.promoted(key.step, dst, True)
                     return None
                 return manifest
