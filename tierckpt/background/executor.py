@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 from tierckpt.background.catalog import Catalog
 from tierckpt.background.listing import Listing
@@ -58,6 +58,18 @@ __all__ = ["RankExecutor"]
 log = logging.getLogger(__name__)
 
 Evictions = list[tuple[str, int]]
+T = TypeVar("T")
+
+
+class MakesRoom(Protocol):
+    """Runs ``attempt`` (a write of ``step`` on ``tier``), making room on the tier and running it again
+    while it is full (:meth:`Mover.with_room <tierckpt.background.mover.Mover.with_room>`)."""
+
+    def __call__(self, tier: Tier, step: int, attempt: Callable[[], T]) -> T: ...
+
+
+def _as_is(tier: Tier, step: int, attempt: Callable[[], T]) -> T:
+    return attempt()
 
 
 class RankExecutor:
@@ -68,14 +80,23 @@ class RankExecutor:
         catalog: the hierarchy's bookkeeping.
         coordinator: this rank's place in the job, and the commits' gathers.
         keys: the hierarchy's decision names.
+        room: runs a record's write, making room on a full tier (default: as it is).
 
     Attributes:
         listing: what this rank lists on its tiers.
         shared: the names of the shared tiers.
     """
 
-    def __init__(self, tiers: Sequence[Tier], catalog: Catalog, coordinator: Coordinator, keys: DecisionKeys) -> None:
+    def __init__(
+        self,
+        tiers: Sequence[Tier],
+        catalog: Catalog,
+        coordinator: Coordinator,
+        keys: DecisionKeys,
+        room: MakesRoom = _as_is,
+    ) -> None:
         self.tiers = {t.name: t for t in tiers}
+        self.room = room
         self.catalog = catalog
         self.me = ThisRank(coordinator.rank, coordinator.world_size, frozenset(coordinator.ranks_on_node()))
         self.commits = Commits(coordinator, keys)
@@ -255,7 +276,7 @@ class RankExecutor:
     def _do(self, a: WriteRecord | RemoveRecord | EvictCopy, record: bytes, free: bool) -> None:
         tier = self.tiers[a.tier]
         if isinstance(a, WriteRecord):
-            tier.write_record(a.step, record)
+            self.room(tier, a.step, lambda: tier.write_record(a.step, record))
         elif isinstance(a, RemoveRecord):
             tier.remove_record(a.step)
         else:
