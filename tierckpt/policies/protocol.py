@@ -7,9 +7,9 @@ unknown: each of these is decided here, from plain records, with no I/O. The ran
 (:class:`~tierckpt.background.executor.RankExecutor`) reads what a rule needs from the tiers (through
 :func:`tierckpt.tiers.holdings.read_holdings`) and from the catalog, calls the rule, and carries out the
 actions it returns, in order, each failure as the action says (:data:`OnFailure`); it decides nothing
-itself. Like :func:`~tierckpt.policies.place`, which decides what
-moves where, and like etcd's raft (a pure state machine whose ``Ready()`` hands the application what to
-persist and send): inputs are data, outputs are plans.
+itself. Like :func:`~tierckpt.policies.place`, which decides what moves where, and like etcd's raft (a
+pure state machine whose ``Ready()`` hands the application what to persist and send): inputs are data,
+outputs are plans.
 
 ===========================================  ============================================================
 rule                                         decides
@@ -28,6 +28,7 @@ rule                                         decides
 :func:`still_unknown`                        such a copy is kept (rank 0 published a later commit on that
                                              tier)
 :func:`promotion`                            what a copy promoted up the chain needs: the step's record
+                                             (none for format 4 and older)
 :func:`listed_steps`,                        which steps a tier lists for this rank: its copies with a
 :func:`resharded_steps`                      record, legacy copies (format 4 and older), steps saved by
                                              another number of ranks (listed by their record alone)
@@ -42,7 +43,8 @@ rule                                         decides
                                              rank removes: its own, and those of ranks no rank of this job
                                              owns after a world-size change (:func:`unowned_ranks`)
 :func:`sweeps_strays`, :func:`stray_copies`  copies of ranks beyond this job's world size no record names
-                                             (a larger job killed before it committed): who removes them
+                                             (a larger job killed before it committed; never of format 4
+                                             and older, committed by themselves): who removes them
 ===========================================  ============================================================
 """
 
