@@ -130,6 +130,11 @@ class DeviceFullError(TierFullError, TierIOError):
     def __str__(self) -> str:
         return str(self.strerror)
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Pickled whole (not by its message alone, as :class:`TierFullError` is): errno, message and
+        file name are its constructor's arguments."""
+        return type(self), (self.errno, self.strerror, self.filename), self.__dict__
+
 
 class TierBusyError(TierckptError, BlockingIOError):
     """A tier directory is leased by another job, or this process lost its lease on it (docs/jobs.md).

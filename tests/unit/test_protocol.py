@@ -4,16 +4,22 @@ as regression cases, and the rules the outside audit's findings 4 and 6 needed."
 
 from __future__ import annotations
 
+import pytest
+
+from tierckpt.errors import CoordinationError, TierIOError
 from tierckpt.format.record import CommitRecord
 from tierckpt.policies.protocol import (
+    Action,
     CopyState,
     EvictCopy,
+    Fail,
     Keep,
     RemoveRecord,
     ThisRank,
     TierHoldings,
     Warn,
     WriteRecord,
+    commits_alone,
     committed_actions,
     decide_commit,
     deciding_actions,
@@ -21,7 +27,9 @@ from tierckpt.policies.protocol import (
     eviction,
     failed_commit_actions,
     listed_steps,
+    lone_commit,
     orphan,
+    promotion,
     rank_evictions,
     removes_record,
     resharded_steps,
@@ -29,6 +37,7 @@ from tierckpt.policies.protocol import (
     still_unknown,
     stray_copies,
     sweeps_strays,
+    unknown_outcome,
     unowned_ranks,
     unrecorded_copies,
 )
@@ -79,7 +88,7 @@ def test_a_rank_dies_with_its_copy_durable_before_it_reports_it() -> None:
     left = restarted()
     assert listed_steps(left, 4) == [] and unrecorded_copies(left) == [STEP]
     assert orphan("pfs", STEP, RANKS[3], False, CopyState()) == EvictCopy("pfs", STEP, 3)
-    everyone = TierHoldings("pfs", frozenset(), frozenset(), ranks={STEP: frozenset({3})})
+    everyone = TierHoldings("pfs", frozenset(), frozenset(), ranks={STEP: frozenset({3})}, step_versions={STEP: 5})
     assert stray_copies(everyone, ThisRank(0, 2)) == [EvictCopy("pfs", STEP, 3)]
 
 
@@ -248,9 +257,97 @@ def test_strays_are_copies_of_ranks_beyond_the_job_no_record_names() -> None:
         records=frozenset({1, 3, 4}),
         record_sizes={1: 8, 3: 2, 4: None},
         ranks={s: frozenset({0, 1, 2, 3}) for s in (1, 2, 3, 4)},
+        step_versions={2: 5},
     )
     assert stray_copies(listing, ThisRank(0, 2)) == [EvictCopy("pfs", s, r) for s in (2, 3) for r in (2, 3)]
     assert stray_copies(TierHoldings("pfs", records=frozenset({1})), ThisRank(0, 2)) == []  # not every rank's
     assert sweeps_strays(ThisRank(0, 2), shared=True) and not sweeps_strays(ThisRank(1, 2), shared=True)
     assert sweeps_strays(ThisRank(2, 4, frozenset({2, 3})), shared=False)
     assert not sweeps_strays(ThisRank(3, 4, frozenset({2, 3})), shared=False)
+
+
+#: a 2-rank directory of four record-less steps, listed by rank 0 of a job of 1 rank (every rank's copies)
+TWO_RANKS = {s: frozenset({0, 1}) for s in (1, 2, 3, 4)}
+
+
+def recordless(step_versions: dict[int, int | None]) -> TierHoldings:
+    return TierHoldings("pfs", frozenset(TWO_RANKS), ranks=TWO_RANKS, versions={s: 4 for s in TWO_RANKS},
+                        step_versions=step_versions)  # fmt: skip
+
+
+def test_a_legacy_step_of_ranks_beyond_the_job_is_not_a_stray() -> None:
+    """B1 (the audit's f4legacy): copies of format 4 and older have no record and are committed by
+    themselves (listed_steps lists them): a record-less step of such a format is never swept."""
+    legacy = recordless({1: 4, 2: 3, 3: 1, 4: 4})
+    assert stray_copies(legacy, ThisRank(0, 1)) == []
+    assert listed_steps(legacy, 1) == [1, 2, 3, 4]
+
+
+def test_a_recordless_step_whose_version_cannot_be_read_is_not_a_stray() -> None:
+    """B1: what cannot be told apart is kept: a version that could not be read (None), or was never read
+    (a step the listing has no version of)."""
+    assert stray_copies(recordless({1: None, 2: None}), ThisRank(0, 1)) == []
+    assert stray_copies(recordless({}), ThisRank(0, 1)) == []
+
+
+def test_a_recordless_step_of_a_format_with_records_is_a_stray() -> None:
+    """B1: a record-less step of format 5 or later beyond this job's ranks is a larger job's uncommitted
+    step: its copies of ranks beyond this job go (finding 4), next to legacy and unreadable ones that stay."""
+    assert stray_copies(recordless({1: 4, 2: None, 3: 5, 4: 6}), ThisRank(0, 1)) == [
+        EvictCopy("pfs", 3, 1), EvictCopy("pfs", 4, 1),
+    ]  # fmt: skip
+
+
+# -- what the executor only carries out ----------------------------------------------------------------------
+def test_a_rank_alone_commits_at_once_without_a_gather() -> None:
+    """The path a commit takes: a job of one rank decides its own commit (the record written once, by
+    rank 0's actions on a shared tier, by every rank's on a node-local one); any other gathers."""
+    assert commits_alone(ThisRank(0, 1)) and not commits_alone(RANKS[0])
+    outcome, plan = lone_commit("pfs", True, STEP, 11)
+    assert outcome.record == CommitRecord(STEP, 1, (11,)) and plan == [WriteRecord("pfs", STEP)]
+    assert lone_commit("ssd", False, STEP, 11)[1] == [WriteRecord("ssd", STEP)]
+
+
+def test_an_unknown_outcome_is_a_coordination_error_that_says_rank_0_may_have_decided() -> None:
+    assert unknown_outcome(CoordinationError("rank 0 published no outcome", (0,), undecided=True))
+    assert not unknown_outcome(CoordinationError("rank(s) 3 did not arrive", (3,)))
+    assert not unknown_outcome(TierIOError(5, "tier 'pfs': EIO"))
+
+
+def _failures(plan: list[Action]) -> list[tuple[str, str]]:
+    return [(type(a).__name__, a.on_failure) for a in plan if isinstance(a, (WriteRecord, RemoveRecord, EvictCopy))]
+
+
+def test_what_a_failed_action_does_is_the_rules_data() -> None:
+    """A record that cannot be written fails the operation; one that cannot be removed stops the plan (the
+    copies it names stay); a copy that cannot go is left, and the plan goes on."""
+    committed, failed = decide_commit(STEP, TAGS), decide_commit(STEP, [11, None, 33, 44])
+    assert _failures(deciding_actions("pfs", True, committed)) == [("WriteRecord", "raise")]
+    assert _failures(committed_actions("ssd", False, committed)) == [("WriteRecord", "raise")]
+    assert _failures(promotion("host", STEP, RANKS[1], recorded=True, version=5)) == [("WriteRecord", "raise")]
+    assert _failures(deciding_actions("pfs", True, failed)) == [("RemoveRecord", "stop")]
+    assert _failures(failed_commit_actions("ssd", False, STEP, RANKS[1], undecided=False)) == [
+        ("RemoveRecord", "stop"), ("EvictCopy", "continue"),
+    ]  # fmt: skip
+    assert _failures(eviction("ssd", STEP, ThisRank(1, 2, frozenset({1})), shared=False, saved_world_size=4)) == [
+        ("RemoveRecord", "stop"), *[("EvictCopy", "continue")] * 4,
+    ]  # fmt: skip
+    assert _failures(deciding_eviction("pfs", STEP, RANKS[0], 4)[0]) == [("RemoveRecord", "stop")]
+
+
+@pytest.mark.parametrize("version", [4, 1])
+def test_a_promoted_legacy_copy_needs_no_record(version: int) -> None:
+    """A copy of format 4 or older is committed by itself: promoted, it needs no record (on 987543a its
+    prefetch failed: "lost its commit record")."""
+    assert promotion("host", STEP, RANKS[0], recorded=False, version=version) == []
+
+
+def test_a_promoted_copy_brings_its_steps_record_or_fails() -> None:
+    """A copy of a format with records takes the step's record along; without one there (the step was
+    evicted from the source meanwhile), or of a version that cannot be read, the promoted copy goes and the
+    promotion fails."""
+    assert promotion("host", STEP, RANKS[2], recorded=True, version=5) == [WriteRecord("host", STEP)]
+    for version in (5, None):
+        plan = promotion("host", STEP, RANKS[2], recorded=False, version=version)
+        assert plan[0] == EvictCopy("host", STEP, 2) and isinstance(plan[1], Fail) and len(plan) == 2
+        assert f"step {STEP} lost its commit record" in plan[1].why

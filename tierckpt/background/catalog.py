@@ -12,7 +12,6 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from tierckpt.errors import CoordinationError
 from tierckpt.policies.placement import CatalogView, Sent
 from tierckpt.policies.protocol import CopyState
 
@@ -94,18 +93,21 @@ class Catalog:
                     self._wanted[step].add(t)
             self.changed.notify_all()
 
-    def set(self, step: int, tier: str, state: str, error: BaseException | None = None) -> None:
-        """Record a state; ``failed`` also records ``error`` (and an unknown outcome when it is a
-        ``CoordinationError`` that says so). A failed tier stays wanted: retention holds the step's
-        slowest copy until that tier has the step or a newer one (see ``plan_retention``)."""
+    def set(
+        self, step: int, tier: str, state: str, error: BaseException | None = None, *, unknown: bool = False
+    ) -> None:
+        """Record a state; ``failed`` also records ``error``, and with ``unknown`` that the commit's
+        outcome is unknown (:func:`~tierckpt.policies.protocol.unknown_outcome` of ``error``). A failed
+        tier stays wanted: retention holds the step's slowest copy until that tier has the step or a
+        newer one (see ``plan_retention``)."""
         with self.changed:
             self._states.setdefault(step, {})[tier] = state
             if state == "committed" and tier in self._followed:
                 self._followed[tier].add(step)
             if state == "failed":
                 self._errors.setdefault(step, {})[tier] = error or RuntimeError("failed")
-            if state == "failed" and isinstance(error, CoordinationError) and error.undecided:
-                self._unknown.add((step, tier))
+                if unknown:
+                    self._unknown.add((step, tier))
             self.changed.notify_all()
 
     def settle_unknown(self, still: Callable[[builtins.set[tuple[int, str]]], builtins.set[tuple[int, str]]]) -> None:

@@ -1,12 +1,11 @@
 """The rank executor: carries out the many-rank protocol's plans (:mod:`tierckpt.policies.protocol`).
 
 It decides nothing. For each protocol event of one rank (a commit, its failure, rank 0's decision of a
-shared tier's evictions, the eviction of a step, the sweep of record-less copies) it reads what the rule
-needs from the tiers (:mod:`tierckpt.tiers.holdings`) and the catalog, calls the rule, carries out the
-actions it returns in order, and records the outcome in the catalog. Carrying a plan out: a record that
-cannot be written raises (the commit fails); a record that cannot be removed stops the plan (the copies
-it names stay, so a record never names a copy that is gone), with a warning; a copy that cannot be
-evicted is a warning, and the plan goes on.
+shared tier's evictions, the eviction of a step, the sweep of record-less copies, a promotion) it reads
+what the rule needs from the tiers (:mod:`tierckpt.tiers.holdings`) and the catalog, calls the rule,
+carries out the actions it returns in order, and records the outcome in the catalog. An action that
+fails does what the rule set in it (:data:`~tierckpt.policies.protocol.OnFailure`): raise, stop the
+plan, or go on, with a warning for the last two.
 """
 
 from __future__ import annotations
@@ -14,33 +13,39 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 from tierckpt.background.catalog import Catalog
 from tierckpt.background.listing import Listing
-from tierckpt.errors import CoordinationError, TierckptError
+from tierckpt.errors import CheckpointNotFoundError, TierckptError
+from tierckpt.format.manifest import HEADER, manifest_version
 from tierckpt.format.record import decode_record, encode_record, manifest_tag
 from tierckpt.policies.protocol import (
     Action,
     CommitOutcome,
     EvictCopy,
+    Fail,
     Keep,
     RemoveRecord,
     ThisRank,
     Warn,
     WriteRecord,
+    commits_alone,
     committed_actions,
     decide_commit,
     deciding_actions,
     deciding_eviction,
     eviction,
     failed_commit_actions,
+    lone_commit,
     orphan,
+    promotion,
     rank_evictions,
     removes_record,
     shared_decision,
     still_unknown,
     stray_copies,
+    unknown_outcome,
 )
 from tierckpt.policies.retention import RetentionPlan
 from tierckpt.ranks.commit import Commits, DecisionKeys
@@ -53,6 +58,18 @@ __all__ = ["RankExecutor"]
 log = logging.getLogger(__name__)
 
 Evictions = list[tuple[str, int]]
+T = TypeVar("T")
+
+
+class MakesRoom(Protocol):
+    """Runs ``attempt`` (a write of ``step`` on ``tier``), making room on the tier and running it again
+    while it is full (:meth:`Mover.with_room <tierckpt.background.mover.Mover.with_room>`)."""
+
+    def __call__(self, tier: Tier, step: int, attempt: Callable[[], T]) -> T: ...
+
+
+def _as_is(tier: Tier, step: int, attempt: Callable[[], T]) -> T:
+    return attempt()
 
 
 class RankExecutor:
@@ -63,14 +80,23 @@ class RankExecutor:
         catalog: the hierarchy's bookkeeping.
         coordinator: this rank's place in the job, and the commits' gathers.
         keys: the hierarchy's decision names.
+        room: runs a record's write, making room on a full tier (default: as it is).
 
     Attributes:
         listing: what this rank lists on its tiers.
         shared: the names of the shared tiers.
     """
 
-    def __init__(self, tiers: Sequence[Tier], catalog: Catalog, coordinator: Coordinator, keys: DecisionKeys) -> None:
+    def __init__(
+        self,
+        tiers: Sequence[Tier],
+        catalog: Catalog,
+        coordinator: Coordinator,
+        keys: DecisionKeys,
+        room: MakesRoom = _as_is,
+    ) -> None:
         self.tiers = {t.name: t for t in tiers}
+        self.room = room
         self.catalog = catalog
         self.me = ThisRank(coordinator.rank, coordinator.world_size, frozenset(coordinator.ranks_on_node()))
         self.commits = Commits(coordinator, keys)
@@ -88,13 +114,10 @@ class RankExecutor:
         record is written (its decision of what shared tiers evict) and every rank returns it; None for a
         rank alone. On failure, what the failure leaves is removed as the protocol says, then it raises."""
         shared = tier.capabilities.shared
-        if self.me.world_size == 1:
-            outcome = decide_commit(key.step, [manifest_tag(manifest)])
-            data = encode_record(outcome.record) if outcome.record else b""
+        if commits_alone(self.me):
+            outcome, plan = lone_commit(tier.name, shared, key.step, manifest_tag(manifest))
             try:
-                self._carry_out(
-                    deciding_actions(tier.name, shared, outcome) + committed_actions(tier.name, shared, outcome), data
-                )
+                self.carry_out(plan, encode_record(outcome.record) if outcome.record else b"")
             except BaseException as e:
                 self._failed(tier, key.step, e)
                 raise
@@ -103,7 +126,7 @@ class RankExecutor:
         try:
             got = self.commits.gather(tier.name, key.step, manifest_tag(manifest), self._decider(tier, key.step, then))
             outcome = CommitOutcome(key.step, decode_record(got["record"], key.step))
-            self._carry_out(committed_actions(tier.name, shared, outcome), got["record"])
+            self.carry_out(committed_actions(tier.name, shared, outcome), got["record"])
         except BaseException as e:
             self._failed(tier, key.step, e)
             raise
@@ -113,7 +136,7 @@ class RankExecutor:
     def abandon(self, tier: Tier, key: CheckpointKey) -> None:
         """This rank's copy of ``key`` on ``tier`` failed: tell the other ranks at once (they fail the
         step without waiting for a timeout). Never raises."""
-        if self.me.world_size == 1:
+        if commits_alone(self.me):
             return
         try:
             self.commits.gather(tier.name, key.step, None, self._decider(tier, key.step, list))
@@ -130,7 +153,7 @@ class RankExecutor:
         def decide(tags: list[int | None]) -> dict[str, Any]:
             outcome = decide_commit(step, tags)
             data = encode_record(outcome.record) if outcome.record else b""
-            self._carry_out(deciding_actions(tier.name, tier.capabilities.shared, outcome), data)
+            self.carry_out(deciding_actions(tier.name, tier.capabilities.shared, outcome), data)
             if not outcome.committed:
                 raise TierckptError(
                     f"step {step} is not committed on tier {tier.name!r}: the copies of ranks {list(outcome.failed)} failed"
@@ -145,15 +168,27 @@ class RankExecutor:
         return decide
 
     def _failed(self, tier: Tier, step: int, error: BaseException) -> None:
-        undecided = isinstance(error, CoordinationError) and error.undecided
+        undecided = unknown_outcome(error)
         plan = failed_commit_actions(
             tier.name, tier.capabilities.shared, step, self.me, undecided=undecided, why=str(error)
         )
-        self._carry_out(plan)
+        self.carry_out(plan)
 
     def _decided(self, tier: str) -> None:
         """Rank 0 published a commit on ``tier``."""
         self.catalog.settle_unknown(lambda unknown: still_unknown(unknown, tier, published=True))
+
+    def promote(self, src: Tier, dst: Tier, step: int, manifest: bytes) -> None:
+        """This rank's copy of ``step`` (its manifest ``manifest``) was copied from ``src`` up to ``dst``:
+        give it what :func:`~tierckpt.policies.protocol.promotion` says (the step's record from ``src``).
+
+        Raises:
+            CheckpointNotFoundError: ``src`` lost the step's record meanwhile (the promoted copy went).
+        """
+        record = src.read_record(step)
+        version = manifest_version(manifest[: HEADER.size])
+        plan = promotion(dst.name, step, self.me, recorded=record is not None, version=version)
+        self.carry_out(plan, record or b"")
 
     # -- retention ----------------------------------------------------------------------------------------
     def agree(self, plan: RetentionPlan, decided: Evictions | None) -> RetentionPlan:
@@ -168,7 +203,7 @@ class RankExecutor:
         done = []
         for name, step in shared_decision(evict, self.shared):
             actions, unowned = deciding_eviction(name, step, self.me, record_world_size(self.tiers[name], step))
-            if not self._carry_out(actions):
+            if not self.carry_out(actions):
                 continue
             with self._lock:
                 self._unowned[(name, step)] = unowned  # evicted with rank 0's own copy, once every rank knows
@@ -187,7 +222,7 @@ class RankExecutor:
         if removes_record(shared, self.me.world_size, alone=alone):
             saved = record_world_size(tier, step)  # read before the record goes: the ranks it names
         plan = eviction(tier.name, step, self.me, shared=shared, alone=alone, saved_world_size=saved, unowned=unowned)
-        done = self._carry_out(plan, free=free)
+        done = self.carry_out(plan, free=free)
         if EvictCopy(tier.name, step, self.me.rank) in done:
             self.catalog.forget(step, tier.name)
             self.listing.forget(step, tier.name)
@@ -205,36 +240,51 @@ class RankExecutor:
             if isinstance(verdict, EvictCopy):
                 log.info("step %d on tier %r has no commit record (never committed by every rank, or evicted by "
                          "another rank): removing this rank's copy", step, name)  # fmt: skip
-            self._carry_out([verdict])
+            self.carry_out([verdict])
         for holdings in self.listing.every_rank():
             strays = stray_copies(holdings, self.me)
             if strays:
                 log.info("tier %r: removing the copies of ranks beyond this job's %d of uncommitted steps: %s",
                          holdings.tier, self.me.world_size, [(a.step, a.rank) for a in strays])  # fmt: skip
-            self._carry_out(strays)
+            self.carry_out(strays)
 
     # -- carrying a plan out --------------------------------------------------------------------------------
-    def _carry_out(self, plan: Sequence[Action], record: bytes = b"", free: bool = True) -> list[Action]:
-        """Carry ``plan`` out in order (see the module docstring); the actions done."""
+    def carry_out(self, plan: Sequence[Action], record: bytes = b"", free: bool = True) -> list[Action]:
+        """Carry ``plan`` out in order, each failure as its action says (see the module docstring); the
+        actions done."""
         done: list[Action] = []
         for a in plan:
             if isinstance(a, Warn):
                 log.warning("%s", a.message)
             elif isinstance(a, Keep):
                 log.debug("step %d on tier %r: rank %d's copy stays: %s", a.step, a.tier, a.rank, a.why)
-            elif isinstance(a, WriteRecord):
-                self.tiers[a.tier].write_record(a.step, record)
-            elif isinstance(a, RemoveRecord):
-                try:
-                    self.tiers[a.tier].remove_record(a.step)
-                except Exception as e:
-                    log.warning("step %d on tier %r: cannot remove its commit record: %s", a.step, a.tier, e)
-                    return done
+            elif isinstance(a, Fail):
+                raise CheckpointNotFoundError(a.why)
             else:
                 try:
-                    self.tiers[a.tier].evict(CheckpointKey(a.step, a.rank), free=free)
+                    self._do(a, record, free)
                 except Exception as e:
-                    log.warning("step %d on tier %r: cannot evict rank %d's copy: %s", a.step, a.tier, a.rank, e)
+                    if a.on_failure == "raise":
+                        raise
+                    log.warning("step %d on tier %r: cannot %s: %s", a.step, a.tier, _what(a), e)
+                    if a.on_failure == "stop":
+                        return done
                     continue
             done.append(a)
         return done
+
+    def _do(self, a: WriteRecord | RemoveRecord | EvictCopy, record: bytes, free: bool) -> None:
+        tier = self.tiers[a.tier]
+        if isinstance(a, WriteRecord):
+            self.room(tier, a.step, lambda: tier.write_record(a.step, record))
+        elif isinstance(a, RemoveRecord):
+            tier.remove_record(a.step)
+        else:
+            tier.evict(CheckpointKey(a.step, a.rank), free=free)
+
+
+def _what(a: WriteRecord | RemoveRecord | EvictCopy) -> str:
+    """What ``a`` does, for messages."""
+    if isinstance(a, EvictCopy):
+        return f"evict rank {a.rank}'s copy"
+    return f"{'write' if isinstance(a, WriteRecord) else 'remove'} its commit record"

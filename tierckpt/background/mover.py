@@ -13,6 +13,9 @@ import logging
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
+from typing import TypeVar
+
+import torch
 
 from tierckpt.background.catalog import Catalog
 from tierckpt.background.executor import RankExecutor
@@ -20,11 +23,12 @@ from tierckpt.background.held import HeldCopies
 from tierckpt.background.worker import Worker
 from tierckpt.datapath.blobcopy import copy_blobs, staging_for, writer_for
 from tierckpt.datapath.manifests import load_manifest
-from tierckpt.errors import CheckpointNotFoundError, DeviceFullError, TierckptError, TierFullError
+from tierckpt.errors import DeviceFullError, TierckptError, TierFullError
 from tierckpt.format.manifest import BlobEntry
 from tierckpt.io.buffers import StagingPool
 from tierckpt.io.geometry import IOGeometry
 from tierckpt.policies.placement import Copy, CopyPlan, MakeRoom, Policy, Retain, place
+from tierckpt.policies.protocol import unknown_outcome
 from tierckpt.ranks.commit import DecisionKeys
 from tierckpt.ranks.coordinator import Coordinator
 from tierckpt.tiers.base import CheckpointKey, Tier, TierWriter
@@ -32,6 +36,8 @@ from tierckpt.tiers.base import CheckpointKey, Tier, TierWriter
 __all__ = ["Mover", "Room", "resolved"]
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 def resolved() -> Future[None]:
@@ -69,6 +75,26 @@ class Room:
 #: publishes the copy: :class:`~tierckpt.ranks.commit.Commits`), or None for a copy that needs no
 #: commit of all ranks (a promotion, which copies the step's record along).
 Job = Callable[[Room], bytes | None]
+
+
+class _CommitsWithRoom(TierWriter):
+    """A writer whose commit, when the tier's device is full (:class:`~tierckpt.errors.DeviceFullError`:
+    the writer stays open, its blobs written), makes room as its reservation did and commits again."""
+
+    def __init__(self, inner: TierWriter, room: Callable[[Callable[[], None]], None]) -> None:
+        self._inner, self._room = inner, room
+
+    def buffer(self, blob: int) -> torch.Tensor | None:
+        return self._inner.buffer(blob)
+
+    def write(self, blob: int, offset: int, addr: int, nbytes: int) -> Future[int]:
+        return self._inner.write(blob, offset, addr, nbytes)
+
+    def commit(self, manifest: bytes) -> None:
+        self._room(lambda: self._inner.commit(manifest))
+
+    def abort(self) -> None:
+        self._inner.abort()
 
 
 class _Pins:
@@ -120,7 +146,7 @@ class Mover:
         self._full_logged: set[str] = set()
         self.held = HeldCopies(catalog)  # copies retention keeps beyond their window, and why
         self.keys = DecisionKeys()
-        self.ranks = RankExecutor(tiers, catalog, coordinator, self.keys)  # the many-rank protocol's plans
+        self.ranks = RankExecutor(tiers, catalog, coordinator, self.keys, self.with_room)  # the protocol's plans
 
     # -- plans ------------------------------------------------------------------------------------------
     def execute(self, plan: CopyPlan) -> dict[str, Future[None]]:
@@ -176,7 +202,7 @@ class Mover:
                     shared = self.ranks.publish(room.tier, key, manifest, self._shared_evictions)
             except BaseException as e:
                 error = e
-                self.catalog.set(step, tier, "failed", e)
+                self.catalog.set(step, tier, "failed", e, unknown=unknown_outcome(e))
                 log.error("step %d: tier %r failed: %s", step, tier, e)
             else:
                 self.catalog.set(step, tier, "committed")
@@ -238,11 +264,8 @@ class Mover:
                 pins.release(keep=src)
                 self.catalog.set(key.step, dst, "writing")
                 manifest = self._copy(key, self.tiers[src], self.tiers[dst], blobs)
-                if promoted:  # a cache of this rank's copy: the step's record comes along, no commit of all ranks
-                    record = self.tiers[src].read_record(key.step)
-                    if record is None:
-                        raise CheckpointNotFoundError(f"step {key.step} lost its commit record on tier {src!r}")
-                    self.tiers[dst].write_record(key.step, record)
+                if promoted:  # a cache of this rank's copy: no commit of all ranks (the protocol says what it needs)
+                    self.ranks.promote(self.tiers[src], self.tiers[dst], key.step, manifest)
                     self.catalog.promoted(key.step, dst, True)
                     return None
                 return manifest
@@ -290,40 +313,51 @@ class Mover:
 
     # -- room -------------------------------------------------------------------------------------------
     def reserve(self, tier: Tier, key: CheckpointKey, blobs: Sequence[BlobEntry]) -> TierWriter:
-        """Reserve room on ``tier`` (a writer that honours the tier's declared write order). When it is
-        full (its capacity, or its device: :class:`~tierckpt.errors.DeviceFullError`), do what its
-        :class:`~tierckpt.policies.MakeRoom` plan says: evict its oldest copy that another tier holds (a
-        lower one, for a full device; never a pinned or held one); or wait for the transfers that pin
-        copies on it (``on_full: wait``, backpressure); or fail (``on_full: fail``, or nothing will free
-        room)."""
+        """Reserve room on ``tier`` (a writer that honours the tier's declared write order), making room
+        as :meth:`with_room` says; the writer's commit makes room too when the device is full as the
+        manifest is written."""
+        writer = self.with_room(tier, key.step, lambda: writer_for(tier, tier.reserve(key, blobs), blobs))
+        return _CommitsWithRoom(writer, lambda commit: self.with_room(tier, key.step, commit))
+
+    def with_room(self, tier: Tier, step: int, attempt: Callable[[], T]) -> T:
+        """``attempt()`` (a reservation, a commit or a commit record of ``step`` on ``tier``), again each
+        time room was made. When the tier is full (its capacity, or its device:
+        :class:`~tierckpt.errors.DeviceFullError`), do what its :class:`~tierckpt.policies.MakeRoom` plan
+        says: evict its oldest copy that another tier holds (a lower one, for a full device; never a
+        pinned or held one); or wait for the transfers that pin copies on it (``on_full: wait``,
+        backpressure); or fail (``on_full: fail``, or nothing will free room)."""
         while True:
             try:
-                return writer_for(tier, tier.reserve(key, blobs), blobs)
+                return attempt()
             except TierFullError as full:
-                self.apply_retention()
-                committed = self.ranks.listing.committed_all()
-                event = MakeRoom(tier.name, key.step, device=isinstance(full, DeviceFullError))
-                room = place(event, self.policy, self.catalog.view(committed, self.held.copies()))
-                if room.victims:
-                    log.info("tier %r is full: evicting step %d (another tier holds it)", tier.name, room.victims[0])
-                    self.ranks.evict(tier, room.victims[0], alone=True)
-                    continue
-                with self.catalog.changed:  # decided again under the lock: no unpin is missed
-                    room = place(event, self.policy, self.catalog.view(committed, self.held.copies()))
-                    if room.victims:  # a copy became evictable meanwhile
-                        continue
-                    if not room.wait:
-                        explained = self.held.explain_full(tier.name, full)
-                        if explained is full:
-                            raise
-                        raise explained from full
-                    if tier.name not in self._full_logged:
-                        self._full_logged.add(tier.name)
-                        log.info(
-                            "tier %r is full: step %d waits until steps %s have moved down",
-                            tier.name, key.step, list(room.waiting_on),
-                        )  # fmt: skip
-                    self.catalog.changed.wait(1.0)
+                self._make_room(tier, step, full)
+
+    def _make_room(self, tier: Tier, step: int, full: TierFullError) -> None:
+        """One round of :meth:`with_room`: evict a victim, or wait a while; raise when nothing frees room."""
+        self.apply_retention()
+        committed = self.ranks.listing.committed_all()
+        event = MakeRoom(tier.name, step, device=isinstance(full, DeviceFullError))
+        room = place(event, self.policy, self.catalog.view(committed, self.held.copies()))
+        if room.victims:
+            log.info("tier %r is full: evicting step %d (another tier holds it)", tier.name, room.victims[0])
+            self.ranks.evict(tier, room.victims[0], alone=True)
+            return
+        with self.catalog.changed:  # decided again under the lock: no unpin is missed
+            room = place(event, self.policy, self.catalog.view(committed, self.held.copies()))
+            if room.victims:  # a copy became evictable meanwhile
+                return
+            if not room.wait:
+                explained = self.held.explain_full(tier.name, full)
+                if explained is full:
+                    raise full
+                raise explained from full
+            if tier.name not in self._full_logged:
+                self._full_logged.add(tier.name)
+                log.info(
+                    "tier %r is full: step %d waits until steps %s have moved down",
+                    tier.name, step, list(room.waiting_on),
+                )  # fmt: skip
+            self.catalog.changed.wait(1.0)
 
     def apply_retention(self, free: bool = True, shared: list[tuple[str, int]] | None = None) -> set[str]:
         """Evict what the retention plan says now, as this rank's part of it

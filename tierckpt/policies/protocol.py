@@ -6,13 +6,16 @@ which copies nothing will ever list again (orphans) and which must stay because 
 unknown: each of these is decided here, from plain records, with no I/O. The rank executor
 (:class:`~tierckpt.background.executor.RankExecutor`) reads what a rule needs from the tiers (through
 :func:`tierckpt.tiers.holdings.read_holdings`) and from the catalog, calls the rule, and carries out the
-actions it returns; it decides nothing itself. Like :func:`~tierckpt.policies.place`, which decides what
-moves where, and like etcd's raft (a pure state machine whose ``Ready()`` hands the application what to
-persist and send): inputs are data, outputs are plans.
+actions it returns, in order, each failure as the action says (:data:`OnFailure`); it decides nothing
+itself. Like :func:`~tierckpt.policies.place`, which decides what moves where, and like etcd's raft (a
+pure state machine whose ``Ready()`` hands the application what to persist and send): inputs are data,
+outputs are plans.
 
 ===========================================  ============================================================
 rule                                         decides
 ===========================================  ============================================================
+:func:`commits_alone`, :func:`lone_commit`   which path a commit takes: a rank alone decides at once, else
+                                             the gather of every rank's report
 :func:`decide_commit`                        rank 0, from every rank's report: committed, or failed naming
                                              the ranks
 :func:`deciding_actions`                     what rank 0 does on the tier before it publishes that outcome
@@ -21,8 +24,11 @@ rule                                         decides
                                              (node-local tier: write its node's record)
 :func:`failed_commit_actions`                what a failed commit leaves, and who removes it; an unknown
                                              outcome keeps the copy
-:func:`still_unknown`                        until when a copy whose commit outcome is unknown is kept (rank
-                                             0 published a later commit on that tier)
+:func:`unknown_outcome`,                     which failures leave a commit's outcome unknown, and until when
+:func:`still_unknown`                        such a copy is kept (rank 0 published a later commit on that
+                                             tier)
+:func:`promotion`                            what a copy promoted up the chain needs: the step's record
+                                             (none for format 4 and older)
 :func:`listed_steps`,                        which steps a tier lists for this rank: its copies with a
 :func:`resharded_steps`                      record, legacy copies (format 4 and older), steps saved by
                                              another number of ranks (listed by their record alone)
@@ -37,7 +43,8 @@ rule                                         decides
                                              rank removes: its own, and those of ranks no rank of this job
                                              owns after a world-size change (:func:`unowned_ranks`)
 :func:`sweeps_strays`, :func:`stray_copies`  copies of ranks beyond this job's world size no record names
-                                             (a larger job killed before it committed): who removes them
+                                             (a larger job killed before it committed; never of format 4
+                                             and older, committed by themselves): who removes them
 ===========================================  ============================================================
 """
 
@@ -45,7 +52,9 @@ from __future__ import annotations
 
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Literal
 
+from tierckpt.errors import CoordinationError
 from tierckpt.format.record import RECORDS_SINCE, CommitRecord
 
 __all__ = [
@@ -53,12 +62,15 @@ __all__ = [
     "CommitOutcome",
     "CopyState",
     "EvictCopy",
+    "Fail",
     "Keep",
+    "OnFailure",
     "RemoveRecord",
     "ThisRank",
     "TierHoldings",
     "Warn",
     "WriteRecord",
+    "commits_alone",
     "committed_actions",
     "decide_commit",
     "deciding_actions",
@@ -66,7 +78,9 @@ __all__ = [
     "eviction",
     "failed_commit_actions",
     "listed_steps",
+    "lone_commit",
     "orphan",
+    "promotion",
     "rank_evictions",
     "removes_record",
     "resharded_steps",
@@ -74,6 +88,7 @@ __all__ = [
     "still_unknown",
     "stray_copies",
     "sweeps_strays",
+    "unknown_outcome",
     "unowned_ranks",
     "unrecorded_copies",
 ]
@@ -110,6 +125,9 @@ class TierHoldings:
             unreadable).
         ranks: per step, the ranks whose copies the tier holds, when the listing looked at every rank's
             (None: at this rank's only).
+        step_versions: when the listing looked at every rank's copies, for each step without a record,
+            the format version of one copy of it (its highest rank's, the one a stray would be; None:
+            unreadable): a step of format 4 or older has no record and is committed by itself.
     """
 
     tier: str
@@ -118,6 +136,7 @@ class TierHoldings:
     record_sizes: Mapping[int, int | None] = field(default_factory=dict)
     versions: Mapping[int, int | None] = field(default_factory=dict)
     ranks: Mapping[int, frozenset[int]] | None = None
+    step_versions: Mapping[int, int | None] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -137,29 +156,41 @@ class CopyState:
 
 
 # -- actions -------------------------------------------------------------------------------------------
+#: What the executor does when an action fails: ``raise`` the error (the operation fails), ``stop`` the
+#: plan with a warning (the actions after it are not carried out), or ``continue`` with a warning.
+OnFailure = Literal["raise", "stop", "continue"]
+
+
 @dataclass(frozen=True)
 class WriteRecord:
-    """Write the step's commit record on the tier (the outcome's record)."""
+    """Write the step's commit record on the tier (the outcome's record). One that cannot be written
+    fails what wrote it (``raise``): the step is not committed there."""
 
     tier: str
     step: int
+    on_failure: OnFailure = "raise"
 
 
 @dataclass(frozen=True)
 class RemoveRecord:
-    """Remove the step's commit record from the tier (idempotent): the step is unlisted for every rank."""
+    """Remove the step's commit record from the tier (idempotent): the step is unlisted for every rank.
+    One that cannot be removed stops the plan (``stop``): the copies after it stay, since a record never
+    names a copy that is gone."""
 
     tier: str
     step: int
+    on_failure: OnFailure = "stop"
 
 
 @dataclass(frozen=True)
 class EvictCopy:
-    """Evict rank ``rank``'s copy of the step from the tier (a missing one is no error)."""
+    """Evict rank ``rank``'s copy of the step from the tier (a missing one is no error). One that cannot
+    go is left to a later pass (``continue``): nothing lists it once its record is gone."""
 
     tier: str
     step: int
     rank: int
+    on_failure: OnFailure = "continue"
 
 
 @dataclass(frozen=True)
@@ -179,7 +210,15 @@ class Warn:
     message: str
 
 
-Action = WriteRecord | RemoveRecord | EvictCopy | Keep | Warn
+@dataclass(frozen=True)
+class Fail:
+    """Fail the operation: the step is not committed where it was read (``why``; a
+    :class:`~tierckpt.errors.CheckpointNotFoundError`)."""
+
+    why: str
+
+
+Action = WriteRecord | RemoveRecord | EvictCopy | Keep | Warn | Fail
 
 
 # -- the commit ----------------------------------------------------------------------------------------
@@ -210,6 +249,19 @@ def decide_commit(step: int, tags: Sequence[int | None]) -> CommitOutcome:
     if failed or not tags:
         return CommitOutcome(step, None, failed)
     return CommitOutcome(step, CommitRecord(step, len(tags), tuple(t for t in tags if t is not None)))
+
+
+def commits_alone(me: ThisRank) -> bool:
+    """Whether this rank decides its commits alone (:func:`lone_commit`), without the gather of every
+    rank's report: a job of one rank."""
+    return me.world_size == 1
+
+
+def lone_commit(tier: str, shared: bool, step: int, tag: int) -> tuple[CommitOutcome, list[Action]]:
+    """A rank alone commits its copy (manifest tag ``tag``) at once: the outcome, and rank 0's actions
+    then every rank's (:func:`deciding_actions`, :func:`committed_actions`: the record, written once)."""
+    outcome = decide_commit(step, [tag])
+    return outcome, deciding_actions(tier, shared, outcome) + committed_actions(tier, shared, outcome)
 
 
 def deciding_actions(tier: str, shared: bool, outcome: CommitOutcome) -> list[Action]:
@@ -259,6 +311,14 @@ def failed_commit_actions(
     return out
 
 
+def unknown_outcome(error: BaseException) -> bool:
+    """Whether a commit that failed with ``error`` has an unknown outcome (rank 0 took the decision up and
+    published nothing in time: it may have written the record). The copy then stays
+    (:func:`failed_commit_actions` with ``undecided``) and is no orphan while :func:`still_unknown` keeps
+    it; the hierarchy's catalog tracks it as such."""
+    return isinstance(error, CoordinationError) and error.undecided
+
+
 def still_unknown(unknown: Collection[tuple[int, str]], tier: str, *, published: bool) -> set[tuple[int, str]]:
     """The copies (step, tier) whose commit outcome stays unknown once a commit on ``tier`` has ended.
     Only a commit rank 0 published (``published``) settles those on its tier: rank 0 decides a tier's
@@ -266,6 +326,23 @@ def still_unknown(unknown: Collection[tuple[int, str]], tier: str, *, published:
     record is there, or never will be). Nothing else does: not a local failure, nor a commit that failed
     because rank 0 did not answer (it may still be writing the earlier record), nor a promotion."""
     return {(s, t) for s, t in unknown if t != tier or not published}
+
+
+def promotion(tier: str, step: int, me: ThisRank, *, recorded: bool, version: int | None) -> list[Action]:
+    """What this rank's copy of ``step`` promoted to ``tier`` (a cache of it up the chain: no commit of
+    all ranks) needs there: the step's record from the tier it was read from (``recorded``: that tier
+    holds it), which names this copy's manifest as it names the source's; nothing for a copy of format 4
+    or older (``version``: committed by itself). A copy of a format with records whose source lost the
+    record meanwhile (the step was evicted there) is not committed: the promoted copy goes and the
+    promotion fails."""
+    if recorded:
+        return [WriteRecord(tier, step)]
+    if _legacy(version):
+        return []
+    return [
+        EvictCopy(tier, step, me.rank),
+        Fail(f"step {step} lost its commit record on the tier it was promoted from (evicted there meanwhile)"),
+    ]
 
 
 # -- what a tier lists ---------------------------------------------------------------------------------
@@ -296,6 +373,11 @@ def unrecorded_copies(holdings: TierHoldings) -> list[int]:
 
 def _legacy(version: int | None) -> bool:
     return version is not None and version < RECORDS_SINCE
+
+
+def _recorded_format(version: int | None) -> bool:
+    """Whether a copy of this format version is committed by a record only (None: unknown, so no)."""
+    return version is not None and version >= RECORDS_SINCE
 
 
 def orphan(tier: str, step: int, me: ThisRank, recorded: bool | None, copy: CopyState) -> EvictCopy | Keep:
@@ -415,12 +497,15 @@ def stray_copies(holdings: TierHoldings, me: ThisRank) -> list[EvictCopy]:
     this job saved again). No rank of this job owns them and nothing else ever removes them
     (:func:`sweeps_strays` says which rank looks). The copies a record names are left to the step's
     eviction (:func:`eviction` removes those no rank of this job owns), and so are those of a record
-    that cannot be read. Copies of ranks of this job are never strays, whatever node they are on: a
-    node-local directory shared by mistake holds the copies other nodes' ranks are writing."""
+    that cannot be read. A step without a record is a stray's only when its copies are of a format that
+    has records (``holdings.step_versions``): one of format 4 or older is committed by itself (as
+    :func:`listed_steps` lists it), and one whose version could not be read is kept (what cannot be
+    told apart is never deleted). Copies of ranks of this job are never strays, whatever node they are
+    on: a node-local directory shared by mistake holds the copies other nodes' ranks are writing."""
 
     def named(step: int, rank: int) -> bool:
         if step not in holdings.records:
-            return False
+            return not _recorded_format(holdings.step_versions.get(step))
         size = holdings.record_sizes.get(step)
         return size is None or rank < size
 

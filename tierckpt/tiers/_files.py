@@ -36,7 +36,7 @@ from tierckpt.io.fsutil import fsync_dir, probe_fs
 from tierckpt.io.geometry import FsFacts, IOGeometry, io_geometry
 from tierckpt.tiers._filedir import open_directory
 from tierckpt.tiers._fileread import MANIFEST_NAME, FileCopy, io_error, read_regular
-from tierckpt.tiers._filewrite import FileWriter, write_file
+from tierckpt.tiers._filewrite import FileWriter, device_full, write_file
 from tierckpt.tiers._lease import Lease
 from tierckpt.tiers.base import CheckpointKey, EngineSource, Tier, TierCapabilities, TierReader, TierWriter
 from tierckpt.tiers.options import Option, boolean, check_options, local_directory
@@ -366,7 +366,12 @@ class FileTier(Tier):
 
     def write_record(self, step: int, data: bytes) -> None:
         """Write ``step-N/commit`` under a scratch name, fsync it, rename it into place (replacing the
-        step's record) and fsync the step directory."""
+        step's record) and fsync the step directory.
+
+        Raises:
+            DeviceFullError: the device is full (ENOSPC, EDQUOT): the hierarchy makes room and writes it again.
+            TierIOError: any other failure.
+        """
         self._check_lease()
         final = self._record_path(step)
         tmp = final.parent / _scratch("tmp", None)
@@ -378,7 +383,8 @@ class FileTier(Tier):
         except OSError as e:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
-            raise io_error(self.name, f"cannot write the commit record of step {step}", e) from e
+            err = io_error(self.name, f"cannot write the commit record of step {step}", e)
+            raise device_full(self, f"the commit record of step {step}", len(data), e) or err from e
 
     def read_record(self, step: int) -> bytes | None:
         """The bytes of ``step-N/commit``; None where there is none (or the step directory is a link, not

@@ -27,7 +27,7 @@ from tierckpt.io.fsutil import fsync_dir
 from tierckpt.tiers._fileread import DATA_NAME, MANIFEST_NAME, FileSpace, io_error
 from tierckpt.tiers.base import CheckpointKey, TierWriter
 
-__all__ = ["FileWriter", "write_file"]
+__all__ = ["FileWriter", "device_full", "write_file"]
 
 _RENAME_EXCHANGE = 2
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
@@ -58,22 +58,23 @@ def write_file(path: Path, data: bytes) -> None:
         os.close(fd)
 
 
-def _device_full(tier: FileSpace, key: CheckpointKey, need: int, e: OSError) -> DeviceFullError | None:
+def device_full(tier: FileSpace, what: str, need: int, e: OSError, whole: int | None = None) -> DeviceFullError | None:
     """A full device as the tier contract's "no room" (so that the hierarchy makes room as for a full
-    ``capacity``): ENOSPC or EDQUOT for a copy that would fit on the file system were it empty. None for
-    any other error, and for a copy larger than the whole device (no eviction makes it fit)."""
+    ``capacity``): ENOSPC or EDQUOT while writing ``what`` (``need`` bytes) of a copy that would fit on
+    the file system were it empty (``whole`` bytes in all; default ``need``). None for any other error,
+    and for a copy larger than the whole device (no eviction makes it fit)."""
     if e.errno not in (errno.ENOSPC, errno.EDQUOT):
         return None
     try:
         st = os.statvfs(tier.path)
     except OSError:
         return None
-    if need > st.f_blocks * st.f_frsize:
+    if (need if whole is None else whole) > st.f_blocks * st.f_frsize:
         return None
     free = st.f_bavail * st.f_frsize
     return DeviceFullError(
         e.errno,
-        f"tier {tier.name!r}: the device of {tier.path} is full: step {key.step} needs {need} bytes, {free} are free "
+        f"tier {tier.name!r}: the device of {tier.path} is full: {what} needs {need} bytes, {free} are free "
         f"({e.strerror or e})",
         e.filename,
     )
@@ -116,6 +117,7 @@ class FileWriter(TierWriter):
         self._open = True
         names = [DATA_NAME] if one_file and self.blobs else [b.name for b in self.blobs]
         sizes = [sum(b.size for b in self.blobs)] if one_file else [b.size for b in self.blobs]
+        self._bytes = sum(sizes)
         self._files = [str(tmp / n) for n in names]
         # blob i -> (file, offset of the blob in it)
         self._where = [(0, o) for o in data_offsets(self.blobs)] if one_file else [(i, 0) for i in range(len(blobs))]
@@ -138,13 +140,16 @@ class FileWriter(TierWriter):
             self._reserved = 0  # reserve() gives it back when the writer cannot start
             self.abort()
             err = io_error(tier.name, f"cannot start step {key.step} in {step_dir}", e)
-            raise _device_full(tier, key, sum(sizes), e) or err from e
+            raise device_full(tier, f"step {key.step}", sum(sizes), e) or err from e
 
     def write(self, blob: int, offset: int, addr: int, nbytes: int) -> Future[int]:
         f, base = self._where[blob]
         return self.tier.engine.pwrite(self.fds[f], addr, nbytes, base + offset, path=self._files[f])
 
     def commit(self, manifest: bytes) -> None:
+        """Make the blobs durable, write the manifest, publish. A full device while the manifest is written
+        raises :class:`DeviceFullError` and leaves the writer as it was, its blobs durable, so that the
+        caller may make room and commit again (or abort); any other failure aborts it."""
         if not self._open:
             raise RuntimeError("writer already finished")
         try:
@@ -154,19 +159,35 @@ class FileWriter(TierWriter):
             for fd in self.fds:
                 os.close(fd)
             self.fds = []
-            write_file(self.tmp / MANIFEST_NAME, manifest)
-            fsync_dir(self.tmp)
+            self._write_manifest(manifest)
             if self.final.exists():
                 self._replace()
             else:
                 os.rename(self.tmp, self.final)
             fsync_dir(self.step_dir)
             fsync_dir(self.tier.path)
+        except DeviceFullError:
+            raise
         except OSError as e:
             self.abort()
             raise io_error(self.tier.name, f"cannot commit step {self.key.step}", e) from e
         self._open = False
         self._give_back()
+
+    def _write_manifest(self, manifest: bytes) -> None:
+        """Write the manifest into the scratch directory, durably; on a full device none is left there."""
+        path = self.tmp / MANIFEST_NAME
+        try:
+            write_file(path, manifest)
+            fsync_dir(self.tmp)
+        except OSError as e:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+            what = f"the manifest of step {self.key.step}"
+            full = device_full(self.tier, what, len(manifest), e, self._bytes + len(manifest))
+            if full is None:
+                raise
+            raise full from e
 
     def _give_back(self) -> None:
         reserved, self._reserved = self._reserved, 0

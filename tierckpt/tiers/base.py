@@ -29,6 +29,7 @@ the tier, one record per step says so (and names each rank's manifest). A step w
 not committed, whatever copies the tier holds::
 
     tier.write_record(step, data)         # atomically, replacing the step's record if there is one
+                                          # (TierFullError on a full device: room is made, then again)
     tier.read_record(step)                # its bytes, or None
     tier.remove_record(step)              # before a step's copies are evicted (missing: ignored)
     tier.list_records()                   # steps that have one, oldest first
@@ -189,7 +190,9 @@ class TierWriter(ABC):
 
     @abstractmethod
     def commit(self, manifest: bytes) -> None:
-        """Make everything durable, then publish atomically. Raises on failure (the writer is aborted)."""
+        """Make everything durable, then publish atomically. Raises on failure (the writer is aborted),
+        except :class:`~tierckpt.errors.TierFullError` (e.g. a full device as the manifest is written):
+        the writer is left as it was, so that the hierarchy makes room and commits again, or aborts."""
 
     @abstractmethod
     def abort(self) -> None:

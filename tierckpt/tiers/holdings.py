@@ -27,7 +27,8 @@ def read_holdings(
     of a step without a copy of ``rank`` names, and the format version of each copy without a record
     (those in ``known_sizes`` / ``known_versions`` are taken from there instead of read again). With
     ``every_rank``, every rank's copies are listed too (on a file tier a ``readdir`` a step and a ``stat``
-    a copy, instead of one ``stat`` a step), and the world size of every record is read.
+    a copy, instead of one ``stat`` a step), the world size of every record is read, and the format
+    version of one copy of each step without a record (its highest rank's: one manifest header a step).
 
     Raises:
         OSError: the tier cannot list.
@@ -37,7 +38,10 @@ def read_holdings(
         ranks.setdefault(k.step, set()).add(k.rank)
     own = frozenset(s for s, rs in ranks.items() if rank in rs)
     records = frozenset(tier.list_records())
-    sizes, versions = known_sizes or {}, known_versions or {}
+    sizes, known = known_sizes or {}, known_versions or {}
+    versions = {
+        s: known[s] if s in known else copy_version(tier, CheckpointKey(s, rank)) for s in sorted(own - records)
+    }
     return TierHoldings(
         tier.name,
         own,
@@ -46,12 +50,17 @@ def read_holdings(
             s: sizes[s] if s in sizes else record_world_size(tier, s)
             for s in sorted(records if every_rank else records - own)
         },
-        {
-            s: versions[s] if s in versions else copy_version(tier, CheckpointKey(s, rank))
-            for s in sorted(own - records)
-        },
+        versions,
         {s: frozenset(rs) for s, rs in ranks.items()} if every_rank else None,
+        {s: _step_version(tier, s, max(ranks[s]), rank, versions) for s in sorted(set(ranks) - records)}
+        if every_rank
+        else {},
     )
+
+
+def _step_version(tier: Tier, step: int, highest: int, rank: int, versions: Mapping[int, int | None]) -> int | None:
+    """The format version of ``highest``'s copy of a step without a record (``versions`` has this rank's)."""
+    return versions[step] if highest == rank and step in versions else copy_version(tier, CheckpointKey(step, highest))
 
 
 def record_world_size(tier: Tier, step: int) -> int | None:
