@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from tierckpt.background.catalog import STATES, Catalog, CheckpointInfo
 from tierckpt.background.handles import SaveHandle
+from tierckpt.background.listing import Listing
 from tierckpt.background.mover import Mover
 from tierckpt.background.pending import Pending
 from tierckpt.background.process import gc_paused, install_flush_handler
@@ -47,6 +48,7 @@ from tierckpt.format.tree import flatten
 from tierckpt.io.geometry import checkpoint_geometry
 from tierckpt.policies.demotion import Demotion
 from tierckpt.policies.placement import Close, CopyPlan, Policy, Prefetch, Restored, Save, SavePlan, place
+from tierckpt.policies.protocol import ThisRank
 from tierckpt.policies.retention import RetentionPolicy
 from tierckpt.ranks.coordinator import Coordinator, check_coordinator
 from tierckpt.ranks.distributed import default_coordinator
@@ -149,8 +151,11 @@ class Hierarchy:
         self._geometry = checkpoint_geometry(self.layout, {t.name: t.geometry for t in self._tiers})
         self.align = self._geometry.align_bytes
         self._catalog = Catalog(self._tiers, self.rank, now=_clock(), world_size=self.world_size)
-        self._mover = Mover(self._tiers, self.placement, self._catalog, self.coordinator, self._geometry.tiers)
-        self._listing = self._mover.ranks.listing
+        me = ThisRank(self.rank, self.world_size, frozenset(self.coordinator.ranks_on_node()))
+        self._listing = Listing(self._tiers, self._catalog, me)
+        self._mover = Mover(
+            self._tiers, self.placement, self._catalog, self._listing, self.coordinator, self._geometry.tiers
+        )
         self._pending = Pending()
         self._lock = threading.RLock()
         self._closed = False
@@ -292,7 +297,7 @@ class Hierarchy:
             self._catalog.set_sent(plan.sent)
             SaveJob(self._mover, plan, handle, flat, layout, key, world_size=self.world_size, align=self.align).start()
         if blocking:
-            handle._settle()
+            handle.settle()
         return handle
 
     def _plan_save(self, key: CheckpointKey) -> SavePlan:

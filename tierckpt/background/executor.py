@@ -26,7 +26,6 @@ from tierckpt.policies.protocol import (
     EvictCopy,
     Keep,
     RemoveRecord,
-    ThisRank,
     Warn,
     WriteRecord,
     committed_actions,
@@ -61,20 +60,22 @@ class RankExecutor:
     Args:
         tiers: the chain, fastest first.
         catalog: the hierarchy's bookkeeping.
-        coordinator: this rank's place in the job, and the commits' gathers.
+        listing: what this rank lists on its tiers (the hierarchy's; its ``me`` is this rank in its job).
+        coordinator: the commits' gathers.
         keys: the hierarchy's decision names.
 
     Attributes:
-        listing: what this rank lists on its tiers.
         shared: the names of the shared tiers.
     """
 
-    def __init__(self, tiers: Sequence[Tier], catalog: Catalog, coordinator: Coordinator, keys: DecisionKeys) -> None:
+    def __init__(
+        self, tiers: Sequence[Tier], catalog: Catalog, listing: Listing, coordinator: Coordinator, keys: DecisionKeys
+    ) -> None:
         self.tiers = {t.name: t for t in tiers}
         self.catalog = catalog
-        self.me = ThisRank(coordinator.rank, coordinator.world_size, frozenset(coordinator.ranks_on_node()))
+        self.me = listing.me
         self.commits = Commits(coordinator, keys)
-        self.listing = Listing(tiers, catalog, self.me)
+        self.listing = listing
         self.shared = {t.name for t in tiers if t.capabilities.shared}
         self._unowned: dict[tuple[str, int], list[int]] = {}  # (tier, step): rank 0 evicts them with its own
         self._lock = threading.Lock()
