@@ -82,8 +82,10 @@ class Hierarchy:
         io: I/O settings: the staging chunk size, and the engine, ``direct`` and chunk size of file
             tiers built without them (default: ``IOConfig()``, with ``$TIERCKPT_ENGINE``).
         layout: aggregation settings.
-        rank: this process's rank (default: the coordinator's; torch.distributed's, else 0).
-        world_size: number of ranks (default: the coordinator's; torch.distributed's, else 1).
+        rank: this process's rank (default: the coordinator's; torch.distributed's, else, read-only, the
+            launcher's: ``$RANK``, ``$OMPI_COMM_WORLD_RANK`` …, else 0).
+        world_size: number of ranks (default: the coordinator's; torch.distributed's, else, read-only, the
+            launcher's: ``$WORLD_SIZE``, ``$OMPI_COMM_WORLD_SIZE`` …, else 1).
         retention: per tier name, a retention policy object; overrides ``policy.keep`` for that tier.
         demotion: per tier name, a :class:`~tierckpt.policies.Demotion`; overrides ``policy.demote``.
         readonly: only look: :meth:`save` and :meth:`prefetch` raise, :meth:`close` copies nothing,
