@@ -3,23 +3,27 @@ bounded reprs for error messages, and paths with ``~`` and ``$VAR`` expanded as 
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import reprlib
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from tierckpt.errors import ConfigError
 
 __all__ = [
-    "LAUNCH_ENV_VARS",
+    "LAUNCHERS",
     "NODE_ENV_VARS",
+    "Launch",
     "check_node",
     "check_timeout",
     "expand_path",
     "expand_placeholders",
     "format_size",
-    "launched_world_size",
+    "launched",
+    "launched_rank",
     "no_nul",
     "node_identity",
     "parse_size",
@@ -28,6 +32,7 @@ __all__ = [
     "short",
 ]
 
+log = logging.getLogger("tierckpt.coordination")
 _ENV_RE = re.compile(r"\$(\w+|\{[^}]*\})", re.ASCII)  # what os.path.expandvars replaces
 _UNITS = {
     "": 1, "b": 1,
@@ -203,24 +208,86 @@ def node_identity(rank: int, node: int | None = None) -> tuple[int, int]:
     return node, (rank % lws if lws else rank) if local is None else local
 
 
-#: where a launcher says how many processes it started for the job, in this order: torchrun's (and
-#: torch.distributed's env:// convention), Open MPI's mpirun, SLURM's srun. Not ``$SLURM_NTASKS``: a
-#: batch script of a job that asked for several tasks has it too, and is one process.
-LAUNCH_ENV_VARS = ("WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "SLURM_STEP_NUM_TASKS")
+#: the variables in which a launcher says how many processes it started for the job, and which one this
+#: process is: torchrun's (and torch.distributed's env:// convention), Open MPI's mpirun, MPICH's and
+#: Intel MPI's hydra (PMI), MVAPICH's mpirun_rsh, LSF's jsrun, SLURM's srun. An inner launcher comes
+#: first: torchrun started by srun says the job's size and rank, srun only its agents'. Not
+#: ``$SLURM_NTASKS``: a batch script of a job that asked for several tasks has it too, and is one process.
+LAUNCHERS = (
+    ("WORLD_SIZE", "RANK"),
+    ("OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK"),
+    ("PMI_SIZE", "PMI_RANK"),
+    ("MV2_COMM_WORLD_SIZE", "MV2_COMM_WORLD_RANK"),
+    ("JSM_NAMESPACE_SIZE", "JSM_NAMESPACE_RANK"),
+    ("SLURM_STEP_NUM_TASKS", "SLURM_PROCID"),
+)
 
 
-def launched_world_size() -> tuple[str, int] | None:
-    """The first of :data:`LAUNCH_ENV_VARS` that is set, and its value: the number of processes a
-    launcher started for this job; None where no launcher says.
+@dataclass(frozen=True)
+class Launch:
+    """What a launcher says of this process (:func:`launched`).
+
+    Attributes:
+        size_var: the variable that says how many processes the launcher started (``WORLD_SIZE``).
+        size: its value.
+        rank_var: the same launcher's variable for this process's rank (``RANK``).
+        rank: its value; None where it is not set or not an integer.
+    """
+
+    size_var: str
+    size: int
+    rank_var: str
+    rank: int | None
+
+
+def _launch_int(var: str, lo: int) -> int | None:
+    """``$var`` as an int of at least ``lo``; None where it is not set, or (with a warning) malformed."""
+    raw = os.environ.get(var)
+    if raw is None or raw == "":
+        return None
+    if not re.fullmatch(r"\s*[0-9]{1,9}\s*", raw, re.ASCII) or int(raw) < lo:
+        log.warning("$%s is %s, not an integer of at least %d: ignored", var, short(raw), lo)
+        return None
+    return int(raw)
+
+
+def launched() -> Launch | None:
+    """What the launchers of :data:`LAUNCHERS` say of this process: the first that says it started several
+    processes, else the first that says one, else None (no launcher says).
+
+    Any launcher saying several means several: a ``$WORLD_SIZE=1`` left in the environment of an
+    ``srun`` step of 2 tasks is not a job of one process, and taking it for one would make both
+    processes save as rank 0 of 1 (one's checkpoints lost), while a process that saves alone and is
+    refused says so with ``world_size=1`` (docs/distributed.md, "Coordination"). A malformed variable
+    is logged and ignored: it does not stop a process that is alone.
+    """
+    one = None
+    for size_var, rank_var in LAUNCHERS:
+        size = _launch_int(size_var, 1)
+        if size is None:
+            continue
+        got = Launch(size_var, size, rank_var, _launch_int(rank_var, 0) if size > 1 else 0)
+        if size > 1:
+            return got
+        one = one or got
+    return one
+
+
+def launched_rank(launch: Launch) -> int:
+    """This process's rank among the ranks of ``launch`` (a read-only hierarchy's, with no process group).
 
     Raises:
-        ConfigError: naming the variable whose value is not a positive integer.
+        ConfigError: the launcher does not say it, or says one outside its ranks.
     """
-    for var in LAUNCH_ENV_VARS:
-        n = _env_int(var, 1)
-        if n is not None:
-            return var, n
-    return None
+    var, n, rank = launch.size_var, launch.size, launch.rank
+    if rank is None or rank >= n:
+        said = "is not set or not an integer" if rank is None else f"is {rank}, not in [0, {n})"
+        raise ConfigError(
+            f"${var} is {n}: this process is one of the {n} ranks of a job, but ${launch.rank_var} {said}, so a "
+            "read-only hierarchy cannot tell which rank's part to read (torch.distributed is not initialized); "
+            f"set ${launch.rank_var}, pass rank= and world_size=, or coordinator=SoloCoordinator(rank, world_size)"
+        )
+    return rank
 
 
 def process_rank() -> int:

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from tierckpt.background.catalog import STATES, Catalog, CheckpointInfo
 from tierckpt.background.handles import SaveHandle
+from tierckpt.background.listing import Listing
 from tierckpt.background.mover import Mover
 from tierckpt.background.pending import Pending
 from tierckpt.background.process import gc_paused, install_flush_handler
@@ -47,6 +48,7 @@ from tierckpt.format.tree import flatten
 from tierckpt.io.geometry import checkpoint_geometry
 from tierckpt.policies.demotion import Demotion
 from tierckpt.policies.placement import Close, CopyPlan, Policy, Prefetch, Restored, Save, SavePlan, place
+from tierckpt.policies.protocol import ThisRank
 from tierckpt.policies.retention import RetentionPolicy
 from tierckpt.ranks.coordinator import Coordinator, check_coordinator
 from tierckpt.ranks.distributed import default_coordinator
@@ -80,8 +82,10 @@ class Hierarchy:
         io: I/O settings: the staging chunk size, and the engine, ``direct`` and chunk size of file
             tiers built without them (default: ``IOConfig()``, with ``$TIERCKPT_ENGINE``).
         layout: aggregation settings.
-        rank: this process's rank (default: the coordinator's; torch.distributed's, else 0).
-        world_size: number of ranks (default: the coordinator's; torch.distributed's, else 1).
+        rank: this process's rank (default: the coordinator's; torch.distributed's, else, read-only, the
+            launcher's: ``$RANK``, ``$OMPI_COMM_WORLD_RANK`` …, else 0).
+        world_size: number of ranks (default: the coordinator's; torch.distributed's, else, read-only, the
+            launcher's: ``$WORLD_SIZE``, ``$OMPI_COMM_WORLD_SIZE`` …, else 1).
         retention: per tier name, a retention policy object; overrides ``policy.keep`` for that tier.
         demotion: per tier name, a :class:`~tierckpt.policies.Demotion`; overrides ``policy.demote``.
         readonly: only look: :meth:`save` and :meth:`prefetch` raise, :meth:`close` copies nothing,
@@ -149,8 +153,11 @@ class Hierarchy:
         self._geometry = checkpoint_geometry(self.layout, {t.name: t.geometry for t in self._tiers})
         self.align = self._geometry.align_bytes
         self._catalog = Catalog(self._tiers, self.rank, now=_clock(), world_size=self.world_size)
-        self._mover = Mover(self._tiers, self.placement, self._catalog, self.coordinator, self._geometry.tiers)
-        self._listing = self._mover.ranks.listing
+        me = ThisRank(self.rank, self.world_size, frozenset(self.coordinator.ranks_on_node()))
+        self._listing = Listing(self._tiers, self._catalog, me)
+        self._mover = Mover(
+            self._tiers, self.placement, self._catalog, self._listing, self.coordinator, self._geometry.tiers
+        )
         self._pending = Pending()
         self._lock = threading.RLock()
         self._closed = False
@@ -292,7 +299,7 @@ class Hierarchy:
             self._catalog.set_sent(plan.sent)
             SaveJob(self._mover, plan, handle, flat, layout, key, world_size=self.world_size, align=self.align).start()
         if blocking:
-            handle._settle()
+            handle.settle()
         return handle
 
     def _plan_save(self, key: CheckpointKey) -> SavePlan:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar, cast
@@ -161,19 +162,100 @@ class _Bare:
 def test_a_coordinator_declares_whether_it_connects_the_ranks(tmp_path: Path) -> None:
     assert SoloCoordinator(0, 2).connects_ranks is False
     assert Rank0Says().connects_ranks is True
-    cfg = {"tiers": [{"name": "host", "kind": "host"}]}
-    for build in (
-        lambda c: Hierarchy([HostTier("host")], coordinator=c),
-        lambda c: Hierarchy.from_config(cfg, coordinator=c),
-        lambda c: Hierarchy([HostTier("host")], coordinator=c, readonly=True),
-    ):
-        with pytest.raises(ConfigError, match="_Bare does not declare connects_ranks"):
-            build(cast(Coordinator, _Bare()))
 
     class Declared(_Bare):
         connects_ranks = False
 
+    class Unsure(_Bare):
+        connects_ranks = "yes"
+
     Hierarchy([HostTier("host")], coordinator=Declared()).close()
+    with pytest.raises(ConfigError, match=r"Unsure.connects_ranks is 'yes', not True or False"):
+        Hierarchy([HostTier("host")], coordinator=cast(Coordinator, Unsure()))
+
+
+def test_a_coordinator_written_before_connects_ranks_keeps_working_with_a_deprecation_warning(
+    tmp_path: Path,
+) -> None:
+    cfg = {"tiers": [{"name": "host", "kind": "host"}]}
+    for build in (
+        lambda c: Hierarchy([HostTier("host")], coordinator=c),
+        lambda c: Hierarchy.from_config(cfg, coordinator=c),  # checked twice (the parts, the hierarchy): warns once
+        lambda c: Hierarchy([HostTier("host")], coordinator=c, readonly=True),
+    ):
+        bare = _Bare()
+        with warnings.catch_warnings(record=True) as got:
+            warnings.simplefilter("always")
+            h = build(cast(Coordinator, bare))
+        h.close()
+        assert [(w.category, w.filename) for w in got] == [(DeprecationWarning, __file__)]  # the user's line
+        assert "_Bare does not declare connects_ranks; it is taken as False (it has 1 ranks)" in str(got[0].message)
+        assert h.coordinator is bare and h.coordinator.connects_ranks is False
+
+    class Slotted(_Bare):  # takes no new attribute: a wrapper declares it, and forwards every call
+        __slots__ = ()
+
+    with pytest.warns(DeprecationWarning, match="Slotted does not declare connects_ranks"):
+        h = Hierarchy([HostTier("host")], coordinator=cast(Coordinator, Slotted()))
+    with h:
+        h.save({"w": torch.ones(2)}, step=1).wait()
+        assert h.coordinator.connects_ranks is False and h.coordinator.agree_step(3) == 3
+        assert [c.step for c in h.checkpoints()] == [1] and repr(h.coordinator).startswith("<")
+
+
+class _Legacy:
+    """A third-party coordinator of the previous release (no ``connects_ranks``): its own class, which
+    agrees through a store-based coordinator it holds."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.rank, self.world_size, self.node, self.local_rank = inner.rank, inner.world_size, 0, inner.rank
+
+    def ranks_on_node(self) -> list[int]:
+        return list(range(self.world_size))
+
+    def barrier(self, timeout: float | None = None) -> None:
+        self.inner.barrier(timeout)
+
+    def broadcast(self, obj: T, src: int = 0, timeout: float | None = None) -> T:
+        return cast(T, self.inner.broadcast(obj, src, timeout))
+
+    def all_gather(self, obj: T, timeout: float | None = None) -> list[T]:
+        return cast("list[T]", self.inner.all_gather(obj, timeout))
+
+    def agree_step(self, newest: int | None, timeout: float | None = None) -> int | None:
+        return cast("int | None", self.inner.agree_step(newest, timeout))
+
+    def decide(self, key: str, fn: Callable[[], T], timeout: float | None = None) -> T:
+        return cast(T, self.inner.decide(key, fn, timeout))
+
+    def gather(self, key: str, value: Any, fn: Callable[[list[Any]], T], timeout: float | None = None) -> T:
+        return cast(T, self.inner.gather(key, value, fn, timeout))
+
+
+def test_two_ranks_on_a_coordinator_written_before_connects_ranks_commit_as_before(
+    tmp_path: Path, coordinators: Callable[..., list[Any]], run_ranks: Callable[..., list[Any]]
+) -> None:
+    legacy = [_Legacy(c) for c in coordinators(2)]
+    cfg = {"tiers": [{"name": "host", "kind": "host"}, {"name": "pfs", "kind": "pfs", "path": str(tmp_path / "pfs")}]}
+
+    def rank(r: int) -> tuple[Any, ...]:
+        with Hierarchy.from_config(cfg, coordinator=cast(Coordinator, legacy[r]), job="j") as h:
+            for s in (1, 2):
+                h.save({"r": torch.tensor([r, s])}, step=s).wait()
+            listed = [(c.step, c.tiers) for c in h.checkpoints()]
+            return h.coordinator.connects_ranks, listed, h.restore()["r"].tolist()
+
+    with warnings.catch_warnings(record=True) as got:
+        warnings.simplefilter("always")
+        out = run_ranks(2, rank)
+    assert out == [(True, [(1, ("host", "pfs")), (2, ("host", "pfs"))], [r, 2]) for r in range(2)], out
+    assert [w.category for w in got] == [DeprecationWarning] * 2  # once a rank
+    assert "it is taken as True (it has 2 ranks, so they are taken to agree through it)" in str(got[0].message)
+    steps = sorted((tmp_path / "pfs").glob("step-*"))
+    assert len(steps) == 2
+    for step in steps:  # each step's commit record, with both ranks' copies
+        assert sorted(p.name for p in step.iterdir()) == ["commit", "rank-00000", "rank-00001"], step
 
 
 def test_a_subclass_of_the_solo_coordinator_connects_no_ranks_unless_it_says_so(tmp_path: Path) -> None:

@@ -83,6 +83,26 @@ def test_save_returns_before_the_copy_and_blocking_waits(tmp_path: Path) -> None
         assert blocking.done() and not blocking.errors()
 
 
+def test_a_handle_settles_without_raising_a_tiers_failure(tmp_path: Path) -> None:
+    gate = threading.Event()
+    ssd = FaultyTier(
+        LocalTier("ssd", tmp_path / "ssd", _engine()), fail={"commit": OSError(5, "EIO")}, gates={"commit": gate}
+    )
+    with Hierarchy([HostTier("host"), ssd]) as h:
+        try:
+            handle = h.save({"w": torch.ones(8)}, step=1)
+            assert handle.settle(timeout=0.05) is False  # the ssd's commit is held
+        finally:
+            gate.set()
+        assert handle.settle() is True and handle.done()  # the failure is not raised here
+        assert set(handle.errors()) == {"ssd"}
+        with pytest.raises(OSError, match="EIO"):
+            handle.wait()
+        assert h.save({"w": torch.ones(8)}, step=2, blocking=True).errors().keys() == {"ssd"}
+        with pytest.raises(OSError, match="EIO"):
+            h.wait()
+
+
 def _engine():  # type: ignore[no-untyped-def]
     from tierckpt.io.engine import make_engine
 

@@ -149,19 +149,32 @@ def test_min_step() -> None:
 
 
 # -- a process a launcher started as one of several, before init_process_group -------------------------------
-_LAUNCH = ("WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "SLURM_STEP_NUM_TASKS", "SLURM_NTASKS")
+_PAIRS = [
+    ("WORLD_SIZE", "RANK"),
+    ("OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK"),
+    ("PMI_SIZE", "PMI_RANK"),
+    ("MV2_COMM_WORLD_SIZE", "MV2_COMM_WORLD_RANK"),
+    ("JSM_NAMESPACE_SIZE", "JSM_NAMESPACE_RANK"),
+    ("SLURM_STEP_NUM_TASKS", "SLURM_PROCID"),
+]
+_LAUNCH = (*(v for pair in _PAIRS for v in pair), "SLURM_NTASKS")
 
 
-@pytest.mark.parametrize("var", ["WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "SLURM_STEP_NUM_TASKS"])
+@pytest.fixture
+def no_launcher(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
+    for v in _LAUNCH:
+        monkeypatch.delenv(v, raising=False)
+    return monkeypatch
+
+
+@pytest.mark.parametrize(("var", "rank_var"), _PAIRS)
 def test_one_of_several_launched_ranks_without_a_process_group_is_refused(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, var: str
+    tmp_path: Path, no_launcher: pytest.MonkeyPatch, var: str, rank_var: str
 ) -> None:
     from tierckpt import Hierarchy, SoloCoordinator
     from tierckpt.tiers.host import HostTier
 
-    for v in _LAUNCH:
-        monkeypatch.delenv(v, raising=False)
-    monkeypatch.setenv(var, "2")
+    no_launcher.setenv(var, "2")
     cfg = {"tiers": [{"name": "host", "kind": "host"}, {"name": "pfs", "kind": "pfs", "path": str(tmp_path / "pfs")}]}
     want = rf"\${var} is 2: this process is one of the 2 ranks of a job, but torch.distributed is not initialized"
     with pytest.raises(ConfigError, match=want) as e:
@@ -170,24 +183,52 @@ def test_one_of_several_launched_ranks_without_a_process_group_is_refused(
     assert not (tmp_path / "pfs").exists()  # refused before any directory is made
     with pytest.raises(ConfigError, match=want):
         Hierarchy([HostTier("host")])
-    # the ways out: a process that saves alone says so; a reader needs no coordinator
+    # the ways out: a process that saves alone says so; a reader needs no coordinator, only its rank
     Hierarchy([HostTier("host")], world_size=1).close()
     Hierarchy.from_config(cfg, coordinator=SoloCoordinator()).close()
+    with pytest.raises(ConfigError, match=rf"but \${rank_var} is not set or not an integer, so a read-only hierarchy"):
+        Hierarchy.from_config(cfg, readonly=True)
+    no_launcher.setenv(rank_var, "1")
     with Hierarchy.from_config(cfg, readonly=True) as h:
-        assert (h.rank, h.world_size, h.checkpoints()) == (0, 1, [])
+        assert (h.rank, h.world_size, h.checkpoints()) == (1, 2, [])
+    with Hierarchy([HostTier("host")], readonly=True) as h:
+        assert (h.rank, h.world_size, h.coordinator.connects_ranks) == (1, 2, False)
+    no_launcher.setenv(rank_var, "2")
+    with pytest.raises(ConfigError, match=rf"\${rank_var} is 2, not in \[0, 2\)"):
+        Hierarchy.from_config(cfg, readonly=True)
 
 
-def test_what_a_launcher_says_is_read_where_it_means_one_process_of_several(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+def test_any_launcher_that_says_several_processes_means_several(no_launcher: pytest.MonkeyPatch) -> None:
+    from tierckpt import Hierarchy
+    from tierckpt.tiers.host import HostTier
+
+    no_launcher.setenv("SLURM_NTASKS", "4")  # a batch script of a 4-task job: one process
+    no_launcher.setenv("WORLD_SIZE", "1")
+    Hierarchy([HostTier("host")]).close()
+    no_launcher.setenv("SLURM_STEP_NUM_TASKS", "2")  # WORLD_SIZE=1 left over in an srun step of 2 tasks
+    with pytest.raises(ConfigError, match=r"\$SLURM_STEP_NUM_TASKS is 2: this process is one of the 2 ranks"):
+        Hierarchy([HostTier("host")])
+    no_launcher.setenv("SLURM_PROCID", "1")
+    with Hierarchy([HostTier("host")], readonly=True) as h:
+        assert (h.rank, h.world_size) == (1, 2)
+    no_launcher.setenv("WORLD_SIZE", "4")  # torchrun inside srun: torchrun's (the inner launcher's) says the job
+    no_launcher.setenv("RANK", "3")
+    with Hierarchy([HostTier("host")], readonly=True) as h:
+        assert (h.rank, h.world_size) == (3, 4)
+
+
+def test_a_malformed_launcher_variable_is_ignored_with_a_warning(
+    no_launcher: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     from tierckpt import Hierarchy
     from tierckpt.tiers.host import HostTier
 
-    for v in _LAUNCH:
-        monkeypatch.delenv(v, raising=False)
-    monkeypatch.setenv("SLURM_NTASKS", "4")  # a batch script of a 4-task job: one process
-    monkeypatch.setenv("WORLD_SIZE", "1")
-    Hierarchy([HostTier("host")]).close()
-    monkeypatch.setenv("WORLD_SIZE", "two")
-    with pytest.raises(ConfigError, match=r"\$WORLD_SIZE: expected an integer of at least 1, got 'two'"):
+    no_launcher.setenv("WORLD_SIZE", "abc")
+    no_launcher.setenv("RANK", "x")
+    # a single process: it builds, as it did before the launcher checks
+    with caplog.at_level("WARNING", logger="tierckpt.coordination"), Hierarchy([HostTier("host")]) as h:
+        assert (h.rank, h.world_size) == (0, 1)
+    assert "$WORLD_SIZE is 'abc', not an integer of at least 1: ignored" in caplog.text
+    no_launcher.setenv("PMI_SIZE", "3")  # another launcher says several: refused all the same
+    with pytest.raises(ConfigError, match=r"\$PMI_SIZE is 3: this process is one of the 3 ranks"):
         Hierarchy([HostTier("host")])

@@ -1,8 +1,8 @@
 """The package's layers: imports only go downward (between packages, and between the four groups of the
 orchestration: ranks, data path, background machinery, facade helpers), no module imports another
-package's private modules, no import cycle anywhere, the orchestration names no tier kind, and importing
-tierckpt (or its Hierarchy) imports no tier implementation, no io_uring binding, no
-torch.distributed.checkpoint and does not start CUDA."""
+package's private modules nor calls a private method of another package's class, no import cycle
+anywhere, the orchestration names no tier kind, and importing tierckpt (or its Hierarchy) imports no
+tier implementation, no io_uring binding, no torch.distributed.checkpoint and does not start CUDA."""
 
 from __future__ import annotations
 
@@ -180,6 +180,33 @@ def test_no_module_imports_another_packages_private_module() -> None:
         for imp in targets
         if _private(imp)
         and imp.rsplit(".", 1)[0] != (name if _modules()[name].name == "__init__.py" else name.rsplit(".", 1)[0])
+    ]
+    assert not reached, "\n".join(sorted(reached))
+
+
+def _package(path: Path) -> str:
+    parts = path.relative_to(ROOT).parts
+    return parts[0].removesuffix(".py")
+
+
+def test_no_module_calls_a_private_method_of_another_packages_class() -> None:
+    """A class's ``_x`` methods are its package's business too: ``handle._settle()`` from the facade
+    reached into the background machinery's SaveHandle (it has a public ``settle`` now)."""
+    trees = {path: ast.parse(path.read_text()) for path in _modules().values()}
+    private: dict[str, set[str]] = {}  # a private method's name: the packages whose classes define it
+    for path, tree in trees.items():
+        for cls in (n for n in ast.walk(tree) if isinstance(n, ast.ClassDef)):
+            for item in cls.body:
+                if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)) and item.name[:1] == "_" != item.name[1:2]:
+                    private.setdefault(item.name, set()).add(_package(path))
+    reached = [
+        f"{path.relative_to(ROOT)}:{node.lineno}: {ast.unparse(node)} (defined in {', '.join(sorted(private[node.attr]))})"
+        for path, tree in trees.items()
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Attribute)
+        and node.attr in private
+        and _package(path) not in private[node.attr]
+        and not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"))
     ]
     assert not reached, "\n".join(sorted(reached))
 

@@ -27,7 +27,6 @@ from tierckpt.policies.protocol import (
     Fail,
     Keep,
     RemoveRecord,
-    ThisRank,
     Warn,
     WriteRecord,
     commits_alone,
@@ -78,12 +77,12 @@ class RankExecutor:
     Args:
         tiers: the chain, fastest first.
         catalog: the hierarchy's bookkeeping.
-        coordinator: this rank's place in the job, and the commits' gathers.
+        listing: what this rank lists on its tiers (the hierarchy's; its ``me`` is this rank in its job).
+        coordinator: the commits' gathers.
         keys: the hierarchy's decision names.
         room: runs a record's write, making room on a full tier (default: as it is).
 
     Attributes:
-        listing: what this rank lists on its tiers.
         shared: the names of the shared tiers.
     """
 
@@ -91,6 +90,7 @@ class RankExecutor:
         self,
         tiers: Sequence[Tier],
         catalog: Catalog,
+        listing: Listing,
         coordinator: Coordinator,
         keys: DecisionKeys,
         room: MakesRoom = _as_is,
@@ -98,9 +98,9 @@ class RankExecutor:
         self.tiers = {t.name: t for t in tiers}
         self.room = room
         self.catalog = catalog
-        self.me = ThisRank(coordinator.rank, coordinator.world_size, frozenset(coordinator.ranks_on_node()))
+        self.me = listing.me
         self.commits = Commits(coordinator, keys)
-        self.listing = Listing(tiers, catalog, self.me)
+        self.listing = listing
         self.shared = {t.name for t in tiers if t.capabilities.shared}
         self._unowned: dict[tuple[str, int], list[int]] = {}  # (tier, step): rank 0 evicts them with its own
         self._lock = threading.Lock()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Sequence
+from concurrent import futures
 from concurrent.futures import Future
 
 __all__ = ["SaveHandle"]
@@ -63,11 +64,18 @@ class SaveHandle:
         self._observed.update(errors)
         return first
 
-    def _settle(self, timeout: float | None = None) -> None:
-        """Wait until every future is done, without raising."""
-        for f in (self.staged, *self.durable.values()):
-            with contextlib.suppress(Exception):  # cancelled
-                f.exception(timeout)
+    def settle(self, timeout: float | None = None) -> bool:
+        """Block until every tier has committed this checkpoint or failed (what ``save(blocking=True)``
+        waits for), without raising: the failures stay for :meth:`wait` and :meth:`errors`.
+
+        Args:
+            timeout: seconds to wait at most (None: until done).
+
+        Returns:
+            Whether every future is done (False: ``timeout`` passed first).
+        """
+        futures.wait([self.staged, *self.durable.values()], timeout)
+        return self.done()
 
     def _settle_one(self, tier: str) -> None:
         """Wait until ``tier``'s future (if this checkpoint goes there) is done, without raising."""

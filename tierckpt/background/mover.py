@@ -20,6 +20,7 @@ import torch
 from tierckpt.background.catalog import Catalog
 from tierckpt.background.executor import RankExecutor
 from tierckpt.background.held import HeldCopies
+from tierckpt.background.listing import Listing
 from tierckpt.background.worker import Worker
 from tierckpt.datapath.blobcopy import copy_blobs, staging_for, writer_for
 from tierckpt.datapath.manifests import load_manifest
@@ -122,6 +123,7 @@ class Mover:
         tiers: the chain, fastest first.
         policy: the placement policy.
         catalog: the hierarchy's records.
+        listing: what this rank lists on its tiers (the hierarchy's).
         coordinator: agrees with the other ranks on evictions from shared tiers.
         geometries: per tier name, its I/O geometry in the checkpoint's alignment: the chunk of copies to
             it, and its worker's staging buffers (:func:`~tierckpt.datapath.blobcopy.staging_for`).
@@ -132,6 +134,7 @@ class Mover:
         tiers: Sequence[Tier],
         policy: Policy,
         catalog: Catalog,
+        listing: Listing,
         coordinator: Coordinator,
         geometries: Mapping[str, IOGeometry],
     ) -> None:
@@ -146,7 +149,9 @@ class Mover:
         self._full_logged: set[str] = set()
         self.held = HeldCopies(catalog)  # copies retention keeps beyond their window, and why
         self.keys = DecisionKeys()
-        self.ranks = RankExecutor(tiers, catalog, coordinator, self.keys, self.with_room)  # the protocol's plans
+        self.ranks = RankExecutor(
+            tiers, catalog, listing, coordinator, self.keys, self.with_room
+        )  # the protocol's plans
 
     # -- plans ------------------------------------------------------------------------------------------
     def execute(self, plan: CopyPlan) -> dict[str, Future[None]]:

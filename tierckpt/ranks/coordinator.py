@@ -24,8 +24,10 @@ them by key, never by call order; the foreground collectives (``barrier``, ``bro
 from __future__ import annotations
 
 import logging
+import sys
+import warnings
 from collections.abc import Callable
-from typing import Protocol, TypeVar, runtime_checkable
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
 from tierckpt.configvalues import check_node, node_identity
 from tierckpt.errors import CheckpointNotFoundError, ConfigError
@@ -36,6 +38,7 @@ log = logging.getLogger("tierckpt.hierarchy")
 T = TypeVar("T")
 V = TypeVar("V")
 MAX_RANK = 10**5  #: file tiers name a rank with 5 decimal digits (docs/format.md)
+_DECLARED = "connects_ranks"  # what a coordinator declares besides the calls (check_coordinator)
 
 
 @runtime_checkable
@@ -53,8 +56,8 @@ class Coordinator(Protocol):
             alone (:class:`SoloCoordinator`, whatever its world size). A writable hierarchy of several
             ranks needs True (its commits wait for every rank's copy); a restore exchanges replicated
             DTensors between the ranks only with True; the job identity is agreed only with True.
-            Every coordinator declares it: a hierarchy refuses one that does not
-            (:func:`check_coordinator`).
+            Every coordinator declares it; one that does not is taken to connect its ranks when it has
+            several, with a ``DeprecationWarning`` (:func:`check_coordinator`).
     """
 
     rank: int
@@ -173,19 +176,93 @@ def check_coordinator(coordinator: Coordinator) -> Coordinator:
     """``coordinator``, once it declares what a hierarchy reads besides the calls: ``connects_ranks``,
     a bool.
 
+    A coordinator that does not declare it (a third-party one written before ``connects_ranks``) keeps
+    working as it did: it is taken to connect its ranks when it has several (before ``connects_ranks``,
+    only a :class:`SoloCoordinator` was taken for ranks deciding alone), with a ``DeprecationWarning``
+    naming the attribute, once: the attribute is set on it (on a wrapper that forwards every call to it,
+    for an object that takes no new attributes).
+
     Raises:
-        ConfigError: naming what it lacks (a third-party coordinator written before ``connects_ranks``).
+        ConfigError: ``connects_ranks`` is declared but is not a bool.
     """
-    name = type(coordinator).__name__
-    connects = getattr(coordinator, "connects_ranks", None)
+    if not hasattr(coordinator, _DECLARED):
+        return _undeclared(coordinator)
+    connects = getattr(coordinator, _DECLARED)
     if type(connects) is not bool:
         raise ConfigError(
-            f"coordinator: {name} does not declare connects_ranks (got {connects!r}): a coordinator says whether "
-            "the ranks of the job agree through it (True, as StoreCoordinator: gather and decide run on rank 0 "
-            "with every rank's value) or each rank decides alone (False, as SoloCoordinator); see "
-            'tierckpt.Coordinator and docs/distributed.md, "Coordination"'
+            f"coordinator: {type(coordinator).__name__}.connects_ranks is {connects!r}, not True or False: a "
+            "coordinator says whether the ranks of the job agree through it (True, as StoreCoordinator: gather "
+            "and decide run on rank 0 with every rank's value) or each rank decides alone (False, as "
+            'SoloCoordinator); see tierckpt.Coordinator and docs/distributed.md, "Coordination"'
         )
     return coordinator
+
+
+def _undeclared(coordinator: Coordinator) -> Coordinator:
+    """``coordinator``, which does not declare ``connects_ranks``, declaring what it meant before the
+    attribute existed (see :func:`check_coordinator`)."""
+    world = coordinator.world_size
+    connects = type(world) is int and world > 1
+    name = type(coordinator).__name__
+    warnings.warn(
+        f"coordinator: {name} does not declare connects_ranks; it is taken as {connects} (it has {world!r} "
+        f"ranks{', so they are taken to agree through it' if connects else ''}). Declare connects_ranks = True "
+        "when the ranks agree through it (gather and decide run on rank 0 with every rank's value) or False when "
+        "each rank decides alone: a coordinator that does not will be refused in a later release",
+        DeprecationWarning,
+        stacklevel=_outside_tierckpt(),
+    )
+    try:
+        setattr(coordinator, _DECLARED, connects)
+    except (AttributeError, TypeError):  # __slots__, a frozen dataclass: it takes no new attribute
+        return _Declaring(coordinator, connects)
+    return coordinator
+
+
+def _outside_tierckpt() -> int:
+    """The ``stacklevel`` that makes a warning issued by this function's caller name the first caller
+    outside tierckpt (the user's line that built the hierarchy)."""
+    level, frame = 2, sys._getframe(2)  # 1: the caller, which warns; 2: its caller
+    while frame.f_back is not None and str(frame.f_globals.get("__name__", "")).split(".")[0] == "tierckpt":
+        frame, level = frame.f_back, level + 1
+    return level
+
+
+class _Declaring:
+    """A coordinator that takes no new attribute, with ``connects_ranks``: every call goes to it."""
+
+    def __init__(self, inner: Coordinator, connects: bool) -> None:
+        self.inner = inner
+        self.connects_ranks = connects
+        self.rank, self.world_size = inner.rank, inner.world_size
+        self.node, self.local_rank = inner.node, inner.local_rank
+
+    def __getattr__(self, name: str) -> Any:  # what else the hierarchy's user reads of their coordinator
+        return getattr(self.inner, name)
+
+    def ranks_on_node(self) -> list[int]:
+        return self.inner.ranks_on_node()
+
+    def barrier(self, timeout: float | None = None) -> None:
+        self.inner.barrier(timeout)
+
+    def broadcast(self, obj: T, src: int = 0, timeout: float | None = None) -> T:
+        return self.inner.broadcast(obj, src, timeout)
+
+    def all_gather(self, obj: T, timeout: float | None = None) -> list[T]:
+        return self.inner.all_gather(obj, timeout)
+
+    def agree_step(self, newest: int | None, timeout: float | None = None) -> int | None:
+        return self.inner.agree_step(newest, timeout)
+
+    def decide(self, key: str, fn: Callable[[], T], timeout: float | None = None) -> T:
+        return self.inner.decide(key, fn, timeout)
+
+    def gather(self, key: str, value: V, fn: Callable[[list[V]], T], timeout: float | None = None) -> T:
+        return self.inner.gather(key, value, fn, timeout)
+
+    def __repr__(self) -> str:
+        return repr(self.inner)
 
 
 def agreed_step(coordinator: Coordinator, newest: int | None, timeout: float | None = None) -> int | None:

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import msgpack
 
-from tierckpt.configvalues import check_timeout, launched_world_size
+from tierckpt.configvalues import Launch, check_timeout, launched, launched_rank
 from tierckpt.errors import ConfigError, CoordinationError
 from tierckpt.ranks.coordinator import SoloCoordinator, check_rank, dist_rank
 from tierckpt.ranks.storekeys import KeyNames, Keys, check_key, decode, encode, failure, parse_values
@@ -423,14 +423,17 @@ def default_coordinator(
     is initialized with more than one rank (and ``rank`` / ``world_size``, if given, are its), else a
     :class:`SoloCoordinator` (every rank alone).
 
-    A writable hierarchy (``readonly`` False) given no ``world_size`` in a process that a launcher
-    started as one of several (``$WORLD_SIZE`` and the others of
-    :data:`~tierckpt.configvalues.LAUNCH_ENV_VARS`) while no process group is initialized is refused:
-    every rank would take itself for rank 0 of 1 and save into rank 0's place.
+    Where no process group is initialized and no ``world_size`` is given, in a process that a launcher
+    started as one of several (:func:`~tierckpt.configvalues.launched`: ``$WORLD_SIZE``,
+    ``$OMPI_COMM_WORLD_SIZE``, ``$PMI_SIZE``, ...): a writable hierarchy is refused (every rank would take
+    itself for rank 0 of 1 and save into rank 0's place); a read-only one, which needs no coordination,
+    is the launcher's rank of its ranks (``$RANK``, ``$OMPI_COMM_WORLD_RANK``, ``$PMI_RANK``, ...), so each
+    process reads its own part.
 
     Raises:
-        ConfigError: that refusal, naming the variable and the ways out; a bad rank, world size, node,
-            timeout or launcher variable.
+        ConfigError: that refusal, naming the variable and the ways out; a read-only hierarchy whose
+            launcher says how many ranks the job has but not which one this is; a bad rank, world size,
+            node or timeout.
         CoordinationError: some rank did not build its coordinator in time.
     """
     dr, dw = dist_rank()
@@ -438,18 +441,25 @@ def default_coordinator(
         return distributed_coordinator(timeout=timeout, node=node)
     if timeout is not None:
         check_timeout(timeout, "timeout")
-    launched = None if readonly or world_size is not None or _process_group() else launched_world_size()
-    if launched is not None and launched[1] > 1:
-        var, n = launched
-        raise ConfigError(
-            f"${var} is {n}: this process is one of the {n} ranks of a job, but torch.distributed is not "
-            "initialized, so it would save as rank 0 of 1, into the place of every other rank's rank 0 (one "
-            "rank's checkpoints lost). Call torch.distributed.init_process_group() before building the "
-            "hierarchy, or pass coordinator=StoreCoordinator(store, rank, world_size) on a store every rank "
-            "reaches; a process that saves alone passes world_size=1 (or coordinator=SoloCoordinator()); "
-            "reading needs none (readonly=True)"
-        )
+    launch = None if world_size is not None or _process_group() else launched()
+    if launch is not None and launch.size > 1:
+        if not readonly:
+            raise ConfigError(_refusal(launch))
+        rank, world_size = launched_rank(launch) if rank is None else rank, launch.size
     return SoloCoordinator(rank, world_size, node=node)
+
+
+def _refusal(launch: Launch) -> str:
+    """Why a writable hierarchy of one of the processes of ``launch`` with no process group is refused."""
+    var, n = launch.size_var, launch.size
+    return (
+        f"${var} is {n}: this process is one of the {n} ranks of a job, but torch.distributed is not "
+        "initialized, so it would save as rank 0 of 1, into the place of every other rank's rank 0 (one "
+        "rank's checkpoints lost). Call torch.distributed.init_process_group() before building the "
+        "hierarchy, or pass coordinator=StoreCoordinator(store, rank, world_size) on a store every rank "
+        "reaches; a process that saves alone passes world_size=1 (or coordinator=SoloCoordinator()); "
+        "reading needs none (readonly=True)"
+    )
 
 
 def _process_group() -> bool:
