@@ -4,7 +4,8 @@ hierarchy's checkpoints, and ``bench`` (the benchmark suite, :mod:`tierckpt.benc
 Argument parsing imports nothing heavy: torch is imported by the command that needs it, so
 ``--help``, ``--version`` and usage errors return at once.
 
-Exit status: 0 on success, 1 when ``verify`` finds a damaged copy, 2 on bad usage or config.
+Exit status: 0 on success; 1 when ``verify`` finds a damaged, unusable or missing copy, or nothing to
+verify, or an unknown step; 2 on bad usage or config.
 """
 
 from __future__ import annotations
@@ -21,9 +22,10 @@ from tierckpt import __version__
 from tierckpt.errors import CheckpointNotFoundError, TierckptError
 
 if TYPE_CHECKING:
-    from tierckpt.config import TierConfig
-    from tierckpt.facade.verify import CopyCheck
+    from tierckpt.config import HierarchyConfig, TierConfig
+    from tierckpt.facade.verify import CopyCheck, LookBudget
     from tierckpt.hierarchy import Hierarchy
+    from tierckpt.tiers.base import Tier
 
 _EXIT_PIPE = 128 + 13  # as a shell reports a process that SIGPIPE ended
 
@@ -90,13 +92,22 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def _cmd_verify(args: argparse.Namespace) -> int:
-    checks = _verify_every_node(args)
+    try:
+        checks = _verify_everywhere(args)
+    except CheckpointNotFoundError as e:  # an unknown --step
+        if not args.json:
+            raise
+        print(json.dumps({"ok": False, "error": str(e), "summary": _summary([]), "copies": []}))
+        return 1
     bad = [c for _, c in checks if c.error is not None]
     if args.json:
         print(json.dumps({
             "ok": bool(checks) and not bad,
-            "copies": [{"step": c.step, "tier": c.tier, "rank": c.rank, "node": node, "ok": c.error is None,
-                        "error": None if c.error is None else str(c.error)} for node, c in checks],
+            "error": None if checks else "no checkpoint found",
+            "summary": _summary(checks),
+            "copies": [{"step": c.step, "tier": c.tier, "node": node, "rank": c.rank, "ok": c.error is None,
+                        "status": _status(c.error), "error": None if c.error is None else str(c.error)}
+                       for node, c in checks],
         }))  # fmt: skip
     else:
         for node, c in checks:
@@ -110,73 +121,195 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     return 1 if bad or not checks else 0  # a verify that checked nothing proves nothing
 
 
-def _verdict(error: BaseException | None) -> str:
+def _status(error: BaseException | None) -> str:
+    """A copy's verdict: ``ok``, ``corrupt`` (damaged) or ``unusable`` (not the copy the step's record
+    names, missing, or unreadable)."""
     from tierckpt.errors import CorruptCheckpointError
 
     if error is None:
         return "ok"
-    return f"{'CORRUPT' if isinstance(error, CorruptCheckpointError) else 'UNUSABLE'}: {error}"
+    return "corrupt" if isinstance(error, CorruptCheckpointError) else "unusable"
 
 
-def _verify_every_node(args: argparse.Namespace) -> list[tuple[int | None, CopyCheck]]:
-    """Every copy of the config's tiers (of ``--rank`` only, if given), as (node, check): once per node
-    whose directory exists for the tiers whose path holds ``{node}`` (the shared tiers once)."""
+def _verdict(error: BaseException | None) -> str:
+    return "ok" if error is None else f"{_status(error).upper()}: {error}"
+
+
+def _summary(checks: Sequence[tuple[int | None, CopyCheck]]) -> dict[str, int]:
+    got = [_status(c.error) for _, c in checks]
+    return {"copies": len(got), **{k: got.count(k) for k in ("ok", "corrupt", "unusable")}}
+
+
+def _verify_everywhere(args: argparse.Namespace) -> list[tuple[int | None, CopyCheck]]:
+    """Every copy of the config's tiers (of ``--rank`` only, if given), as (node, check), in the order
+    (step, tier as configured, rank, node): each tier once for each directory its path expands to (every
+    node's and every rank's that exists, where it holds ``{node}`` or ``{rank}``; node None where it
+    holds no ``{node}``), and each rank that a record of a tier names and none of its directories holds
+    (missing, node None)."""
     from tierckpt.config import load_config
-    from tierckpt.facade.verify import verify_copies
-    from tierckpt.hierarchy import Hierarchy
-    from tierckpt.ranks.coordinator import SoloCoordinator
+    from tierckpt.facade.verify import LookBudget
 
     cfg = load_config(args.config)
     rank = 0 if args.rank is None else args.rank
-    per_node = {t.name: bool(_nodes_of(t, rank, probe=True)) for t in cfg.tiers}
-    found = sorted(set().union(*(_nodes_of(t, rank) for t in cfg.tiers)))
-    nodes: list[int | None] = [*found] if found else [None]
+    budget = LookBudget()  # the wait for copies about to be committed: one for the whole command
     out: list[tuple[int | None, CopyCheck]] = []
-    listed = False
-    for i, node in enumerate(nodes):
-        coordinator = SoloCoordinator(rank, rank + 1, node=node)
-        with Hierarchy.from_config(cfg, readonly=True, coordinator=coordinator) as h:
-            infos = [c for c in h.checkpoints() if c.tiers and (args.step is None or c.step == args.step)]
-            listed = listed or bool(infos)
-            only = [n for n in per_node if per_node[n] or i == 0]  # a shared tier: once
-            ranks = None if args.rank is None else {args.rank}
-            checks = verify_copies(h.tiers, infos, rank, may_commit=True, ranks=ranks, only=only)
-            out += [(node if per_node[c.tier] else None, c) for c in checks]
-    if args.step is not None and not listed:
+    for i, t in enumerate(cfg.tiers):
+        seen = _Seen(cfg, i)
+        for r, node, where in _directories(t, rank):
+            with seen.open(r, node) as h:
+                seen.look(h, args, r, node, budget)
+            seen.looked.append(where)
+        out += seen.checks + seen.missing(args.rank)
+    if args.step is not None and not out:
         raise CheckpointNotFoundError(f"step {args.step} is not committed on any tier of {args.config}")
-    return sorted(out, key=lambda nc: (nc[1].step, nc[1].tier, -1 if nc[0] is None else nc[0], nc[1].rank))
+    order = {t.name: i for i, t in enumerate(cfg.tiers)}
+    return sorted(out, key=lambda nc: (nc[1].step, order[nc[1].tier], nc[1].rank, -1 if nc[0] is None else nc[0]))
 
 
-_PROBE_NODES = (98765, 98764)  # node indices no real job uses: where a path differs between them, it holds {node}
+class _Seen:
+    """What the directories of tier ``index`` of ``cfg`` showed: their copies' checks, the ranks each
+    step's records name, and where the records were."""
+
+    def __init__(self, cfg: HierarchyConfig, index: int) -> None:
+        from dataclasses import replace
+
+        from tierckpt.config import PolicyConfig
+
+        self.cfg = replace(cfg, tiers=(cfg.tiers[index],), policy=PolicyConfig())  # no other tier to name
+        self.tier = cfg.tiers[index].name
+        self.checks: list[tuple[int | None, CopyCheck]] = []
+        self.named: dict[int, set[int]] = {}  # step: the ranks its records name
+        self.recorded: dict[int, list[tuple[int, int | None]]] = {}  # step: the directories holding its record
+        self.looked: list[str] = []  # the directories, for messages
+
+    def open(self, rank: int, node: int | None) -> Hierarchy:
+        """The tier alone, read-only, as seen by ``rank`` (a process alone) on ``node``."""
+        from tierckpt.hierarchy import Hierarchy
+        from tierckpt.ranks.coordinator import SoloCoordinator
+
+        return Hierarchy.from_config(self.cfg, readonly=True, coordinator=SoloCoordinator(rank, rank + 1, node=node))
+
+    def look(self, h: Hierarchy, args: argparse.Namespace, rank: int, node: int | None, budget: LookBudget) -> None:
+        """Verify the copies in one directory (``h``: its tier alone, opened as ``rank`` on ``node``)."""
+        from tierckpt.facade.verify import verify_copies
+
+        tier = h.tiers[0]
+        infos = [c for c in h.checkpoints() if c.tiers and (args.step is None or c.step == args.step)]
+        ranks = None if args.rank is None else {args.rank}
+        checks = verify_copies(h.tiers, infos, rank, may_commit=True, ranks=ranks, budget=budget)
+        self.checks += [(node, c) for c in checks]
+        for step in _records(tier, args.step):
+            size = _record_size(tier, step)
+            if size is not None:
+                self.named.setdefault(step, set()).update(range(size))
+                self.recorded.setdefault(step, []).append((rank, node))
+
+    def missing(self, only: int | None) -> list[tuple[int | None, CopyCheck]]:
+        """A check for each rank (``only``, if given) that a record names and no directory holds: not
+        one whose step a directory has evicted since it was looked at (its record goes first)."""
+        import errno
+
+        from tierckpt.errors import TierIOError
+        from tierckpt.facade.verify import CopyCheck
+
+        found: dict[int, set[int]] = {}
+        for _, c in self.checks:
+            found.setdefault(c.step, set()).add(c.rank)
+        out: list[tuple[int | None, CopyCheck]] = []
+        for step, named in sorted(self.named.items()):
+            lost = sorted(r for r in named - found.get(step, set()) if only is None or r == only)
+            if not lost or self._evicted(step):
+                continue
+            dirs = ", ".join(self.looked[:4]) + (f" and {len(self.looked) - 4} more" if len(self.looked) > 4 else "")
+            for r in lost:
+                msg = (
+                    f"step {step} on tier {self.tier!r}: rank {r}'s copy, which the step's record names, is in "
+                    f"none of the tier's directories ({dirs})"
+                )
+                out.append((None, CopyCheck(step, self.tier, r, TierIOError(errno.ENOENT, msg))))
+        return out
+
+    def _evicted(self, step: int) -> bool:
+        """Whether a directory that held ``step``'s record holds it no more (its copies go next)."""
+        for rank, node in self.recorded[step]:
+            with self.open(rank, node) as h:
+                if _record_size(h.tiers[0], step) is None:
+                    return True
+        return False
 
 
-def _nodes_of(t: TierConfig, rank: int, *, probe: bool = False) -> set[int]:
-    """The nodes whose directory of tier entry ``t`` exists, where its path holds ``{node}`` (else none);
-    with ``probe``, whether it holds ``{node}`` (a set of one probe node, or none)."""
+def _records(tier: Tier, step: int | None) -> list[int]:
+    """The steps whose record ``tier`` holds (``step`` only, if given; none where it keeps none)."""
+    try:
+        steps = tier.list_records()
+    except (OSError, NotImplementedError):
+        return []
+    return [s for s in steps if step is None or s == step]
+
+
+def _record_size(tier: Tier, step: int) -> int | None:
+    """The number of ranks ``step``'s record on ``tier`` names (None: no record, or one that cannot be
+    read: verifying the copies reports that)."""
+    from tierckpt.format.record import decode_record
+
+    try:
+        data = tier.read_record(step)
+        return None if data is None else decode_record(data, step).world_size
+    except (OSError, TierckptError, NotImplementedError):
+        return None
+
+
+_PROBE_RANKS = (98765, 98764)  # rank and node indices no real job uses: where a path differs between two of
+_PROBE_NODES = (97531, 97530)  # them, it holds {rank} (or {node}), and their digits show where
+
+
+def _directories(t: TierConfig, rank: int) -> list[tuple[int, int | None, str]]:
+    """The (rank, node) to open tier entry ``t`` as, and the directory, once for each directory of it
+    that exists: each rank's and node's where its path holds ``{rank}`` or ``{node}`` (node None where it
+    holds no ``{node}``); else once, as ``rank``.
+
+    Raises:
+        ConfigError: the path holds ``{rank}`` or ``{node}`` in a form that is not decimal digits (its
+            directories cannot be found).
+    """
     import glob
     import re
     from dataclasses import replace
 
     from tierckpt.configvalues import MAX_NODE
+    from tierckpt.errors import ConfigError
+    from tierckpt.ranks.coordinator import MAX_RANK
     from tierckpt.tiers.options import local_directory
 
+    def at(r: int, n: int | None) -> str:
+        return str(local_directory(replace(t, rank=r, node=n)))
+
     try:
-        a, b = (str(local_directory(replace(t, rank=rank, node=n))) for n in _PROBE_NODES)
+        probe = at(_PROBE_RANKS[0], _PROBE_NODES[0])
+        by_rank = probe != at(_PROBE_RANKS[1], _PROBE_NODES[0])
+        by_node = probe != at(_PROBE_RANKS[0], _PROBE_NODES[1])
     except TierckptError:  # not a directory (a URL, no path): the kind's own
-        return set()
-    if a == b or probe:
-        return set() if a == b else {_PROBE_NODES[0]}
-    digits = str(_PROBE_NODES[0])
-    pattern = re.compile(re.escape(a).replace(digits, "([0-9]+)"))
+        return [(rank, None, t.location or t.name)]
+    if not by_rank and not by_node:
+        return [(rank, None, at(rank, None))]
+    digits = {str(_PROBE_RANKS[0]): "rank", str(_PROBE_NODES[0]): "node"}
+    parts = re.split("(" + "|".join(digits) + ")", probe)
+    names = [digits[p] for p in parts[1::2]]
+    if ("rank" in names) != by_rank or ("node" in names) != by_node:
+        raise ConfigError(f"{t.key}.path: cannot find its directories: {{rank}} and {{node}} must be decimal")
+    pattern = re.compile("".join("([0-9]+)" if i % 2 else re.escape(p) for i, p in enumerate(parts)))
     out = set()
-    for path in glob.glob(glob.escape(a).replace(digits, "*")):
+    for path in glob.glob("".join("*" if i % 2 else glob.escape(p) for i, p in enumerate(parts))):
         m = pattern.fullmatch(path)
-        if m is None or len(set(m.groups())) != 1 or int(m.group(1)) >= MAX_NODE:
+        if m is None:
             continue
-        node = int(m.group(1))
-        if os.path.isdir(path) and str(local_directory(replace(t, rank=rank, node=node))) == path:
-            out.add(node)
-    return out
+        got = {name: {int(g) for n, g in zip(names, m.groups()) if n == name} for name in ("rank", "node")}
+        if len(got["rank"]) > 1 or len(got["node"]) > 1:
+            continue
+        r, n = min(got["rank"], default=rank), min(got["node"], default=None)
+        if r < MAX_RANK and (n is None or n < MAX_NODE) and os.path.isdir(path) and at(r, n) == path:
+            out.add((r, n, path))
+    return sorted(out, key=lambda rnp: (rnp[0], -1 if rnp[1] is None else rnp[1]))
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:

@@ -473,12 +473,15 @@ class Hierarchy:
 
         A copy that another process evicts while it is being verified is left out (it is gone, not
         damaged); one replaced by a new save of its step is verified again. A copy the step's record
-        does not name (a save of the step again that did not commit) is reported, as is one a shared
-        tier lacks while the record names it; neither is damage (their errors are not
-        :class:`CorruptCheckpointError`)."""
+        does not name (a save of the step again that did not commit) is reported, as is one the record
+        names that a shared tier lacks, this rank's own copy that its node-local tier lacks, and a step
+        whose record a node-local tier holds with none of the copies it names; none of them is damage
+        (their errors are not :class:`CorruptCheckpointError`)."""
         infos = [self._locate(step)] if step is not None else self._listing.committed_steps()
         ranks = {self.rank} if self.coordinator.connects_ranks else None
-        checks = verify_copies(self._tiers, infos, self.rank, may_commit=self.readonly, ranks=ranks)
+        checks = verify_copies(
+            self._tiers, infos, self.rank, may_commit=self.readonly, ranks=ranks, world_size=self.world_size
+        )
         return [(c.step, c.tier, c.error) for c in checks]
 
     # -- the end -------------------------------------------------------------------------------------------

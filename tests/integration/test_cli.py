@@ -52,6 +52,24 @@ def test_ls_inspect_verify(config: Path, capsys: pytest.CaptureFixture[str]) -> 
     assert "step" in capsys.readouterr().out
 
 
+def test_verify_json_is_complete_and_in_a_stable_order(config: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """What scripts parse: every key always there, the copies in the order (step, tier as configured,
+    rank), and an unknown step answered in JSON too (on 987543a: tiers by name, no status nor summary, and
+    nothing on stdout for an unknown step)."""
+    rc, out = run_json(capsys, "verify", str(config))
+    assert rc == 0 and list(out) == ["ok", "error", "summary", "copies"]
+    assert out["summary"] == {"copies": 4, "ok": 4, "corrupt": 0, "unusable": 0} and out["error"] is None
+    assert [(c["step"], c["tier"]) for c in out["copies"]] == [(1, "ssd"), (1, "pfs"), (2, "ssd"), (2, "pfs")]
+    assert list(out["copies"][0]) == ["step", "tier", "node", "rank", "ok", "status", "error"]
+    assert out["copies"][0] == {
+        "step": 1, "tier": "ssd", "node": None, "rank": 0, "ok": True, "status": "ok", "error": None,
+    }  # fmt: skip
+    assert main(["verify", str(config)]) == 0
+    assert capsys.readouterr().out.splitlines()[:2] == ["step 1 on ssd, rank 0: ok", "step 1 on pfs, rank 0: ok"]
+    rc, out = run_json(capsys, "verify", str(config), "--step", "7")
+    assert rc == 1 and not out["ok"] and out["copies"] == [] and "step 7 is not committed" in out["error"]
+
+
 @pytest.mark.parametrize(("pos", "what"), [(3, "state['w']"), (41, "padding bytes [40, 64)"), (64, "state['opt']['m']"),
                                            (4000, "padding bytes [76, 4096)")])  # fmt: skip
 def test_verify_detects_a_flipped_byte_anywhere(
@@ -104,7 +122,8 @@ def test_verify_with_nothing_to_check_fails(tmp_path: Path, capsys: pytest.Captu
     assert main(["verify", str(yml)]) == 1
     assert "0 of 0 copies verified: no checkpoint found" in capsys.readouterr().out
     rc, out = run_json(capsys, "verify", str(yml))
-    assert rc == 1 and out == {"ok": False, "copies": []}
+    summary = {"copies": 0, "ok": 0, "corrupt": 0, "unusable": 0}
+    assert rc == 1 and out == {"ok": False, "error": "no checkpoint found", "summary": summary, "copies": []}
 
 
 def test_commands_only_look(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
