@@ -58,7 +58,7 @@ def _statx_dio(path: str | os.PathLike[str]) -> tuple[int, int] | None:
     return st.stx_dio_mem_align, st.stx_dio_offset_align
 
 
-def dio_alignment(path: str | os.PathLike[str], default: int = 4096) -> tuple[int, int]:
+def dio_alignment(path: str | os.PathLike[str], default: int = PAGE) -> tuple[int, int]:
     """(memory alignment, offset alignment) that O_DIRECT needs for ``path``, from statx(STATX_DIOALIGN).
 
     Returns ``(default, default)`` where the kernel or file system does not report it.
