@@ -81,6 +81,9 @@ class IOConfig:
         direct: open blob files with O_DIRECT where the file system allows it.
         queue_depth: operations in flight per engine.
         chunk_bytes: size of one read/write operation and of one staging buffer.
+
+    These are settings, inputs of each tier's I/O geometry (:func:`tierckpt.io.geometry.io_geometry`),
+    which decides every size used from them.
     """
 
     engine: str = "auto"
@@ -109,6 +112,8 @@ class LayoutConfig:
     Attributes:
         align_bytes: alignment of extents of at least this size and of blob sizes (O_DIRECT unit).
         blob_bytes: target size of one blob file; None lets the tiers choose (largest preferred size).
+
+    Settings, inputs of the checkpoint geometry (:func:`tierckpt.io.geometry.checkpoint_geometry`).
     """
 
     align_bytes: int = 4096
@@ -260,7 +265,7 @@ def _parse_io(d: Any, key: str, base: IOConfig) -> IOConfig:
     if "queue_depth" in d:
         out = replace(out, queue_depth=_int(d["queue_depth"], f"{key}.queue_depth", 1, 1024))
     if "chunk" in d:
-        chunk = parse_size(d["chunk"], f"{key}.chunk")
+        chunk = parse_size(d["chunk"], f"{key}.chunk")  # what a setting may be; the geometry sizes from it
         if chunk < 4096 or chunk % 4096 or chunk > 1 << 30:
             raise ConfigError(
                 f"{key}.chunk: expected a multiple of 4KiB between 4KiB and 1GiB, got {_short(d['chunk'])}"

@@ -148,9 +148,10 @@ class Hierarchy:
         self._engines = _engines or Engines()
         for t in self._tiers:  # tiers built from Python without an engine or io settings take this io's
             t.use_io(self._engines, self.io)
-        # every size: the checkpoint's alignment (the largest of the layout's and the tiers'), blob size,
-        # and each tier's chunks and staging in that alignment (docs/tiers.md, "I/O geometry")
-        self._geometry = checkpoint_geometry(self.layout, {t.name: t.geometry for t in self._tiers})
+        # every size: each tier's geometry for this io (fixed here, whatever an override of use_io did),
+        # the checkpoint's alignment (the largest of the layout's and the tiers'), blob size, and each
+        # tier's chunks and staging in that alignment (docs/tiers.md, "I/O geometry")
+        self._geometry = checkpoint_geometry(self.layout, {t.name: t.fix_geometry(self.io) for t in self._tiers})
         self.align = self._geometry.align_bytes
         self._catalog = Catalog(self._tiers, self.rank, now=_clock(), world_size=self.world_size)
         me = ThisRank(self.rank, self.world_size, frozenset(self.coordinator.ranks_on_node()))
@@ -162,8 +163,7 @@ class Hierarchy:
         self._lock = threading.RLock()
         self._closed = False
         self.last_restore: tuple[int, str] | None = None
-        geo = self._geometry
-        self._in_place = RestoreStaging(geo.read_slots, geo.read_slot_bytes, tiers=self._tiers)
+        self._in_place = RestoreStaging(self._geometry, tiers=self._tiers)
 
     @property
     def retention(self) -> Mapping[str, RetentionPolicy]:

@@ -3,6 +3,7 @@ copy) where the tier's read alignment allows it (``_Stream.read_direct``)."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -14,6 +15,7 @@ import tierckpt.datapath.restore_into as ri
 import tierckpt.tiers._fileread as fileread
 from tierckpt import CorruptCheckpointError, Hierarchy
 from tierckpt.config import LayoutConfig
+from tierckpt.io import geometry
 from tierckpt.io.buffers import aligned_empty
 from tierckpt.io.engine import make_engine
 from tierckpt.testing import FaultyTier
@@ -25,7 +27,8 @@ SLOT = 64 << 10  # 3 small slots: the first reads cover only the start of the fi
 
 @pytest.fixture(autouse=True)
 def _small_direct_threshold(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(ri, "_DIRECT_MIN", 128 << 10)
+    """The tiers' geometries read tensor bodies of 128 KiB straight into their destinations."""
+    monkeypatch.setattr(geometry, "DIRECT_READ_MIN", 128 << 10)
 
 
 @pytest.fixture
@@ -82,8 +85,12 @@ def config(tmp_path: Path, *tiers: str, direct: bool = True, engine: str = "auto
 
 def open_h(cfg: dict[str, Any]) -> Hierarchy:
     h = Hierarchy.from_config(cfg)
-    h._in_place = ri.RestoreStaging(3, SLOT)
+    h._in_place = small_staging(h)
     return h
+
+
+def small_staging(h: Hierarchy) -> ri.RestoreStaging:
+    return ri.RestoreStaging(dataclasses.replace(h._geometry, read_slots=3, read_slot_bytes=SLOT))
 
 
 def tensors(s: dict[str, Any]) -> Iterator[tuple[str, torch.Tensor]]:
@@ -188,7 +195,7 @@ def test_read_error_inside_a_direct_body_falls_back_to_the_other_copy(tmp_path: 
     state = make_state()
     try:
         with Hierarchy([ssd, PfsTier("pfs", tmp_path / "pfs", engine)], layout=LayoutConfig(blob_bytes=1 << 20)) as h:
-            h._in_place = ri.RestoreStaging(3, SLOT)
+            h._in_place = small_staging(h)
             h.save(state, step=5).wait()
             ssd.calls["read"] = 0
             target = target_for(state)

@@ -40,7 +40,7 @@ def open_h(cfg: dict[str, Any], slots: int = 3) -> Hierarchy:
         h = Hierarchy([GpuTier("gpu", 256 << 20, device="cpu")], layout=LayoutConfig(blob_bytes=1 << 20))
     else:
         h = Hierarchy.from_config(cfg)
-    h._in_place = RestoreStaging(slots, SLOT)
+    h._in_place = RestoreStaging(dataclasses.replace(h._geometry, read_slots=slots, read_slot_bytes=SLOT))
     return h
 
 
@@ -390,15 +390,13 @@ def test_reads_start_before_the_table_is_validated_and_a_bad_table_changes_nothi
 def test_after_the_match_few_reads_run_at_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Every slot is filled while the target is matched; then at most two reads run at once on a
     node-local tier (so they land in order), however many slots are free."""
-    import tierckpt.datapath.restore_into as ri
-
     state = make_state(4)
     with open_h(config(tmp_path, "ssd"), slots=8) as h:
         h.save(state, step=1).wait()
         seen = spy_reads(h, "ssd", monkeypatch)
         assert_same(state, h.restore(into=zeros_like(state)))
         assert seen["reads"] > 8 and seen["running"] == 0
-        assert 1 <= seen["most_after_match"] <= ri._STEADY_READS < seen["most"] <= 8
+        assert 1 <= seen["most_after_match"] <= h.tier("ssd").geometry.steady_reads < seen["most"] <= 8
 
 
 @pytest.mark.parametrize("engine", ["threads", "uring"])

@@ -1,6 +1,6 @@
 """What the mover reads of a tier's declared write limits: the chunk size within its part sizes (its
-geometry's, tierckpt.io.geometry), and the order of writes to a tier that takes them in order only
-(tierckpt.datapath.blobcopy)."""
+geometry's, tierckpt.io.geometry), the memory alignment its I/O needs of a buffer it is handed, and the
+order of writes to a tier that takes them in order only (tierckpt.datapath.blobcopy)."""
 
 from __future__ import annotations
 
@@ -9,10 +9,12 @@ from concurrent.futures import Future
 from dataclasses import replace
 
 import pytest
+import torch
 
-from tierckpt.datapath.blobcopy import writer_for
+from tierckpt.datapath.blobcopy import copy_blobs, writer_for
 from tierckpt.format.manifest import BlobEntry
-from tierckpt.tiers.base import TierWriter
+from tierckpt.io.buffers import StagingPool, aligned_empty, memmove
+from tierckpt.tiers.base import CheckpointKey, TierReader, TierWriter
 from tierckpt.tiers.host import HostTier
 
 MiB = 1 << 20
@@ -30,12 +32,14 @@ class Recording(TierWriter):
 
     def __init__(self, fail_at: int | None = None) -> None:
         self.writes: list[tuple[int, int, int]] = []
+        self.addrs: list[int] = []
         self.pending: list[Future[int]] = []
         self.fail_at = fail_at
 
     def write(self, blob: int, offset: int, addr: int, nbytes: int) -> Future[int]:
         assert all(f.done() for f in self.pending), "a write was handed over before the previous one completed"
         self.writes.append((blob, offset, nbytes))
+        self.addrs.append(addr)
         f: Future[int] = Future()
         if self.fail_at == len(self.writes) - 1:
             f.set_exception(OSError(errno.EIO, "upload failed"))
@@ -95,3 +99,39 @@ def test_after_a_failed_write_a_sequential_tier_gets_no_more() -> None:
     third = w.write(1, 0, 0, 7)  # the tier's error, not an ordering one
     assert isinstance(second.exception(), OSError) and second is first and third is first
     assert inner.writes == [(0, 0, 10)]
+
+
+class InMemory(TierReader):
+    """A memory tier's blob, handed out as its buffer (and read out of it where the copy stages)."""
+
+    def __init__(self, buf: torch.Tensor) -> None:
+        self.buf = buf
+
+    def buffer(self, blob: int) -> torch.Tensor | None:
+        return self.buf
+
+    def read(self, blob: int, offset: int, addr: int, nbytes: int) -> Future[int]:
+        memmove(addr, self.buf.data_ptr() + offset, nbytes)
+        f: Future[int] = Future()
+        f.set_result(nbytes)
+        return f
+
+
+@pytest.mark.parametrize(("align", "direct"), [(1, True), (1024, True), (4096, False)])
+def test_a_buffer_goes_to_the_destination_as_it_is_where_its_geometry_takes_its_alignment(
+    align: int, direct: bool
+) -> None:
+    """A memory tier's blob 2 KiB past a page boundary: written straight from its memory to a tier whose
+    I/O takes memory so aligned (its geometry's ``memory_alignment_bytes``: here its capabilities'
+    alignment), through a staging slot to one that needs a page (O_DIRECT's)."""
+    n = 64 << 10
+    buf = aligned_empty(n + 4096)[2048 : 2048 + n]
+    dst = tier(device="object", alignment_bytes=align)
+    w = Recording()
+    pool = StagingPool(2, 16 << 10, 4096)
+    copy_blobs(
+        tier(), InMemory(buf), dst, w, CheckpointKey(1), [BlobEntry("blob-00000.bin", n)], 16 << 10, lambda: pool
+    )
+    base = buf.data_ptr()
+    assert (w.addrs == [base + o for o in range(0, n, 16 << 10)]) is direct
+    assert [o for _, o, _ in w.writes] == list(range(0, n, 16 << 10))

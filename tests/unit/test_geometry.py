@@ -13,9 +13,12 @@ import pytest
 from tierckpt.config import IOConfig, LayoutConfig
 from tierckpt.io.fsutil import probe_fs
 from tierckpt.io.geometry import (
+    DIRECT_READ_MIN,
+    PAGE,
     READ_SLOT_BYTES,
     READ_SLOTS,
     STAGING_SLOTS,
+    STEADY_READS,
     FsFacts,
     IOGeometry,
     checkpoint_geometry,
@@ -45,7 +48,8 @@ def test_a_local_tier_on_ext4_keeps_the_sizes_it_had() -> None:
     assert g == IOGeometry(
         alignment_bytes=4096, direct=True, blob_bytes=256 * MiB, one_file=False, chunk_bytes=32 * MiB,
         piece_bytes=8 * MiB, queue_depth=16, staging_slots=STAGING_SLOTS, staging_slot_bytes=32 * MiB,
-        read_slots=READ_SLOTS, read_slot_bytes=READ_SLOT_BYTES,
+        read_slots=READ_SLOTS, read_slot_bytes=READ_SLOT_BYTES, memory_alignment_bytes=4096,
+        steady_reads=STEADY_READS, direct_read_min_bytes=DIRECT_READ_MIN,
     )  # fmt: skip
     assert io_geometry(FILE, IO, LUSTRE, blob_bytes=256 * MiB).alignment_bytes == 4096  # only pfs takes blocks
 
@@ -97,6 +101,37 @@ def test_a_checkpoint_takes_the_largest_alignment_and_blob_size_and_every_tier_f
     assert (c.align_bytes, c.blob_bytes, c.tiers["ssd"].chunk_bytes) == (64 * KiB, MiB + 64 * KiB, 64 * KiB)
     with pytest.raises(ValueError, match="not a power of two of at least"):
         pfs.aligned_to(4096)
+
+
+def test_the_reads_of_a_copy_and_their_buffers_follow_the_tier_and_the_copys_alignment() -> None:
+    g = io_geometry(FILE, IOConfig(chunk_bytes=1 * MiB + 12 * KiB), EXT4_NVME, blob_bytes=MiB)
+    assert (g.read_chunk(4096), g.first_read(4096)) == (MiB + 12 * KiB, 256 * KiB)  # a quarter, aligned
+    assert (g.read_chunk(64 * KiB), g.first_read(64 * KiB)) == (MiB, 256 * KiB)  # a copy written in 64 KiB
+    assert (g.read_chunk(4 * MiB), g.first_read(4 * MiB)) == (4 * MiB, 4 * MiB)  # never below the alignment
+    assert g.read_staging_bytes == READ_SLOTS * READ_SLOT_BYTES
+    assert g.buffer_alignment(512) == PAGE and g.buffer_alignment(MiB) == MiB
+
+
+def test_the_memory_alignment_is_o_directs_for_a_file_tier_and_the_capabilities_for_another() -> None:
+    assert io_geometry(FILE, IO, EXT4_NVME, blob_bytes=MiB).memory_alignment_bytes == PAGE  # statx's 4: a page
+    big = FsFacts(direct=True, dio_mem_align=16 * KiB, dio_offset_align=512)
+    assert io_geometry(FILE, IO, big, blob_bytes=MiB).memory_alignment_bytes == 16 * KiB
+    assert io_geometry(S3, IO, blob_bytes=GiB).memory_alignment_bytes == 1
+    assert io_geometry(MEMORY, IO, blob_bytes=GiB).memory_alignment_bytes == 4096
+
+
+def test_a_shared_tier_keeps_every_read_slot_busy_after_the_match() -> None:
+    assert io_geometry(FILE, IO, EXT4_NVME, blob_bytes=MiB).steady_reads == STEADY_READS
+    assert io_geometry(SHARED, IO, LUSTRE, blob_bytes=MiB, whole_blocks=True).steady_reads == READ_SLOTS
+
+
+def test_restore_into_stages_a_copy_in_its_own_alignment() -> None:
+    local = io_geometry(FILE, IO, EXT4_NVME, blob_bytes=256 * MiB)
+    c = checkpoint_geometry(LayoutConfig(), {"ssd": local})
+    assert c.read_staging(4096) == (READ_SLOT_BYTES, PAGE)
+    assert c.read_staging(64 * MiB) == (64 * MiB, 64 * MiB)  # a copy written with a larger alignment
+    odd = io_geometry(FILE, IO, FsFacts(direct=True, dio_mem_align=16 * KiB), blob_bytes=MiB)
+    assert checkpoint_geometry(LayoutConfig(), {"odd": odd}).read_staging(4096) == (READ_SLOT_BYTES, 16 * KiB)
 
 
 def test_facts_are_probed_without_writing_where_the_tier_only_reads(tmp_path: Path) -> None:

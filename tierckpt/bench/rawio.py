@@ -31,7 +31,7 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 GB = 1e9
-RAW_CHUNK = 64 << 20
+RAW_CHUNK = 64 << 20  # the raw reference's own I/O (a measurement of the disk, not of tierckpt's geometry)
 
 
 def raw_write_pwrite(path: Path, buf: torch.Tensor, nbytes: int) -> None:

@@ -26,8 +26,6 @@ from tierckpt.tiers.base import CheckpointKey, Tier, TierReader, TierWriter
 
 __all__ = ["copy_blobs", "staging_for", "writer_for"]
 
-_PAGE = 4096  # the memory alignment O_DIRECT asks for (512 on some disks, never more than a page)
-
 
 def _check_count(got: int, want: int, src: Tier, key: CheckpointKey, blob: BlobEntry, off: int) -> None:
     if got != want:
@@ -71,9 +69,9 @@ def copy_blobs(
             if sbuf is not None and dbuf is not None:  # device memory ↔ memory: the device tier's own copy
                 (src if not sbuf.is_cpu else dst).copy_buffer(dbuf, sbuf, blob.size)
                 continue
-            # device memory ↔ file, and memory that O_DIRECT may refuse (not page-aligned): through staging
-            sbuf = sbuf if sbuf is None or _direct_ok(sbuf) else None
-            dbuf = dbuf if dbuf is None or _direct_ok(dbuf) else None
+            # device memory ↔ file, and memory the other tier's I/O may refuse (O_DIRECT's): through staging
+            sbuf = sbuf if sbuf is None or _direct_ok(sbuf, dst.geometry) else None
+            dbuf = dbuf if dbuf is None or _direct_ok(dbuf, src.geometry) else None
             if sbuf is not None:  # memory → file: write from the source's own buffer
                 if sbuf.numel() < blob.size:
                     _check_count(sbuf.numel(), blob.size, src, key, blob, 0)
@@ -99,10 +97,12 @@ def copy_blobs(
                 f.exception()
 
 
-def _direct_ok(buf: torch.Tensor) -> bool:
-    """Whether a memory tier's buffer can be handed to the I/O engine as it is: CPU memory, page-aligned
-    (what O_DIRECT asks for everywhere). A gpu tier on ``device="cpu"`` allocates plain tensors."""
-    return buf.is_cpu and buf.data_ptr() % _PAGE == 0
+def _direct_ok(buf: torch.Tensor, other: IOGeometry) -> bool:
+    """Whether a memory tier's buffer can be handed as it is to the I/O of the tier of geometry ``other``
+    that a copy reads from or writes to: CPU memory, aligned as ``other``'s I/O needs (its
+    ``memory_alignment_bytes``: a file tier's O_DIRECT alignment, a page at least). A gpu tier on
+    ``device="cpu"`` allocates plain tensors."""
+    return buf.is_cpu and buf.data_ptr() % other.memory_alignment_bytes == 0
 
 
 def _copy_through_staging(

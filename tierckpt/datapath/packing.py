@@ -31,9 +31,11 @@ __all__ = ["CHUNK_BYTES", "build_manifest", "contiguous_cpu", "pack_and_write", 
 
 log = logging.getLogger(__name__)
 _EMPTY_DIGEST = xxhash.xxh3_64_intdigest(b"")
-_BLOCK_BYTES = 1 << 20  # copy-then-hash unit: the hash reads the bytes while they are still cached
+# copy-then-hash unit: the hash reads the bytes while they are still in the CPU's cache (not an I/O size:
+# the writes are the tier's geometry's chunk and pieces)
+_BLOCK_BYTES = 1 << 20
 xxh3_64_intdigest = xxhash.xxh3_64_intdigest
-_ZEROS = bytes(4096)
+_ZEROS = bytes(4096)  # padding shorter than this is written from it: not an I/O size
 #: the chunk one checksum of a DTensor shard covers (docs/format.md, "Sharding"): a verified range read
 #: reads whole chunks, so this bounds its amplification; tests set it small
 CHUNK_BYTES = DEFAULT_CHUNK_BYTES

@@ -38,15 +38,17 @@ import xxhash
 
 from tierckpt.datapath.matching import holds_dtensor
 from tierckpt.errors import CoordinationError
+from tierckpt.format.sharding import DEFAULT_CHUNK_BYTES
 from tierckpt.ranks.coordinator import Coordinator, dist_rank
 
 __all__ = ["MIN_PIECE_BYTES", "ReplicaExchange", "replica_exchange", "settled"]
 
 log = logging.getLogger("tierckpt.hierarchy")
 T = TypeVar("T")
-#: the smallest piece a rank reads of a replicated box: a piece reads whole checksum chunks (4 MiB by
-#: default), so smaller pieces would read more in all than one rank reading the whole box
-MIN_PIECE_BYTES = 4 << 20
+#: the smallest piece a rank reads of a replicated box: a piece reads whole checksum chunks (the format's,
+#: 4 MiB as written), so smaller pieces would read more in all than one rank reading the whole box. A split
+#: of the work among ranks, from the format's checksum chunk: the reads themselves are the tier's geometry's
+MIN_PIECE_BYTES = DEFAULT_CHUNK_BYTES
 _ERR_CHARS = 2000  # of a failed rank's error, in the agreement
 _NAMED = 8  # failed ranks whose errors a message quotes
 _counts: weakref.WeakKeyDictionary[Coordinator, itertools.count[int]] = weakref.WeakKeyDictionary()

@@ -60,11 +60,11 @@ def _read_blobs(
 
     The buffers' pages are faulted in by ``_PREFAULT_THREADS`` helper threads ahead of the reads (each
     helper populates a chunk, then submits its read), so the page faults of fresh memory overlap the I/O
-    instead of running inside it (see :func:`tierckpt.io.buffers.populate`). The first chunk is read in
-    quarters, so the disk starts after a quarter chunk is populated.
+    instead of running inside it (see :func:`tierckpt.io.buffers.populate`). The reads are the tier's
+    geometry's (:meth:`~tierckpt.io.geometry.IOGeometry.read_chunk`), the first chunk's in quarters
+    (:meth:`~tierckpt.io.geometry.IOGeometry.first_read`), so the disk starts once a quarter chunk is populated.
     """
-    chunk = max(m.align, tier.geometry.chunk_bytes // m.align * m.align)  # the tier's, in the copy's alignment
-    first = max(m.align, chunk // 4 // m.align * m.align)
+    chunk, first = tier.geometry.read_chunk(m.align), tier.geometry.first_read(m.align)  # in the copy's alignment
     try:
         bufs = _fresh_buffers(tier, key, m)  # page-aligned: fine for O_DIRECT
     except BaseException:

@@ -34,7 +34,7 @@ from tierckpt.format.layout import round_up
 from tierckpt.format.manifest import Manifest, ManifestHead
 from tierckpt.format.tree import resolve_tree
 from tierckpt.io.buffers import StagingPool
-from tierckpt.io.geometry import READ_SLOT_BYTES, READ_SLOTS
+from tierckpt.io.geometry import CheckpointGeometry
 from tierckpt.tiers.base import CheckpointKey, Tier, TierReader
 
 if TYPE_CHECKING:
@@ -42,9 +42,9 @@ if TYPE_CHECKING:
 
 __all__ = ["RestoreStaging", "restore_into"]
 
-_STEADY_READS = 2  # reads in flight once the target is matched (see restore_into)
-_BLOCK_BYTES = 1 << 20  # longest tensor checked before it is copied (longer ones: hashed block by block as copied)
-_DIRECT_MIN = 4 << 20  # a tensor body this large is read straight into its destination where alignment allows
+# longest tensor checked before it is copied (longer ones: hashed block by block as copied): a unit of
+# hashing while the bytes are in the CPU's cache, not an I/O size (those are the tier's geometry's)
+_BLOCK_BYTES = 1 << 20
 
 
 class RestoreStaging:
@@ -52,22 +52,23 @@ class RestoreStaging:
     restore (so their pages are faulted once per process), one restore at a time.
 
     Args:
-        slots: reads in flight or being copied out (the engine's queue depth caps those in flight; the
-            hierarchy passes its geometry's ``read_slots``).
-        slot_bytes: size of one read (the geometry's ``read_slot_bytes``).
+        geometry: the hierarchy's checkpoint geometry: its ``read_slots`` are the reads in flight or
+            being copied out (the engine's queue depth caps those in flight), of ``read_slot_bytes`` each.
         tiers: the hierarchy's tiers, fastest first: a resharding restore takes another rank's copy
             from them where the tier it reads lacks it.
     """
 
-    def __init__(self, slots: int = READ_SLOTS, slot_bytes: int = READ_SLOT_BYTES, tiers: Sequence[Tier] = ()) -> None:
-        self.slots, self.slot_bytes, self.tiers = slots, slot_bytes, tuple(tiers)
+    def __init__(self, geometry: CheckpointGeometry, tiers: Sequence[Tier] = ()) -> None:
+        self.geometry, self.tiers = geometry, tuple(tiers)
         self._pool: StagingPool | None = None
         self.lock = threading.Lock()
 
     def pool(self, align: int) -> StagingPool:
-        """The pool, with slots a multiple of ``align`` (re-made when a checkpoint needs a larger one)."""
-        if self._pool is None or self._pool.slot_bytes % align:
-            self._pool = StagingPool(self.slots, round_up(self.slot_bytes, align), max(4096, align))
+        """The pool, its slots in the alignment ``align`` of the copy read
+        (:meth:`~tierckpt.io.geometry.CheckpointGeometry.read_staging`; re-made when a copy needs a larger one)."""
+        slot_bytes, mem_align = self.geometry.read_staging(align)
+        if self._pool is None or self._pool.slot_bytes % align or self._pool.align % mem_align:
+            self._pool = StagingPool(self.geometry.read_slots, slot_bytes, mem_align)
         return self._pool
 
     def release(self) -> None:
@@ -162,8 +163,7 @@ def restore_into(
             stream.attach(m)
             todo = match_target(m, target, stream.addrs, allow_pickle=allow_pickle, tier=tier, key=key, strict=strict)
             stream.read_direct()
-            if not tier.capabilities.shared:  # a striped shared file wants every slot reading
-                stream.reads = _STEADY_READS
+            stream.reads = tier.geometry.steady_reads  # a shared tier's: every slot (a striped file)
             stream.run()
         finally:
             stream.close()
@@ -230,7 +230,8 @@ class _Stream:
         return [(bi, o, min(p, stop - o), dest + o - start if dest else 0) for o in range(start, stop, p)]
 
     def read_direct(self) -> None:
-        """Once ``addrs`` is set: read the bodies of large tensors straight into their destinations.
+        """Once ``addrs`` is set: read the bodies of large tensors (the tier's geometry's
+        ``direct_read_min_bytes`` at least) straight into their destinations.
 
         A destination qualifies where the reader can read into any memory under an alignment that the
         destination's address meets (O_DIRECT: ``statx`` DIO alignment; on NVMe often 4 bytes, so any
@@ -250,9 +251,10 @@ class _Stream:
         bi0, resume = self.todo[0][0], self.todo[0][1]  # reading goes on from here (a piece boundary)
         aligns: dict[int, tuple[int, int] | None] = {}
         bodies: list[tuple[int, int, int, int]] = []  # (blob, start, stop, destination of start)
+        least = self.tier.geometry.direct_read_min_bytes
         for i in self.order:
             b, o, n = blobs[i], offsets[i], lengths[i]
-            if n < _DIRECT_MIN or (b, o + n) <= (bi0, resume):  # too small, or wholly read already
+            if n < least or (b, o + n) <= (bi0, resume):  # too small, or wholly read already
                 continue
             if b not in aligns:
                 aligns[b] = self.reader.read_alignment(b)
@@ -263,7 +265,7 @@ class _Stream:
             # multiple of the offset alignment; its head and tail stay in the staged reads
             f0 = round_up(max(o, resume) if b == bi0 else o, max(al))
             f1 = f0 + (o + n - f0) // al[1] * al[1] if o + n > f0 else f0
-            if f1 - f0 >= _DIRECT_MIN:
+            if f1 - f0 >= least:
                 bodies.append((b, f0, f1, addrs[i] + f0 - o))
         if not bodies:
             return

@@ -28,8 +28,6 @@ from tierckpt.tiers.base import CheckpointKey, Tier, TierReader
 
 __all__ = ["Box", "Copies", "Dest", "Filler"]
 
-#: bytes of reads in flight (and of their buffers) at once
-_INFLIGHT_BYTES = 256 << 20
 Box = tuple[tuple[int, ...], tuple[int, ...]]  # (sizes, global offsets)
 _Reads = list[tuple[Future[int], int]]  # the reads of one piece, with the bytes each must return
 
@@ -155,17 +153,19 @@ class _Piece:
 
 
 class Filler:
-    """Plans the range reads of a restore and runs them, a bounded number of bytes in flight."""
+    """Plans the range reads of a restore and runs them, a bounded number of bytes in flight (as many as
+    the base copy's tier's read slots hold: its geometry's
+    :attr:`~tierckpt.io.geometry.IOGeometry.read_staging_bytes`)."""
 
     def __init__(self, copies: Copies, base: _Copy) -> None:
         self.copies, self.base = copies, base
 
     def fill(self, dests: list[Dest]) -> None:
         inflight: deque[tuple[_Piece, torch.Tensor, int, _Reads]] = deque()
-        held = 0
+        held, most = 0, self.base.tier.geometry.read_staging_bytes
         try:
             for piece in (p for d in dests for p in self.pieces(d)):
-                while inflight and held > _INFLIGHT_BYTES:
+                while inflight and held > most:
                     held -= self.finish(*inflight.popleft())
                 buf, skip, futs = self.submit(piece)
                 inflight.append((piece, buf, skip, futs))
@@ -259,8 +259,9 @@ class Filler:
         align = m.align
         a0 = start // align * align
         a1 = min(m.blobs[blob].size, round_up(t.offsets[p.row] + p.c1, align))
-        buf = aligned_empty(a1 - a0, max(4096, align))
-        step = max(align, p.copy.tier.geometry.chunk_bytes // align * align)
+        geometry = p.copy.tier.geometry
+        buf = aligned_empty(a1 - a0, geometry.buffer_alignment(align))
+        step = geometry.read_chunk(align)
         futs = [
             (p.copy.reader.read(blob, o, buf.data_ptr() + o - a0, min(step, a1 - o)), min(step, a1 - o))
             for o in range(a0, a1, step)

@@ -36,8 +36,10 @@ __all__ = ["UNBOUNDED", "BlobVerifier", "Where", "scan", "verify_range"]
 
 #: a ``max_len`` that takes every whole tensor into the loop
 UNBOUNDED = (1 << 64) - 1
-_BLOCK_BYTES = 1 << 20  # copy-then-hash unit of a long tensor: the hash reads the bytes while they are cached
-_ZEROS = bytes(4096)
+# copy-then-hash unit of a long tensor: the hash reads the bytes while they are in the CPU's cache (not an
+# I/O size: the reads are the tier's geometry's)
+_BLOCK_BYTES = 1 << 20
+_ZEROS = bytes(4096)  # padding shorter than this is compared with it: not an I/O size
 _digest = xxhash.xxh3_64_intdigest
 
 

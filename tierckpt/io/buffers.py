@@ -21,6 +21,8 @@ from contextlib import contextmanager
 
 import torch
 
+from tierckpt.io.geometry import PAGE
+
 __all__ = ["MappedBuffer", "StagingPool", "aligned_empty", "memmove", "populate", "ptr_mv"]
 
 _PyMemoryView_FromMemory = ctypes.pythonapi.PyMemoryView_FromMemory
@@ -32,6 +34,7 @@ _PyBUF_READ, _PyBUF_WRITE = 0x100, 0x200
 memmove = ctypes.memmove  # releases the GIL; single-threaded (no OpenMP barrier stalls: docs/io.md)
 
 _MADV_POPULATE_WRITE = 23  # Linux 5.14+
+# the machine's memory pages (what is mapped and faulted in), not I/O sizes: those are the tiers' geometries'
 _PAGE = mmap.PAGESIZE
 _HUGE = 2 << 20  # a transparent huge page on x86-64 and arm64 (4 KiB base pages)
 _HUGEPAGE: int | None = getattr(mmap, "MADV_HUGEPAGE", None)
@@ -72,7 +75,7 @@ def _pin_ok() -> bool:
         return False
 
 
-def aligned_empty(nbytes: int, align: int = 4096, *, pin: bool | None = None) -> torch.Tensor:
+def aligned_empty(nbytes: int, align: int = PAGE, *, pin: bool | None = None) -> torch.Tensor:
     """An uninitialized uint8 CPU tensor of ``nbytes`` whose data pointer is a multiple of ``align``.
 
     Args:
@@ -114,7 +117,7 @@ class StagingPool:
     ``acquire()`` blocks while every slot is in use; buffers are allocated on first use.
     """
 
-    def __init__(self, slots: int, slot_bytes: int, align: int = 4096) -> None:
+    def __init__(self, slots: int, slot_bytes: int, align: int = PAGE) -> None:
         if slots < 1 or slot_bytes < align or slot_bytes % align:
             raise ValueError(f"bad staging pool: {slots} slots of {slot_bytes} bytes, align {align}")
         self.slots, self.slot_bytes, self.align = slots, slot_bytes, align

@@ -8,6 +8,7 @@ import ctypes.util
 import errno
 import logging
 import os
+import secrets
 import stat
 from pathlib import Path
 
@@ -21,6 +22,7 @@ _STATX_DIOALIGN = 0x2000
 _AT_FDCWD = -100
 _AT_SYMLINK_NOFOLLOW = 0x100
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
+_PROBE_TRIES = 8  # names of a probe file tried before giving up (each one random: taken only if planted)
 
 
 class _StatxTimestamp(ctypes.Structure):
@@ -58,7 +60,7 @@ def _statx_dio(path: str | os.PathLike[str]) -> tuple[int, int] | None:
     return st.stx_dio_mem_align, st.stx_dio_offset_align
 
 
-def dio_alignment(path: str | os.PathLike[str], default: int = 4096) -> tuple[int, int]:
+def dio_alignment(path: str | os.PathLike[str], default: int = PAGE) -> tuple[int, int]:
     """(memory alignment, offset alignment) that O_DIRECT needs for ``path``, from statx(STATX_DIOALIGN).
 
     Returns ``(default, default)`` where the kernel or file system does not report it.
@@ -97,19 +99,31 @@ def probe_fs(directory: Path, *, writable: bool, sample: Path | None = None) -> 
 
 
 def _probe_new_file(directory: Path) -> tuple[bool, tuple[int, int] | None]:
-    """(O_DIRECT works, its statx alignment) for a file created in ``directory``, then removed."""
-    probe = directory / f".tierckpt-probe-{os.getpid()}"
-    try:
-        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | _O_DIRECT, 0o600)
-    except OSError as e:
-        if e.errno in (errno.EINVAL, errno.EOPNOTSUPP):
-            return False, None
-        raise
-    try:
-        return hasattr(os, "O_DIRECT"), _statx_dio(probe)
-    finally:
-        os.close(fd)
-        probe.unlink(missing_ok=True)
+    """(O_DIRECT works, its statx alignment) for a file created in ``directory``, then removed.
+
+    The probe is a new file of a name no one can guess, created exclusively (``O_EXCL``: whatever is at
+    that name already, a link included, is neither followed nor truncated; another name is tried) and
+    never through a link (``O_NOFOLLOW``).
+    """
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC | _O_DIRECT
+    for _ in range(_PROBE_TRIES):
+        probe = directory / f".tierckpt-probe-{os.getpid()}-{secrets.token_hex(8)}"
+        try:
+            fd = os.open(probe, flags, 0o600)
+        except FileExistsError:
+            continue  # not ours: left alone
+        except OSError as e:
+            if e.errno in (errno.EINVAL, errno.EOPNOTSUPP):
+                # refused O_DIRECT; a file system that creates the file first leaves it: ours, removed
+                probe.unlink(missing_ok=True)
+                return False, None
+            raise
+        try:
+            return hasattr(os, "O_DIRECT"), _statx_dio(probe)
+        finally:
+            os.close(fd)
+            probe.unlink(missing_ok=True)
+    raise FileExistsError(errno.EEXIST, f"{_PROBE_TRIES} probe file names were taken", str(directory))
 
 
 def _probe_existing_file(sample: Path) -> tuple[bool, tuple[int, int] | None]:

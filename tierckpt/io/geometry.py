@@ -22,12 +22,15 @@ from typing import Protocol
 from tierckpt.config import IOConfig, LayoutConfig
 
 __all__ = [
+    "DIRECT_READ_MIN",
+    "FIRST_READS",
     "MAX_FS_ALIGN",
     "PAGE",
     "PIECES",
     "READ_SLOTS",
     "READ_SLOT_BYTES",
     "STAGING_SLOTS",
+    "STEADY_READS",
     "CheckpointGeometry",
     "FsFacts",
     "IOGeometry",
@@ -51,6 +54,16 @@ PIECES = 4
 #: match even with cold caches (docs/restore.md).
 READ_SLOTS = 16
 READ_SLOT_BYTES = 16 << 20
+#: ``restore(into=)``'s reads in flight once the target is matched, from a tier of one node: each read
+#: that lands submits the next while its bytes are copied out (a shared tier keeps every slot reading: a
+#: striped file wants many reads in flight; docs/io.md).
+STEADY_READS = 2
+#: ``restore(into=)`` reads a tensor body at least this long straight into its destination, where the
+#: tier's reader allows it (smaller ones go through the staging slots and are copied out).
+DIRECT_READ_MIN = 4 << 20
+#: A restore into new tensors reads its first chunk in this many parts, so that the disk starts once the
+#: first part's fresh pages are faulted in rather than a whole chunk's.
+FIRST_READS = 4
 
 
 @dataclass(frozen=True)
@@ -94,6 +107,8 @@ class Needs(Protocol):
     """What the geometry reads of a tier's capabilities (:class:`tierckpt.tiers.base.TierCapabilities`)."""
 
     @property
+    def shared(self) -> bool: ...
+    @property
     def device(self) -> str: ...
     @property
     def alignment_bytes(self) -> int: ...
@@ -110,6 +125,9 @@ class IOGeometry:
     Attributes:
         alignment_bytes: memory, offsets and lengths of its reads and writes are multiples of it (the
             checkpoint's alignment is the largest of the layout's and every tier's).
+        memory_alignment_bytes: the least alignment of memory it may read into or write from as it is
+            (a memory tier's blob buffer, say): O_DIRECT's (``statx``'s, a page at least) for a file
+            tier, its capabilities' alignment for another kind.
         direct: its files are opened with O_DIRECT.
         blob_bytes: the blob size it writes best (the hierarchy packs with the largest of its tiers').
         one_file: a copy's blobs go into one data file (its size: the sum of the blobs') rather than a
@@ -121,6 +139,10 @@ class IOGeometry:
         staging_slot_bytes: the size of each (its chunk; a memory tier's: the hierarchy's ``io.chunk``).
         read_slots: staging buffers of ``restore(into=)``.
         read_slot_bytes: the size of each.
+        steady_reads: ``restore(into=)``'s reads in flight from it once the target is matched
+            (:data:`STEADY_READS`; a shared tier's: every read slot).
+        direct_read_min_bytes: ``restore(into=)`` reads a tensor body at least this long from it straight
+            into its destination, where its reader allows it (:data:`DIRECT_READ_MIN`).
         min_part_bytes: its smallest write but a blob's last (its capabilities').
         max_part_bytes: its largest write (its capabilities'; None: no bound).
     """
@@ -136,8 +158,34 @@ class IOGeometry:
     staging_slot_bytes: int
     read_slots: int
     read_slot_bytes: int
+    memory_alignment_bytes: int = PAGE
+    steady_reads: int = STEADY_READS
+    direct_read_min_bytes: int = DIRECT_READ_MIN
     min_part_bytes: int = 0
     max_part_bytes: int | None = None
+
+    @property
+    def read_staging_bytes(self) -> int:
+        """The bytes its reads may hold in flight at once (its read slots'): ``restore(into=)``'s staging,
+        and the buffers of a resharding restore's range reads."""
+        return self.read_slots * self.read_slot_bytes
+
+    def read_chunk(self, align: int) -> int:
+        """One read of a copy whose alignment is ``align`` from the tier (a restore into new tensors, a
+        shard's range read): its :attr:`chunk_bytes` rounded down to a multiple of ``align``, at least
+        ``align``. The copy's alignment is the one it was written with, which may be another than this
+        hierarchy's."""
+        return max(align, self.chunk_bytes // align * align)
+
+    def first_read(self, align: int) -> int:
+        """The parts a restore into new tensors reads its first chunk in (:data:`FIRST_READS` of them),
+        each a multiple of ``align``."""
+        return max(align, self.read_chunk(align) // FIRST_READS // align * align)
+
+    def buffer_alignment(self, align: int) -> int:
+        """The memory alignment of a buffer that reads of alignment ``align`` from the tier land in: a
+        page at least (buffers are whole pages), its :attr:`memory_alignment_bytes`, ``align``."""
+        return max(PAGE, self.memory_alignment_bytes, align)
 
     def aligned_to(self, align: int) -> IOGeometry:
         """This geometry in a checkpoint whose alignment is ``align`` (a power of two, a multiple of
@@ -216,6 +264,7 @@ def io_geometry(
     memory = caps.device not in ("file", "object")  # its blobs are memory: staging only for device copies
     slot = _round_up(io.chunk_bytes, align) if memory else _round_up(chunk, align)
     wants_direct = io.direct if direct is None else direct
+    mem_align = caps.alignment_bytes if facts is None else max(PAGE, facts.dio_mem_align or 0)
     return IOGeometry(
         alignment_bytes=align,
         direct=wants_direct and facts is not None and facts.direct,
@@ -228,6 +277,9 @@ def io_geometry(
         staging_slot_bytes=slot,
         read_slots=READ_SLOTS,
         read_slot_bytes=_round_up(READ_SLOT_BYTES, align),
+        memory_alignment_bytes=mem_align,
+        steady_reads=READ_SLOTS if caps.shared else STEADY_READS,
+        direct_read_min_bytes=DIRECT_READ_MIN,
         min_part_bytes=lo,
         max_part_bytes=hi,
     )
@@ -250,6 +302,13 @@ class CheckpointGeometry:
     read_slots: int
     read_slot_bytes: int
     tiers: Mapping[str, IOGeometry]
+
+    def read_staging(self, align: int) -> tuple[int, int]:
+        """``restore(into=)``'s slot size and the slots' memory alignment for a copy whose alignment is
+        ``align`` (the one it was written with): :attr:`read_slot_bytes` rounded up to a multiple of it,
+        in memory aligned to it and to what every tier's reads need (:meth:`IOGeometry.buffer_alignment`)."""
+        mem = max([PAGE, align, *(g.buffer_alignment(align) for g in self.tiers.values())])
+        return _round_up(self.read_slot_bytes, align), mem
 
 
 def checkpoint_geometry(layout: LayoutConfig, tiers: Mapping[str, IOGeometry]) -> CheckpointGeometry:

@@ -31,7 +31,7 @@ from tierckpt.io.base import IOEngine, op_error
 __all__ = ["UringEngine", "ring_backend"]
 
 ENV_BACKEND = "TIERCKPT_URING_BACKEND"
-_MAX_OP = 1 << 30
+_MAX_OP = 1 << 30  # the most one read or write moves (Linux: 0x7ffff000 bytes a call): a limit, not a size
 _WRITE, _READ, _FSYNC = 0, 1, 2
 _OPNAMES = ("write", "read", "fsync")
 

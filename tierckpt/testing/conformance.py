@@ -42,6 +42,8 @@ __all__ = ["SMALL_CAPACITY_BYTES", "TierConformanceTests"]
 #: the capacity a ``small_tier`` fixture gives its tier (committed checkpoints and reservations)
 SMALL_CAPACITY_BYTES = 256 << 10
 _MANIFEST = b"manifest bytes: opaque to the tier"
+# the sizes below are the suite's test data (small blobs, small writes within the tier's declared limits),
+# not sizes of the library's I/O: those are the tier's geometry's
 _CHUNK = 64 << 10
 
 

@@ -28,6 +28,7 @@ from tierckpt.format.layout import data_offsets
 from tierckpt.format.manifest import HEADER, MAGIC, MAX_PAYLOAD_BYTES, TRAILER_BYTES, BlobEntry
 from tierckpt.io.engine import IOEngine
 from tierckpt.io.fsutil import dio_alignment
+from tierckpt.io.geometry import IOGeometry
 from tierckpt.tiers.base import CheckpointKey, Tier, TierCopy, TierReader
 
 __all__ = ["DATA_NAME", "MANIFEST_NAME", "FileCopy", "FileSpace", "io_error", "read_regular"]
@@ -50,12 +51,13 @@ def io_error(tier: str, what: str, e: OSError) -> TierIOError:
 
 class FileSpace(Protocol):
     """What the reader and the writer of a copy use of their directory tier (a
-    :class:`~tierckpt.tiers._files.FileTier`): its name, directory, I/O mode and engine."""
+    :class:`~tierckpt.tiers._files.FileTier`): its name, directory, I/O geometry and engine."""
 
     name: str
     path: Path
-    direct: bool
 
+    @property
+    def geometry(self) -> IOGeometry: ...
     @property
     def engine(self) -> IOEngine: ...
 
@@ -196,7 +198,7 @@ class FileCopy(TierCopy):
     def reader(self, blobs: Sequence[BlobEntry]) -> TierReader:
         """Open every blob now (the copy is a snapshot from here on) and check its size. A copy holding
         a ``data.bin`` keeps all its blobs in it, back to back (tierckpt.tiers._filewrite)."""
-        flags = os.O_DIRECT if self.space.direct else 0
+        flags = os.O_DIRECT if self.space.geometry.direct else 0
         if blobs and all(b.name != DATA_NAME for b in blobs) and self._present(DATA_NAME):
             fd, size = self._open_file(DATA_NAME, "data file", flags, DATA_NAME)
             need = sum(b.size for b in blobs)
@@ -312,9 +314,11 @@ class FileReader(TierReader):
         return self.tier.engine.pread(fd, addr, nbytes, base + offset, path=str(self.dir / name))
 
     def read_alignment(self, blob: int) -> tuple[int, int] | None:
-        if not self.tier.direct:
+        if not self.tier.geometry.direct:
             return 1, 1  # buffered reads go anywhere
-        mem, off = dio_alignment(self.dir / self._where[blob][2])  # 4096 each where statx cannot say
+        # a fact of the blob's file (statx's; 4096 each where it cannot say), not a size the tier decides:
+        # a read straight into a caller's tensor needs only this much alignment
+        mem, off = dio_alignment(self.dir / self._where[blob][2])
         return max(mem, 1), max(off, 1)
 
     def close(self) -> None:

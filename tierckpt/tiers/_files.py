@@ -156,7 +156,8 @@ class FileTier(Tier):
         if not readonly:
             self._take_lease()
         self._engine, self._engine_given, self._own_engine = engine, engine is not None, False
-        self._asked = (direct, chunk_bytes)  # None: from the io settings of the hierarchy the tier joins
+        # the tier's own settings, inputs of its geometry (None: the io settings of the hierarchy it joins)
+        self._asked = (direct, chunk_bytes)
         try:  # a read-only tier writes nothing, not even a probe file
             self.facts: FsFacts = probe_fs(
                 self.path, writable=not readonly, sample=self._sample() if readonly else None
@@ -169,7 +170,7 @@ class FileTier(Tier):
         self.capabilities = TierCapabilities(
             persistent=True, shared=self.shared, device="file", alignment_bytes=self.facts.direct_alignment_bytes
         )
-        self._set_io(default_io())
+        self._fix_io(default_io())
         self._lock = threading.Lock()
         self._reserved = 0  # bytes of checkpoints being written by this process (counted against capacity)
         self._evicted: list[Path] = []  # renamed away by evict(free=False), deleted by reclaim()
@@ -197,15 +198,31 @@ class FileTier(Tier):
             direct=direct, one_file=self.one_file, whole_blocks=self.whole_blocks,
         )  # fmt: skip
 
-    def _set_io(self, io: IOConfig) -> None:
-        """Fix the geometry for ``io``; ``direct`` and ``chunk_bytes`` are the geometry's."""
-        g = self._geometry = self.plan_geometry(io)
-        self.direct, self.chunk_bytes = g.direct, g.chunk_bytes
+    def _fix_io(self, io: IOConfig) -> None:
+        """Fix the geometry for ``io`` (saying so where O_DIRECT was asked for and is not to be had)."""
+        g = self.fix_geometry(io)
         if (io.direct if self._asked[0] is None else self._asked[0]) and not g.direct:
             log.info(
                 "tier %r: O_DIRECT is unavailable in %s (or, read-only, there was no file to try it on); "
                 "using buffered I/O", self.name, self.path,
             )  # fmt: skip
+
+    @property
+    def direct(self) -> bool:
+        """Whether its files are opened with O_DIRECT: its :attr:`geometry`'s ``direct``."""
+        return self.geometry.direct
+
+    @property
+    def chunk_bytes(self) -> int:
+        """The size of one I/O operation: its :attr:`geometry`'s ``chunk_bytes`` (the constructor's
+        ``chunk_bytes``, else the hierarchy's ``io.chunk``, within its alignment). Setting it is giving the
+        tier a chunk of its own, as the constructor's ``chunk_bytes`` does."""
+        return self.geometry.chunk_bytes
+
+    @chunk_bytes.setter
+    def chunk_bytes(self, value: int) -> None:
+        self._asked = (self._asked[0], value)
+        self.fix_geometry(self._geometry_io or default_io())
 
     def _take_lease(self) -> None:
         job, stale_secs = self._lease_args
@@ -219,7 +236,7 @@ class FileTier(Tier):
         earlier hierarchy takes its directory's lease again."""
         if self.lease is not None and self.lease.released:
             self._take_lease()
-        self._set_io(io)
+        self._fix_io(io)  # the hierarchy fixes it again: an override of this method cannot skip it
         if not self._engine_given:
             self._close_engine()  # an engine made while the tier was used on its own
             self._engine = engines.get(io.engine, self.geometry.queue_depth)

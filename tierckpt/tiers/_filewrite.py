@@ -121,7 +121,7 @@ class FileWriter(TierWriter):
         self._files = [str(tmp / n) for n in names]
         # blob i -> (file, offset of the blob in it)
         self._where = [(0, o) for o in data_offsets(self.blobs)] if one_file else [(i, 0) for i in range(len(blobs))]
-        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | (os.O_DIRECT if tier.direct else 0)
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | (os.O_DIRECT if tier.geometry.direct else 0)
         try:
             for attempt in (0, 1):  # another process may remove an empty step directory between the two
                 step_dir.mkdir(exist_ok=True)

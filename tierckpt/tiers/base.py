@@ -61,7 +61,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, final
 
 import torch
 
@@ -267,18 +267,24 @@ class Tier(ABC):
 
     Attributes:
         name: the tier's name in the hierarchy (policies and records use it).
-        preferred_blob_bytes: blob size this tier writes best (its :attr:`geometry`'s ``blob_bytes``;
-            the hierarchy takes the largest).
-        chunk_bytes: size of one I/O operation on this tier (its :attr:`geometry`'s ``chunk_bytes``).
+        preferred_blob_bytes: the blob size the kind writes best: a declared preference, one input of
+            :meth:`plan_geometry` (the size a save uses is the checkpoint geometry's ``blob_bytes``: the
+            largest any tier prefers, unless ``layout.blob_size``).
+        chunk_bytes: the size of one I/O operation the kind prefers: a declared preference, one input of
+            :meth:`plan_geometry` (the size used is :attr:`geometry`'s ``chunk_bytes``, within the
+            tier's part sizes and alignment; the file tiers take the hierarchy's ``io.chunk`` instead
+            unless given their own, and read it as their geometry's).
 
     What a full tier does (wait for room or fail) is policy, not the tier's: ``policy.on_full``.
     """
 
     kind: str = "abstract"
     capabilities: TierCapabilities
+    # declared preferences, inputs of the geometry (docs/tiers.md, "I/O geometry"); no I/O reads them
     preferred_blob_bytes: int = 256 << 20
     chunk_bytes: int = 32 << 20
     _geometry: IOGeometry | None = None
+    _geometry_io: IOConfig | None = None  # the io settings it was fixed for
 
     def __init__(self, name: str) -> None:
         self.name = name
@@ -302,9 +308,19 @@ class Tier(ABC):
 
     def use_io(self, engines: EngineSource, io: IOConfig) -> None:
         """Called once by the hierarchy the tier joins: take what the constructor left unset (a file
-        tier's engine, ``direct``, chunk size) from the hierarchy's ``io`` settings, and fix the tier's
-        :attr:`geometry` for them (an override calls ``super().use_io(engines, io)``)."""
-        self._geometry = self.plan_geometry(io)
+        tier's engine, ``direct``, chunk size) from the hierarchy's ``io`` settings. This default fixes
+        the tier's :attr:`geometry` for them; the hierarchy fixes it again right after
+        (:meth:`fix_geometry`), so an override that does not call ``super().use_io(engines, io)`` still
+        gets the geometry of the hierarchy's ``io``."""
+        self.fix_geometry(io)
+
+    @final
+    def fix_geometry(self, io: IOConfig) -> IOGeometry:
+        """Fix the tier's :attr:`geometry` as :meth:`plan_geometry` makes it for the io settings ``io``,
+        and return it. The hierarchy calls it for every tier it is built with, after :meth:`use_io`;
+        not to be overridden (a kind sizes its I/O in :meth:`plan_geometry`)."""
+        self._geometry, self._geometry_io = self.plan_geometry(io), io
+        return self._geometry
 
     def plan_geometry(self, io: IOConfig) -> IOGeometry:
         """The tier's I/O geometry under the io settings ``io`` (docs/tiers.md, "I/O geometry"): by
@@ -316,7 +332,7 @@ class Tier(ABC):
     @property
     def geometry(self) -> IOGeometry:
         """The sizes of the tier's I/O (alignment, chunk, blob size, staging slots ...), fixed by
-        :meth:`use_io` when it joins a hierarchy; before that, under the default io settings."""
+        :meth:`fix_geometry` when it joins a hierarchy; before that, under the default io settings."""
         return self._geometry if self._geometry is not None else self.plan_geometry(IOConfig())
 
     @abstractmethod

@@ -27,6 +27,7 @@ from tierckpt.errors import ConfigError
 from tierckpt.format.layout import Layout
 from tierckpt.format.tree import FlatState
 from tierckpt.io.buffers import StagingPool, ptr_mv
+from tierckpt.io.geometry import PAGE
 from tierckpt.tiers.base import EngineSource, TierCapabilities, TierWriter
 from tierckpt.tiers.host import HostTier, _HostReader, _HostWriter, done_future
 from tierckpt.tiers.options import Option, check_options, refuse_location, text
@@ -104,7 +105,7 @@ class GpuTier(HostTier):
     """
 
     kind = "gpu"
-    preferred_blob_bytes = 1 << 30
+    preferred_blob_bytes = 1 << 30  # declared: an input of the geometry (Tier)
 
     def __init__(self, name: str = "gpu", capacity_bytes: int | None = None, device: str | None = None) -> None:
         if device is None:
@@ -118,7 +119,7 @@ class GpuTier(HostTier):
             capacity_bytes = torch.cuda.mem_get_info(self.device)[0] // 4
         super().__init__(name, capacity_bytes)
         self.capabilities = TierCapabilities(
-            persistent=False, shared=False, device=self.device.type, alignment_bytes=4096
+            persistent=False, shared=False, device=self.device.type, alignment_bytes=PAGE
         )
         self._writer_cls = _GpuWriter
         self._reader_cls = _GpuReader

@@ -24,6 +24,7 @@ from tierckpt.config import TierConfig
 from tierckpt.errors import CheckpointNotFoundError, CorruptCheckpointError, TierFullError
 from tierckpt.format.manifest import BlobEntry
 from tierckpt.io.buffers import aligned_empty, memmove
+from tierckpt.io.geometry import PAGE
 from tierckpt.tiers.base import (
     CheckpointKey,
     EngineSource,
@@ -74,12 +75,12 @@ class HostTier(Tier):
     """
 
     kind = "host"
-    preferred_blob_bytes = 1 << 30
+    preferred_blob_bytes = 1 << 30  # declared: an input of the geometry (Tier)
 
     def __init__(self, name: str = "host", capacity_bytes: int | None = None) -> None:
         super().__init__(name)
         self.capacity_bytes = _default_capacity() if capacity_bytes is None else capacity_bytes
-        self.capabilities = TierCapabilities(persistent=False, shared=False, device="cpu", alignment_bytes=4096)
+        self.capabilities = TierCapabilities(persistent=False, shared=False, device="cpu", alignment_bytes=PAGE)
         self._lock = threading.Lock()
         self._held: dict[CheckpointKey, _Held] = {}
         self._reserved = 0

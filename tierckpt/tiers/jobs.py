@@ -79,7 +79,7 @@ def resolve_job(job: str | None = None) -> JobId:
 def _read_text(path: str) -> str:
     try:
         with open(path) as f:
-            return f.read(4096).strip()
+            return f.read(4096).strip()  # an identity is a line: a bound, not an I/O size
     except OSError:
         return ""
 
@@ -88,7 +88,7 @@ def _proc_stat(pid: int) -> tuple[str, int] | None:
     """(state, start time in clock ticks after boot) of ``pid`` from /proc, or None where unreadable."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
-            data = f.read(4096)
+            data = f.read(4096)  # one line: a bound
         rest = data[data.rindex(b")") + 2 :].split()
         return rest[0].decode(), int(rest[19])
     except (OSError, ValueError, IndexError):

@@ -12,4 +12,4 @@ class LocalTier(FileTier):
 
     kind = "local"
     shared = False
-    preferred_blob_bytes = 256 << 20
+    preferred_blob_bytes = 256 << 20  # declared: an input of the geometry (Tier)

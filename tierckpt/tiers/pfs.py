@@ -21,6 +21,6 @@ class PfsTier(FileTier):
 
     kind = "pfs"
     shared = True
-    preferred_blob_bytes = 1 << 30
+    preferred_blob_bytes = 1 << 30  # declared: an input of the geometry (Tier)
     one_file = True
     whole_blocks = True
