@@ -37,17 +37,18 @@ from tierckpt.config import (
 )
 from tierckpt.datapath.manifests import load_manifest
 from tierckpt.datapath.restore_into import RestoreStaging
-from tierckpt.errors import CheckpointNotFoundError, ConfigError, TierckptError
-from tierckpt.facade.checks import check_policy_names, check_step, check_tiers
+from tierckpt.errors import CheckpointNotFoundError, TierckptError
+from tierckpt.facade.checks import check_connected, check_policy_names, check_step, check_tiers
 from tierckpt.facade.engines import Engines
 from tierckpt.facade.opening import open_parts
+from tierckpt.facade.planner import Planner
 from tierckpt.facade.restorejob import CopyReader, RestoreJob
-from tierckpt.facade.verify import holds, verify_copies
+from tierckpt.facade.verify import verify_copies
 from tierckpt.format.manifest import Manifest
 from tierckpt.format.tree import flatten
 from tierckpt.io.geometry import checkpoint_geometry
 from tierckpt.policies.demotion import Demotion
-from tierckpt.policies.placement import Close, CopyPlan, Policy, Prefetch, Restored, Save, SavePlan, place
+from tierckpt.policies.placement import CopyPlan, Policy
 from tierckpt.policies.protocol import ThisRank
 from tierckpt.policies.retention import RetentionPolicy
 from tierckpt.ranks.coordinator import Coordinator, check_coordinator
@@ -137,13 +138,7 @@ class Hierarchy:
         self.layout = layout or LayoutConfig()
         self.coordinator = check_coordinator(coordinator or default_coordinator(rank, world_size, readonly=readonly))
         self.rank, self.world_size = self.coordinator.rank, self.coordinator.world_size
-        if self.world_size > 1 and not self.coordinator.connects_ranks and not readonly:
-            raise ConfigError(
-                f"rank {self.rank} of {self.world_size}: the ranks of a job must agree on each commit (a step is "
-                "committed only once every rank's copy is in), and nothing connects these ones: initialize "
-                "torch.distributed first, or pass coordinator=StoreCoordinator(store, rank, world_size) over a "
-                "store every rank reaches (torch.distributed.TCPStore / FileStore; docs/distributed.md)"
-            )
+        check_connected(self.coordinator, readonly=readonly)
         self.placement = Policy.from_config(names, self.policy, retention, demotion)
         self._engines = _engines or Engines()
         for t in self._tiers:  # tiers built from Python without an engine or io settings take this io's
@@ -158,6 +153,15 @@ class Hierarchy:
         self._listing = Listing(self._tiers, self._catalog, me)
         self._mover = Mover(
             self._tiers, self.placement, self._catalog, self._listing, self.coordinator, self._geometry.tiers
+        )
+        self._planner = Planner(
+            self._tiers,
+            self.placement,
+            self._catalog,
+            self._listing,
+            self.coordinator,
+            self._mover.keys,
+            lambda: _clock(),
         )
         self._pending = Pending()
         self._lock = threading.RLock()
@@ -264,15 +268,10 @@ class Hierarchy:
         replaced by one of another size meanwhile (``t.data = ...``) fails this save with
         :class:`StateError` naming its key, rather than have its bytes read past their end.
 
-        Tensors are read as the bytes in their storage, so only tensors whose value is those bytes are
-        saved: plain tensors, ``nn.Parameter`` and Python subclasses without a ``__torch_dispatch__``
-        (saved as plain tensors, their ``__torch_function__`` not called). A ``DTensor`` is saved as
-        its local shard with where it sits in the global tensor, a replicated shard by one replica
-        (docs/distributed.md, "Sharded states and resharding"); a ``Partial`` one, any other
-        subclass with its own ``__torch_dispatch__`` (FakeTensor, FunctionalTensor, wrapper subclasses),
-        torch.func's wrappers, and a tensor whose storage was freed or shrunk under it raise
-        :class:`StateError` naming the key, as do conjugate or negative views whose value torch cannot
-        compute for their dtype.
+        Tensors are saved as the bytes in their storage: plain tensors, ``nn.Parameter`` and Python
+        subclasses without a ``__torch_dispatch__`` (as plain tensors); a ``DTensor`` as its local shard
+        and where it sits (docs/distributed.md). Other tensor subclasses, ``Partial`` DTensors and freed
+        storages raise :class:`StateError` naming the key (docs/format.md, "What a state may hold").
         Copies to the lower tiers follow in the background, in order, as the demotion policy says.
 
         A failure on one tier does not stop the others; it is raised by ``handle.wait()`` (and by
@@ -290,7 +289,7 @@ class Hierarchy:
         layout = SaveJob.lay_out(flat, self._geometry)
         key = CheckpointKey(step, self.rank)
         with self._lock:
-            plan = self._plan_save(key)
+            plan = self._planner.save(key)
             self._listing.saw_step(step)
             handle = SaveHandle(step, plan.tiers)
             self._pending.add_save(handle)
@@ -301,23 +300,6 @@ class Hierarchy:
         if blocking:
             handle.settle()
         return handle
-
-    def _plan_save(self, key: CheckpointKey) -> SavePlan:
-        """Where this save goes, as placement decides (one decision for every rank: a time-based cadence
-        is read on the coordinator's deciding rank). A step saved again replaces its older copies on every
-        tier that holds one; only a step no newer than one seen before can be held anywhere, so a new
-        step asks no tier (a save must not wait for a slow shared tier)."""
-        holders: list[str] = []
-        if key.step <= self._listing.newest_step():
-            holders = [t.name for t in self._tiers[1:] if holds(t, key)]
-        # a plan from counts alone is the same on every rank; one that reads the clock reads one rank's
-        now = _clock()
-        if self.placement.reads_clock:
-            now = float(self.coordinator.decide(self._mover.keys.next("save", key.step), _clock))
-        plan = place(Save(key.step, now, holders), self.placement, self._catalog.view())
-        if plan.replaced:
-            log.info("step %d is saved again: its older copies on %s are replaced too", key.step, list(plan.replaced))
-        return plan
 
     # -- promotion ------------------------------------------------------------------------------------------
     def prefetch(self, step: int | None = None, to: str | None = None) -> Future[str]:
@@ -345,21 +327,16 @@ class Hierarchy:
         except CheckpointNotFoundError as e:
             out.set_exception(e)
             return out
-        return self._promote(place(Prefetch(info.step, to, info.tiers), self.placement, self._catalog.view()), to)
+        return self._promote(self._planner.prefetch(info, to), to)
 
     def _promote(self, plan: CopyPlan, to: str) -> Future[str]:
         """Execute a promotion plan; the future resolves to ``to`` once it has committed the copy."""
-        out: Future[str] = Future()
         if plan.there is not None or plan.step is None:  # already there, or higher
+            out: Future[str] = Future()
             out.set_result(to)
             return out
         with self._lock:
-            done = self._mover.execute(plan)
-            done[to].add_done_callback(
-                lambda f: out.set_exception(err) if (err := f.exception()) else out.set_result(to)
-            )
-            self._pending.add_promotion(plan.step, out, [f for n, f in done.items() if n != to])
-        return out
+            return self._pending.add_promotion(plan.step, to, self._mover.execute(plan))
 
     # -- read side ---------------------------------------------------------------------------------------
     def checkpoints(self) -> list[CheckpointInfo]:
@@ -448,7 +425,7 @@ class Hierarchy:
         state, got, name = job.run(step)
         self.last_restore = (got, name)
         if tier is None and not self.readonly:  # promote_on_restore
-            self._promote(place(Restored(got, name), self.placement, self._catalog.view()), self._tiers[0].name)
+            self._promote(self._planner.restored(got, name), self._tiers[0].name)
         return state
 
     def _climbing(self, step: int) -> bool:
@@ -496,14 +473,8 @@ class Hierarchy:
             return False
         if self.readonly:  # it copied nothing, and must copy nothing
             return True
-        infos = self._listing.committed_steps()
-        newest = infos[-1] if infos else None
-        event = Close(newest.step, newest.tiers) if newest else Close(None)
-        plan: CopyPlan = place(event, self.placement, self._catalog.view())
-        for name in plan.unreachable:
-            log.warning("flush: step %s is only below tier %r; not sent up", plan.step, name)
+        plan = self._planner.close()
         if plan.copies:
-            log.info("flush: sending step %d to %s", plan.step, [c.dst for c in plan.copies])
             with self._lock:
                 self._pending.add_flush(self._mover.execute(plan).values())
         return self._pending.settle(deadline)
