@@ -12,8 +12,9 @@ import pytest
 from tierckpt import Hierarchy
 from tierckpt.background.catalog import Catalog
 from tierckpt.background.executor import RankExecutor
+from tierckpt.background.listing import Listing
 from tierckpt.errors import CheckpointNotFoundError, TierIOError
-from tierckpt.policies.protocol import EvictCopy, OnFailure, RemoveRecord, WriteRecord
+from tierckpt.policies.protocol import EvictCopy, OnFailure, RemoveRecord, ThisRank, WriteRecord
 from tierckpt.ranks.commit import DecisionKeys
 from tierckpt.ranks.coordinator import SoloCoordinator
 from tierckpt.testing.faulty import FaultyTier
@@ -25,7 +26,9 @@ EIO = TierIOError(5, "tier 'host': Input/output error")
 
 
 def _executor(*tiers: HostTier | FaultyTier) -> RankExecutor:
-    return RankExecutor(tiers, Catalog(tiers, 0), SoloCoordinator(0, 1), DecisionKeys())
+    catalog = Catalog(tiers, 0)
+    listing = Listing(tiers, catalog, ThisRank(0, 1, frozenset({0})))
+    return RankExecutor(tiers, catalog, listing, SoloCoordinator(0, 1), DecisionKeys())
 
 
 @pytest.mark.parametrize(
