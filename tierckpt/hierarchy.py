@@ -216,21 +216,7 @@ class Hierarchy:
             CoordinationError: some rank did not build its hierarchy in time.
         """
         parts = open_parts(config, base_dir, readonly=readonly, job=job, coordinator=coordinator)
-        cfg = parts.config
-        try:
-            return cls(
-                parts.tiers,
-                policy=cfg.policy,
-                io=cfg.io,
-                layout=cfg.layout,
-                readonly=readonly,
-                job=parts.job,
-                coordinator=parts.coordinator,
-                _engines=parts.engines,
-            )
-        except BaseException:
-            parts.close()
-            raise
+        return parts.build(cls, readonly=readonly)
 
     @classmethod
     def from_yaml(
@@ -293,9 +279,6 @@ class Hierarchy:
             self._listing.saw_step(step)
             handle = SaveHandle(step, plan.tiers)
             self._pending.add_save(handle)
-            self._catalog.plan(step, plan.tiers)
-            self._catalog.saved(step, plan.tiers)
-            self._catalog.set_sent(plan.sent)
             SaveJob(self._mover, plan, handle, flat, layout, key, world_size=self.world_size, align=self.align).start()
         if blocking:
             handle.settle()
@@ -420,20 +403,13 @@ class Hierarchy:
             into=into,
             where=f"rank {self.rank} on " + (f"tier {tier!r}" if tier else "any tier"),
             may_commit=self.readonly,  # a writable hierarchy holds its tiers' leases: no other job saves there
-            climbing=lambda s: tier is None and self._climbing(s),
+            climbing=lambda s: tier is None and self._pending.waited_climbing(s),
         )
         state, got, name = job.run(step)
         self.last_restore = (got, name)
         if tier is None and not self.readonly:  # promote_on_restore
             self._promote(self._planner.restored(got, name), self._tiers[0].name)
         return state
-
-    def _climbing(self, step: int) -> bool:
-        """Wait for a prefetch of ``step`` still climbing; True if there was one (the listing changed)."""
-        if not self._pending.any_climbing():
-            return False
-        self._pending.wait_climbing(step)
-        return True
 
     def inspect(self, step: int | None = None) -> tuple[str, Manifest]:
         """The manifest of ``step`` (default: newest) from the fastest tier holding it, and that tier's name."""

@@ -70,6 +70,14 @@ class Pending:
         with self._lock:
             return any(not f.done() for f in self.promotions.values())
 
+    def waited_climbing(self, step: int) -> bool:
+        """Wait for a prefetch of ``step`` still climbing; True if any prefetch was climbing (what a
+        restore listed may have changed)."""
+        if not self.any_climbing():
+            return False
+        self.wait_climbing(step)
+        return True
+
     def settle_top(self, top: str) -> None:
         """Wait until every save has committed (or failed) on tier ``top``."""
         with self._lock:
