@@ -308,14 +308,14 @@ class RestoreJob:
             if info is None:
                 return _Tried(infos, gone=relisted)
             failures: Failures = []
-            for name in info.tiers:
+            for i, name in enumerate(info.tiers):
                 try:
                     state = self.read(step, name, replicas)
                 except Exception as e:
                     kind = kind_of(e)
                     if kind is None:
                         raise
-                    self._failed(step, name, kind, e)
+                    self._failed(step, name, kind, e, info.tiers[i + 1] if i + 1 < len(info.tiers) else None)
                     failures.append((name, e))
                     continue
                 if failures:
@@ -335,8 +335,27 @@ class RestoreJob:
             relisted = True
 
     @staticmethod
-    def _failed(step: int, tier: str, kind: Kind, e: BaseException) -> None:
-        if kind in (Kind.GONE, Kind.UNNAMED):
-            log.info("step %d on tier %r went away or is not the committed copy (%s)", step, tier, e)
-        else:
-            log.warning("step %d on tier %r is unusable (%s); trying the next tier", step, tier, e)
+    def _failed(step: int, tier: str, kind: Kind, e: BaseException, then: str | None) -> None:
+        """Log one copy's failure: the tier, why (the error, shortened), and the tier read next (``then``;
+        None: none left to try, because no other tier holds the step or the restore reads one tier). A
+        damaged or unreadable copy is a warning."""
+        why = {
+            Kind.DAMAGED: "is corrupt",
+            Kind.UNREADABLE: "could not be read",
+            Kind.GONE: "went away while being opened",
+            Kind.UNNAMED: "is not the copy the step's record names",
+        }[kind]
+        level = logging.INFO if kind in (Kind.GONE, Kind.UNNAMED) else logging.WARNING
+        nxt = f"trying tier {then!r} next" if then is not None else "no tier left to try"
+        log.log(level, "restore: step %d: the copy on tier %r %s (%s); %s", step, tier, why, _short(e), nxt)
+
+
+def _short(e: BaseException, limit: int = 300) -> str:
+    """``e`` for a log line: its type and its message's first line, at most ``limit`` characters (a longer
+    one keeps its head and its tail, where a damaged copy's message names the tier, blob and key)."""
+    lines = str(e).strip().splitlines()
+    text = f"{type(e).__name__}: {lines[0] if lines else ''}"
+    if len(text) <= limit:
+        return text
+    half = (limit - 3) // 2
+    return f"{text[:half]} … {text[-half:]}"
