@@ -368,7 +368,18 @@ class Hierarchy:
                 dtypes are checked first. Its DTensors may be sharded for any mesh and world size: each
                 is filled from the saved shards that overlap it (docs/distributed.md).
             allow_pickle: accept checkpoints that hold pickled values.
-            tier: read only from this tier.
+            tier: read only this tier: only the steps committed on it are listed, and this rank's copy is
+                read from it alone; a damaged or unreadable copy is never replaced by another tier's (another
+                rank's copy that the tier lacks, which a resharding restore or a rank beyond the ranks that
+                saved reads, still comes from the first other tier holding it). With ``step``: its copy on
+                this tier, else an error, never an older step: :class:`CheckpointNotFoundError` where the
+                tier has no committed copy of it (``step N is not committed (committed steps: [...])``,
+                the tier's steps); a damaged copy's :class:`CorruptCheckpointError` (naming the tier, blob
+                and key) and an unreadable one's I/O error (:class:`TierIOError`), as they are, or, where the tier holds
+                older steps, one error of that type naming the failure and them. Without ``step``: the
+                newest step committed on this tier (in a job, the ranks agree on it), and where that is
+                unusable there, the newest older step on it that restores. A prefetch still climbing is not
+                waited for, and nothing is promoted. A name that is no tier's raises ``KeyError``.
             strict: with ``into``, every dict of ``into`` must have exactly the keys the checkpoint's
                 dict has at the same path; all mismatches are listed in one ``StateError`` before
                 anything changes. Strict by default because a silently ignored key is how resumes go
@@ -386,9 +397,10 @@ class Hierarchy:
                 to suggest) one error names every tier's failure and the older committed steps.
             TierIOError: no copy could be read, one of them for an I/O error (or a copy no tier holds).
             StateError: ``into`` does not match the checkpoint, or it holds pickled values.
-            CoordinationError: in a job, another rank failed its part of the agreement on the step or of
-                the exchange of replicated DTensors (naming it and its error), or did not take part in
-                time.
+            CoordinationError: in a job, another rank failed its part of the agreement on the step, of
+                the restore of a given ``step`` or of the exchange of replicated DTensors (naming it and
+                its error), or did not take part in time.
+            KeyError: ``tier`` names no tier of the hierarchy.
         """
         self._check_open()
         self._pending.settle_top(self._tiers[0].name)

@@ -377,6 +377,12 @@ def test_restore_prefers_fastest_and_falls_back_on_corruption(tmp_path: Path, ca
         with caplog.at_level(logging.WARNING):
             assert torch.equal(h.restore()["w"], torch.arange(1000.0))
         assert any("tier 'ssd'" in r.message and "checksum mismatch" in r.message for r in caplog.records)
+        # the fall from one tier to the next: a warning naming the tier, why, and the tier tried next
+        fell = [r for r in caplog.records if "the copy on tier 'ssd'" in r.getMessage()]
+        assert len(fell) == 1 and fell[0].levelno == logging.WARNING, [r.getMessage() for r in caplog.records]
+        msg = fell[0].getMessage()
+        assert msg.startswith("restore: step 1: the copy on tier 'ssd' is corrupt (CorruptCheckpointError: "), msg
+        assert "checksum mismatch" in msg and msg.endswith("); trying tier 'pfs' next"), msg
         with pytest.raises(CorruptCheckpointError, match=r"tier=ssd, step=1, blob=blob-00000.bin, key=state\['w'\]"):
             h.restore(tier="ssd")
 

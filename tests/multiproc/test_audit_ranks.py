@@ -17,6 +17,9 @@ the job (new processes, other world sizes) and checks what docs/distributed.md p
   a resharded read it cannot do raises "step 125 is unusable on every tier … older committed steps:
   [122, 123, 124]" instead of falling back; (b) a rank falls back to a step another rank cannot read,
   and that rank raises on the agreed step (while the one that fell back returns it: the ranks diverge).
+* ``restore(step=N)``, which is not negotiated, where one rank cannot read N: every rank raises (that rank
+  its own error, the others a CoordinationError naming it). On 987543a the other ranks returned step N
+  and the job hung at its next collective.
 """
 
 from __future__ import annotations
@@ -85,8 +88,9 @@ def save_job(rank: int, world: int, spec: dict[str, Any]) -> list[int]:
 
 
 def restore_job(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
-    """Restore without a step (plain: fresh tensors; sharded: into a DTensor sharded for this job), then
-    save ``spec.get("then")``; what this rank got (or its error), how long the restore took."""
+    """Restore ``spec.get("step")`` (None: without a step; plain: fresh tensors; sharded: into a DTensor
+    sharded for this job), then save ``spec.get("then")``; what this rank got (or its error), how long
+    the restore took."""
     start(rank, spec)
     out: dict[str, Any] = {}
     with Hierarchy.from_config(config(spec["root"], spec["tiers"])) as h:
@@ -98,11 +102,11 @@ def restore_job(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
         t0 = time.monotonic()
         try:
             if target:
-                h.restore(into=target)
+                h.restore(spec.get("step"), into=target)
                 step = target["step"]
                 good = torch.equal(target["w"].to_local(), torch.chunk(whole(step, spec["rows"]), world)[rank])
             else:
-                got = h.restore()
+                got = h.restore(spec.get("step"))
                 step = got["step"]
                 good = torch.equal(got["w"], plain(rank, step)["w"])
             out |= {"restored": step, "good": good}
@@ -187,7 +191,8 @@ def test_a_two_rank_restart_after_a_killed_three_rank_job_restores_the_older_int
     """The 3-rank job ran on two nodes (rank 0 on node 0, ranks 1-2 on node 1) and was killed: pfs, whose
     demotion lags, holds steps up to 124; both nodes committed 125 on their ssd; for 126 every rank's copy
     was in and node 0 wrote its record, while ranks 1-2 were killed before writing node 1's
-    (orchestration/commit.py writes a node-local record on each rank after the gather). The 2-rank
+    (each rank writes its node's record once it learns the commit's outcome: policies/protocol.py
+    ``committed_actions``, carried out by background/executor.py). The 2-rank
     restart (rank 0 on node 0, rank 1 on node 1): rank 0 lists 126, rank 1 only 125, they agree on 125;
     rank 0 cannot read 125 (saved rank 1's rows are on node 1 only) and, reading 125 as a given step,
     raises instead of falling back; rank 1 raises quoting it. Step 124 is intact for both."""
@@ -220,3 +225,26 @@ def test_a_rank_that_cannot_read_the_step_another_fell_back_to_makes_the_job_go_
             f.write(bytes([b[0] ^ 0xFF]))
     ranks = run(restore_job, 2, tmp_path, spec)
     assert outcomes(ranks) == [(1, True), (1, True)], show(ranks)
+
+
+# -- restore(step=N) -------------------------------------------------------------------------------------------
+def test_a_given_step_one_rank_cannot_read_makes_every_rank_raise(tmp_path: Path) -> None:
+    """3 ranks, pfs: rank 1's copy of step 2 is its copy of step 1 (the record does not name it), and
+    ``restore(step=2)`` is not negotiated. The ranks exchange their outcomes once: rank 1 raises its
+    own error, ranks 0 and 2 a CoordinationError naming rank 1 and its error, and no rank returns a step."""
+    root = tmp_path / "job"
+    spec = {"root": str(root), "tiers": ["pfs"], "nodes": [0, 1, 2], "job": "audit-step"}
+    assert run(save_job, 3, tmp_path, spec | {"steps": [1, 2]}) == [[1, 2]] * 3
+    shutil.rmtree(step_dir(root, "pfs", 2) / "rank-00001")
+    shutil.copytree(step_dir(root, "pfs", 1) / "rank-00001", step_dir(root, "pfs", 2) / "rank-00001")
+    ranks = run(restore_job, 3, tmp_path, spec | {"step": 2, "then": 3})
+    errors = [r.get("error", "") for r in ranks]
+    assert "restored" not in str(ranks) and "after" not in str(ranks), show(ranks)  # no rank returned
+    assert errors[1].startswith("CheckpointNotFoundError: ") and "rank 1's copy is not the one" in errors[1], show(
+        ranks
+    )
+    for r in (0, 2):
+        assert errors[r].startswith("CoordinationError: restore: rank(s) [1] could not restore step 2"), show(ranks)
+        assert "rank 1: CheckpointNotFoundError" in errors[r], show(ranks)
+    ranks = run(restore_job, 3, tmp_path, spec | {"step": 1})  # a step every rank reads: as before
+    assert outcomes(ranks) == [(1, True)] * 3, show(ranks)

@@ -85,9 +85,6 @@ class ReplicaExchange:
         self.rank = coordinator.rank
         self.key = f"replicas/{next(_counts.setdefault(coordinator, itertools.count(1)))}"
         self.entries: list[_Entry] = []
-        #: the ranks read different steps (a rank fell back to an older one): nothing was exchanged, and
-        #: every rank, this one included, restores the step they agree on again
-        self.again = False
 
     def reset(self) -> None:
         """Forget the plan (a read of another tier or step plans again)."""
@@ -146,8 +143,7 @@ class ReplicaExchange:
         verdict = self.coordinator.gather(self.key, {"ok": True, "step": step, "groups": mine}, _judge)
         if verdict.get("err"):
             raise CoordinationError(f"restore of step {step}: {verdict['err']}", tuple(verdict["ranks"]))
-        if not verdict["go"]:  # ranks read different steps: the restore agrees on one and reads it again
-            self.again = True
+        if not verdict["go"]:  # ranks read different steps: nothing is exchanged, the restore agrees on one
             return
         moved = 0
         for e in sorted(self.entries, key=lambda e: (e.path, e.members)):

@@ -18,7 +18,10 @@ The lifecycle of one restore (docs/restore.md, docs/distributed.md "Restore: eve
    steps), or stop together, each naming why (a rank with nothing left to try raises its own error, the
    others a :class:`~tierckpt.errors.CoordinationError` naming it).
 
-With a step given, nothing is agreed: every rank asked for it.
+With a step given, no step is agreed (every rank asked for it), but the ranks end in one gather of their
+outcomes: every rank returns the step, or every rank raises (a rank that could not read it its own error,
+the others a :class:`~tierckpt.errors.CoordinationError` naming it); with replicated DTensors in ``into``,
+that is the exchange's own agreement (:func:`~tierckpt.datapath.replicas.settled`).
 """
 
 from __future__ import annotations
@@ -145,10 +148,32 @@ class RestoreJob:
     def run(self, step: int | None = None) -> tuple[Any, int, str]:
         """Restore ``step`` (None: the newest that every rank reads); returns (state, step, tier)."""
         if step is not None:
-            self.climbing(step)
             replicas = replica_exchange(self.coordinator, self.into)
-            return settled(replicas, lambda: self._given(step, replicas))
+
+            def given() -> tuple[Any, int, str]:  # whatever it raises, every rank still takes part once
+                self.climbing(step)
+                return self._given(step, replicas)
+
+            if replicas is not None:  # its agreement is every rank's outcome
+                return settled(replicas, given)
+            return self._together(step, given)
         return self._agreed()
+
+    def _together(self, step: int, read: Callable[[], tuple[Any, int, str]]) -> tuple[Any, int, str]:
+        """``read()`` of ``step``, then, where the coordinator connects ranks, one gather of every rank's
+        outcome (on every path, so each rank's count of them stays in step): every rank returns its part
+        of the step, or every rank raises (a rank that failed its own error, the others a
+        :class:`~tierckpt.errors.CoordinationError` naming it and its error)."""
+        if not self.coordinator.connects_ranks or self.coordinator.world_size < 2:
+            return read()
+        what = f"could not restore step {step}"
+        try:
+            got = read()
+        except Exception as e:  # not a KeyboardInterrupt: that process is going away, the others time out
+            self._outcome(e, what)
+            raise  # pragma: no cover - _outcome raises this rank's error
+        self._outcome(None, what)
+        return got
 
     # -- a step given ----------------------------------------------------------------------------------
     def _given(self, step: int, replicas: ReplicaExchange | None) -> tuple[Any, int, str]:
@@ -246,10 +271,18 @@ class RestoreJob:
         )
 
     def _stop(self, own: BaseException | None) -> NoReturn:
-        """Every rank stops: each says why (one gather); this rank raises its own error, or one naming the
-        ranks that stopped the restore and theirs."""
+        """Every rank stops: each says why (:meth:`_outcome`); this rank raises its own error, or one naming
+        the ranks that stopped the restore and theirs."""
+        self._outcome(own, "could not restore a step every rank has")
+        raise CoordinationError("restore: the ranks stopped, and none said why", ())
+
+    def _outcome(self, own: BaseException | None, what: str) -> None:
+        """Every rank says how its restore ended (``own``: its error, None where it has none), in one
+        gather; returns where no rank failed, else raises this rank's own error, or a
+        :class:`~tierckpt.errors.CoordinationError` naming the ranks that failed (they ``what``) and their
+        errors."""
         said = None if own is None else f"{type(own).__name__}: {own}"[:_ERR_CHARS]
-        key = f"restore/{next(_stops.setdefault(self.coordinator, itertools.count(1)))}/stopped"
+        key = f"restore/{next(_stops.setdefault(self.coordinator, itertools.count(1)))}/outcome"
         try:
             verdict = self.coordinator.gather(key, said, name_failures)
         except CoordinationError:
@@ -259,8 +292,9 @@ class RestoreJob:
         if own is not None:
             raise own
         ranks = [int(r) for r in verdict["ranks"]]
-        msg = f"restore: rank(s) {ranks} could not restore a step every rank has: {verdict['said']}"
-        raise CoordinationError(msg, tuple(ranks))
+        if ranks:
+            msg = f"restore: rank(s) {ranks} {what}: {verdict['said']}"
+            raise CoordinationError(msg, tuple(ranks))
 
     # -- one step's copies -----------------------------------------------------------------------------
     def _try(self, step: int, replicas: ReplicaExchange | None, listed: Sequence[CheckpointInfo] | None) -> _Tried:
@@ -274,14 +308,14 @@ class RestoreJob:
             if info is None:
                 return _Tried(infos, gone=relisted)
             failures: Failures = []
-            for name in info.tiers:
+            for i, name in enumerate(info.tiers):
                 try:
                     state = self.read(step, name, replicas)
                 except Exception as e:
                     kind = kind_of(e)
                     if kind is None:
                         raise
-                    self._failed(step, name, kind, e)
+                    self._failed(step, name, kind, e, info.tiers[i + 1] if i + 1 < len(info.tiers) else None)
                     failures.append((name, e))
                     continue
                 if failures:
@@ -301,8 +335,27 @@ class RestoreJob:
             relisted = True
 
     @staticmethod
-    def _failed(step: int, tier: str, kind: Kind, e: BaseException) -> None:
-        if kind in (Kind.GONE, Kind.UNNAMED):
-            log.info("step %d on tier %r went away or is not the committed copy (%s)", step, tier, e)
-        else:
-            log.warning("step %d on tier %r is unusable (%s); trying the next tier", step, tier, e)
+    def _failed(step: int, tier: str, kind: Kind, e: BaseException, then: str | None) -> None:
+        """Log one copy's failure: the tier, why (the error, shortened), and the tier read next (``then``;
+        None: none left to try, because no other tier holds the step or the restore reads one tier). A
+        damaged or unreadable copy is a warning."""
+        why = {
+            Kind.DAMAGED: "is corrupt",
+            Kind.UNREADABLE: "could not be read",
+            Kind.GONE: "went away while being opened",
+            Kind.UNNAMED: "is not the copy the step's record names",
+        }[kind]
+        level = logging.INFO if kind in (Kind.GONE, Kind.UNNAMED) else logging.WARNING
+        nxt = f"trying tier {then!r} next" if then is not None else "no tier left to try"
+        log.log(level, "restore: step %d: the copy on tier %r %s (%s); %s", step, tier, why, _short(e), nxt)
+
+
+def _short(e: BaseException, limit: int = 300) -> str:
+    """``e`` for a log line: its type and its message's first line, at most ``limit`` characters (a longer
+    one keeps its head and its tail, where a damaged copy's message names the tier, blob and key)."""
+    lines = str(e).strip().splitlines()
+    text = f"{type(e).__name__}: {lines[0] if lines else ''}"
+    if len(text) <= limit:
+        return text
+    half = (limit - 3) // 2
+    return f"{text[:half]} … {text[-half:]}"

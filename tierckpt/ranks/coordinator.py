@@ -23,18 +23,16 @@ them by key, never by call order; the foreground collectives (``barrier``, ``bro
 
 from __future__ import annotations
 
-import logging
 import sys
 import warnings
 from collections.abc import Callable
 from typing import Any, Protocol, TypeVar, runtime_checkable
 
 from tierckpt.configvalues import check_node, node_identity
-from tierckpt.errors import CheckpointNotFoundError, ConfigError
+from tierckpt.errors import ConfigError
 
-__all__ = ["Coordinator", "SoloCoordinator", "agreed_step", "check_coordinator", "check_rank", "dist_rank"]
+__all__ = ["Coordinator", "SoloCoordinator", "check_coordinator", "check_rank", "dist_rank"]
 
-log = logging.getLogger("tierckpt.hierarchy")
 T = TypeVar("T")
 V = TypeVar("V")
 MAX_RANK = 10**5  #: file tiers name a rank with 5 decimal digits (docs/format.md)
@@ -263,24 +261,6 @@ class _Declaring:
 
     def __repr__(self) -> str:
         return repr(self.inner)
-
-
-def agreed_step(coordinator: Coordinator, newest: int | None, timeout: float | None = None) -> int | None:
-    """The step to restore when none is given, from this rank's ``newest`` committed step: None (restore
-    this rank's newest step that restores) when the ranks agree on it, else the step they agreed on.
-
-    Raises:
-        CheckpointNotFoundError: some rank of the job has no committed checkpoint.
-    """
-    agreed = coordinator.agree_step(newest, timeout)
-    if agreed == newest:
-        return None
-    if agreed is None:
-        raise CheckpointNotFoundError(f"rank {coordinator.rank}: some rank of the job has no committed checkpoint")
-    log.info(
-        "restore: step %d, the newest step every rank holds (rank %d's newest: %s)", agreed, coordinator.rank, newest
-    )
-    return agreed
 
 
 def dist_rank() -> tuple[int, int]:
