@@ -192,18 +192,15 @@ class Hierarchy:
     ) -> Hierarchy:
         """Build from a validated :class:`HierarchyConfig` or a mapping with the YAML schema.
 
-        The coordinator comes first (``coordinator``, else :func:`~tierckpt.ranks.distributed.default_coordinator`
-        with the config's ``distributed:`` settings): its rank and node fill the tiers' ``{rank}`` and
-        ``{node}`` placeholders, and in a job of several ranks whose identity is not given (nor in the
-        environment), every rank takes rank 0's, so that they share their tiers' leases.
+        The coordinator comes first: its rank and node fill the tiers' ``{rank}`` and ``{node}``, and in a
+        job of several ranks every rank takes rank 0's job identity where none is given.
 
         Args:
             config: the hierarchy's settings.
             base_dir: what a mapping's relative paths are relative to (default: the current directory).
-            readonly: for tools that only look (``tierckpt ls``) and jobs that only restore (evaluation):
-                every file tier's directory must exist and nothing is created or written: no lease, no
-                scratch sweep, no ``on_close`` copies at :meth:`close`, no promotion; :meth:`save` and
-                :meth:`prefetch` raise.
+            readonly: for tools that only look and jobs that only restore: every file tier's directory
+                must exist and nothing is written (no lease, no scratch sweep, no ``on_close`` copy, no
+                promotion); :meth:`save` and :meth:`prefetch` raise.
             job: the job identity to lease the file tiers' directories for (docs/jobs.md); default:
                 the environment's (``$TIERCKPT_JOB``, ``$TORCHELASTIC_RUN_ID``, ``$SLURM_JOB_ID`` …),
                 else rank 0's (in a job of several ranks), else one of this process alone.
@@ -351,14 +348,11 @@ class Hierarchy:
         read; if its copy is damaged, a warning is logged and the next tier's copy is used. With
         ``policy.promote.on_restore``, a copy read from a lower tier is then promoted in the background.
 
-        With no ``step``, a step whose copies are damaged on every tier is skipped with a warning naming
-        each tier's problem, and the newest older step that restores is returned (``last_restore``
-        says which). Another process may save and evict on the same tiers meanwhile (an evaluation job
-        following a training run): a copy is read as the snapshot it was when opened, and one that is
-        evicted or replaced before it is fully opened makes the restore look again (docs/restore.md,
-        "What a reader sees"); it is never reported as damaged. Nor is a copy the step's commit record
-        does not name (a save of the step again that did not commit): the next tier's copy is read, else
-        the newest older step. In a job, every rank restores the same step (docs/distributed.md).
+        With no ``step``, a step damaged on every tier is skipped with a warning naming each tier's
+        problem, and the newest older step that restores is returned (``last_restore`` says which). A
+        copy evicted or replaced by another process while it is opened, or one the step's commit record
+        does not name, is never reported as damaged: the restore looks again, or reads the next tier
+        (docs/restore.md). In a job, every rank restores the same step (docs/distributed.md).
 
         Args:
             step: the step, or None for the newest that restores.
@@ -368,26 +362,16 @@ class Hierarchy:
                 dtypes are checked first. Its DTensors may be sharded for any mesh and world size: each
                 is filled from the saved shards that overlap it (docs/distributed.md).
             allow_pickle: accept checkpoints that hold pickled values.
-            tier: read only this tier: only the steps committed on it are listed, and this rank's copy is
-                read from it alone; a damaged or unreadable copy is never replaced by another tier's (another
-                rank's copy that the tier lacks, which a resharding restore or a rank beyond the ranks that
-                saved reads, still comes from the first other tier holding it). With ``step``: its copy on
-                this tier, else an error, never an older step: :class:`CheckpointNotFoundError` where the
-                tier has no committed copy of it (``step N is not committed (committed steps: [...])``,
-                the tier's steps); a damaged copy's :class:`CorruptCheckpointError` (naming the tier, blob
-                and key) and an unreadable one's I/O error (:class:`TierIOError`), as they are, or, where the tier holds
-                older steps, one error of that type naming the failure and them. Without ``step``: the
-                newest step committed on this tier (in a job, the ranks agree on it), and where that is
-                unusable there, the newest older step on it that restores. A prefetch still climbing is not
-                waited for, and nothing is promoted. A name that is no tier's raises ``KeyError``.
+            tier: read only this tier: the steps committed on it, this rank's copy from it alone (a damaged
+                or unreadable one is raised, never replaced by another tier's; a given ``step`` it lacks
+                raises :class:`CheckpointNotFoundError`); no prefetch waited for, nothing promoted
+                (docs/restore.md, "Reading one tier").
             strict: with ``into``, every dict of ``into`` must have exactly the keys the checkpoint's
-                dict has at the same path; all mismatches are listed in one ``StateError`` before
-                anything changes. Strict by default because a silently ignored key is how resumes go
-                wrong (a renamed layer left at its initial values, a fresh optimizer's empty ``state``
-                left empty). ``strict=False`` leaves keys only the target has as they are and adds
-                keys only the checkpoint has to the target's dicts (logged as a warning). Shapes and
-                dtypes must match either way. To restore model, optimizer, scheduler, RNG and data
-                position together, use :class:`tierckpt.TrainState` (docs/resume.md).
+                dict has at the same path (a silently ignored key is how resumes go wrong); all mismatches
+                are listed in one ``StateError`` before anything changes. ``strict=False`` leaves keys only
+                the target has as they are and adds those only the checkpoint has (a warning). Shapes and
+                dtypes must match either way. Model, optimizer, RNG and data position together:
+                :class:`tierckpt.TrainState` (docs/resume.md).
 
         Raises:
             CheckpointNotFoundError: no such step; :class:`CheckpointEvictedError` where ``step`` was
