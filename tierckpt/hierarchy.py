@@ -37,17 +37,18 @@ from tierckpt.config import (
 )
 from tierckpt.datapath.manifests import load_manifest
 from tierckpt.datapath.restore_into import RestoreStaging
-from tierckpt.errors import CheckpointNotFoundError, ConfigError, TierckptError
-from tierckpt.facade.checks import check_policy_names, check_step, check_tiers
+from tierckpt.errors import CheckpointNotFoundError, TierckptError
+from tierckpt.facade.checks import check_connected, check_policy_names, check_step, check_tiers
 from tierckpt.facade.engines import Engines
 from tierckpt.facade.opening import open_parts
+from tierckpt.facade.planner import Planner
 from tierckpt.facade.restorejob import CopyReader, RestoreJob
-from tierckpt.facade.verify import holds, verify_copies
+from tierckpt.facade.verify import verify_copies
 from tierckpt.format.manifest import Manifest
 from tierckpt.format.tree import flatten
 from tierckpt.io.geometry import checkpoint_geometry
 from tierckpt.policies.demotion import Demotion
-from tierckpt.policies.placement import Close, CopyPlan, Policy, Prefetch, Restored, Save, SavePlan, place
+from tierckpt.policies.placement import CopyPlan, Policy
 from tierckpt.policies.protocol import ThisRank
 from tierckpt.policies.retention import RetentionPolicy
 from tierckpt.ranks.coordinator import Coordinator, check_coordinator
@@ -137,13 +138,7 @@ class Hierarchy:
         self.layout = layout or LayoutConfig()
         self.coordinator = check_coordinator(coordinator or default_coordinator(rank, world_size, readonly=readonly))
         self.rank, self.world_size = self.coordinator.rank, self.coordinator.world_size
-        if self.world_size > 1 and not self.coordinator.connects_ranks and not readonly:
-            raise ConfigError(
-                f"rank {self.rank} of {self.world_size}: the ranks of a job must agree on each commit (a step is "
-                "committed only once every rank's copy is in), and nothing connects these ones: initialize "
-                "torch.distributed first, or pass coordinator=StoreCoordinator(store, rank, world_size) over a "
-                "store every rank reaches (torch.distributed.TCPStore / FileStore; docs/distributed.md)"
-            )
+        check_connected(self.coordinator, readonly=readonly)
         self.placement = Policy.from_config(names, self.policy, retention, demotion)
         self._engines = _engines or Engines()
         for t in self._tiers:  # tiers built from Python without an engine or io settings take this io's
@@ -158,6 +153,15 @@ class Hierarchy:
         self._listing = Listing(self._tiers, self._catalog, me)
         self._mover = Mover(
             self._tiers, self.placement, self._catalog, self._listing, self.coordinator, self._geometry.tiers
+        )
+        self._planner = Planner(
+            self._tiers,
+            self.placement,
+            self._catalog,
+            self._listing,
+            self.coordinator,
+            self._mover.keys,
+            lambda: _clock(),
         )
         self._pending = Pending()
         self._lock = threading.RLock()
@@ -188,18 +192,15 @@ class Hierarchy:
     ) -> Hierarchy:
         """Build from a validated :class:`HierarchyConfig` or a mapping with the YAML schema.
 
-        The coordinator comes first (``coordinator``, else :func:`~tierckpt.ranks.distributed.default_coordinator`
-        with the config's ``distributed:`` settings): its rank and node fill the tiers' ``{rank}`` and
-        ``{node}`` placeholders, and in a job of several ranks whose identity is not given (nor in the
-        environment), every rank takes rank 0's, so that they share their tiers' leases.
+        The coordinator comes first: its rank and node fill the tiers' ``{rank}`` and ``{node}``, and in a
+        job of several ranks every rank takes rank 0's job identity where none is given.
 
         Args:
             config: the hierarchy's settings.
             base_dir: what a mapping's relative paths are relative to (default: the current directory).
-            readonly: for tools that only look (``tierckpt ls``) and jobs that only restore (evaluation):
-                every file tier's directory must exist and nothing is created or written: no lease, no
-                scratch sweep, no ``on_close`` copies at :meth:`close`, no promotion; :meth:`save` and
-                :meth:`prefetch` raise.
+            readonly: for tools that only look and jobs that only restore: every file tier's directory
+                must exist and nothing is written (no lease, no scratch sweep, no ``on_close`` copy, no
+                promotion); :meth:`save` and :meth:`prefetch` raise.
             job: the job identity to lease the file tiers' directories for (docs/jobs.md); default:
                 the environment's (``$TIERCKPT_JOB``, ``$TORCHELASTIC_RUN_ID``, ``$SLURM_JOB_ID`` …),
                 else rank 0's (in a job of several ranks), else one of this process alone.
@@ -212,21 +213,7 @@ class Hierarchy:
             CoordinationError: some rank did not build its hierarchy in time.
         """
         parts = open_parts(config, base_dir, readonly=readonly, job=job, coordinator=coordinator)
-        cfg = parts.config
-        try:
-            return cls(
-                parts.tiers,
-                policy=cfg.policy,
-                io=cfg.io,
-                layout=cfg.layout,
-                readonly=readonly,
-                job=parts.job,
-                coordinator=parts.coordinator,
-                _engines=parts.engines,
-            )
-        except BaseException:
-            parts.close()
-            raise
+        return parts.build(cls, readonly=readonly)
 
     @classmethod
     def from_yaml(
@@ -264,15 +251,10 @@ class Hierarchy:
         replaced by one of another size meanwhile (``t.data = ...``) fails this save with
         :class:`StateError` naming its key, rather than have its bytes read past their end.
 
-        Tensors are read as the bytes in their storage, so only tensors whose value is those bytes are
-        saved: plain tensors, ``nn.Parameter`` and Python subclasses without a ``__torch_dispatch__``
-        (saved as plain tensors, their ``__torch_function__`` not called). A ``DTensor`` is saved as
-        its local shard with where it sits in the global tensor, a replicated shard by one replica
-        (docs/distributed.md, "Sharded states and resharding"); a ``Partial`` one, any other
-        subclass with its own ``__torch_dispatch__`` (FakeTensor, FunctionalTensor, wrapper subclasses),
-        torch.func's wrappers, and a tensor whose storage was freed or shrunk under it raise
-        :class:`StateError` naming the key, as do conjugate or negative views whose value torch cannot
-        compute for their dtype.
+        Tensors are saved as the bytes in their storage: plain tensors, ``nn.Parameter`` and Python
+        subclasses without a ``__torch_dispatch__`` (as plain tensors); a ``DTensor`` as its local shard
+        and where it sits (docs/distributed.md). Other tensor subclasses, ``Partial`` DTensors and freed
+        storages raise :class:`StateError` naming the key (docs/format.md, "What a state may hold").
         Copies to the lower tiers follow in the background, in order, as the demotion policy says.
 
         A failure on one tier does not stop the others; it is raised by ``handle.wait()`` (and by
@@ -290,34 +272,14 @@ class Hierarchy:
         layout = SaveJob.lay_out(flat, self._geometry)
         key = CheckpointKey(step, self.rank)
         with self._lock:
-            plan = self._plan_save(key)
+            plan = self._planner.save(key)
             self._listing.saw_step(step)
             handle = SaveHandle(step, plan.tiers)
             self._pending.add_save(handle)
-            self._catalog.plan(step, plan.tiers)
-            self._catalog.saved(step, plan.tiers)
-            self._catalog.set_sent(plan.sent)
             SaveJob(self._mover, plan, handle, flat, layout, key, world_size=self.world_size, align=self.align).start()
         if blocking:
             handle.settle()
         return handle
-
-    def _plan_save(self, key: CheckpointKey) -> SavePlan:
-        """Where this save goes, as placement decides (one decision for every rank: a time-based cadence
-        is read on the coordinator's deciding rank). A step saved again replaces its older copies on every
-        tier that holds one; only a step no newer than one seen before can be held anywhere, so a new
-        step asks no tier (a save must not wait for a slow shared tier)."""
-        holders: list[str] = []
-        if key.step <= self._listing.newest_step():
-            holders = [t.name for t in self._tiers[1:] if holds(t, key)]
-        # a plan from counts alone is the same on every rank; one that reads the clock reads one rank's
-        now = _clock()
-        if self.placement.reads_clock:
-            now = float(self.coordinator.decide(self._mover.keys.next("save", key.step), _clock))
-        plan = place(Save(key.step, now, holders), self.placement, self._catalog.view())
-        if plan.replaced:
-            log.info("step %d is saved again: its older copies on %s are replaced too", key.step, list(plan.replaced))
-        return plan
 
     # -- promotion ------------------------------------------------------------------------------------------
     def prefetch(self, step: int | None = None, to: str | None = None) -> Future[str]:
@@ -345,21 +307,16 @@ class Hierarchy:
         except CheckpointNotFoundError as e:
             out.set_exception(e)
             return out
-        return self._promote(place(Prefetch(info.step, to, info.tiers), self.placement, self._catalog.view()), to)
+        return self._promote(self._planner.prefetch(info, to), to)
 
     def _promote(self, plan: CopyPlan, to: str) -> Future[str]:
         """Execute a promotion plan; the future resolves to ``to`` once it has committed the copy."""
-        out: Future[str] = Future()
         if plan.there is not None or plan.step is None:  # already there, or higher
+            out: Future[str] = Future()
             out.set_result(to)
             return out
         with self._lock:
-            done = self._mover.execute(plan)
-            done[to].add_done_callback(
-                lambda f: out.set_exception(err) if (err := f.exception()) else out.set_result(to)
-            )
-            self._pending.add_promotion(plan.step, out, [f for n, f in done.items() if n != to])
-        return out
+            return self._pending.add_promotion(plan.step, to, self._mover.execute(plan))
 
     # -- read side ---------------------------------------------------------------------------------------
     def checkpoints(self) -> list[CheckpointInfo]:
@@ -391,14 +348,11 @@ class Hierarchy:
         read; if its copy is damaged, a warning is logged and the next tier's copy is used. With
         ``policy.promote.on_restore``, a copy read from a lower tier is then promoted in the background.
 
-        With no ``step``, a step whose copies are damaged on every tier is skipped with a warning naming
-        each tier's problem, and the newest older step that restores is returned (``last_restore``
-        says which). Another process may save and evict on the same tiers meanwhile (an evaluation job
-        following a training run): a copy is read as the snapshot it was when opened, and one that is
-        evicted or replaced before it is fully opened makes the restore look again (docs/restore.md,
-        "What a reader sees"); it is never reported as damaged. Nor is a copy the step's commit record
-        does not name (a save of the step again that did not commit): the next tier's copy is read, else
-        the newest older step. In a job, every rank restores the same step (docs/distributed.md).
+        With no ``step``, a step damaged on every tier is skipped with a warning naming each tier's
+        problem, and the newest older step that restores is returned (``last_restore`` says which). A
+        copy evicted or replaced by another process while it is opened, or one the step's commit record
+        does not name, is never reported as damaged: the restore looks again, or reads the next tier
+        (docs/restore.md). In a job, every rank restores the same step (docs/distributed.md).
 
         Args:
             step: the step, or None for the newest that restores.
@@ -408,26 +362,16 @@ class Hierarchy:
                 dtypes are checked first. Its DTensors may be sharded for any mesh and world size: each
                 is filled from the saved shards that overlap it (docs/distributed.md).
             allow_pickle: accept checkpoints that hold pickled values.
-            tier: read only this tier: only the steps committed on it are listed, and this rank's copy is
-                read from it alone; a damaged or unreadable copy is never replaced by another tier's (another
-                rank's copy that the tier lacks, which a resharding restore or a rank beyond the ranks that
-                saved reads, still comes from the first other tier holding it). With ``step``: its copy on
-                this tier, else an error, never an older step: :class:`CheckpointNotFoundError` where the
-                tier has no committed copy of it (``step N is not committed (committed steps: [...])``,
-                the tier's steps); a damaged copy's :class:`CorruptCheckpointError` (naming the tier, blob
-                and key) and an unreadable one's I/O error (:class:`TierIOError`), as they are, or, where the tier holds
-                older steps, one error of that type naming the failure and them. Without ``step``: the
-                newest step committed on this tier (in a job, the ranks agree on it), and where that is
-                unusable there, the newest older step on it that restores. A prefetch still climbing is not
-                waited for, and nothing is promoted. A name that is no tier's raises ``KeyError``.
+            tier: read only this tier: the steps committed on it, this rank's copy from it alone (a damaged
+                or unreadable one is raised, never replaced by another tier's; a given ``step`` it lacks
+                raises :class:`CheckpointNotFoundError`); no prefetch waited for, nothing promoted
+                (docs/restore.md, "Reading one tier").
             strict: with ``into``, every dict of ``into`` must have exactly the keys the checkpoint's
-                dict has at the same path; all mismatches are listed in one ``StateError`` before
-                anything changes. Strict by default because a silently ignored key is how resumes go
-                wrong (a renamed layer left at its initial values, a fresh optimizer's empty ``state``
-                left empty). ``strict=False`` leaves keys only the target has as they are and adds
-                keys only the checkpoint has to the target's dicts (logged as a warning). Shapes and
-                dtypes must match either way. To restore model, optimizer, scheduler, RNG and data
-                position together, use :class:`tierckpt.TrainState` (docs/resume.md).
+                dict has at the same path (a silently ignored key is how resumes go wrong); all mismatches
+                are listed in one ``StateError`` before anything changes. ``strict=False`` leaves keys only
+                the target has as they are and adds those only the checkpoint has (a warning). Shapes and
+                dtypes must match either way. Model, optimizer, RNG and data position together:
+                :class:`tierckpt.TrainState` (docs/resume.md).
 
         Raises:
             CheckpointNotFoundError: no such step; :class:`CheckpointEvictedError` where ``step`` was
@@ -455,20 +399,13 @@ class Hierarchy:
             into=into,
             where=f"rank {self.rank} on " + (f"tier {tier!r}" if tier else "any tier"),
             may_commit=self.readonly,  # a writable hierarchy holds its tiers' leases: no other job saves there
-            climbing=lambda s: tier is None and self._climbing(s),
+            climbing=lambda s: tier is None and self._pending.waited_climbing(s),
         )
         state, got, name = job.run(step)
         self.last_restore = (got, name)
         if tier is None and not self.readonly:  # promote_on_restore
-            self._promote(place(Restored(got, name), self.placement, self._catalog.view()), self._tiers[0].name)
+            self._promote(self._planner.restored(got, name), self._tiers[0].name)
         return state
-
-    def _climbing(self, step: int) -> bool:
-        """Wait for a prefetch of ``step`` still climbing; True if there was one (the listing changed)."""
-        if not self._pending.any_climbing():
-            return False
-        self._pending.wait_climbing(step)
-        return True
 
     def inspect(self, step: int | None = None) -> tuple[str, Manifest]:
         """The manifest of ``step`` (default: newest) from the fastest tier holding it, and that tier's name."""
@@ -508,14 +445,8 @@ class Hierarchy:
             return False
         if self.readonly:  # it copied nothing, and must copy nothing
             return True
-        infos = self._listing.committed_steps()
-        newest = infos[-1] if infos else None
-        event = Close(newest.step, newest.tiers) if newest else Close(None)
-        plan: CopyPlan = place(event, self.placement, self._catalog.view())
-        for name in plan.unreachable:
-            log.warning("flush: step %s is only below tier %r; not sent up", plan.step, name)
+        plan = self._planner.close()
         if plan.copies:
-            log.info("flush: sending step %d to %s", plan.step, [c.dst for c in plan.copies])
             with self._lock:
                 self._pending.add_flush(self._mover.execute(plan).values())
         return self._pending.settle(deadline)

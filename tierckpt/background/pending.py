@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
@@ -38,10 +38,16 @@ class Pending:
             self._handles = [h for h in self._handles if not h.done() or set(h.errors()) - h._observed]
             self._handles.append(handle)
 
-    def add_promotion(self, step: int, fut: Future[str], fills: Iterable[Future[None]]) -> None:
+    def add_promotion(self, step: int, to: str, copies: Mapping[str, Future[None]]) -> Future[str]:
+        """A promotion of ``step`` to tier ``to`` (``copies``: per tier, its copy's future); returns the
+        future resolving to ``to`` once it has committed the copy, or holding that copy's error (the
+        copies to the tiers in between are fills: logged on failure only)."""
+        out: Future[str] = Future()
+        copies[to].add_done_callback(lambda f: out.set_exception(err) if (err := f.exception()) else out.set_result(to))
         with self._lock:
-            self.promotions[step] = fut
-            self._fills.extend(fills)
+            self.promotions[step] = out
+            self._fills.extend(f for n, f in copies.items() if n != to)
+        return out
 
     def add_flush(self, futs: Iterable[Future[None]]) -> None:
         with self._lock:
@@ -63,6 +69,14 @@ class Pending:
     def any_climbing(self) -> bool:
         with self._lock:
             return any(not f.done() for f in self.promotions.values())
+
+    def waited_climbing(self, step: int) -> bool:
+        """Wait for a prefetch of ``step`` still climbing; True if any prefetch was climbing (what a
+        restore listed may have changed)."""
+        if not self.any_climbing():
+            return False
+        self.wait_climbing(step)
+        return True
 
     def settle_top(self, top: str) -> None:
         """Wait until every save has committed (or failed) on tier ``top``."""

@@ -69,7 +69,12 @@ class SaveJob:
         return plan(flat.nbytes, align=geometry.align_bytes, blob_bytes=geometry.blob_bytes)
 
     def start(self) -> None:
-        """Queue the stage-and-commit on the top tier, then every demotion (see the module docstring)."""
+        """Record the plan in the catalog (its tiers pending and wanted, the cadences as it leaves them),
+        queue the stage-and-commit on the top tier, then every demotion (see the module docstring)."""
+        catalog, step = self.mover.catalog, self.key.step
+        catalog.plan(step, self.plan.tiers)
+        catalog.saved(step, self.plan.tiers)
+        catalog.set_sent(self.plan.sent)
         top, *lower = self.plan.copies
         durable = self.handle.durable
         self.mover.run_commit(top.dst, self.key.step, self._stage, durable[top.dst])

@@ -9,9 +9,10 @@ from typing import Any
 
 from tierckpt.config import PolicyConfig
 from tierckpt.errors import ConfigError
+from tierckpt.ranks.coordinator import Coordinator
 from tierckpt.tiers.base import Tier
 
-__all__ = ["MAX_STEP", "check_policy_names", "check_step", "check_tiers"]
+__all__ = ["MAX_STEP", "check_connected", "check_policy_names", "check_step", "check_tiers"]
 
 log = logging.getLogger("tierckpt.hierarchy")
 
@@ -78,3 +79,19 @@ def check_policy_names(
         for name in given:
             if name not in names or (arg == "demotion" and name == names[0]):
                 raise ConfigError(f"{arg}: {name!r} is not a tier below the top one (tiers: {', '.join(names)})")
+
+
+def check_connected(coordinator: Coordinator, *, readonly: bool) -> None:
+    """A writable hierarchy of several ranks needs a coordinator that connects them: each commit waits for
+    every rank's copy.
+
+    Raises:
+        ConfigError: nothing connects the ranks (naming how to connect them).
+    """
+    if coordinator.world_size > 1 and not coordinator.connects_ranks and not readonly:
+        raise ConfigError(
+            f"rank {coordinator.rank} of {coordinator.world_size}: the ranks of a job must agree on each commit (a "
+            "step is committed only once every rank's copy is in), and nothing connects these ones: initialize "
+            "torch.distributed first, or pass coordinator=StoreCoordinator(store, rank, world_size) over a "
+            "store every rank reaches (torch.distributed.TCPStore / FileStore; docs/distributed.md)"
+        )

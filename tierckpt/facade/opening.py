@@ -6,9 +6,9 @@ tier by its kind, on engines shared by all of them (docs/config.md, docs/distrib
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, TypeVar
 
 from tierckpt.config import HierarchyConfig, parse_config
 from tierckpt.facade.engines import Engines
@@ -19,6 +19,8 @@ from tierckpt.tiers.base import Tier
 from tierckpt.tiers.jobs import resolve_job
 
 __all__ = ["Parts", "open_parts"]
+
+H = TypeVar("H")
 
 
 @dataclass
@@ -35,6 +37,25 @@ class Parts:
         for tier in self.tiers:
             tier.close()
         self.engines.close()
+
+    def build(self, make: Callable[..., H], *, readonly: bool) -> H:
+        """``make`` (the hierarchy's class) called with these parts and the config's policy, io and layout;
+        the parts are released where it raises."""
+        cfg = self.config
+        try:
+            return make(
+                self.tiers,
+                policy=cfg.policy,
+                io=cfg.io,
+                layout=cfg.layout,
+                readonly=readonly,
+                job=self.job,
+                coordinator=self.coordinator,
+                _engines=self.engines,
+            )
+        except BaseException:
+            self.close()
+            raise
 
 
 def open_parts(
