@@ -349,7 +349,7 @@ def test_sigkill_during_save_long(
 def test_sweep_removes_scratch_of_dead_processes_only(tmp_path: Path) -> None:
     """Scratch directories are named ``.<kind>-rank-NNNNN-<host>-<pid>-<hex>``; a new hierarchy removes
     those of dead pids on this host and leaves live writers (and committed copies) alone."""
-    from tierckpt.tiers import _files
+    from tierckpt.tiers import _filescratch
 
     root = tmp_path / "ckpt"
     h = Hierarchy.from_config(crash_config(str(root)))
@@ -358,7 +358,7 @@ def test_sweep_removes_scratch_of_dead_processes_only(tmp_path: Path) -> None:
 
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()  # reaped: its pid is free
-    host = _files._HOST
+    host = _filescratch.HOST
     planted: dict[str, bool] = {}  # path -> should survive
     for t in TIERS:
         step = root / t / "step-000000000001"

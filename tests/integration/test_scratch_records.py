@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from tierckpt import Hierarchy
-from tierckpt.tiers import _files
+from tierckpt.tiers import _filescratch
 
 
 def test_a_dead_writers_record_scratch_file_is_swept(tmp_path: Path) -> None:
@@ -22,8 +22,8 @@ def test_a_dead_writers_record_scratch_file_is_swept(tmp_path: Path) -> None:
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()  # reaped: its pid is free
     step = tmp_path / "pfs" / "step-000000000001"
-    gone = step / f".tmp-commit-{_files._HOST}-{dead.pid}-0badc0de"
-    live = step / f".tmp-commit-{_files._HOST}-{os.getpid()}-12345678"
+    gone = step / f".tmp-commit-{_filescratch.HOST}-{dead.pid}-0badc0de"
+    live = step / f".tmp-commit-{_filescratch.HOST}-{os.getpid()}-12345678"
     for p in (gone, live):
         p.write_bytes(b"half a record")
     with Hierarchy.from_config(config) as h:

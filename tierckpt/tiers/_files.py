@@ -11,6 +11,12 @@ A rank's directory is written under a ``.tmp-`` name, every file and the directo
 only then is it renamed to ``rank-NNNNN`` (atomically swapped in with renameat2(RENAME_EXCHANGE) when
 it replaces an existing copy) and the step directory fsynced. A reader lists only ``rank-NNNNN``
 directories, so it never sees a half-written checkpoint, and a crash leaves the previous one intact.
+
+This module is the tier itself (its settings and geometry, engine, lease, commit records, room, eviction);
+its parts, each in a module of its own: the directory opened (``_filedir``), what it holds as its
+directory lists it (``_filelisting``: the names of steps, copies and records), scratch names and the sweep
+of dead processes' scratch (``_filescratch``), a copy read as a snapshot (``_fileread``), a copy written
+and published (``_filewrite``), the directory's lease (``_lease``).
 """
 
 from __future__ import annotations
@@ -18,11 +24,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import re
-import secrets
 import shutil
-import socket
-import stat
 import threading
 import weakref
 from collections.abc import Sequence
@@ -35,7 +37,9 @@ from tierckpt.io.engine import IOEngine, make_engine
 from tierckpt.io.fsutil import fsync_dir, probe_fs
 from tierckpt.io.geometry import FsFacts, IOGeometry, io_geometry
 from tierckpt.tiers._filedir import open_directory
-from tierckpt.tiers._fileread import MANIFEST_NAME, FileCopy, io_error, read_regular
+from tierckpt.tiers._filelisting import RECORD_NAME, FileListing, rank_dir_name, step_dir_name
+from tierckpt.tiers._fileread import FileCopy, io_error, read_regular
+from tierckpt.tiers._filescratch import scratch_name, sweep
 from tierckpt.tiers._filewrite import FileWriter, device_full, write_file
 from tierckpt.tiers._lease import Lease
 from tierckpt.tiers.base import CheckpointKey, EngineSource, Tier, TierCapabilities, TierReader, TierWriter
@@ -45,13 +49,7 @@ __all__ = ["FileTier"]
 
 log = logging.getLogger(__name__)
 
-# names are matched whole (fullmatch): "step-…\n" is junk, not a step
-_STEP_RE = re.compile(r"step-(\d{12})")
-_RANK_RE = re.compile(r"rank-(\d{5})")
-_SCRATCH_RE = re.compile(r"\.(tmp|old|evict)-(?:rank-\d{5}|commit)-(.+)-(\d+)-[0-9a-f]+")
-RECORD_NAME = "commit"  # a step's commit record, beside its rank directories (docs/format.md)
 _MAX_RECORD_BYTES = 1 << 27  # far more than a record of any job (docs/format.md): larger is not one
-_HOST = socket.gethostname().replace("-", "_")[:32] or "host"
 
 
 _OPTIONS = {
@@ -59,43 +57,6 @@ _OPTIONS = {
         boolean(), default=None, doc="all of a copy's blobs in one data file (default: true on pfs, false on local)"
     )
 }
-
-
-def step_dir_name(step: int) -> str:
-    return f"step-{step:012d}"
-
-
-def rank_dir_name(rank: int) -> str:
-    return f"rank-{rank:05d}"
-
-
-def _scratch(kind: str, rank: int | None) -> str:
-    what = "commit" if rank is None else f"rank-{rank:05d}"
-    return f".{kind}-{what}-{_HOST}-{os.getpid()}-{secrets.token_hex(4)}"
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def _names(directory: Path, pattern: re.Pattern[str]) -> list[str]:
-    """The names in ``directory`` that match ``pattern`` whole and are not links."""
-    with os.scandir(directory) as it:
-        return [e.name for e in it if pattern.fullmatch(e.name) and not e.is_symlink()]
-
-
-def _is_file(p: Path) -> bool:
-    """Whether ``p`` is a regular file itself (not a link to one)."""
-    try:
-        return stat.S_ISREG(os.stat(p, follow_symlinks=False).st_mode)
-    except OSError:
-        return False
 
 
 class FileTier(Tier):
@@ -150,6 +111,7 @@ class FileTier(Tier):
             self.one_file = one_file
         self.path = Path(path)
         open_directory(name, self.path, readonly)
+        self._listing = FileListing(name, self.path)  # what it holds, as its directory lists it
         # the directory is this job's before anything is written or swept (released by close(), or GC)
         self._lease_args = (job, lease_stale_secs)
         self.lease: Lease | None = None
@@ -160,7 +122,7 @@ class FileTier(Tier):
         self._asked = (direct, chunk_bytes)
         try:  # a read-only tier writes nothing, not even a probe file
             self.facts: FsFacts = probe_fs(
-                self.path, writable=not readonly, sample=self._sample() if readonly else None
+                self.path, writable=not readonly, sample=self._listing.sample() if readonly else None
             )
         except OSError as e:
             raise io_error(name, f"cannot probe {self.path}", e) from e
@@ -174,19 +136,8 @@ class FileTier(Tier):
         self._lock = threading.Lock()
         self._reserved = 0  # bytes of checkpoints being written by this process (counted against capacity)
         self._evicted: list[Path] = []  # renamed away by evict(free=False), deleted by reclaim()
-        self._junk: set[Path] = set()  # rank-like entries that are not checkpoints (warned about once)
         if not readonly:
-            self._sweep()
-
-    def _sample(self) -> Path | None:
-        """A manifest of one of the newest copies, to try O_DIRECT on without writing; None when there is
-        none. Links are not followed."""
-        with contextlib.suppress(OSError):
-            for step in sorted(_names(self.path, _STEP_RE), reverse=True)[:4]:
-                for rank in _names(self.path / step, _RANK_RE)[:4]:
-                    if _is_file(p := self.path / step / rank / MANIFEST_NAME):
-                        return p
-        return None
+            sweep(self._listing.step_dirs())  # the scratch of dead processes of this host
 
     def plan_geometry(self, io: IOConfig) -> IOGeometry:
         """:func:`~tierckpt.io.geometry.io_geometry` of the tier's capabilities, its file system's
@@ -277,54 +228,8 @@ class FileTier(Tier):
     def location(self) -> str:
         return os.path.realpath(self.path)
 
-    # -- housekeeping ---------------------------------------------------------------------------------
-    def _sweep(self) -> None:
-        """Remove scratch left by dead processes of this host: directories of crashed saves and evictions,
-        files of commit records whose write was interrupted."""
-        for step in self._step_dirs():
-            try:
-                entries = list(os.scandir(step))
-            except OSError:
-                continue
-            for e in entries:
-                m = _SCRATCH_RE.fullmatch(e.name)
-                if m and m.group(2) == _HOST and not _pid_alive(int(m.group(3))):
-                    if m.group(1) == "old" and not (step / e.name.replace(".old-", "", 1)[:10]).exists():
-                        continue  # an interrupted non-atomic replace: keep the only copy for inspection
-                    if e.is_dir(follow_symlinks=False):
-                        shutil.rmtree(e.path, ignore_errors=True)
-                    else:  # a commit record's scratch file (write_record killed before its rename)
-                        with contextlib.suppress(OSError):
-                            os.unlink(e.path)
-            with contextlib.suppress(OSError):
-                step.rmdir()  # empty after a killed save; fails harmlessly when anything is inside
-
-    def _step_dirs(self) -> list[Path]:
-        """Step directories, oldest first; a link named like one is skipped (with one warning)."""
-        try:
-            with os.scandir(self.path) as it:
-                entries = [e for e in it if _STEP_RE.fullmatch(e.name)]
-        except FileNotFoundError:
-            return []
-        except OSError as e:
-            raise io_error(self.name, f"cannot list {self.path}", e) from e
-        return sorted(Path(e.path) for e in entries if not self._linked(e))
-
-    def _linked(self, e: os.DirEntry[str]) -> bool:
-        """Whether a listed entry is a symbolic link (warned about once: links are not followed)."""
-        try:
-            linked = e.is_symlink()
-        except OSError:
-            return True
-        if linked and Path(e.path) not in self._junk:
-            self._junk.add(Path(e.path))
-            log.warning(
-                "tier %r: %s is a symbolic link: not a checkpoint (links are not followed), skipped", self.name, e.path
-            )
-        return linked
-
     def _rank_dir(self, key: CheckpointKey) -> Path:
-        return self.path / step_dir_name(key.step) / rank_dir_name(key.rank)
+        return self._listing.rank_dir(key)
 
     # -- contract -------------------------------------------------------------------------------------
     def list_committed(self, rank: int | None = None) -> list[CheckpointKey]:
@@ -335,47 +240,11 @@ class FileTier(Tier):
         copies) nor hides the newest good step. With ``rank``, a step costs one ``stat`` of that rank's
         copy (a shared tier's step directory holding every rank's is not listed); without, a listing of
         the step directory and a ``stat`` per copy."""
-        out = []
-        for step in self._step_dirs():
-            s = int(step.name.removeprefix("step-"))  # the name matched _STEP_RE when the entry was listed
-            if rank is not None:  # one stat, not a listing of every rank's entry (N ranks: N x N entries)
-                if self._holds(CheckpointKey(s, rank)):
-                    out.append(CheckpointKey(s, rank))
-                continue
-            try:
-                with os.scandir(step) as it:
-                    entries = [e for e in it if _RANK_RE.fullmatch(e.name)]
-            except OSError:
-                continue
-            for e in entries:
-                r = int(e.name[5:])
-                if (rank is None or r == rank) and not self._linked(e) and self._has_manifest(Path(e.path)):
-                    out.append(CheckpointKey(s, r))
-        return sorted(out)
-
-    def _has_manifest(self, rank_dir: Path) -> bool:
-        if _is_file(rank_dir / MANIFEST_NAME):
-            return True
-        if rank_dir not in self._junk and os.path.lexists(rank_dir):
-            self._junk.add(rank_dir)
-            log.warning("tier %r: %s holds no manifest file: not a checkpoint, skipped", self.name, rank_dir)
-        return False
+        return self._listing.committed(rank)
 
     def holds(self, key: CheckpointKey) -> bool:
-        return self._holds(key)
-
-    def _holds(self, key: CheckpointKey) -> bool:
-        rank_dir = self._rank_dir(key)
-        for p in (rank_dir.parent, rank_dir):
-            if os.path.islink(p):  # links are not followed (warned about once)
-                if p not in self._junk:
-                    self._junk.add(p)
-                    log.warning(
-                        "tier %r: %s is a symbolic link: not a checkpoint (links are not followed), skipped",
-                        self.name, p,
-                    )  # fmt: skip
-                return False
-        return self._has_manifest(rank_dir)
+        """Whether ``key``'s rank directory holds a manifest file (one ``stat``; links are not followed)."""
+        return self._listing.holds(key)
 
     # -- commit records: step-N/commit ----------------------------------------------------------------
     def _record_path(self, step: int) -> Path:
@@ -391,7 +260,7 @@ class FileTier(Tier):
         """
         self._check_lease()
         final = self._record_path(step)
-        tmp = final.parent / _scratch("tmp", None)
+        tmp = final.parent / scratch_name("tmp", None)
         try:
             final.parent.mkdir(exist_ok=True)
             write_file(tmp, data)
@@ -431,18 +300,11 @@ class FileTier(Tier):
 
     def list_records(self) -> list[int]:
         """Steps whose directory holds a ``commit`` file (one ``stat`` a step)."""
-        return [int(step.name[5:]) for step in self._step_dirs() if _is_file(step / RECORD_NAME)]
+        return self._listing.records()
 
     def used_bytes(self) -> int:
-        total = 0
-        for key in self.list_committed():
-            with contextlib.suppress(OSError):
-                total += sum(
-                    e.stat(follow_symlinks=False).st_size
-                    for e in os.scandir(self._rank_dir(key))
-                    if e.is_file(follow_symlinks=False)
-                )
-        return total
+        """Bytes of the files of every committed copy in the directory."""
+        return self._listing.used_bytes()
 
     def open_copy(self, key: CheckpointKey) -> FileCopy:
         """Open ``key``'s copy by its rank directory: the manifest and blobs read through it are that
@@ -490,9 +352,9 @@ class FileTier(Tier):
                 need if self.capacity_bytes is not None else 0,
                 self._unreserve,
                 step_dir=step_dir,
-                tmp=step_dir / _scratch("tmp", key.rank),
+                tmp=step_dir / scratch_name("tmp", key.rank),
                 final=self._rank_dir(key),
-                old=step_dir / _scratch("old", key.rank),
+                old=step_dir / scratch_name("old", key.rank),
                 one_file=self.geometry.one_file,
             )
         except BaseException:
@@ -511,7 +373,7 @@ class FileTier(Tier):
     def evict(self, key: CheckpointKey, *, free: bool = True) -> None:
         self._check_lease()
         src = self._rank_dir(key)
-        gone = src.parent / _scratch("evict", key.rank)
+        gone = src.parent / scratch_name("evict", key.rank)
         try:
             os.rename(src, gone)
         except FileNotFoundError:
