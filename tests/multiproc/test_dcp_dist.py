@@ -274,3 +274,52 @@ def _two_nodes(rank: int, world: int, tmp: str) -> None:
 
 def test_a_step_dcp_save_returned_for_loads_on_every_rank_of_every_node(tmp_path: Path) -> None:
     _spawn(_two_nodes, 2, str(tmp_path))
+
+
+def _one_node(rank: int, world: int, tmp: str) -> None:
+    """Both ranks on node 0: host memory, the node's ssd (one directory, shared by the node's ranks), a
+    pfs whose commits wait for the test; then an ssd directory of each rank's own."""
+    import os
+    import threading
+
+    import torch.distributed.checkpoint as dcp
+
+    from tierckpt import Hierarchy
+    from tierckpt.dcp import HierarchyReader, HierarchyWriter
+    from tierckpt.io import make_engine
+    from tierckpt.testing import FaultyTier
+    from tierckpt.tiers.host import HostTier
+    from tierckpt.tiers.local import LocalTier
+    from tierckpt.tiers.pfs import PfsTier
+
+    os.environ["TIERCKPT_NODE"] = "0"
+    _init(rank, world, tmp, "one-node")
+    engine = make_engine("threads", 4)
+    sd = {"w": torch.arange(8.0), "n": 3}  # replicated: DCP writes it once, into rank 0's part
+    for ssd_dir, step in ((f"{tmp}/node0/ssd", 1), (f"{tmp}/rank{rank}/ssd", 2)):
+        held = threading.Event()
+        pfs = FaultyTier(PfsTier("pfs", f"{tmp}/pfs", engine, job="j"), gates={"commit": held})
+        tiers = [HostTier("host"), LocalTier("ssd", ssd_dir, engine, job="j"), pfs]
+        # each rank's own ssd: no tier but pfs holds every part, so the save waits until pfs may commit
+        # (after 1.5 s); the node's one ssd: it returns at once (a save that waits anyway returns after 20 s)
+        timer = threading.Timer(1.5 if step == 2 else 20.0, held.set)
+        timer.start()
+        try:
+            with Hierarchy(tiers, job="j") as h:
+                dcp.save(sd, storage_writer=HierarchyWriter(h, step=step))  # the default durability
+                on_pfs = [k.step for k in pfs.list_committed(0)]
+                assert (step in on_pfs) == (step == 2), (step, on_pfs)  # one node: its shared ssd is enough
+                got = {"w": torch.zeros(8), "n": 0}
+                dcp.load(got, storage_reader=HierarchyReader(h, step=step))  # every rank loads it at once
+                assert torch.equal(got["w"], sd["w"]) and got["n"] == 3
+                held.set()
+        finally:
+            timer.cancel()
+            held.set()
+        dist.barrier()
+    engine.close()
+    dist.destroy_process_group()
+
+
+def test_on_one_node_dcp_save_returns_once_the_node_local_tier_has_the_step(tmp_path: Path) -> None:
+    _spawn(_one_node, 2, str(tmp_path))

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import threading
 from collections.abc import Iterator
 from concurrent.futures import Future
 from pathlib import Path
@@ -25,6 +26,10 @@ from tierckpt.dcp import HierarchyReader, HierarchyWriter, Location  # noqa: E40
 from tierckpt.dcp._record import decode_metadata, encode_metadata  # noqa: E402
 from tierckpt.errors import CorruptCheckpointError, TierckptError  # noqa: E402
 from tierckpt.ranks.coordinator import SoloCoordinator  # noqa: E402
+from tierckpt.testing import FaultyTier  # noqa: E402
+from tierckpt.tiers.host import HostTier  # noqa: E402
+from tierckpt.tiers.local import LocalTier  # noqa: E402
+from tierckpt.tiers.pfs import PfsTier  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
 
@@ -135,6 +140,48 @@ def test_a_dcp_checkpoint_lists_verifies_demotes_and_is_one_save(h: Hierarchy, t
 def test_save_returns_once_durable_on_the_first_persistent_tier(h: Hierarchy) -> None:
     dcp.save({"t": torch.arange(1000)}, storage_writer=HierarchyWriter(h, step=1))
     assert h.checkpoints()[0].states["ssd"] == "committed"
+
+
+@contextlib.contextmanager
+def _gated_pfs(tmp_path: Path, ssd: bool) -> Iterator[tuple[Hierarchy, threading.Event, FaultyTier]]:
+    """host, an ssd (when ``ssd``) and a pfs whose commits wait for the event (set at the end, or after
+    20 s: a save that waits for pfs returns then)."""
+    held = threading.Event()
+    timer = threading.Timer(20.0, held.set)
+    pfs = FaultyTier(PfsTier("pfs", tmp_path / "pfs"), gates={"commit": held})
+    tiers = [HostTier("host"), *([LocalTier("ssd", tmp_path / "ssd")] if ssd else []), pfs]
+    timer.start()
+    try:
+        with Hierarchy(tiers) as hier:
+            yield hier, held, pfs
+            held.set()
+    finally:
+        timer.cancel()
+        held.set()
+
+
+def test_the_default_waits_for_the_fastest_directory_every_rank_reads(tmp_path: Path) -> None:
+    """One rank (one node): its ssd directory holds every rank's part, so dcp.save returns before the
+    shared tier commits, also where DCP's plan caching sends the plans once; durable="shared" waits for
+    the shared tier, and so does the default where the only other tier is process memory."""
+    key = DefaultSavePlanner.__name__
+    try:
+        with _gated_pfs(tmp_path / "a", ssd=True) as (h, held, pfs):
+            for step in (1, 2):
+                planner = DefaultSavePlanner(enable_plan_caching=True)
+                dcp.save({"t": torch.arange(4)}, storage_writer=HierarchyWriter(h, step=step), planner=planner)
+                assert h.checkpoints()[-1].states["ssd"] == "committed" and not pfs.list_committed(), step
+            threading.Timer(1.0, held.set).start()
+            dcp.save({"t": torch.arange(4)}, storage_writer=HierarchyWriter(h, step=3, durable="shared"))
+            assert 3 in [k.step for k in pfs.list_committed()]
+    finally:  # DCP keeps cached plans in class attributes, by the planner's class name
+        for cache in ("_cached_save_plan", "_cached_final_save_plan", "_cached_all_plans", "_cached_global_plan"):
+            getattr(DefaultSavePlanner, cache).pop(key, None)
+        DefaultSavePlanner._cached_metadata.pop(key, None)
+    with _gated_pfs(tmp_path / "b", ssd=False) as (h, held, pfs):
+        threading.Timer(1.0, held.set).start()
+        dcp.save({"t": torch.arange(4)}, storage_writer=HierarchyWriter(h, step=1))
+        assert [k.step for k in pfs.list_committed()] == [1]
 
 
 def test_a_damaged_copy_is_read_from_the_next_tier(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:

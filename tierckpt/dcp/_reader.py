@@ -175,8 +175,9 @@ class HierarchyReader(StorageReader):
             f"{'on ' + ', '.join(own) if own else 'on none of them either'}. Another rank's part is read from a "
             f"tier every rank reads, so the step loads on every rank once it is on a shared tier "
             f"({', '.join(shared) if shared else 'this hierarchy has none'}): HierarchyWriter's default, "
-            "durable='shared', waits for that; durable='persistent' or 'top', or a demotion policy that does not "
-            "send the step there, leaves it on the tiers of the node that saved it"
+            "durable='loadable', waits for that where the ranks span nodes (durable='shared' always); "
+            "durable='persistent' or 'top', or a demotion policy that does not send the step there, leaves it on "
+            "the tiers of the node that saved it"
         )
 
     def _record(self, step: int) -> Metadata:

@@ -8,7 +8,8 @@ import io
 import logging
 import os
 import uuid
-from dataclasses import replace
+import weakref
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -38,8 +39,21 @@ __all__ = ["HierarchyWriter"]
 
 log = logging.getLogger(__name__)
 
-DURABLE = ("shared", "persistent", "top", "all")
+DURABLE = ("loadable", "shared", "persistent", "top", "all")
 _NOT_PLAIN = object()
+
+#: per hierarchy (rank 0's): its node-local tiers from which every rank reads every rank's part, as the
+#: ranks' local plans of a DCP save said (DCP's plan caching sends them once: later saves reuse it)
+_READABLE: weakref.WeakKeyDictionary[Hierarchy, frozenset[str]] = weakref.WeakKeyDictionary()
+
+
+@dataclass(frozen=True)
+class _Where:
+    """What a rank's local plan tells the coordinator for ``durable="loadable"``: its node and, per
+    node-local tier, the tier's location (None: it declares none, e.g. process memory)."""
+
+    node: int
+    dirs: tuple[tuple[str, str | None], ...]
 
 
 class HierarchyWriter(StorageWriter):
@@ -58,20 +72,25 @@ class HierarchyWriter(StorageWriter):
     Args:
         h: the hierarchy; its ``rank`` and ``world_size`` must be DCP's (torch.distributed's).
         step: the step to save (``dcp.save(checkpoint_id=...)`` may replace it: an int or its digits).
-        durable: which tier to wait for. ``"shared"`` (the default): what a later ``dcp.load`` on any
-            rank of any job can read, the fastest shared tier this step goes to (other ranks' parts,
-            DCP's metadata in rank 0's among them, are read from a tier every rank reads), else every
-            tier it goes to (with a warning where the ranks span several nodes: a rank of another node
-            than rank 0's cannot load it). ``"persistent"``: the fastest persistent tier this step goes
-            to, else the top tier (a node-local tier: loadable by the ranks of that node only).
-            ``"top"``: the top tier. ``"all"``: every tier it goes to.
+        durable: which tier to wait for. ``"loadable"`` (the default): the fastest tier this step goes
+            to from which a later ``dcp.load`` on every rank of this job can read it (a rank reads other
+            ranks' parts, DCP's metadata in rank 0's among them, from its own tiers). Where every rank
+            is on one node, that is a shared tier or a node-local one that every rank's local plan
+            names at one location (one directory that every rank writes into: not process memory, not
+            a path with ``{rank}``); otherwise, or where that cannot be known, ``"shared"``'s tier.
+            ``"shared"``: the fastest shared tier this step goes to, what a dcp.load on any rank of any
+            job can read, else every tier it goes to (with a warning where the ranks span several
+            nodes: a rank of another node than rank 0's cannot load it). ``"persistent"``: the fastest
+            persistent tier this step goes to, else the top tier (a node-local tier: loadable by the
+            ranks of that node only, and only from a directory they share). ``"top"``: the top tier.
+            ``"all"``: every tier it goes to.
 
     Raises:
         ValueError: a bad ``step`` or ``durable``.
         TierckptError: the hierarchy is read-only.
     """
 
-    def __init__(self, h: Hierarchy, step: int, *, durable: str = "shared") -> None:
+    def __init__(self, h: Hierarchy, step: int, *, durable: str = "loadable") -> None:
         check_step(step)
         if durable not in DURABLE:
             raise ValueError(f"durable: expected one of {', '.join(DURABLE)}, got {durable!r}")
@@ -121,8 +140,11 @@ class HierarchyWriter(StorageWriter):
         self._coordinator = is_coordinator
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
-        """The plan as it is."""
-        return plan
+        """The plan, telling the coordinator where this rank's node-local tiers are (``durable="loadable"``)."""
+        if self.durable != "loadable":
+            return plan
+        dirs = tuple((t.name, t.location()) for t in self.h.tiers if not t.capabilities.shared)
+        return replace(plan, storage_data=_Where(self.h.coordinator.node, dirs))
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         """Place every rank's items in its state (each plan's ``storage_data``: its items' locations)."""
@@ -130,6 +152,8 @@ class HierarchyWriter(StorageWriter):
             raise ConfigError(f"DCP planned {len(plans)} ranks; the hierarchy has world_size {self.h.world_size}")
         if not all(p.usable for p in plans):  # cached plans (plan caching): the write results say where
             return plans
+        if self.durable == "loadable":
+            _note_readable(self.h, [p.storage_data for p in plans])
         out, self._locations = [], {}
         for rank, p in enumerate(plans):
             places = place_items(p.items, p.planner_data, rank)
@@ -234,21 +258,43 @@ class HierarchyWriter(StorageWriter):
         """The tier to wait for, of the tiers this step goes to (fastest first); None: every one."""
         if self.durable == "all":
             return None
-        if self.durable == "shared":
-            shared = [t.name for t in goes if t.capabilities.shared]
-            if shared:
-                return shared[0]
-            if len(self.h.coordinator.ranks_on_node()) < self.h.world_size:
-                log.warning(
-                    "DCP save of step %d: it goes to no shared tier (only to %s), so a dcp.load on a rank of another "
-                    "node than rank 0's cannot read it (DCP's metadata is in rank 0's part); a shared tier (pfs) "
-                    "in the hierarchy and a demotion policy that sends this step there make it loadable everywhere",
-                    self.step,
-                    ", ".join(t.name for t in goes),
-                )
-            return None
+        if self.durable in ("loadable", "shared"):
+            readable = _READABLE.get(self.h, frozenset()) if self.durable == "loadable" else frozenset()
+            return self._loadable_tier(goes, readable)
         persistent = [t.name for t in goes if t.capabilities.persistent] if self.durable == "persistent" else []
         return (persistent or [t.name for t in goes])[0]
+
+    def _loadable_tier(self, goes: list[Tier], readable: frozenset[str]) -> str | None:
+        """The fastest tier of ``goes`` that is shared or in ``readable`` (node-local tiers every rank
+        reads every part from); None (every tier) where there is none, with a warning where the ranks
+        span several nodes."""
+        tiers = [t.name for t in goes if t.capabilities.shared or t.name in readable]
+        if tiers:
+            return tiers[0]
+        if len(self.h.coordinator.ranks_on_node()) < self.h.world_size:
+            log.warning(
+                "DCP save of step %d: it goes to no shared tier (only to %s), so a dcp.load on a rank of another "
+                "node than rank 0's cannot read it (DCP's metadata is in rank 0's part); a shared tier (pfs) "
+                "in the hierarchy and a demotion policy that sends this step there make it loadable everywhere",
+                self.step,
+                ", ".join(t.name for t in goes),
+            )
+        return None
+
+
+def _note_readable(h: Hierarchy, wheres: list[Any]) -> None:
+    """Keep, for ``h``, its node-local tiers from which every rank reads every rank's part: where every
+    rank's local plan says it is on one node, those at one location on every rank (one directory every
+    rank writes into; a tier that declares no location, such as process memory, is none). Where some
+    plan does not say (a planner that drops the writer's ``storage_data``), nothing is kept."""
+    if not wheres or not all(isinstance(w, _Where) for w in wheres):
+        return
+    if len({w.node for w in wheres}) != 1:
+        _READABLE[h] = frozenset()
+        return
+    first = dict(wheres[0].dirs)
+    same = {n for n, loc in first.items() if loc is not None and all(dict(w.dirs).get(n) == loc for w in wheres)}
+    _READABLE[h] = frozenset(same)
 
 
 def _resolve(item: WriteItem, planner: SavePlanner) -> tuple[Any, int, bool]:
