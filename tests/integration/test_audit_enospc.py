@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 import torch
 
-from tierckpt import DeviceFullError, Hierarchy
+from tierckpt import DeviceFullError, Hierarchy, TierckptError
 
 MiB = 1 << 20
 STEP_MIB = 24  # two fit on the 64 MiB tmpfs, three do not
@@ -140,3 +140,48 @@ def test_a_full_bottom_tier_with_nothing_to_evict_fails_clearly_at_commit(
         assert f"tier 'pfs': the device of {pfs} is full: {what} of step 1 needs" in str(errors[1])
         assert listed == {1: ("host",)}, listed
         assert not list(pfs.glob("step-*/*")), list(pfs.glob("step-*/*"))
+
+
+def test_a_victim_whose_eviction_fails_is_not_tried_again(tmp_path: Path) -> None:
+    """A full ssd makes room by evicting step 1 (pfs holds it), but the step's record cannot be removed
+    (EIO): the eviction stops there, step 1 stays. Making room then fails step 2 on the ssd with the full
+    device's error, after one try, instead of picking step 1 again without end (which stuck the ssd's
+    worker: later saves and close() hung). Step 2, staged into the ssd, fails (its demotion had no copy to
+    read), and the next save works on both tiers."""
+    import errno
+
+    from tierckpt.io.engine import make_engine
+    from tierckpt.tiers.local import LocalTier
+    from tierckpt.tiers.pfs import PfsTier
+
+    full = DeviceFullError(errno.ENOSPC, "tier 'ssd': injected: the device is full")
+    removes: list[int] = []
+
+    class Stuck(LocalTier):
+        def write_record(self, step: int, data: bytes) -> None:
+            if step == 2:
+                raise full
+            super().write_record(step, data)
+
+        def remove_record(self, step: int) -> None:
+            removes.append(step)
+            raise OSError(errno.EIO, "injected: the record cannot be removed")
+
+    engine = make_engine("threads", 2)
+    try:
+        with Hierarchy(
+            [Stuck("ssd", str(tmp_path / "ssd"), engine), PfsTier("pfs", str(tmp_path / "pfs"), engine)]
+        ) as h:
+            h.save({"w": torch.ones(8)}, step=1).wait()
+            handle = h.save({"w": torch.full((8,), 2.0)}, step=2)
+            with pytest.raises(DeviceFullError, match="injected: the device is full"):
+                handle.wait(tier="ssd", timeout=30)
+            with pytest.raises(TierckptError, match="every tier above 'pfs' failed"):
+                handle.wait(tier="pfs", timeout=30)
+            h.save({"w": torch.full((8,), 3.0)}, step=3).wait(timeout=30)
+            listed = {c.step: c.tiers for c in h.checkpoints()}
+            assert torch.equal(h.restore()["w"], torch.full((8,), 3.0))
+        assert removes.count(1) == 1, removes  # step 1 was tried once
+        assert listed[1] == ("ssd", "pfs") and 2 not in listed and listed[3] == ("ssd", "pfs"), listed
+    finally:
+        engine.close()

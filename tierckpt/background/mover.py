@@ -331,25 +331,35 @@ class Mover:
         says: evict its oldest copy that another tier holds (a lower one, for a full device; never a
         pinned or held one); or wait for the transfers that pin copies on it (``on_full: wait``,
         backpressure); or fail (``on_full: fail``, or nothing will free room)."""
+        tried: set[int] = set()  # victims evicted once: one still there failed to go (logged), and is not tried again
         while True:
             try:
                 return attempt()
             except TierFullError as full:
-                self._make_room(tier, step, full)
+                self._make_room(tier, step, full, tried)
 
-    def _make_room(self, tier: Tier, step: int, full: TierFullError) -> None:
-        """One round of :meth:`with_room`: evict a victim, or wait a while; raise when nothing frees room."""
+    def _make_room(self, tier: Tier, step: int, full: TierFullError, tried: set[int]) -> None:
+        """One round of :meth:`with_room`: evict a victim not ``tried`` yet, or wait a while; raise when
+        nothing frees room (every victim was tried, and is still there: its eviction failed)."""
         self.apply_retention()
         committed = self.ranks.listing.committed_all()
         event = MakeRoom(tier.name, step, device=isinstance(full, DeviceFullError))
         room = place(event, self.policy, self.catalog.view(committed, self.held.copies()))
-        if room.victims:
-            log.info("tier %r is full: evicting step %d (another tier holds it)", tier.name, room.victims[0])
-            self.ranks.evict(tier, room.victims[0], alone=True)
+        victims = [v for v in room.victims if v not in tried]
+        if victims:
+            log.info("tier %r is full: evicting step %d (another tier holds it)", tier.name, victims[0])
+            tried.add(victims[0])
+            self.ranks.evict(tier, victims[0], alone=True)
             return
+        if room.victims:
+            log.warning(
+                "tier %r is full and evicting steps %s freed no room (their eviction failed): step %d fails there",
+                tier.name, sorted(room.victims), step,
+            )  # fmt: skip
+            raise full
         with self.catalog.changed:  # decided again under the lock: no unpin is missed
             room = place(event, self.policy, self.catalog.view(committed, self.held.copies()))
-            if room.victims:  # a copy became evictable meanwhile
+            if [v for v in room.victims if v not in tried]:  # a copy became evictable meanwhile
                 return
             if not room.wait:
                 explained = self.held.explain_full(tier.name, full)
