@@ -8,6 +8,7 @@ import contextlib
 import os
 import re
 import shutil
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -309,3 +310,46 @@ def test_a_full_shared_tier_unlists_the_step_whose_copy_a_rank_evicts_for_room(
         on_pfs, read = o
         assert on_pfs == out[0][0] and len(on_pfs) < 6, on_pfs  # some step was evicted for room
         assert read == [float(100 * s + r) for s in on_pfs]
+
+
+def test_a_rank_that_cannot_write_its_nodes_record_leaves_the_committed_step_as_it_is(
+    tmp_path: Path, run_ranks: Any, engine: Any
+) -> None:
+    """The commit of step 1 on the ssd is decided for every rank; rank 1 (node 0) fails to write its
+    node's record (EIO), after rank 0 wrote the same record and returned (a DCP save durable on the ssd
+    returns there). Rank 1's save fails on the ssd, but neither the record rank 0 wrote nor rank 1's copy
+    it names is removed: every rank lists and restores step 1 from its node's ssd. Before, rank 1
+    removed the record and its copy, undoing a commit rank 0 had returned on."""
+    cs = job(tmp_path, run_ranks)
+    written = threading.Event()
+
+    def body(r: int) -> Any:
+        ssd: Any = LocalTier("ssd", tmp_path / f"node{cs[r].node}" / "ssd", engine, job="j")
+        if r == 1:
+            ssd = FaultyTier(
+                ssd, fail={"write_record": OSError(5, "Input/output error")}, gates={"write_record": written}
+            )
+        tiers = [HostTier("host", 64 * MiB), ssd, PfsTier("pfs", tmp_path / "pfs", engine, job="j")]
+        with Hierarchy(tiers, coordinator=cs[r], job="j") as h:
+            handle = h.save(state(r, 1), step=1)
+            err = handle.durable["ssd"].exception(timeout=30)
+            if r == 0:
+                written.set()
+            handle.durable["pfs"].result(timeout=30)
+            with contextlib.suppress(Exception):
+                handle.wait()
+            cs[r].barrier()  # every rank's record write is over
+            got = h.restore(tier="ssd")  # every rank: the ranks agree on the step
+            return err, [(c.step, c.tiers) for c in h.checkpoints()], got
+
+    out = run_ranks(N, body)
+    assert not [o for o in out if isinstance(o, BaseException)], out
+    errors = [o[0] for o in out]
+    assert errors[0] is None and errors[2] is None and errors[3] is None, errors
+    assert isinstance(errors[1], OSError), errors
+    for r in range(N):
+        _, listed, got = out[r]
+        assert listed == [(1, ("host", "ssd", "pfs"))], (r, listed)
+        assert torch.equal(got["w"], state(r, 1)["w"]), r
+    here = sorted(os.listdir(tmp_path / "node0" / "ssd" / "step-000000000001"))
+    assert here == ["commit", "rank-00000", "rank-00001"], here

@@ -40,6 +40,7 @@ from tierckpt.policies.protocol import (
     unknown_outcome,
     unowned_ranks,
     unrecorded_copies,
+    unwritten_record_actions,
 )
 
 STEP = 7
@@ -101,6 +102,20 @@ def test_a_rank_dies_after_reporting_its_copy_before_it_learns_the_outcome() -> 
     assert committed_actions("ssd", False, outcome) == [WriteRecord("ssd", STEP)]  # rank 2, for node 1
     assert committed_actions("pfs", True, outcome) == []
     assert listed_steps(restarted(record=True), 4) == [STEP]
+
+
+def test_a_rank_cannot_write_its_nodes_record_of_a_committed_step() -> None:
+    """The commit is decided; one rank's write of its node's record fails: its copy and the record (the
+    node's other ranks write the same bytes; rank 0 may have returned on it) stay, with a warning; if no
+    rank of the node wrote it, the unrecorded copy, failed in this hierarchy's catalog, is an orphan."""
+    for me in RANKS:
+        plan = unwritten_record_actions("ssd", STEP, me, "[Errno 5] Input/output error")
+        assert kinds(plan) == ["Keep", "Warn"] and isinstance(plan[0], Keep) and plan[0].rank == me.rank
+        assert isinstance(plan[1], Warn) and "Input/output error" in plan[1].message
+        assert orphan("ssd", STEP, me, True, CopyState("failed")) == Keep(
+            "ssd", STEP, me.rank, "its commit record is there"
+        )
+        assert orphan("ssd", STEP, me, False, CopyState("failed")) == EvictCopy("ssd", STEP, me.rank)
 
 
 def test_rank_0_dies_in_the_commits_gather_before_publishing_the_outcome() -> None:

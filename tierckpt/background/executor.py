@@ -45,6 +45,7 @@ from tierckpt.policies.protocol import (
     still_unknown,
     stray_copies,
     unknown_outcome,
+    unwritten_record_actions,
 )
 from tierckpt.policies.retention import RetentionPlan
 from tierckpt.ranks.commit import Commits, DecisionKeys
@@ -126,9 +127,13 @@ class RankExecutor:
         try:
             got = self.commits.gather(tier.name, key.step, manifest_tag(manifest), self._decider(tier, key.step, then))
             outcome = CommitOutcome(key.step, decode_record(got["record"], key.step))
-            self.carry_out(committed_actions(tier.name, shared, outcome), got["record"])
         except BaseException as e:
             self._failed(tier, key.step, e)
+            raise
+        try:
+            self.carry_out(committed_actions(tier.name, shared, outcome), got["record"])
+        except Exception as e:  # the step is committed: what other ranks wrote stays
+            self.carry_out(unwritten_record_actions(tier.name, key.step, self.me, str(e)))
             raise
         self._decided(tier.name)
         return [(str(n), int(s)) for n, s in got["evict"]]

@@ -27,6 +27,8 @@ rule                                         decides
 :func:`unknown_outcome`,                     which failures leave a commit's outcome unknown, and until when
 :func:`still_unknown`                        such a copy is kept (rank 0 published a later commit on that
                                              tier)
+:func:`unwritten_record_actions`             a rank that cannot write its node's record of a committed step:
+                                             its copy and the record stay (other ranks rely on them)
 :func:`promotion`                            what a copy promoted up the chain needs: the step's record
                                              (none for format 4 and older)
 :func:`listed_steps`,                        which steps a tier lists for this rank: its copies with a
@@ -309,6 +311,22 @@ def failed_commit_actions(
         out.append(RemoveRecord(tier, step))
     out.append(EvictCopy(tier, step, me.rank))
     return out
+
+
+def unwritten_record_actions(tier: str, step: int, me: ThisRank, why: str) -> list[Action]:
+    """What a rank does when the commit of ``step`` on the node-local ``tier`` succeeded (rank 0 decided it
+    for every rank) but its own write of its node's record failed (``why``). The step is committed: the
+    other ranks of the node write the same record into the same directory, and rank 0 may have returned
+    on it (a DCP save durable on this tier). Removing that record, or this rank's copy it names, would
+    undo a commit other ranks rely on; both stay. Where no rank of the node wrote the record, this copy
+    is unrecorded, and the retention pass removes it (:func:`orphan`: its commit failed here)."""
+    return [
+        Keep(tier, step, me.rank, "the step is committed; its node's record may be another rank's"),
+        Warn(
+            f"step {step} on tier {tier!r}: committed, but this rank could not write its node's commit record "
+            f"({why}); the copy stays (another rank of the node writes the same record)"
+        ),
+    ]
 
 
 def unknown_outcome(error: BaseException) -> bool:
