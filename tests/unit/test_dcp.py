@@ -412,3 +412,17 @@ def test_a_tierckpt_error_reaches_the_other_ranks_whole() -> None:
         back = pickle.loads(pickle.dumps(err))
         assert (type(back), str(back), back.__dict__) == (type(err), str(err), err.__dict__)
         assert getattr(back, "errno", None) == getattr(err, "errno", None)
+
+
+def test_loadable_trusts_a_node_local_directory_only_where_every_rank_names_one_node_and_one_host() -> None:
+    """A node number may be every rank's default (0, where no launcher names the node): two hosts whose
+    ranks all say node 0 and one path for the ssd have two directories, so the ssd does not count."""
+    from tierckpt.dcp._writer import _READABLE, _note_readable, _Where
+
+    dirs = (("host", None), ("ssd", "/local/ssd"))
+    with Hierarchy([HostTier("host")]) as h:
+        _note_readable(h, [_Where(0, "a", dirs), _Where(0, "a", dirs)])
+        assert _READABLE[h] == {"ssd"}  # process memory never counts
+        for other in (_Where(0, "b", dirs), _Where(1, "a", dirs), _Where(0, "a", (("ssd", "/local/ssd-1"),))):
+            _note_readable(h, [_Where(0, "a", dirs), other])
+            assert _READABLE[h] == frozenset(), other

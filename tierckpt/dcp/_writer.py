@@ -7,6 +7,7 @@ import contextlib
 import io
 import logging
 import os
+import socket
 import uuid
 import weakref
 from dataclasses import dataclass, replace
@@ -49,10 +50,12 @@ _READABLE: weakref.WeakKeyDictionary[Hierarchy, frozenset[str]] = weakref.WeakKe
 
 @dataclass(frozen=True)
 class _Where:
-    """What a rank's local plan tells the coordinator for ``durable="loadable"``: its node and, per
-    node-local tier, the tier's location (None: it declares none, e.g. process memory)."""
+    """What a rank's local plan tells the coordinator for ``durable="loadable"``: its node, its host name
+    (a node number may be a default: 0 on every rank where no launcher says), and, per node-local tier,
+    the tier's location (None: it declares none, e.g. process memory)."""
 
     node: int
+    host: str
     dirs: tuple[tuple[str, str | None], ...]
 
 
@@ -144,7 +147,7 @@ class HierarchyWriter(StorageWriter):
         if self.durable != "loadable":
             return plan
         dirs = tuple((t.name, t.location()) for t in self.h.tiers if not t.capabilities.shared)
-        return replace(plan, storage_data=_Where(self.h.coordinator.node, dirs))
+        return replace(plan, storage_data=_Where(self.h.coordinator.node, socket.gethostname(), dirs))
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         """Place every rank's items in its state (each plan's ``storage_data``: its items' locations)."""
@@ -284,12 +287,13 @@ class HierarchyWriter(StorageWriter):
 
 def _note_readable(h: Hierarchy, wheres: list[Any]) -> None:
     """Keep, for ``h``, its node-local tiers from which every rank reads every rank's part: where every
-    rank's local plan says it is on one node, those at one location on every rank (one directory every
-    rank writes into; a tier that declares no location, such as process memory, is none). Where some
-    plan does not say (a planner that drops the writer's ``storage_data``), nothing is kept."""
+    rank's local plan says it is on one node (one node number and one host name: a node number alone
+    may be everyone's default), those at one location on every rank (one directory every rank writes
+    into; a tier that declares no location, such as process memory, is none). Where some plan does not
+    say (a planner that drops the writer's ``storage_data``), nothing is kept."""
     if not wheres or not all(isinstance(w, _Where) for w in wheres):
         return
-    if len({w.node for w in wheres}) != 1:
+    if len({(w.node, w.host) for w in wheres}) != 1:
         _READABLE[h] = frozenset()
         return
     first = dict(wheres[0].dirs)
