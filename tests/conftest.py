@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -23,16 +24,19 @@ def engine(request: pytest.FixtureRequest) -> Iterator[IOEngine]:
     e.close()
 
 
-@pytest.fixture
-def tmpfs(tmp_path: Path) -> Iterator[Path]:
-    """A 64 MiB tmpfs mounted at ``tmp_path/pfs`` (for ENOSPC); skips unless root and mount works."""
+@contextlib.contextmanager
+def _mounted(mnt: Path, size: int) -> Iterator[Path]:
+    """A tmpfs of ``size`` bytes mounted at ``mnt`` (made here), unmounted after; skips unless root and
+    mount works."""
     if not hasattr(os, "geteuid") or os.geteuid() != 0:
         pytest.skip("mounting a tmpfs needs root")
-    mnt = tmp_path / "pfs"
     mnt.mkdir()
     try:
         r = subprocess.run(
-            ["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(mnt)], capture_output=True, text=True, timeout=30
+            ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mnt)],
+            capture_output=True,
+            text=True,
+            timeout=30,
         )
     except (OSError, subprocess.TimeoutExpired) as e:
         pytest.skip(f"cannot mount a tmpfs: {e}")
@@ -42,6 +46,20 @@ def tmpfs(tmp_path: Path) -> Iterator[Path]:
         yield mnt
     finally:
         subprocess.run(["umount", "-l", str(mnt)], check=False, capture_output=True, timeout=30)
+
+
+@pytest.fixture
+def tmpfs(tmp_path: Path) -> Iterator[Path]:
+    """A 64 MiB tmpfs mounted at ``tmp_path/pfs`` (for ENOSPC); skips unless root and mount works."""
+    with _mounted(tmp_path / "pfs", 64 << 20) as mnt:
+        yield mnt
+
+
+@pytest.fixture
+def mount_tmpfs() -> Callable[[Path, int], contextlib.AbstractContextManager[Path]]:
+    """``mount_tmpfs(path, size)``: a tmpfs of ``size`` bytes at ``path`` for a ``with`` block (a device of
+    the size a test needs); skips unless root and mount works."""
+    return _mounted
 
 
 @pytest.fixture(params=["native", "python"])

@@ -10,10 +10,6 @@ save fails on that tier the same way; ``handle.wait()`` raises although each ste
 
 from __future__ import annotations
 
-import contextlib
-import os
-import subprocess
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -63,24 +59,6 @@ def test_a_full_device_evicts_the_older_steps_a_lower_tier_holds(tmp_path: Path,
     assert got["t0"][0].item() == (5 * 7) % 251 and last == (5, "host" if host else "ssd")
 
 
-@contextlib.contextmanager
-def mounted(mnt: Path, size: int) -> Iterator[Path]:
-    """A tmpfs of ``size`` bytes at ``mnt``; skips unless root and mount works."""
-    if not hasattr(os, "geteuid") or os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs needs root")
-    mnt.mkdir()
-    try:
-        r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mnt)], capture_output=True)
-    except OSError as e:
-        pytest.skip(f"cannot mount a tmpfs: {e}")
-    if r.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs: {r.stderr.decode().strip()}")
-    try:
-        yield mnt
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], check=False, capture_output=True, timeout=30)
-
-
 def saves(h: Hierarchy, steps: range) -> dict[int, BaseException]:
     """Each step saved and waited for; the failures by step."""
     errors: dict[int, BaseException] = {}
@@ -95,7 +73,9 @@ def saves(h: Hierarchy, steps: range) -> dict[int, BaseException]:
 @pytest.mark.root
 @pytest.mark.parametrize("host", [False, True], ids=["ssd-on-top", "host-ssd-pfs"])
 @pytest.mark.parametrize("pages", [4, 5], ids=["manifest", "record"])
-def test_a_device_full_for_the_manifest_or_the_record_makes_room(tmp_path: Path, pages: int, host: bool) -> None:
+def test_a_device_full_for_the_manifest_or_the_record_makes_room(
+    tmp_path: Path, mount_tmpfs: Any, pages: int, host: bool
+) -> None:
     """B2 (finding 10 at commit time): an ssd whose device has room for the blobs of two steps and a few
     pages more (the lease, a step's manifest and record take a page each), so that the second step's blobs
     fit and then its manifest (4 pages) or its commit record (5) does not. The full device is found there
@@ -103,7 +83,7 @@ def test_a_device_full_for_the_manifest_or_the_record_makes_room(tmp_path: Path,
     save commits on the ssd (packed into it on top, or copied from host). On 987543a (and 8c32cc0) each
     later copy failed with a plain TierIOError (ENOSPC), nothing was evicted, and the ssd took no step
     after the first."""
-    with mounted(tmp_path / "ssd", 2 * STEP_MIB * MiB + pages * 4096) as ssd:
+    with mount_tmpfs(tmp_path / "ssd", 2 * STEP_MIB * MiB + pages * 4096) as ssd:
         with Hierarchy.from_config(config(tmp_path, ssd, host)) as h:
             errors = saves(h, range(1, 5))
             listed = {c.step: c.tiers for c in h.checkpoints()}
@@ -118,13 +98,13 @@ def test_a_device_full_for_the_manifest_or_the_record_makes_room(tmp_path: Path,
 @pytest.mark.root
 @pytest.mark.parametrize(("pages", "what"), [(2, "the manifest"), (3, "the commit record")], ids=["manifest", "record"])
 def test_a_full_bottom_tier_with_nothing_to_evict_fails_clearly_at_commit(
-    tmp_path: Path, pages: int, what: str
+    tmp_path: Path, mount_tmpfs: Any, pages: int, what: str
 ) -> None:
     """B2: the bottom tier (pfs) on a device with room for one step's blobs and a page or two more: its
     manifest (2 pages) or its record (3) does not fit, and nothing below holds a step to make room with.
     The copy fails with DeviceFullError naming the tier, its device and what did not fit, and leaves
     nothing listed on pfs and no copy behind; the step stays on host."""
-    with mounted(tmp_path / "pfs", STEP_MIB * MiB + pages * 4096) as pfs:
+    with mount_tmpfs(tmp_path / "pfs", STEP_MIB * MiB + pages * 4096) as pfs:
         cfg = {
             "tiers": [
                 {"name": "host", "kind": "host", "capacity": "512MiB"},
