@@ -64,6 +64,9 @@ class Match:
             through :func:`~tierckpt.format.tree.resolve_tree` with ``made``).
         ref: the type of a tensor reference in ``assigns``' values.
         direct: the target tensor each tensor's bytes go straight into (or None).
+        device: by manifest index, the flat byte view of the CUDA target tensor that each verified
+            piece of the tensor's bytes is copied into (only where :func:`match_target` was given
+            ``devices=True``; the reader's staging memory is the copy's source).
         sharded: ``(DTensor, manifest index)`` of each DTensor of the target (matched by global
             shape and dtype), for the resharding restore (datapath/reshard.py) to fill.
     """
@@ -73,6 +76,7 @@ class Match:
     assigns: list[tuple[Any, Any, Any]]
     ref: type[int]
     direct: list[torch.Tensor | None] = field(default_factory=list)
+    device: dict[int, torch.Tensor] = field(default_factory=dict)
     sharded: list[tuple[torch.Tensor, int]] = field(default_factory=list)
 
 
@@ -86,6 +90,7 @@ def match_target(
     key: CheckpointKey,
     strict: bool = True,
     shapes: Sequence[tuple[int, ...]] | None = None,
+    devices: bool = False,
 ) -> Match:
     """Match ``target`` with the checkpoint and fill ``addrs`` (where each tensor's bytes go).
 
@@ -95,6 +100,9 @@ def match_target(
     assigned from once its checksum is verified.
 
     ``shapes``: the shape each tensor is matched by, where not the table's (a sharded row's global shape).
+
+    ``devices``: a contiguous CUDA target tensor referenced once is filled piece by piece from the
+    verified bytes (:attr:`Match.device`) instead of from a fresh CPU tensor copied in at the end.
 
     With ``strict``, every dict of the target must have exactly the keys of the checkpoint's dict at
     the same path. Without it, a key only the target has is left as it is and a key only the
@@ -108,6 +116,7 @@ def match_target(
     """
     source, ref = load_tree(tier, key, m, allow_pickle=allow_pickle)
     walk = _Walk(m, ref, addrs, strict=strict, tier=tier.name, step=key.step)
+    walk.devices = devices
     if shapes is not None:  # a sharded checkpoint: a target is matched by the global shape
         walk.shapes = list(shapes)
     walk.walk(target, source, ())
@@ -128,6 +137,9 @@ class _Walk:
         self.ref, self.addrs, self.strict, self.tier, self.step = ref, addrs, strict, tier, step
         # the target tensor each tensor's bytes go straight into
         self.direct: list[torch.Tensor | None] = [None] * self.n
+        # CUDA target tensors filled piece by piece from the verified bytes (with ``devices``)
+        self.devices = False
+        self.device: dict[int, torch.Tensor] = {}
         # target tensors (and their key paths) that take the bytes from a fresh tensor
         self.slow: list[tuple[torch.Tensor, int, tuple[Any, ...]]] = []
         self.assigns: list[tuple[Any, Any, Any]] = []
@@ -172,10 +184,13 @@ class _Walk:
             if type(v) is R and type(d) is Tensor and 0 <= v < n and d.dtype is dtypes[v] and d.shape == shapes[v]:
                 # the common case, inline (match_tensor does the same for a tensor in a list)
                 if direct[v] is None and d.is_cpu and d.is_contiguous() and in_storage(d, d.data_ptr(), d.nbytes):
-                    addrs[v] = d.data_ptr()
-                    direct[v] = d
+                    if v not in self.device:
+                        addrs[v] = d.data_ptr()
+                        direct[v] = d
+                    else:
+                        slow.append((d, v, (*path, k)))
                 else:
-                    slow.append((d, v, (*path, k)))
+                    self.other(d, v, (*path, k))
             elif _descend(d, v):
                 self.walk(d, v, (*path, k))
             elif d is _ABSENT:
@@ -215,9 +230,23 @@ class _Walk:
         if type(dst) is not torch.Tensor and type(dst) is dtensor_type():  # shape: the global one
             self.dtensors.append((dst, src))
             return
-        if self.direct[src] is None and dst.is_cpu and dst.is_contiguous() and unreadable(dst) is None:
+        if (
+            self.direct[src] is None and src not in self.device
+            and dst.is_cpu and dst.is_contiguous() and unreadable(dst) is None
+        ):  # fmt: skip
             self.addrs[src] = dst.data_ptr()
             self.direct[src] = dst
+        else:
+            self.other(dst, src, path)
+
+    def other(self, dst: torch.Tensor, src: int, path: tuple[Any, ...]) -> None:
+        """A target tensor the bytes cannot be streamed straight into: a CUDA one referenced once is
+        filled piece by piece (with ``devices``); anything else is copied from a fresh tensor."""
+        if (
+            self.devices and dst.is_cuda and dst.is_contiguous() and type(dst) is torch.Tensor
+            and self.direct[src] is None and src not in self.device
+        ):  # fmt: skip
+            self.device[src] = dst
         else:
             self.slow.append((dst, src, path))
 
@@ -246,6 +275,8 @@ class _Walk:
         # a tensor referenced twice (two target tensors, or one and an assigned value) is not streamed into
         shared = self.in_assigns.union(i for _, i, _ in self.slow)
         slow = self.slow + [(d, i, ()) for i in shared if (d := direct[i]) is not None]
+        # a CUDA target of a tensor referenced twice takes its bytes from the fresh tensor too
+        slow += [(self.device.pop(i), i, ()) for i in shared.intersection(self.device)]
         made: dict[int, torch.Tensor] = {}
         later: list[tuple[torch.Tensor, torch.Tensor]] = []
         for d, i, _ in slow:
@@ -258,11 +289,12 @@ class _Walk:
             f = made[i] = torch.empty(shapes[i], dtype=dtypes[i])
             addrs[i] = f.data_ptr()
         for i in range(self.n):
-            if direct[i] is None and self.lengths[i] and i not in made:
+            if direct[i] is None and self.lengths[i] and i not in made and i not in self.device:
                 # never referenced (only a hand-made manifest): verified into scratch and dropped
                 f = made[i] = torch.empty(self.lengths[i], dtype=torch.uint8)
                 addrs[i] = f.data_ptr()
-        return Match(made, later, self.assigns, self.ref, direct, self.dtensors)
+        device = {i: d.reshape(-1).view(torch.uint8) for i, d in self.device.items() if d.numel()}
+        return Match(made, later, self.assigns, self.ref, direct, device, self.dtensors)
 
 
 def _at(tree: Any, path: tuple[Any, ...]) -> Any:

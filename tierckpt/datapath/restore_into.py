@@ -8,7 +8,12 @@ of a small reusable pool (faulted once per process), and the tensors it holds ar
 copied into the target's tensors while the next chunks are being read, so the disk, not the fault
 rate, sets the speed (docs/restore.md).
 
-What cannot be streamed into (a tensor on another device, a non-contiguous tensor, a key only the
+A contiguous CUDA tensor is filled from the same slots (pinned host memory where CUDA is present), or
+from a memory tier's buffers: a small tensor's bytes are copied once verified, a long one's block by
+block as they are hashed, as into a CPU tensor (so a restore into a model on the GPU reads the disk
+once and moves each byte over the bus once).
+
+What cannot be streamed into (a tensor on another kind of device, a non-contiguous tensor, a key only the
 checkpoint has with ``strict=False``, a value the target leaves to the checkpoint such as ``None``, or
 one manifest tensor that two target tensors share) gets a fresh CPU tensor, which
 is copied or assigned into the target once every checksum has been verified.
@@ -161,7 +166,10 @@ def restore_into(
             stream.fill()
             m = load_rest(tier, key, head)
             stream.attach(m)
-            todo = match_target(m, target, stream.addrs, allow_pickle=allow_pickle, tier=tier, key=key, strict=strict)
+            todo = match_target(
+                m, target, stream.addrs, allow_pickle=allow_pickle, tier=tier, key=key, strict=strict, devices=True
+            )
+            stream.verifier.set_devices(todo.device)
             stream.read_direct()
             stream.reads = tier.geometry.steady_reads  # a shared tier's: every slot (a striped file)
             stream.run()
@@ -254,7 +262,7 @@ class _Stream:
         least = self.tier.geometry.direct_read_min_bytes
         for i in self.order:
             b, o, n = blobs[i], offsets[i], lengths[i]
-            if n < least or (b, o + n) <= (bi0, resume):  # too small, or wholly read already
+            if n < least or not addrs[i] or (b, o + n) <= (bi0, resume):  # too small, nowhere, or read already
                 continue
             if b not in aligns:
                 aligns[b] = self.reader.read_alignment(b)

@@ -21,9 +21,10 @@ key path (and the rank, for another rank's copy).
 from __future__ import annotations
 
 from array import array
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+import torch
 import xxhash
 
 from tierckpt.errors import CorruptCheckpointError
@@ -138,6 +139,8 @@ class BlobVerifier:
         self.spans = blob_spans(self.order, tensors.blobs)
         self.k = 0  # position in order of the next tensor (or of the one partly in)
         self.dsts: Sequence[int] = ()
+        self.devices: Mapping[int, torch.Tensor] = {}
+        self._copied = False  # device copies issued from the piece being fed
         self._table: array[int] | None = None
         self._hasher = xxhash.xxh3_64()
 
@@ -145,9 +148,23 @@ class BlobVerifier:
         """Copy tensor ``i``'s verified bytes to address ``dsts[i]`` (0: nowhere); before any piece."""
         self.dsts, self._table = dsts, None
 
+    def set_devices(self, devices: Mapping[int, torch.Tensor]) -> None:
+        """Copy tensor ``i``'s verified bytes into the CUDA byte tensor ``devices[i]`` (a tensor without a
+        host destination); before any piece. Each :meth:`feed` waits for its copies before it returns, so
+        the piece's memory may be reused at once."""
+        self.devices = devices
+
     def feed(self, bi: int, p0: int, n: int, base: int) -> tuple[int, int]:
         """Take bytes ``[p0, p0 + n)`` of blob ``bi``, found at address ``base`` (the piece after the one
         fed before). Returns ``(start, stop)``: the tensors ``order[start:stop]`` are complete and verified."""
+        try:
+            return self._feed(bi, p0, n, base)
+        finally:
+            if self._copied:  # the copies read the piece's memory: done before anyone reuses it
+                self._copied = False
+                torch.cuda.synchronize()
+
+    def _feed(self, bi: int, p0: int, n: int, base: int) -> tuple[int, int]:
         if self._table is None:
             t = self.tensors
             self._table = nat.records(self.order, t.offsets, t.lengths, t.checksums, self.dsts or None).table
@@ -157,7 +174,10 @@ class BlobVerifier:
         cursor = p0  # bytes before it are accounted for (tensors checked, gaps found zero)
         try:
             while k < stop:
+                k1 = k
                 k, cursor, err, a, b = scan(self._table, k, stop, base, p0, n, cursor, self.max_len)
+                if self.devices:  # tensors order[k1:k] are whole in the piece and verified
+                    self._to_devices(k1, k, base, p0)
                 if err == 1:
                     raise self._mismatch(bi, order[k])
                 if err == 2:
@@ -195,7 +215,13 @@ class BlobVerifier:
             self._hasher.reset()
         view = ptr_mv(base + a - p0, z - a, writable=False)
         dst = self.dsts[i] if self.dsts else 0
-        if not dst or dst - o == base - p0:  # nowhere to copy, or read straight into its destination
+        dev = self.devices.get(i)
+        if dev is not None:  # a CUDA destination: hashed, then copied (a small tensor, checked before)
+            self._hasher.update(view)
+            if a == o and z == end and self._hasher.intdigest() != t.checksums[i]:
+                raise self._mismatch(bi, i)
+            self._device_copy(dev, a - o, base + a - p0, z - a)
+        elif not dst or dst - o == base - p0:  # nowhere to copy, or read straight into its destination
             self._hasher.update(view)
         else:
             for q in range(0, z - a, _BLOCK_BYTES):
@@ -207,6 +233,23 @@ class BlobVerifier:
         if self._hasher.intdigest() != t.checksums[i]:
             raise self._mismatch(bi, i)
         return True
+
+    def _to_devices(self, k0: int, k1: int, base: int, p0: int) -> None:
+        """Copy the verified tensors ``order[k0:k1]`` (whole in the piece at ``base``) that have CUDA
+        destinations."""
+        devices, offsets, lengths = self.devices, self.tensors.offsets, self.tensors.lengths
+        for i in self.order[k0:k1]:
+            dev = devices.get(i)
+            if dev is not None:
+                self._device_copy(dev, 0, base + offsets[i] - p0, lengths[i])
+
+    def _device_copy(self, dev: torch.Tensor, at: int, src: int, n: int) -> None:
+        """Bytes ``[at, at + n)`` of ``dev`` from host address ``src`` (asynchronous from pinned memory,
+        waited for at the end of the :meth:`feed`)."""
+        if n:
+            host = torch.frombuffer(ptr_mv(src, n), dtype=torch.uint8)
+            dev[at : at + n].copy_(host, non_blocking=True)
+            self._copied = True
 
     def _check_zero(self, bi: int, base: int, p0: int, a: int, b: int) -> None:
         """Bytes ``[a, b)`` of blob ``bi`` (the piece from ``p0`` at ``base``) must be zero."""
