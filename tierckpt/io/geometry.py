@@ -79,16 +79,36 @@ class FsFacts:
             reported).
         dio_offset_align: the offset and length alignment O_DIRECT needs (as above).
         readonly: the file system is mounted read-only.
+        fs_type: the mount's type as ``/proc/self/mountinfo`` names it (``ext4``, ``xfs``, ``tmpfs``,
+            ``fuse.ceph-fuse``, ``ceph``, ``fuse.glusterfs``, ``nfs4``, ``lustre``, ``gpfs`` ...; empty:
+            unknown).
+        family: what kind of storage that is, for sizing: ``cephfs``, ``glusterfs``, ``lustre``,
+            ``gpfs``, ``nfs``, ``local`` (a disk file system of this node), ``memory`` (tmpfs, ramfs) or
+            ``unknown``.
+        mount_point: where that file system is mounted (empty: unknown).
+        stripe_unit_bytes: the bytes written to one stripe target before the next (CephFS
+            ``stripe_unit``, Lustre ``lmm_stripe_size``; GPFS: its block size); None: not striped or
+            not known.
+        stripe_count: the stripe targets a file's consecutive stripe units go to (CephFS
+            ``stripe_count``, Lustre ``lmm_stripe_count``); None: not known.
+        object_bytes: the size of one backing object (CephFS ``object_size``); None: not known.
+        layout_settable: a new file's layout can be set by the writer before its first byte (CephFS
+            ``ceph.file.layout.*`` xattrs, Lustre ``lustre.lov``).
     """
 
-    # The next facts (file-system type, Lustre/GPFS/CephFS stripe unit and count, object size) go here,
-    # as plain values probed by tierckpt.io.fsutil.probe_fs, and are read by io_geometry alone.
     block_bytes: int = PAGE
     io_block_bytes: int = PAGE
     direct: bool = False
     dio_mem_align: int | None = None
     dio_offset_align: int | None = None
     readonly: bool = False
+    fs_type: str = ""
+    family: str = "unknown"
+    mount_point: str = ""
+    stripe_unit_bytes: int | None = None
+    stripe_count: int | None = None
+    object_bytes: int | None = None
+    layout_settable: bool = False
 
     @property
     def direct_alignment_bytes(self) -> int:
