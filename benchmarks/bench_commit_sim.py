@@ -7,9 +7,17 @@ rank writes its copy (a tiny state: the bytes are not what is measured), reports
 every rank lists the tier and the ranks agree on the step to restore (``agree_step``), as a restart does.
 
 Counted: store operations (by rank 0 and by the others) and the file system's metadata operations
-(open, mkdir, rename, unlink, stat, scandir, fsync of files and directories), per phase, per rank.
+(open, mkdir, rename, unlink, stat, scandir, fsync of files and directories), per phase, per rank; and,
+per checkpoint (the write and commit phases), the operations a metadata server feels most: file and
+directory creates, opens of existing files, fsyncs of files and of directories, renames, and the entries
+the step leaves (its directory and everything in it).
+
+``--layout per_node`` runs the same with the per-node layout of docs/format.md ("Per-node data files",
+designed, not implemented in tierckpt): the write phase is the prototype in ``pernode_proto.py``, the
+ranks of a node (``--ranks-per-node``, consecutive ranks) sharing one data file.
 
     python benchmarks/bench_commit_sim.py --ranks 125 250 500 1000 --dir /var/tmp/commitsim
+    python benchmarks/bench_commit_sim.py --ranks 1000 --layout per_rank per_node --ranks-per-node 8
 """
 
 from __future__ import annotations
@@ -38,26 +46,54 @@ from tierckpt.ranks.distributed import StoreCoordinator
 from tierckpt.tiers.base import CheckpointKey
 from tierckpt.tiers.pfs import PfsTier
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from pernode_proto import save_per_node  # a sibling script's module, imported after the path is set
+
 _OS_CALLS = ("open", "mkdir", "rename", "unlink", "stat", "scandir", "fsync", "rmdir", "lstat")
+#: the kinds of operation counted per checkpoint, in table order
+KINDS = ("file creates", "mkdirs", "opens of existing files", "file fsyncs", "directory fsyncs", "renames")
 
 
 class Counted:
-    """Counts calls of ``os`` metadata functions and of a store's methods, per thread-phase."""
+    """Counts calls of ``os`` metadata functions (``fs``) and, by kind (``kinds``: a create is an
+    ``open`` with ``O_CREAT``, a directory fsync one of a descriptor opened with ``O_DIRECTORY``)."""
 
     def __init__(self) -> None:
         self.fs: Counter[str] = Counter()
+        self.kinds: Counter[str] = Counter()
         self.lock = threading.Lock()
         self._real: dict[str, Callable[..., Any]] = {}
+        self._dir_fds: set[int] = set()
+
+    def _kind(self, name: str, a: tuple[Any, ...], k: dict[str, Any]) -> str | None:
+        if name == "open":
+            flags = a[1] if len(a) > 1 else k.get("flags", 0)
+            if flags & os.O_DIRECTORY:
+                return None
+            return "file creates" if flags & os.O_CREAT else "opens of existing files"
+        if name == "fsync":
+            return "directory fsyncs" if a[0] in self._dir_fds else "file fsyncs"
+        return {"mkdir": "mkdirs", "rename": "renames"}.get(name)
 
     def __enter__(self) -> Counted:
-        for name in _OS_CALLS:
+        for name in (*_OS_CALLS, "close"):
             real = getattr(os, name)
             self._real[name] = real
 
             def wrapped(*a: Any, _real: Callable[..., Any] = real, _name: str = name, **k: Any) -> Any:
-                with self.lock:
+                if _name == "close":
+                    with self.lock:
+                        self._dir_fds.discard(a[0])
+                    return _real(*a, **k)
+                with self.lock:  # counted as asked (an EEXIST mkdir counts: the server answered it)
                     self.fs[_name] += 1
-                return _real(*a, **k)
+                    if (kind := self._kind(_name, a, k)) is not None:
+                        self.kinds[kind] += 1
+                out = _real(*a, **k)
+                if _name == "open" and (a[1] if len(a) > 1 else k.get("flags", 0)) & os.O_DIRECTORY:
+                    with self.lock:
+                        self._dir_fds.add(out)
+                return out
 
             setattr(os, name, wrapped)
         return self
@@ -146,7 +182,17 @@ def run_ranks(n: int, body: Callable[[int], Any]) -> list[Any]:
     return out
 
 
-def one_size(n: int, root: Path) -> dict[str, Any]:
+def step_files(step_dir: Path) -> tuple[int, int]:
+    """(entries: the step's directory and everything in it, data files: ``data.bin`` and ``node-…``)."""
+    entries, data = 1, 0
+    for _, dirs, files in os.walk(step_dir):
+        entries += len(dirs) + len(files)
+        data += sum(f == "data.bin" or f.startswith("node-") for f in files)
+    return entries, data
+
+
+def one_size(n: int, root: Path, layout: str = "per_rank", per_node: int = 8) -> dict[str, Any]:
+    """The phases' counts for ``n`` ranks in ``layout`` (``per_node``: ``per_node`` ranks a node)."""
     shutil.rmtree(root, ignore_errors=True)
     inner = dist.HashStore()
     store = CountingStore(inner)
@@ -154,8 +200,8 @@ def one_size(n: int, root: Path) -> dict[str, Any]:
     tiers = [PfsTier("pfs", root, eng, job="sim") for _ in range(n)]
     coords: list[Any] = run_ranks(n, lambda r: _coordinator(store, r, n))
     flat = flatten({"w": torch.zeros(16)})
-    layout = plan(flat.nbytes, align=4096, blob_bytes=4096)
-    blobs = (BlobEntry("blob-00000.bin", layout.blob_sizes[0]),)
+    plan_ = plan(flat.nbytes, align=4096, blob_bytes=4096)
+    blobs = (BlobEntry("blob-00000.bin", plan_.blob_sizes[0]),)
     rows: dict[str, Any] = {}
 
     def phase(name: str, body: Callable[[int], Any]) -> list[Any]:
@@ -170,14 +216,20 @@ def one_size(n: int, root: Path) -> dict[str, Any]:
                 "store ops per other rank": store.ops["others"] / max(1, n - 1),
                 "fs metadata ops": sum(c.fs.values()),
                 "fs ops per rank": sum(c.fs.values()) / n,
+                "kinds": Counter(c.kinds),
+                "store ops": store.ops["rank 0"] + store.ops["others"],
             }
         return out
 
     def write(r: int) -> bytes:
         key = CheckpointKey(1, r)
-        w = tiers[r].reserve(key, blobs)
-        m = build_manifest(flat, [t.tensor for t in flat.tensors], layout, blobs, [0], step=1, rank=r,
+        m = build_manifest(flat, [t.tensor for t in flat.tensors], plan_, blobs, [0], step=1, rank=r,
                            world_size=n, align=4096)  # fmt: skip
+        if layout == "per_node":
+            first = r - r % per_node
+            save_per_node(store, root, 1, r, list(range(first, min(first + per_node, n))), m, bytes(blobs[0].size))
+            return m
+        w = tiers[r].reserve(key, blobs)
         w.commit(m)
         return m
 
@@ -192,6 +244,7 @@ def one_size(n: int, root: Path) -> dict[str, Any]:
         coords[r].gather("commit/pfs/1/1", manifest_tag(manifests[r]), record)
 
     phase("commit (report + record)", commit)
+    rows["entries"], rows["data files"] = step_files(root / "step-000000000001")
 
     def agree(r: int) -> Any:
         own = [k.step for k in tiers[r].list_committed(r)]
@@ -214,18 +267,37 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--ranks", type=int, nargs="+", default=[125, 250, 500, 1000])
     p.add_argument("--dir", type=Path, default=Path("/var/tmp/commitsim"))
+    p.add_argument("--layout", nargs="+", choices=("per_rank", "per_node"), default=["per_rank"])
+    p.add_argument("--ranks-per-node", type=int, default=8, help="for --layout per_node (default 8)")
     args = p.parse_args(argv)
     print(
-        "| ranks | phase | seconds | store ops, rank 0 | bytes rank 0 got | store ops, each other rank | fs metadata ops | per rank |"
+        "| layout | ranks | phase | seconds | store ops, rank 0 | bytes rank 0 got | store ops, each other rank | fs metadata ops | per rank |"
     )
-    print("| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    print("| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    per_checkpoint = []
     for n in args.ranks:
-        for name, row in one_size(n, args.dir).items():
-            print(
-                f"| {n} | {name} | {row['seconds']:.3f} | {row['store ops rank 0']} | {row['rank 0 bytes']} | "
-                f"{row['store ops per other rank']:.1f} | {row['fs metadata ops']} | {row['fs ops per rank']:.1f} |",
-                flush=True,
-            )
+        for lay in args.layout:
+            rows = one_size(n, args.dir, lay, args.ranks_per_node)
+            what = f"per_node ({args.ranks_per_node} a node)" if lay == "per_node" else lay
+            per_checkpoint.append((what, n, rows))
+            for name, row in rows.items():
+                if not isinstance(row, dict):
+                    continue
+                print(
+                    f"| {what} | {n} | {name} | {row['seconds']:.3f} | {row['store ops rank 0']} | {row['rank 0 bytes']} | "
+                    f"{row['store ops per other rank']:.1f} | {row['fs metadata ops']} | {row['fs ops per rank']:.1f} |",
+                    flush=True,
+                )
+    print("\nPer checkpoint (write and commit phases):\n")
+    print(f"| layout | ranks | data files | {' | '.join(KINDS)} | all of these | entries | store ops |")
+    print("| --- | ---: |" + " ---: |" * (len(KINDS) + 4))
+    for what, n, rows in per_checkpoint:
+        kinds = rows["write copies"]["kinds"] + rows["commit (report + record)"]["kinds"]
+        store_ops = rows["write copies"]["store ops"] + rows["commit (report + record)"]["store ops"]
+        print(
+            f"| {what} | {n} | {rows['data files']} | {' | '.join(str(kinds[k]) for k in KINDS)} | "
+            f"{sum(kinds[k] for k in KINDS)} | {rows['entries']} | {store_ops} |"
+        )
     return 0
 
 
