@@ -4,7 +4,7 @@ order, on a real directory. Not the tier's writer (``files: per_node`` is not im
 it writes no data that any reader of this version could read, and it cleans nothing up after a failure.
 
 Per save and node: every rank sets its part's size on the store; the node's first rank waits for the
-others, creates the node file (``O_CREAT | O_EXCL``), ``posix_fallocate``s it, fsyncs it and the step
+others, creates the node file (``O_CREAT | O_EXCL``), ``posix_fallocate``s it, fsyncs the step
 directory, and sets the name and the offsets; every rank then writes its region, fsyncs its descriptor,
 checks the file is still linked, writes its manifest with a location block into its scratch directory,
 fsyncs that directory, renames it to ``rank-NNNNN`` and fsyncs the step's and the tier's directories.
@@ -44,25 +44,23 @@ def save_per_node(
     key = f"pernode/pfs/{step}/{first}"
     step_dir = root / f"step-{step:012d}"
     store.set(f"{key}/size/{rank}", str(len(data)))
+    step_dir.mkdir(exist_ok=True)  # as the per-rank writer does (another process may have removed it)
     if rank == first:
         others = [f"{key}/size/{r}" for r in node_ranks[1:]]
         if others:
             store.wait(others)
         sizes = [len(data)] + [int(store.get(k)) for k in others]
         offsets = [sum(sizes[:i]) for i in range(len(sizes))]
-        step_dir.mkdir(exist_ok=True)
         name = f"node-{first:05d}-{HOST}-{os.getpid()}-{secrets.token_hex(4)}.data"
         fd = os.open(step_dir / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
         try:
-            os.posix_fallocate(fd, 0, sum(sizes))
-            os.fsync(fd)
+            os.posix_fallocate(fd, 0, sum(sizes))  # its size is made durable by every writer's fsync
         finally:
             os.close(fd)
-        fsync_dir(step_dir)
+        fsync_dir(step_dir)  # its name is durable before any manifest can name it
         store.set(f"{key}/place", json.dumps([name, offsets]))
     name, offsets = json.loads(store.get(f"{key}/place"))
     offset = offsets[node_ranks.index(rank)]
-    step_dir.mkdir(exist_ok=True)  # as the per-rank writer does (another process may have removed it)
     tmp = step_dir / scratch_name("tmp", rank)
     tmp.mkdir()
     fd = os.open(step_dir / name, os.O_WRONLY | os.O_CLOEXEC)

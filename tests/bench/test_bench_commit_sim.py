@@ -29,7 +29,8 @@ def test_commit_sim_counts_both_layouts(tmp_path: Path, monkeypatch: pytest.Monk
     assert a["file creates"] == 2 * n + 1 and b["file creates"] == n + nodes + 1
     assert a["opens of existing files"] == 0 and b["opens of existing files"] == n  # each rank opens its node's file
     assert a["renames"] == b["renames"] == n + 1
-    assert b["file fsyncs"] == a["file fsyncs"] + nodes  # the creator's fsync of the new file
+    assert b["file fsyncs"] == a["file fsyncs"] and b["mkdirs"] == a["mkdirs"]
+    assert b["directory fsyncs"] == a["directory fsyncs"] + nodes  # the creator's, of the new file's name
     # entries: the step directory, the record, each rank's directory and manifest, and the data files
     assert per_rank["entries"] == 2 + 3 * n and per_node_rows["entries"] == 2 + 2 * n + nodes
     # the per-node exchange: every rank sets its size and reads the place; each creator waits, reads the others'
