@@ -3,7 +3,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import torch
 
 from tierckpt import ConfigError, Hierarchy
 from tierckpt.config import format_size, load_config, parse_config, parse_size
@@ -276,9 +275,7 @@ def test_options_and_location_shape(entry: dict, message: str) -> None:
 @pytest.mark.parametrize(
     ("entry", "message"),
     [({"name": "h", "kind": "host", "options": {"pinned": True}}, r"^tiers\[0\]\.options\.pinned: unknown option \(a host tier takes: none\)"),
-     ({"name": "s", "kind": "local", "path": "/tmp/x", "options": {"bucket": "b"}}, r"^tiers\[0\]\.options\.bucket: unknown option \(a local tier takes: files, one_file\)"),
-     ({"name": "p", "kind": "pfs", "path": "/tmp/x", "options": {"files": "per_host"}}, r"^tiers\[0\]\.options\.files: expected one of per_rank, per_node, got 'per_host'"),
-     ({"name": "p", "kind": "pfs", "path": "/tmp/x", "options": {"files": "per_node"}}, r"^tiers\[0\]\.options\.files: per_node .* is designed .* but not implemented in this version; use per_rank"),
+     ({"name": "s", "kind": "local", "path": "/tmp/x", "options": {"bucket": "b"}}, r"^tiers\[0\]\.options\.bucket: unknown option \(a local tier takes: one_file\)"),
      ({"name": "p", "kind": "pfs", "path": "s3://bucket/p"}, r"^tiers\[0\]\.path: a pfs tier takes a directory, not a URL, got 's3://bucket/p'"),
      ({"name": "g", "kind": "gpu", "options": {"device": "tpu:0"}}, r"^tiers\[0\]\.options\.device: expected a string matching"),
      ({"name": "g", "kind": "gpu", "options": {"dev": "cuda:0"}}, r"^tiers\[0\]\.options\.dev: unknown option \(a gpu tier takes: device\)")],
@@ -287,15 +284,6 @@ def test_builtin_kinds_check_their_options_and_location(entry: dict, message: st
     with pytest.raises(ConfigError, match=message):
         Hierarchy.from_config({"tiers": [entry]})
     assert not Path("s3:").exists()
-
-
-def test_files_per_rank_is_the_default_and_may_be_named(tmp_path: Path) -> None:
-    for i, options in enumerate(({}, {"files": "per_rank"})):
-        entry = {"name": "p", "kind": "pfs", "path": str(tmp_path / str(i)), "options": options}
-        with Hierarchy.from_config({"tiers": [entry]}) as h:
-            h.save({"w": torch.ones(3)}, step=1).wait()
-        copy = tmp_path / str(i) / "step-000000000001" / "rank-00000"
-        assert sorted(p.name for p in copy.iterdir()) == ["data.bin", "manifest"]  # one data file a rank
 
 
 def test_on_full_is_policy(tmp_path: Path) -> None:

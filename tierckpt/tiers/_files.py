@@ -31,7 +31,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from tierckpt.config import LEASE_STALE_SECS, IOConfig, TierConfig, default_io
-from tierckpt.errors import ConfigError, TierFullError
+from tierckpt.errors import TierFullError
 from tierckpt.format.manifest import BlobEntry
 from tierckpt.io.engine import IOEngine, make_engine
 from tierckpt.io.fsutil import fsync_dir, probe_fs
@@ -43,7 +43,7 @@ from tierckpt.tiers._filescratch import scratch_name, sweep
 from tierckpt.tiers._filewrite import FileWriter, device_full, write_file
 from tierckpt.tiers._lease import Lease
 from tierckpt.tiers.base import CheckpointKey, EngineSource, Tier, TierCapabilities, TierReader, TierWriter
-from tierckpt.tiers.options import Option, boolean, check_options, choice, local_directory
+from tierckpt.tiers.options import Option, boolean, check_options, local_directory
 
 __all__ = ["FileTier"]
 
@@ -55,19 +55,8 @@ _MAX_RECORD_BYTES = 1 << 27  # far more than a record of any job (docs/format.md
 _OPTIONS = {
     "one_file": Option(
         boolean(), default=None, doc="all of a copy's blobs in one data file (default: true on pfs, false on local)"
-    ),
-    "files": Option(
-        choice("per_rank", "per_node"),
-        default="per_rank",
-        doc="data files of a step: per_rank (the one layout written)",
-    ),
+    )
 }
-#: why ``files: per_node`` is refused: designed (docs/format.md), not written yet
-_PER_NODE_REFUSED = (
-    'per_node (the ranks of a node writing one shared data file) is designed (docs/format.md, "Per-node '
-    'data files") but not implemented in this version; use per_rank, the default (one data file per rank '
-    'per checkpoint, docs/distributed.md, "Files and metadata operations per checkpoint")'
-)
 
 
 class FileTier(Tier):
@@ -216,16 +205,9 @@ class FileTier(Tier):
     @classmethod
     def from_config(cls, cfg: TierConfig, engines: EngineSource) -> FileTier:
         """The location is the directory (``~``, ``$VAR`` expanded; relative to the YAML file); the one
-        options are ``one_file`` (see the class) and ``files`` (``per_rank``, the default and the one
-        layout written; ``per_node`` is refused until it is implemented).
-
-        Raises:
-            ConfigError: a bad option, or ``files: per_node``.
-        """
+        option is ``one_file`` (see the class)."""
         path = local_directory(cfg)
         opts = check_options(cfg, _OPTIONS)
-        if opts["files"] != "per_rank":
-            raise ConfigError(f"{cfg.key}.options.files: {_PER_NODE_REFUSED}")
         return cls(
             cfg.name,
             path,
