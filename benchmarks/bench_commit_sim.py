@@ -12,7 +12,7 @@ per checkpoint (the write and commit phases), the operations a metadata server f
 directory creates, opens of existing files, fsyncs of files and of directories, renames, and the entries
 the step leaves (its directory and everything in it).
 
-``--layout per_node`` runs the same with the per-node layout of docs/format.md ("Per-node data files",
+``--layout per_node`` runs the same with the per-node layout of docs/distributed.md ("A per-node data file: the design",
 designed, not implemented in tierckpt): the write phase is the prototype in ``pernode_proto.py``, the
 ranks of a node (``--ranks-per-node``, consecutive ranks) sharing one data file.
 

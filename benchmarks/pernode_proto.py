@@ -1,6 +1,6 @@
-"""A prototype of one rank's save in the per-node layout (docs/format.md, "Per-node data files"), for
+"""A prototype of one rank's save in the per-node layout (docs/distributed.md, "A per-node data file: the design"), for
 counting its file and store operations in ``bench_commit_sim.py``: the syscalls the design makes, in its
-order, on a real directory. Not the tier's writer (``files: per_node`` is not implemented in tierckpt):
+order, on a real directory. Not the tier's writer (tierckpt writes one data file per rank):
 it writes no data that any reader of this version could read, and it cleans nothing up after a failure.
 
 Per save and node: every rank sets its part's size on the store; the node's first rank waits for the
@@ -29,7 +29,7 @@ _LOC_HEAD = struct.Struct("<8sHHI")  # magic, version, flags, name length
 
 
 def location_block(name: str, offset: int) -> bytes:
-    """The location block of docs/format.md ("Per-node data files") naming ``name`` at ``offset``."""
+    """The location block of docs/distributed.md ("A per-node data file: the design") naming ``name`` at ``offset``."""
     raw = name.encode()
     body = _LOC_HEAD.pack(b"TCKPLOC1", 1, 0, len(raw)) + raw + struct.pack("<Q", offset)
     return body + struct.pack("<Q", xxhash.xxh3_64_intdigest(body))
