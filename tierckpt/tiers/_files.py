@@ -22,6 +22,7 @@ and published (``_filewrite``), the directory's lease (``_lease``).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import shutil
@@ -30,6 +31,7 @@ import weakref
 from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 from tierckpt.config import LEASE_STALE_SECS, IOConfig, TierConfig, default_io
 from tierckpt.errors import TierFullError
@@ -254,6 +256,12 @@ class FileTier(Tier):
 
     def describe(self) -> str:
         return f"{self.path} ({'O_DIRECT' if self.direct else 'buffered'}, {self.engine.name} engine)"
+
+    def storage_facts(self) -> dict[str, Any]:
+        """``{"facts": ..., "file_layout": ...}``: its file system's :attr:`facts` as probed, and the
+        :attr:`file_layout` it sets on new data files (None: none); its geometry sizes for both."""
+        layout = None if self.file_layout is None else dataclasses.asdict(self.file_layout)
+        return {"facts": dataclasses.asdict(self.facts), "file_layout": layout}
 
     def location(self) -> str:
         return os.path.realpath(self.path)
