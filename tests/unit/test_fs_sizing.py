@@ -12,26 +12,18 @@ import pytest
 from tierckpt.config import IOConfig, LayoutConfig, parse_config
 from tierckpt.errors import ConfigError
 from tierckpt.format.layout import plan
-from tierckpt.io.geometry import (
-    MAX_BLOB_ALIGN,
-    MAX_STAGING_BYTES,
-    MAX_STRIPE_CHUNK,
-    PIECES,
-    READ_SLOTS,
-    STAGING_SLOTS,
-    STEADY_READS,
-    FsFacts,
-    IOGeometry,
-    checkpoint_geometry,
-    io_geometry,
-    stripes_of,
-)
+from tierckpt.io import geometry as geo
+from tierckpt.io.geometry import FsFacts, IOGeometry, checkpoint_geometry, io_geometry, stripes_of
 from tierckpt.tiers.base import TierCapabilities
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
-SHARED = TierCapabilities(persistent=True, shared=True, device="file", alignment_bytes=4096)
-LOCAL = TierCapabilities(persistent=True, shared=False, device="file", alignment_bytes=4096)
-MEMORY = TierCapabilities(persistent=False, shared=False, device="cpu", alignment_bytes=4096)
+
+
+def caps(shared: bool, device: str = "file") -> TierCapabilities:
+    return TierCapabilities(persistent=device == "file", shared=shared, device=device, alignment_bytes=4096)
+
+
+SHARED, LOCAL, MEMORY = caps(True), caps(False), caps(False, "cpu")
 IO = IOConfig(engine="threads")
 
 # as the clients report them: statvfs f_bsize, st_blksize, and the layout xattrs
@@ -86,29 +78,29 @@ def test_a_pfs_tier_sizes_its_io_from_its_file_systems_stripes(case: str) -> Non
     assert got == want
     # writes start on stripe units and are whole units; a chunk is whole stripes where one fits the bound
     assert g.chunk_bytes % g.stripe_unit_bytes == 0 and g.piece_bytes % g.stripe_unit_bytes == 0
-    assert g.chunk_bytes % g.stripe_width_bytes == 0 or g.stripe_width_bytes > MAX_STRIPE_CHUNK
+    assert g.chunk_bytes % g.stripe_width_bytes == 0 or g.stripe_width_bytes > geo.MAX_STRIPE_CHUNK
     assert g.stripe_unit_bytes % g.alignment_bytes == 0 and g.chunk_bytes % g.alignment_bytes == 0
     # blobs (so a data file of them) are whole stripes and whole objects, within the pad bound
-    assert g.blob_bytes % g.blob_align_bytes == 0 and g.blob_align_bytes <= MAX_BLOB_ALIGN
-    if g.stripe_width_bytes <= MAX_BLOB_ALIGN:
+    assert g.blob_bytes % g.blob_align_bytes == 0 and g.blob_align_bytes <= geo.MAX_BLOB_ALIGN
+    if g.stripe_width_bytes <= geo.MAX_BLOB_ALIGN:
         assert g.blob_align_bytes % g.stripe_width_bytes == 0
         assert g.blob_align_bytes % (facts.object_bytes or 1) == 0
     # memory: the staging slots of the tier's worker never hold more than the bound (or the default)
-    assert g.staging_slots * g.staging_slot_bytes <= max(MAX_STAGING_BYTES, STAGING_SLOTS * g.chunk_bytes)
+    assert g.staging_slots * g.staging_slot_bytes <= max(geo.MAX_STAGING_BYTES, geo.STAGING_SLOTS * g.chunk_bytes)
     # two writes in flight on every target of a stripe, as far as the staging holds them
-    assert g.queue_depth >= min(2 * math.ceil(g.stripe_width_bytes / g.piece_bytes), g.staging_slots * PIECES)
-    assert g.steady_reads == READ_SLOTS  # a shared tier keeps every read slot busy
+    assert g.queue_depth >= min(2 * math.ceil(g.stripe_width_bytes / g.piece_bytes), g.staging_slots * geo.PIECES)
+    assert g.steady_reads == geo.READ_SLOTS  # a shared tier keeps every read slot busy
 
 
 def test_a_64_mib_stripe_doubles_the_staging_and_a_wider_one_is_bounded() -> None:
     assert pfs(LUSTRE_4M_X16).staging_slots * pfs(LUSTRE_4M_X16).staging_slot_bytes == 384 * MiB
     wide = pfs(FsFacts(direct=True, stripe_unit_bytes=4 * MiB, stripe_count=256))  # a 1 GiB stripe
-    assert (wide.chunk_bytes, wide.staging_slots) == (32 * MiB, MAX_STAGING_BYTES // (32 * MiB))
-    assert wide.queue_depth == wide.staging_slots * PIECES and wide.blob_align_bytes == 4 * MiB
+    assert (wide.chunk_bytes, wide.staging_slots) == (32 * MiB, geo.MAX_STAGING_BYTES // (32 * MiB))
+    assert wide.queue_depth == wide.staging_slots * geo.PIECES and wide.blob_align_bytes == 4 * MiB
     huge_unit = pfs(FsFacts(direct=True, stripe_unit_bytes=256 * MiB))  # no chunk holds one: not sized for
     assert (huge_unit.alignment_bytes, huge_unit.chunk_bytes, huge_unit.stripe_unit_bytes) == (4096, 32 * MiB, 4096)
     asked = pfs(LUSTRE_1M_X128, chunk_bytes=256 * MiB)  # a chunk asked for covers the stripe: kept
-    assert asked.chunk_bytes == 256 * MiB and asked.staging_slots == STAGING_SLOTS
+    assert asked.chunk_bytes == 256 * MiB and asked.staging_slots == geo.STAGING_SLOTS
 
 
 def test_a_local_tier_sizes_for_stripes_the_facts_name_but_not_for_a_bare_block() -> None:
@@ -116,7 +108,7 @@ def test_a_local_tier_sizes_for_stripes_the_facts_name_but_not_for_a_bare_block(
     assert (g.chunk_bytes, g.blob_align_bytes, g.blob_bytes) == (32 * MiB, 32 * MiB, 256 * MiB)
     assert g.steady_reads == 4  # two 16 MiB reads on each of the stripe's 32 MiB: 4 of the 16 slots
     assert io_geometry(LOCAL, IO, NFS_1M, blob_bytes=MiB).stripe_unit_bytes == 4096  # whole_blocks: pfs only
-    assert io_geometry(LOCAL, IO, EXT4, blob_bytes=MiB).steady_reads == STEADY_READS
+    assert io_geometry(LOCAL, IO, EXT4, blob_bytes=MiB).steady_reads == geo.STEADY_READS
     assert io_geometry(MEMORY, IOConfig(stripe_unit_bytes=MiB), blob_bytes=GiB).stripe_unit_bytes == 4096
 
 
