@@ -191,3 +191,16 @@ def test_a_local_tier_takes_no_file_layout(tmp_path: Path) -> None:
     entry = {"name": "ssd", "kind": "local", "path": str(tmp_path), "options": {"file_layout": {"stripe_unit": "1MiB"}}}
     with pytest.raises(ConfigError, match=r"options\.file_layout: unknown option \(a local tier takes: one_file\)"):
         Hierarchy.from_config({"tiers": [entry]})
+
+
+def test_a_real_refusal_names_the_tier_the_directory_and_the_layout(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The local disk's file system refuses a ``ceph.`` attribute for real (EOPNOTSUPP): facts that
+    wrongly say CephFS fail the tier's build, not its first save."""
+    probe = files.probe_fs
+    monkeypatch.setattr(files, "probe_fs", lambda d, **kw: replace(probe(d, **kw), family="cephfs"))
+    with pytest.raises(TierIOError, match=r"tier 'pfs': file_layout \(stripe unit 1048576, stripe count 4, "
+                       r"object size 4194304\): the file system of .* refused it on a probe file") as e:  # fmt: skip
+        Hierarchy.from_config(config(tmp_path, {"stripe_unit": "1MiB", "stripe_count": 4, "object_size": "4MiB"}))
+    assert e.value.errno in (errno.EOPNOTSUPP, errno.ENOTSUP)

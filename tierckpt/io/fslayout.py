@@ -22,7 +22,6 @@ another would be written in the wrong sizes.
 
 from __future__ import annotations
 
-import errno
 import os
 import secrets
 import struct
@@ -172,7 +171,3 @@ def probe_layout(directory: Path, family: str, layout: FileLayout, setxattr: Set
     finally:
         os.close(fd)
         probe.unlink(missing_ok=True)
-
-
-#: errors that say the file system does not take the layout (rather than that the disk failed)
-REFUSALS = frozenset({errno.EOPNOTSUPP, errno.ENOTSUP, errno.EINVAL, errno.EPERM, errno.EACCES, errno.ENODATA})
