@@ -60,9 +60,12 @@ def writes(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, int, int]]:
     return seen
 
 
-def test_a_wide_stripe_round_trips_in_whole_stripes(tmp_path: Path, writes: list[tuple[str, int, int]]) -> None:
+@pytest.mark.parametrize("top", ["host", "pfs"])  # a demotion's copies, or a save packed for the pfs tier
+def test_a_wide_stripe_round_trips_in_whole_stripes(
+    tmp_path: Path, writes: list[tuple[str, int, int]], top: str
+) -> None:
     cfg = tmp_path / "h.yaml"
-    cfg.write_text(YAML)
+    cfg.write_text(YAML if top == "host" else YAML.replace("  - {name: host, kind: host, capacity: 1GiB}\n", ""))
     want = state()
     with Hierarchy.from_yaml(cfg) as h:
         g = h.geometry.tiers["pfs"]
@@ -71,7 +74,7 @@ def test_a_wide_stripe_round_trips_in_whole_stripes(tmp_path: Path, writes: list
         assert h.geometry.blob_align_bytes == WIDTH and h.geometry.blob_bytes == 64 * MiB
         h.save(want, step=1, blocking=True).wait()
         h.flush()
-        assert [i.tiers for i in h.checkpoints()] == [("host", "pfs")]
+        assert [i.tiers for i in h.checkpoints()] == [("host", "pfs") if top == "host" else ("pfs",)]
     data = [w for w in writes if w[0].endswith("data.bin")]
     assert data and all(off % UNIT == 0 and n % UNIT == 0 for _, off, n in data)
     [file] = (tmp_path / "pfs").glob("step-*/rank-*/data.bin")
