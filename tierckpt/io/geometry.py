@@ -372,7 +372,7 @@ def io_geometry(
     bound = max(MAX_STRIPE_CHUNK, asked)  # the largest chunk a stripe raises it to
     stripes = stripes_of(io, facts, least=caps.alignment_bytes, whole_blocks=whole_blocks)
     if stripes.unit_bytes is not None and stripes.unit_bytes > bound:
-        stripes = Stripes()  # no chunk holds one unit: the asked chunk, which lies within a unit either way
+        stripes = Stripes()  # no chunk holds one unit: not sized for
     align = caps.alignment_bytes
     if stripes.unit_bytes is not None:
         align = max(align, min(MAX_FS_ALIGN, _largest_power_of_two_in(stripes.unit_bytes)))
