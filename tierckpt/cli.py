@@ -79,15 +79,16 @@ def _cmd_ls(args: argparse.Namespace) -> int:
 
 
 def _cmd_inspect(args: argparse.Namespace) -> int:
-    from tierckpt.facade.describe import describe, text_lines
+    from tierckpt.facade.describe import describe, describe_io, io_lines, text_lines
 
     with _open(args) as h:
         tier, m = h.inspect(args.step)
         info = describe(m, tier)
+        info["io"] = describe_io(h.tiers, h.geometry)  # each tier's geometry and file-system facts
     if args.json:
         print(json.dumps(info))
     else:
-        print("\n".join(text_lines(info)))
+        print("\n".join(text_lines(info) + io_lines(info["io"])))
     return 0
 
 

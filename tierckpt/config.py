@@ -81,6 +81,10 @@ class IOConfig:
         direct: open blob files with O_DIRECT where the file system allows it.
         queue_depth: operations in flight per engine.
         chunk_bytes: size of one read/write operation and of one staging buffer.
+        stripe_unit_bytes: the file system's stripe unit to size for, over the one detected (None: as
+            detected).
+        stripe_count: its stripe count, likewise.
+        object_bytes: its object size, likewise.
 
     These are settings, inputs of each tier's I/O geometry (:func:`tierckpt.io.geometry.io_geometry`),
     which decides every size used from them.
@@ -90,6 +94,10 @@ class IOConfig:
     direct: bool = True
     queue_depth: int = 16
     chunk_bytes: int = 32 << 20
+    # the file system's stripes, over its detected facts (docs/tiers.md, "I/O geometry")
+    stripe_unit_bytes: int | None = None
+    stripe_count: int | None = None
+    object_bytes: int | None = None
 
 
 def default_io() -> IOConfig:
@@ -251,8 +259,11 @@ def _int(v: Any, key: str, lo: int, hi: int) -> int:
     return v
 
 
+_STRIPE_KEYS = {"stripe_unit", "stripe_count", "object_size"}
+
+
 def _parse_io(d: Any, key: str, base: IOConfig) -> IOConfig:
-    d = _check_keys(d, key, {"engine", "direct", "queue_depth", "chunk"})
+    d = _check_keys(d, key, {"engine", "direct", "queue_depth", "chunk", *_STRIPE_KEYS})
     out = base
     if "engine" in d:
         if d["engine"] not in ENGINES:
@@ -271,6 +282,27 @@ def _parse_io(d: Any, key: str, base: IOConfig) -> IOConfig:
                 f"{key}.chunk: expected a multiple of 4KiB between 4KiB and 1GiB, got {_short(d['chunk'])}"
             )
         out = replace(out, chunk_bytes=chunk)
+    return _parse_stripes(d, key, out)
+
+
+def _parse_stripes(d: Mapping[str, Any], key: str, out: IOConfig) -> IOConfig:
+    """``stripe_unit``, ``stripe_count``, ``object_size``: the stripes to size for, over the detected."""
+    if "stripe_unit" in d:
+        unit = parse_size(d["stripe_unit"], f"{key}.stripe_unit")
+        if unit < 4096 or unit % 4096 or unit > 1 << 32:
+            raise ConfigError(
+                f"{key}.stripe_unit: expected a multiple of 4KiB between 4KiB and 4GiB, got {_short(d['stripe_unit'])}"
+            )
+        out = replace(out, stripe_unit_bytes=unit)
+    if "stripe_count" in d:
+        out = replace(out, stripe_count=_int(d["stripe_count"], f"{key}.stripe_count", 1, 65535))
+    if "object_size" in d:
+        obj = parse_size(d["object_size"], f"{key}.object_size")
+        of = out.stripe_unit_bytes
+        if obj < 4096 or obj % 4096 or obj > 1 << 32 or (of is not None and obj % of):
+            within = f"a multiple of the stripe unit ({format_size(of)})" if of else "a multiple of 4KiB"
+            raise ConfigError(f"{key}.object_size: expected {within} up to 4GiB, got {_short(d['object_size'])}")
+        out = replace(out, object_bytes=obj)
     return out
 
 

@@ -46,7 +46,7 @@ from tierckpt.facade.restorejob import CopyReader, RestoreJob
 from tierckpt.facade.verify import verify_copies
 from tierckpt.format.manifest import Manifest
 from tierckpt.format.tree import flatten
-from tierckpt.io.geometry import checkpoint_geometry
+from tierckpt.io.geometry import CheckpointGeometry, checkpoint_geometry
 from tierckpt.policies.demotion import Demotion
 from tierckpt.policies.placement import CopyPlan, Policy
 from tierckpt.policies.protocol import ThisRank
@@ -232,6 +232,11 @@ class Hierarchy:
     def tiers(self) -> tuple[Tier, ...]:
         """The tiers, fastest first."""
         return self._tiers
+
+    @property
+    def geometry(self) -> CheckpointGeometry:
+        """The sizes of its checkpoints and of each tier's I/O in them (docs/tiers.md, "I/O geometry")."""
+        return self._geometry
 
     def tier(self, name: str) -> Tier:
         """The tier called ``name``; KeyError if there is none."""

@@ -65,8 +65,14 @@ class SaveJob:
     @staticmethod
     def lay_out(flat: FlatState, geometry: CheckpointGeometry) -> Layout:
         """The blobs of a save: the checkpoint geometry's blob size and alignment (``layout.blob_size``,
-        else the largest blob size any tier prefers)."""
-        return plan(flat.nbytes, align=geometry.align_bytes, blob_bytes=geometry.blob_bytes)
+        else the largest blob size any tier prefers), each blob a whole multiple of every tier's blob
+        granule (a parallel file system's stripe width)."""
+        return plan(
+            flat.nbytes,
+            align=geometry.align_bytes,
+            blob_bytes=geometry.blob_bytes,
+            blob_align=geometry.blob_align_bytes,
+        )
 
     def start(self) -> None:
         """Record the plan in the catalog (its tiers pending and wanted, the cadences as it leaves them),

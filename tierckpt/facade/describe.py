@@ -1,5 +1,6 @@
 """What ``tierckpt inspect`` shows of a manifest: its tensors, its plain values (bounded reprs) and
-which keys share one tensor (tied weights).
+which keys share one tensor (tied weights); and of the hierarchy that reads it: every tier's I/O
+geometry and what it knows of its storage (:func:`describe_io`).
 
 The tree is decoded without unpickling anything (a pickled value shows as its size) and walked
 iteratively, so a deep or wide tree costs memory in proportion to its own size and no recursion.
@@ -7,16 +8,20 @@ iteratively, so a deep or wide tree costs memory in proportion to its own size a
 
 from __future__ import annotations
 
+import dataclasses
 import reprlib
 from collections import OrderedDict
+from collections.abc import Sequence
 from typing import Any
 
 from tierckpt.config import format_size
 from tierckpt.format.manifest import Manifest
 from tierckpt.format.sharding import REPLICATE, SHARD, ShardRow
 from tierckpt.format.tree import Int, Opaque, check_ref, decode_tree
+from tierckpt.io.geometry import CheckpointGeometry
+from tierckpt.tiers.base import Tier
 
-__all__ = ["describe", "text_lines", "value_repr"]
+__all__ = ["describe", "describe_io", "io_lines", "text_lines", "value_repr"]
 
 _CONTAINERS = (dict, list, tuple, OrderedDict)
 
@@ -159,4 +164,46 @@ def text_lines(info: dict[str, Any]) -> list[str]:
         out += [f"  {' = '.join(g['keys'])}" for g in info["tied"]]
     out.append("values:" if info["values"] else "values: none")
     out += [f"  {v['key']} = {v['repr']}" for v in info["values"]]
+    return out
+
+
+def describe_io(tiers: Sequence[Tier], geometry: CheckpointGeometry) -> dict[str, Any]:
+    """A hierarchy's checkpoint geometry and, per tier, its geometry in it (every
+    :class:`~tierckpt.io.geometry.IOGeometry` field) and what it knows of its storage
+    (:meth:`~tierckpt.tiers.base.Tier.storage_facts`: a file tier's file-system facts and file layout)."""
+    return {
+        "align_bytes": geometry.align_bytes,
+        "blob_bytes": geometry.blob_bytes,
+        "blob_align_bytes": geometry.blob_align_bytes,
+        "read_slots": geometry.read_slots,
+        "read_slot_bytes": geometry.read_slot_bytes,
+        "tiers": [
+            {
+                "name": t.name,
+                "kind": t.kind,
+                "geometry": dataclasses.asdict(geometry.tiers[t.name]),
+                **t.storage_facts(),
+            }
+            for t in tiers
+        ],
+    }
+
+
+def io_lines(io: dict[str, Any]) -> list[str]:
+    """The human-readable form of :func:`describe_io`'s result."""
+    out = [
+        f"checkpoint geometry: align {format_size(io['align_bytes'])}, blobs of {format_size(io['blob_bytes'])} "
+        f"in multiples of {format_size(io['blob_align_bytes'])}"
+    ]
+    for t in io["tiers"]:
+        g, facts = t["geometry"], t.get("facts")
+        fs = "" if facts is None else f" on {facts['fs_type'] or facts['family']}"
+        stripes = (
+            f"stripes {format_size(g['stripe_unit_bytes'])} x {g['stripe_width_bytes'] // g['stripe_unit_bytes']}, "
+        )
+        out.append(
+            f"  {t['name']} ({t['kind']}{fs}): {stripes if facts else ''}chunk {format_size(g['chunk_bytes'])}, "
+            f"pieces of {format_size(g['piece_bytes'])}, queue depth {g['queue_depth']}, {g['staging_slots']} "
+            f"staging slots, {'O_DIRECT' if g['direct'] else 'buffered'}"
+        )
     return out

@@ -9,7 +9,9 @@ O_DIRECT, and alignment padding never costs more than 1/64 of the bytes (20,000 
 wasted 6 % of the blob bytes when every extent of at least ``align`` bytes started on a page, and a
 1.1 MiB tensor nearly half when ``align`` is a 1 MiB Lustre stripe). Blobs are written and read whole,
 in aligned chunks, so the alignment of a tensor inside them costs no I/O. Blob sizes are rounded up to
-``align`` (zero padding), so a blob is always written and read in whole aligned units.
+``align`` (zero padding), so a blob is always written and read in whole aligned units, or to a larger
+``blob_align`` (a parallel file system's stripe width: a data file holding the blobs back to back is
+then whole stripes, and each blob starts on one), which pads a blob by less than ``blob_align``.
 """
 
 from __future__ import annotations
@@ -66,7 +68,14 @@ def extent_align(n: int, align: int, small_align: int = SMALL_ALIGN) -> int:
     return min(align, max(small_align, 1 << max(0, (n // PAD_RATIO).bit_length() - 1)))
 
 
-def plan(lengths: Sequence[int], *, align: int, blob_bytes: int, small_align: int = SMALL_ALIGN) -> Layout:
+def plan(
+    lengths: Sequence[int],
+    *,
+    align: int,
+    blob_bytes: int,
+    small_align: int = SMALL_ALIGN,
+    blob_align: int | None = None,
+) -> Layout:
     """Assign every item an extent.
 
     Args:
@@ -75,6 +84,7 @@ def plan(lengths: Sequence[int], *, align: int, blob_bytes: int, small_align: in
             bytes, are multiples of it.
         blob_bytes: target blob size; an item larger than it gets a blob of its own.
         small_align: the least alignment of any extent (see :func:`extent_align`).
+        blob_align: blob sizes are multiples of it (a multiple of ``align``; None: ``align``).
 
     Returns:
         A deterministic :class:`Layout`: the same lengths always give the same extents.
@@ -85,6 +95,9 @@ def plan(lengths: Sequence[int], *, align: int, blob_bytes: int, small_align: in
         raise ValueError(f"small_align must be a power of two <= align, got {small_align}")
     if blob_bytes < align:
         raise ValueError(f"blob_bytes ({blob_bytes}) must be at least align ({align})")
+    granule = align if blob_align is None else blob_align
+    if granule <= 0 or granule % align:
+        raise ValueError(f"blob_align ({blob_align}) must be a positive multiple of align ({align})")
     lengths = list(lengths)
     if lengths and min(lengths) < 0:
         raise ValueError(f"negative length {min(lengths)}")
@@ -107,13 +120,13 @@ def plan(lengths: Sequence[int], *, align: int, blob_bytes: int, small_align: in
             mask = (1 << ((n // PAD_RATIO).bit_length() - 1)) - 1
         off = (end + mask) & ~mask
         if off + n > blob_bytes and end > 0:
-            sizes.append((end + big_mask) & ~big_mask)
+            sizes.append(round_up(end, granule))
             blob, off = blob + 1, 0
         blobs.append(blob)
         offsets.append(off)
         end = off + n
     if end > 0:
-        sizes.append((end + big_mask) & ~big_mask)
+        sizes.append(round_up(end, granule))
     return Layout(blobs=blobs, offsets=offsets, lengths=lengths, blob_sizes=tuple(sizes), align=align)
 
 

@@ -15,6 +15,7 @@ Which setting or fact sets each field: docs/tiers.md, "I/O geometry".
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Protocol
@@ -24,7 +25,10 @@ from tierckpt.config import IOConfig, LayoutConfig
 __all__ = [
     "DIRECT_READ_MIN",
     "FIRST_READS",
+    "MAX_BLOB_ALIGN",
     "MAX_FS_ALIGN",
+    "MAX_STAGING_BYTES",
+    "MAX_STRIPE_CHUNK",
     "PAGE",
     "PIECES",
     "READ_SLOTS",
@@ -64,6 +68,16 @@ DIRECT_READ_MIN = 4 << 20
 #: A restore into new tensors reads its first chunk in this many parts, so that the disk starts once the
 #: first part's fresh pages are faulted in rather than a whole chunk's.
 FIRST_READS = 4
+#: The largest chunk a tier's asked chunk is raised to so that each write covers a whole stripe (stripe
+#: unit x count): 6 staging slots of a 64 MiB stripe are 384 MiB per tier worker, twice the default.
+#: A wider stripe is written in chunks of whole stripe units, with more slots (:data:`MAX_STAGING_BYTES`).
+MAX_STRIPE_CHUNK = 64 << 20
+#: A tier worker's staging in all (slots x slot) when slots are added so that a wide stripe has two writes
+#: in flight on each of its targets; it never has fewer than :data:`STAGING_SLOTS`.
+MAX_STAGING_BYTES = 512 << 20
+#: The largest unit blobs (and so data files) are whole multiples of: one blob pads at most this much.
+#: A stripe wider than this (or one whose object size makes it so) pads blobs to whole stripe units.
+MAX_BLOB_ALIGN = 64 << 20
 
 
 @dataclass(frozen=True)
@@ -165,6 +179,13 @@ class IOGeometry:
             into its destination, where its reader allows it (:data:`DIRECT_READ_MIN`).
         min_part_bytes: its smallest write but a blob's last (its capabilities').
         max_part_bytes: its largest write (its capabilities'; None: no bound).
+        stripe_unit_bytes: its writes start on multiples of it and are whole multiples of it (its
+            pieces and chunks): the file system's stripe unit (or, on a ``pfs`` tier, its block), else
+            the alignment.
+        stripe_width_bytes: one stripe over every target (unit x count): its chunk is a whole multiple of
+            it where that fits :data:`MAX_STRIPE_CHUNK`; else the stripe unit.
+        blob_align_bytes: its blobs, and so its data files, are whole multiples of it (the stripe width
+            and the object size; the stripe unit where that is over :data:`MAX_BLOB_ALIGN`).
     """
 
     alignment_bytes: int
@@ -183,6 +204,15 @@ class IOGeometry:
     direct_read_min_bytes: int = DIRECT_READ_MIN
     min_part_bytes: int = 0
     max_part_bytes: int | None = None
+    stripe_unit_bytes: int = 0  # 0 (a geometry made by hand): the alignment
+    stripe_width_bytes: int = 0  # 0: the stripe unit
+    blob_align_bytes: int = 0  # 0: the alignment
+
+    def __post_init__(self) -> None:
+        unit = self.stripe_unit_bytes or self.alignment_bytes
+        object.__setattr__(self, "stripe_unit_bytes", unit)
+        object.__setattr__(self, "stripe_width_bytes", self.stripe_width_bytes or unit)
+        object.__setattr__(self, "blob_align_bytes", self.blob_align_bytes or self.alignment_bytes)
 
     @property
     def read_staging_bytes(self) -> int:
@@ -209,7 +239,8 @@ class IOGeometry:
 
     def aligned_to(self, align: int) -> IOGeometry:
         """This geometry in a checkpoint whose alignment is ``align`` (a power of two, a multiple of
-        :attr:`alignment_bytes`): every size a multiple of it, the parts still within bounds.
+        :attr:`alignment_bytes`): every size a multiple of it, the parts still within bounds, the chunk
+        still whole stripes (or stripe units) and the blobs whole multiples of :attr:`blob_align_bytes`.
 
         Raises:
             ValueError: ``align`` is not such a power of two.
@@ -218,17 +249,23 @@ class IOGeometry:
             return self
         if align < self.alignment_bytes or align & (align - 1):
             raise ValueError(f"alignment {align} is not a power of two of at least {self.alignment_bytes}")
-        chunk = _within_parts(self.chunk_bytes, align, self.min_part_bytes, self.max_part_bytes)
+        unit, width = math.lcm(self.stripe_unit_bytes, align), math.lcm(self.stripe_width_bytes, align)
+        step = width if self.chunk_bytes % self.stripe_width_bytes == 0 else unit  # as io_geometry chose
+        chunk = _within_parts(self.chunk_bytes, step, self.min_part_bytes, self.max_part_bytes)
         # a tier that stages through its own chunk goes on doing so; a memory tier's slots are rounded up
         slot = chunk if self.staging_slot_bytes == self.chunk_bytes else _round_up(self.staging_slot_bytes, align)
+        granule = math.lcm(self.blob_align_bytes, align)
         return replace(
             self,
             alignment_bytes=align,
-            blob_bytes=_round_up(self.blob_bytes, align),
+            blob_bytes=_round_up(self.blob_bytes, granule),
             chunk_bytes=chunk,
-            piece_bytes=_piece(slot, align, self.min_part_bytes),
+            piece_bytes=_piece(slot, unit if slot % unit == 0 else align, self.min_part_bytes),
             staging_slot_bytes=slot,
             read_slot_bytes=_round_up(self.read_slot_bytes, align),
+            stripe_unit_bytes=unit,
+            stripe_width_bytes=width,
+            blob_align_bytes=granule,
         )
 
 
@@ -245,10 +282,48 @@ def _within_parts(chunk: int, align: int, lo: int, hi: int | None) -> int:
     return chunk if chunk >= lo else _round_up(lo, align)
 
 
-def _piece(chunk: int, align: int, min_part: int) -> int:
-    """A quarter chunk (:data:`PIECES`), aligned; the whole chunk where that is below the smallest part."""
-    piece = max(align, chunk // PIECES // align * align)
+def _piece(chunk: int, unit: int, min_part: int) -> int:
+    """A quarter chunk (:data:`PIECES`), a multiple of ``unit``; the whole chunk where that is below the
+    smallest part."""
+    piece = max(unit, chunk // PIECES // unit * unit)
     return chunk if piece < min_part else piece
+
+
+@dataclass(frozen=True)
+class Stripes:
+    """The stripes a file tier sizes its I/O for (:func:`stripes_of`).
+
+    Attributes:
+        unit_bytes: bytes written to one target before the next (None: not striped, or not known).
+        count: the targets a stripe spans.
+        object_bytes: the size of one backing object (None: not known).
+    """
+
+    unit_bytes: int | None = None
+    count: int = 1
+    object_bytes: int | None = None
+
+
+def stripes_of(io: IOConfig, facts: FsFacts | None, *, least: int = PAGE, whole_blocks: bool = False) -> Stripes:
+    """The stripes a file tier sizes for: the tier's ``io`` overrides (``stripe_unit``,
+    ``stripe_count``, ``object_size``) over its file system's facts; without a stripe unit, a
+    ``whole_blocks`` tier's file-system block (:attr:`FsFacts.fs_block_bytes`) where larger than a page
+    (GPFS's block, NFS's ``wsize``, Lustre's ``st_blksize``). A unit that is not a multiple of ``least``
+    (the tier's alignment) is no unit its writes can keep to: none. No facts (a memory or object tier):
+    none."""
+    if facts is None:
+        return Stripes()
+    unit = io.stripe_unit_bytes or facts.stripe_unit_bytes
+    if unit is None and whole_blocks and facts.fs_block_bytes > PAGE:
+        unit = facts.fs_block_bytes
+    if unit is not None and (unit < least or unit % least):
+        unit = None
+    return Stripes(unit, max(1, io.stripe_count or facts.stripe_count or 1), io.object_bytes or facts.object_bytes)
+
+
+def _largest_power_of_two_in(n: int) -> int:
+    """The largest power of two that divides ``n``."""
+    return n & -n
 
 
 def io_geometry(
@@ -264,6 +339,22 @@ def io_geometry(
 ) -> IOGeometry:
     """A tier's geometry. Pure: the same arguments always give the same sizes.
 
+    A striped file system's facts (:func:`stripes_of`: unit, count, object size) set, beyond the
+    capabilities and settings:
+
+    * the alignment: at least the unit's largest power-of-two divisor, up to :data:`MAX_FS_ALIGN`;
+    * the chunk: the asked chunk rounded down to whole stripes (unit x count), at least one stripe where
+      a stripe is at most :data:`MAX_STRIPE_CHUNK` (or the asked chunk); else to whole stripe units (a
+      unit larger than that is not sized for);
+    * the pieces: a quarter chunk in whole stripe units;
+    * the staging slots: :data:`STAGING_SLOTS`, more where they would not hold two writes for each target
+      of the stripe (up to :data:`MAX_STAGING_BYTES` in all);
+    * the queue depth: ``io.queue_depth``, more where that does not keep two writes (pieces) in flight
+      on each target, up to what the staging slots hold;
+    * the blob granule (:attr:`IOGeometry.blob_align_bytes`): the least common multiple of the stripe
+      width, the object size and the alignment (whole stripe units where over :data:`MAX_BLOB_ALIGN`);
+    * a tier of one node's ``steady_reads``: enough read slots for two reads on each target.
+
     Args:
         caps: the tier's capabilities: its alignment, part sizes and device.
         io: the tier's ``io`` settings (the hierarchy's, with the tier's own ``io:`` entry merged in).
@@ -273,36 +364,66 @@ def io_geometry(
             memory tier's staging slots are the hierarchy's ``io.chunk_bytes`` whatever it says.
         direct: the tier's own O_DIRECT setting, over ``io.direct``; only where ``facts.direct``.
         one_file: a copy's blobs go into one data file.
-        whole_blocks: align I/O to the file system's block (:attr:`FsFacts.fs_block_bytes`), as a
-            parallel file system wants whole stripes or blocks written (the ``pfs`` kind).
+        whole_blocks: size writes to the file system's block where it says nothing of stripes
+            (:func:`stripes_of`), as a parallel file system wants whole stripes or blocks written (the
+            ``pfs`` kind).
     """
+    asked = io.chunk_bytes if chunk_bytes is None else chunk_bytes
+    bound = max(MAX_STRIPE_CHUNK, asked)  # the largest chunk a stripe raises it to
+    stripes = stripes_of(io, facts, least=caps.alignment_bytes, whole_blocks=whole_blocks)
+    if stripes.unit_bytes is not None and stripes.unit_bytes > bound:
+        stripes = Stripes()  # no chunk holds one unit: not sized for
     align = caps.alignment_bytes
-    if whole_blocks and facts is not None:
-        align = max(align, facts.fs_block_bytes)
+    if stripes.unit_bytes is not None:
+        align = max(align, min(MAX_FS_ALIGN, _largest_power_of_two_in(stripes.unit_bytes)))
+    unit = stripes.unit_bytes or align
+    width = unit * stripes.count
     lo, hi = caps.min_part_bytes, caps.max_part_bytes
-    chunk = _within_parts(io.chunk_bytes if chunk_bytes is None else chunk_bytes, align, lo, hi)
+    chunk = _within_parts(asked, width if width <= bound else unit, lo, hi)
     memory = caps.device not in ("file", "object")  # its blobs are memory: staging only for device copies
     slot = _round_up(io.chunk_bytes, align) if memory else _round_up(chunk, align)
+    piece = _piece(slot, unit if slot % unit == 0 else align, lo)
+    slots = max(STAGING_SLOTS, min(-(-2 * width // slot), MAX_STAGING_BYTES // slot))
+    depth = max(io.queue_depth, min(slots * PIECES, -(-2 * width // piece)))
+    read_slot = _round_up(READ_SLOT_BYTES, align)
+    steady = READ_SLOTS if caps.shared else max(STEADY_READS, min(READ_SLOTS, -(-2 * width // read_slot)))
     wants_direct = io.direct if direct is None else direct
     mem_align = caps.alignment_bytes if facts is None else max(PAGE, facts.dio_mem_align or 0)
+    granule = _blob_align(stripes, width, align)
     return IOGeometry(
         alignment_bytes=align,
         direct=wants_direct and facts is not None and facts.direct,
-        blob_bytes=_round_up(blob_bytes, align),
+        blob_bytes=_round_up(blob_bytes, granule),
         one_file=one_file,
         chunk_bytes=chunk,
-        piece_bytes=_piece(slot, align, lo),
-        queue_depth=io.queue_depth,
-        staging_slots=STAGING_SLOTS,
+        piece_bytes=piece,
+        queue_depth=depth,
+        staging_slots=slots,
         staging_slot_bytes=slot,
         read_slots=READ_SLOTS,
-        read_slot_bytes=_round_up(READ_SLOT_BYTES, align),
+        read_slot_bytes=read_slot,
         memory_alignment_bytes=mem_align,
-        steady_reads=READ_SLOTS if caps.shared else STEADY_READS,
+        steady_reads=steady,
         direct_read_min_bytes=DIRECT_READ_MIN,
         min_part_bytes=lo,
         max_part_bytes=hi,
+        stripe_unit_bytes=unit,
+        stripe_width_bytes=width,
+        blob_align_bytes=granule,
     )
+
+
+def _blob_align(stripes: Stripes, width: int, align: int) -> int:
+    """What blobs are whole multiples of: the least common multiple of the stripe width, the object size
+    and ``align``; whole stripe units where that is over :data:`MAX_BLOB_ALIGN`; ``align`` without
+    stripes."""
+    if stripes.unit_bytes is None:
+        return align
+    granule = math.lcm(width, stripes.object_bytes or 1, align)
+    if granule <= MAX_BLOB_ALIGN:
+        return granule
+    unit = math.lcm(stripes.unit_bytes, align)
+    return unit if unit <= MAX_BLOB_ALIGN else align
 
 
 @dataclass(frozen=True)
@@ -315,6 +436,8 @@ class CheckpointGeometry:
         read_slots: ``restore(into=)``'s staging buffers (one pool for the hierarchy).
         read_slot_bytes: the size of each.
         tiers: per tier name, its geometry in that alignment (:meth:`IOGeometry.aligned_to`).
+        blob_align_bytes: a save's blobs are whole multiples of it (every tier's
+            :attr:`IOGeometry.blob_align_bytes`, so that a data file holding them is too).
     """
 
     align_bytes: int
@@ -322,6 +445,10 @@ class CheckpointGeometry:
     read_slots: int
     read_slot_bytes: int
     tiers: Mapping[str, IOGeometry]
+    blob_align_bytes: int = 0  # 0 (made by hand): the alignment
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "blob_align_bytes", self.blob_align_bytes or self.align_bytes)
 
     def read_staging(self, align: int) -> tuple[int, int]:
         """``restore(into=)``'s slot size and the slots' memory alignment for a copy whose alignment is
@@ -333,15 +460,22 @@ class CheckpointGeometry:
 
 def checkpoint_geometry(layout: LayoutConfig, tiers: Mapping[str, IOGeometry]) -> CheckpointGeometry:
     """A hierarchy's checkpoint geometry: the alignment is the largest of ``layout.align_bytes`` and
-    every tier's; the blob size is ``layout.blob_bytes``, else the largest any tier prefers, rounded up
-    to the alignment; ``restore(into=)`` reads through the most and largest slots any tier asks for."""
+    every tier's; blobs are whole multiples of every tier's blob granule (their least common multiple;
+    the largest alone where that is over :data:`MAX_BLOB_ALIGN`); the blob size is ``layout.blob_bytes``,
+    else the largest any tier prefers, rounded up to that granule; ``restore(into=)`` reads through the
+    most and largest slots any tier asks for."""
     align = max([layout.align_bytes, *(g.alignment_bytes for g in tiers.values())])
     blob = layout.blob_bytes or max(g.blob_bytes for g in tiers.values())
     aligned = {name: g.aligned_to(align) for name, g in tiers.items()}
+    granules = [align, *(g.blob_align_bytes for g in aligned.values())]
+    granule = math.lcm(*granules)
+    if granule > MAX_BLOB_ALIGN:
+        granule = max(granules)
     return CheckpointGeometry(
         align_bytes=align,
-        blob_bytes=_round_up(blob, align),
+        blob_bytes=_round_up(blob, granule),
         read_slots=max(g.read_slots for g in aligned.values()),
         read_slot_bytes=max(g.read_slot_bytes for g in aligned.values()),
         tiers=aligned,
+        blob_align_bytes=granule,
     )

@@ -22,21 +22,26 @@ and published (``_filewrite``), the directory's lease (``_lease``).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import shutil
 import threading
 import weakref
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 from tierckpt.config import LEASE_STALE_SECS, IOConfig, TierConfig, default_io
 from tierckpt.errors import TierFullError
 from tierckpt.format.manifest import BlobEntry
 from tierckpt.io.engine import IOEngine, make_engine
+from tierckpt.io.fslayout import FileLayout, with_layout
 from tierckpt.io.fsutil import fsync_dir, probe_fs
 from tierckpt.io.geometry import FsFacts, IOGeometry, io_geometry
 from tierckpt.tiers._filedir import open_directory
+from tierckpt.tiers._filelayout import check_file_layout, parse_file_layout
 from tierckpt.tiers._filelisting import RECORD_NAME, FileListing, rank_dir_name, step_dir_name
 from tierckpt.tiers._fileread import FileCopy, io_error, read_regular
 from tierckpt.tiers._filescratch import scratch_name, sweep
@@ -55,8 +60,17 @@ _MAX_RECORD_BYTES = 1 << 27  # far more than a record of any job (docs/format.md
 _OPTIONS = {
     "one_file": Option(
         boolean(), default=None, doc="all of a copy's blobs in one data file (default: true on pfs, false on local)"
-    )
+    ),
 }
+#: a shared tier's (``pfs``): also the layout it sets on its data files
+_SHARED_OPTIONS = {
+    **_OPTIONS,
+    "file_layout": Option(
+        parse_file_layout, default=None, doc="the layout set on new data files: stripe_unit, stripe_count, object_size"
+    ),
+}
+#: the tier's own ``io`` settings that are inputs of its geometry, besides ``direct`` and the chunk
+_OWN_IO = ("queue_depth", "stripe_unit_bytes", "stripe_count", "object_bytes")
 
 
 class FileTier(Tier):
@@ -77,11 +91,17 @@ class FileTier(Tier):
         lease_stale_secs: how long a lease holder on another host may go without renewing it.
         one_file: write each copy's blobs into one data file (``data.bin``) rather than a file a blob
             (None: the kind's default, :attr:`one_file`). Copies of either kind are read either way.
+        file_layout: the layout to set on each new data file (CephFS, Lustre: :mod:`tierckpt.io.fslayout`);
+            the geometry sizes for it rather than for the layout detected.
+        io: the tier's own ``io`` settings (its config entry's): its queue depth and the stripes it sizes
+            for (``stripe_unit_bytes`` ...) over the hierarchy's; None: the hierarchy's.
 
     Raises:
         TierBusyError: (writable) another job holds the directory's lease.
         TierIOError: the directory is missing (``readonly``), cannot be made, is not readable (and
-            writable), or is on a read-only file system and the tier is not ``readonly``.
+            writable), or is on a read-only file system and the tier is not ``readonly``; or its file
+            system refused ``file_layout`` on a probe file.
+        ConfigError: its file system takes no ``file_layout`` from a client.
     """
 
     kind = "file"
@@ -105,6 +125,8 @@ class FileTier(Tier):
         job: str | None = None,
         lease_stale_secs: float = LEASE_STALE_SECS,
         one_file: bool | None = None,
+        file_layout: FileLayout | None = None,
+        io: IOConfig | None = None,
     ) -> None:
         super().__init__(name)
         if one_file is not None:
@@ -120,12 +142,16 @@ class FileTier(Tier):
         self._engine, self._engine_given, self._own_engine = engine, engine is not None, False
         # the tier's own settings, inputs of its geometry (None: the io settings of the hierarchy it joins)
         self._asked = (direct, chunk_bytes)
+        self._own_io = {k: getattr(io, k) for k in _OWN_IO if io is not None and getattr(io, k) is not None}
         try:  # a read-only tier writes nothing, not even a probe file
             self.facts: FsFacts = probe_fs(
                 self.path, writable=not readonly, sample=self._listing.sample() if readonly else None
             )
         except OSError as e:
             raise io_error(name, f"cannot probe {self.path}", e) from e
+        self.file_layout = file_layout
+        if file_layout is not None:
+            check_file_layout(name, self.path, self.facts, file_layout, probe=not readonly)
         self.capacity_bytes = capacity_bytes
         if blob_bytes:
             self.preferred_blob_bytes = blob_bytes
@@ -141,12 +167,14 @@ class FileTier(Tier):
 
     def plan_geometry(self, io: IOConfig) -> IOGeometry:
         """:func:`~tierckpt.io.geometry.io_geometry` of the tier's capabilities, its file system's
-        :attr:`facts` and its settings: ``direct`` and the chunk as given to the constructor, else as
+        :attr:`facts` (with the :attr:`file_layout` it sets on its data files) and its settings:
+        ``direct``, the chunk, the queue depth and the stripes as given to the constructor, else as
         ``io`` says."""
         direct, chunk = self._asked
         return io_geometry(
-            self.capabilities, io, self.facts, blob_bytes=self.preferred_blob_bytes, chunk_bytes=chunk,
-            direct=direct, one_file=self.one_file, whole_blocks=self.whole_blocks,
+            self.capabilities, replace(io, **self._own_io), with_layout(self.facts, self.file_layout),
+            blob_bytes=self.preferred_blob_bytes, chunk_bytes=chunk, direct=direct, one_file=self.one_file,
+            whole_blocks=self.whole_blocks,
         )  # fmt: skip
 
     def _fix_io(self, io: IOConfig) -> None:
@@ -204,14 +232,14 @@ class FileTier(Tier):
 
     @classmethod
     def from_config(cls, cfg: TierConfig, engines: EngineSource) -> FileTier:
-        """The location is the directory (``~``, ``$VAR`` expanded; relative to the YAML file); the one
-        option is ``one_file`` (see the class)."""
+        """The location is the directory (``~``, ``$VAR`` expanded; relative to the YAML file); the
+        options are ``one_file`` and, on a shared tier (``pfs``), ``file_layout`` (see the class). Its engine runs as many operations
+        at once as its geometry's queue depth."""
         path = local_directory(cfg)
-        opts = check_options(cfg, _OPTIONS)
-        return cls(
+        opts = check_options(cfg, _SHARED_OPTIONS if cls.shared else _OPTIONS)
+        tier = cls(
             cfg.name,
             path,
-            engines.get(cfg.io.engine, cfg.io.queue_depth),
             direct=cfg.io.direct,
             chunk_bytes=cfg.io.chunk_bytes,
             capacity_bytes=cfg.capacity_bytes,
@@ -220,10 +248,20 @@ class FileTier(Tier):
             job=cfg.job,
             lease_stale_secs=cfg.lease_stale_secs,
             one_file=opts["one_file"],
+            file_layout=opts.get("file_layout"),
+            io=cfg.io,
         )
+        tier._engine, tier._engine_given = engines.get(cfg.io.engine, tier.plan_geometry(cfg.io).queue_depth), True
+        return tier
 
     def describe(self) -> str:
         return f"{self.path} ({'O_DIRECT' if self.direct else 'buffered'}, {self.engine.name} engine)"
+
+    def storage_facts(self) -> dict[str, Any]:
+        """``{"facts": ..., "file_layout": ...}``: its file system's :attr:`facts` as probed, and the
+        :attr:`file_layout` it sets on new data files (None: none); its geometry sizes for both."""
+        layout = None if self.file_layout is None else dataclasses.asdict(self.file_layout)
+        return {"facts": dataclasses.asdict(self.facts), "file_layout": layout}
 
     def location(self) -> str:
         return os.path.realpath(self.path)
@@ -356,6 +394,7 @@ class FileTier(Tier):
                 final=self._rank_dir(key),
                 old=step_dir / scratch_name("old", key.rank),
                 one_file=self.geometry.one_file,
+                layout=None if self.file_layout is None else (self.facts.family, self.file_layout),
             )
         except BaseException:
             self._unreserve(need if self.capacity_bytes is not None else 0)

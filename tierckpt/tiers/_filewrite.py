@@ -23,6 +23,7 @@ from pathlib import Path
 from tierckpt.errors import DeviceFullError
 from tierckpt.format.layout import data_offsets
 from tierckpt.format.manifest import BlobEntry
+from tierckpt.io.fslayout import FileLayout, set_layout
 from tierckpt.io.fsutil import fsync_dir
 from tierckpt.tiers._fileread import DATA_NAME, MANIFEST_NAME, FileSpace, io_error
 from tierckpt.tiers.base import CheckpointKey, TierWriter
@@ -80,6 +81,21 @@ def device_full(tier: FileSpace, what: str, need: int, e: OSError, whole: int | 
     )
 
 
+def _set_layout(layout: tuple[str, FileLayout], target: int | Path, path: str | Path | None = None) -> None:
+    """Set ``layout`` on ``target`` (a new file's descriptor, or a directory); a refusal is an OSError
+    naming the layout and the file (``path``, else ``target``)."""
+    family, wanted = layout
+    try:
+        set_layout(family, target, wanted)
+    except OSError as e:
+        where = path if path is not None else target
+        raise OSError(
+            e.errno,
+            f"the file system refused the file layout ({wanted.describe()}) on {where}: {e.strerror or e}",
+            str(where),
+        ) from e
+
+
 class FileWriter(TierWriter):
     """One copy being written into the scratch directory ``tmp`` of ``step_dir``, published as ``final``.
 
@@ -94,6 +110,10 @@ class FileWriter(TierWriter):
         final: the copy's rank directory once published.
         old: a free scratch name, for replacing an existing copy where an atomic swap is unsupported.
         one_file: all blobs in one ``data.bin`` rather than a file each.
+        layout: ``(family, layout)``: the layout to set on the data files before their first byte (on
+            CephFS each new file's, on Lustre the scratch directory's default, which the files take;
+            :mod:`tierckpt.io.fslayout`); None: the file system's own. A refusal fails the copy, naming
+            the tier, the file and the layout.
     """
 
     def __init__(
@@ -109,6 +129,7 @@ class FileWriter(TierWriter):
         final: Path,
         old: Path,
         one_file: bool,
+        layout: tuple[str, FileLayout] | None = None,
     ) -> None:
         self.tier, self.key, self.blobs = tier, key, list(blobs)
         self._reserved, self._unreserve = reserved, unreserve  # given back once committed or aborted
@@ -131,9 +152,13 @@ class FileWriter(TierWriter):
                 except FileNotFoundError:
                     if attempt:
                         raise
+            if layout is not None and layout[0] == "lustre":  # the files take the directory's default
+                _set_layout(layout, tmp)
             for path, size in zip(self._files, sizes):
                 fd = os.open(path, flags, 0o644)
                 self.fds.append(fd)
+                if layout is not None and layout[0] != "lustre":  # on the new file, before its first byte
+                    _set_layout(layout, fd, path)
                 if size:
                     os.posix_fallocate(fd, 0, size)  # ENOSPC now, not halfway; parallel O_DIRECT writes
         except OSError as e:

@@ -61,7 +61,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, final
+from typing import TYPE_CHECKING, Any, final
 
 import torch
 
@@ -450,6 +450,12 @@ class Tier(ABC):
     def describe(self) -> str:
         """Where the tier keeps its bytes, for humans."""
         return self.kind
+
+    def storage_facts(self) -> dict[str, Any]:
+        """Optional: what the tier knows of its storage, as plain values (``tierckpt inspect --json``
+        shows them beside its geometry): nothing by default; a file tier's file-system facts
+        (:class:`~tierckpt.io.geometry.FsFacts`) and the layout it sets on its new data files."""
+        return {}
 
     def lease_job(self) -> str | None:
         """Optional: the job identity this tier's lease on its location is held for (docs/jobs.md), or

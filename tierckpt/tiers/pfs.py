@@ -1,11 +1,13 @@
 """``pfs`` tier: a shared directory on a parallel file system (Lustre, GPFS, BeeGFS, CephFS, NFS).
 
 Differences from ``local``, all about metadata load and stripes: a copy's blobs go into one data file
-(``one_file``; file count is load on the metadata server), blobs are larger (1 GiB by default), and I/O is
-aligned to the larger of the file system's block size and the directory's preferred I/O size
-(``st_blksize``, which parallel file systems may set to their stripe or block size), so writes cover
-whole blocks (``whole_blocks``: :func:`tierckpt.io.geometry.io_geometry` reads it with the file
-system's facts).
+(``one_file``; file count is load on the metadata server), blobs are larger (1 GiB by default), I/O is
+sized for the file system's stripes (writes of whole stripe units, chunks of whole stripes, blobs of
+whole stripe widths and objects: :func:`tierckpt.io.geometry.io_geometry`) and, where the file system
+names none, aligned to the larger of its block size and the directory's preferred I/O size
+(``st_blksize``, which parallel file systems may set to their stripe or block size: ``whole_blocks``),
+and its ``file_layout`` option sets the layout of new data files on CephFS and Lustre
+(:mod:`tierckpt.io.fslayout`).
 """
 
 from __future__ import annotations
