@@ -201,7 +201,8 @@ class CephCluster(Cluster):
 
 #: the port of glusterd: its bricks and clients ask it for their volume files there, whatever port it listens on
 GLUSTERD_PORT = 24007
-_SYSTEM_GLUSTERD_SOCK = "/var/run/glusterd.socket"
+#: the unix socket the ``gluster`` command talks to glusterd on (its default)
+GLUSTERD_SOCK = "/var/run/glusterd.socket"
 _GLUSTERD_VOL = """volume management
     type mgmt/glusterd
     option working-directory {workdir}
@@ -236,7 +237,9 @@ class GlusterVolume(Cluster):
     Gluster's bricks and clients fetch their volume files from glusterd on port 24007, whatever port it
     listens on, so a machine has one glusterd: when one answers there already (the system's, or another
     instance's) the volume is created in it and only the volume is removed at :meth:`stop`; else this
-    instance starts its own (its working directory and unix socket under the base directory) and stops it.
+    instance starts its own (its working directory under the base directory, its unix socket where the
+    ``gluster`` command looks by default, :data:`GLUSTERD_SOCK`) and stops it: stop the instances
+    started later first.
     The volume's name is unique per instance; glusterd keeps the bricks' pid files in the system's run
     directory (``/var/run/gluster/vols/NAME``), which :meth:`stop` removes.
 
@@ -249,23 +252,23 @@ class GlusterVolume(Cluster):
     def __init__(self, base_dir: str | os.PathLike[str], timeout_s: float = STEP_TIMEOUT_S) -> None:
         super().__init__(base_dir, timeout_s)
         self.volume = f"tck{uuid.uuid4().hex[:10]}"
-        self._sock = Path(_SYSTEM_GLUSTERD_SOCK)
+        # the gluster command's default socket: where a glusterd another instance started listens too
+        self._cli = (f"--glusterd-sock={GLUSTERD_SOCK}", "--mode=script")
         self._brick_mount: Path | None = None
 
     def _start_glusterd(self) -> None:
-        self._sock = self.base / "glusterd.socket"
         vol = self.base / "glusterd.vol"
-        vol.write_text(_GLUSTERD_VOL.format(workdir=self.base / "glusterd", port=GLUSTERD_PORT, sock=self._sock))
+        vol.write_text(_GLUSTERD_VOL.format(workdir=self.base / "glusterd", port=GLUSTERD_PORT, sock=GLUSTERD_SOCK))
         log = self._daemons.log_path("glusterd")
         self._daemons.spawn("glusterd", ["glusterd", "-N", "-f", str(vol), "-l", str(log)])
         self._wait("glusterd answering", self._answers)
 
     def gluster(self, *args: str) -> str:
         """Run the ``gluster`` command line against this volume's glusterd; its standard output."""
-        return self._run(["gluster", f"--glusterd-sock={self._sock}", "--mode=script", *args], f"gluster {args[0]}")
+        return self._run(["gluster", *self._cli, *args], f"gluster {args[0]}")
 
     def _answers(self) -> bool:
-        argv = ["gluster", f"--glusterd-sock={self._sock}", "--mode=script", "pool", "list"]
+        argv = ["gluster", *self._cli, "pool", "list"]
         try:
             return subprocess.run(argv, capture_output=True, timeout=10, check=False).returncode == 0
         except subprocess.TimeoutExpired:
@@ -282,10 +285,10 @@ class GlusterVolume(Cluster):
             self._brick_mount = brick
             brick = brick / "b"
             brick.mkdir()
-        if port_open("127.0.0.1", GLUSTERD_PORT):
-            self._sock = Path(_SYSTEM_GLUSTERD_SOCK)
-        else:
+        if not port_open("127.0.0.1", GLUSTERD_PORT):
             self._start_glusterd()
+        elif not self._answers():
+            self._fail(f"a glusterd listens on port {GLUSTERD_PORT} but does not answer on {GLUSTERD_SOCK}")
         self.gluster("volume", "create", self.volume, f"{host}:{brick}", "force")
         if brick_bytes is not None:
             self.gluster("volume", "set", self.volume, "storage.reserve", "0")
@@ -313,10 +316,9 @@ class GlusterVolume(Cluster):
     def _stop_servers(self) -> None:
         own = bool(self._daemons.procs)
         if self._started and (not own or self._daemons.procs[0][1].poll() is None):
-            sock = f"--glusterd-sock={self._sock}"
             for args in (["volume", "stop", self.volume, "force"], ["volume", "delete", self.volume]):
                 try:  # best effort: what this leaves running is killed below
-                    subprocess.run(["gluster", sock, "--mode=script", *args], capture_output=True, timeout=60)
+                    subprocess.run(["gluster", *self._cli, *args], capture_output=True, timeout=60)
                 except subprocess.TimeoutExpired:
                     break
         self._daemons.extra_pids.extend(p for p in self._brick_pids() if p not in self._daemons.extra_pids)
