@@ -231,6 +231,24 @@ def brick_host() -> str:
     return name
 
 
+def _glusterd_sockets() -> list[str]:
+    """Where running glusterds listen for the ``gluster`` command: the default socket, and the
+    ``glusterd-sockfile`` of each one started with a volume file of its own (``-f FILE``)."""
+    socks = [GLUSTERD_SOCK]
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            argv = cmdline.read_bytes().decode(errors="replace").split("\0")
+            if Path(argv[0]).name != "glusterd" or "-f" not in argv:
+                continue
+            for line in Path(argv[argv.index("-f") + 1]).read_text().splitlines():
+                words = line.split()
+                if words[:2] == ["option", "glusterd-sockfile"] and len(words) == 3 and words[2] not in socks:
+                    socks.append(words[2])
+        except (OSError, IndexError):
+            continue
+    return socks
+
+
 class GlusterVolume(Cluster):
     """A one-brick GlusterFS volume mounted with the FUSE client.
 
@@ -267,12 +285,16 @@ class GlusterVolume(Cluster):
         """Run the ``gluster`` command line against this volume's glusterd; its standard output."""
         return self._run(["gluster", *self._cli, *args], f"gluster {args[0]}")
 
-    def _answers(self) -> bool:
-        argv = ["gluster", *self._cli, "pool", "list"]
+    def _answers(self, sock: str = GLUSTERD_SOCK) -> bool:
+        """Whether glusterd answers on ``sock``; if so, the ``gluster`` commands go there."""
+        argv = ["gluster", f"--glusterd-sock={sock}", "--mode=script", "pool", "list"]
         try:
-            return subprocess.run(argv, capture_output=True, timeout=10, check=False).returncode == 0
+            if subprocess.run(argv, capture_output=True, timeout=10, check=False).returncode != 0:
+                return False
         except subprocess.TimeoutExpired:
             return False
+        self._cli = (f"--glusterd-sock={sock}", "--mode=script")
+        return True
 
     def start(self, mount: str | os.PathLike[str], brick_bytes: int | None = None) -> GlusterVolume:
         """Start glusterd (unless one serves this machine already), create and start the volume, mount it
@@ -287,8 +309,8 @@ class GlusterVolume(Cluster):
             brick.mkdir()
         if not port_open("127.0.0.1", GLUSTERD_PORT):
             self._start_glusterd()
-        elif not self._answers():
-            self._fail(f"a glusterd listens on port {GLUSTERD_PORT} but does not answer on {GLUSTERD_SOCK}")
+        elif not any(self._answers(sock) for sock in _glusterd_sockets()):
+            self._fail(f"a glusterd listens on port {GLUSTERD_PORT} but answers on none of {_glusterd_sockets()}")
         self.gluster("volume", "create", self.volume, f"{host}:{brick}", "force")
         if brick_bytes is not None:
             self.gluster("volume", "set", self.volume, "storage.reserve", "0")
