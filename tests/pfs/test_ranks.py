@@ -39,10 +39,10 @@ def job(rank: int, world_size: int, pfs: str, restart: bool) -> dict[str, Any]:
 
 def test_two_ranks_commit_each_step_once_on_the_mount(pfs_dir: Path, tmp_path: Path) -> None:
     pfs = pfs_dir / "pfs"
-    saved = spawn(job, WORLD, tmp_path, str(pfs), False, limit=120)
+    saved = spawn(job, WORLD, tmp_path, str(pfs), False, limit=60)
     assert saved == [{"ok": {"listed": {"1": ["host", "pfs"], "2": ["host", "pfs"]}}}] * WORLD, saved
     for step in (1, 2):
         d = pfs / f"step-{step:012d}"
         assert sorted(p.name for p in d.iterdir()) == ["commit", "rank-00000", "rank-00001"], list(d.iterdir())
-    restored = spawn(job, WORLD, tmp_path, str(pfs), True, limit=120)
+    restored = spawn(job, WORLD, tmp_path, str(pfs), True, limit=60)
     assert restored == [{"ok": {"restored": True, "from": [2, "pfs"]}}] * WORLD, restored

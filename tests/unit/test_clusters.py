@@ -6,10 +6,12 @@ from __future__ import annotations
 import os
 import shutil
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from tierckpt.testing import clusters
+from tierckpt.testing._daemons import is_mounted
 from tierckpt.testing.clusters import CephCluster, ClusterError, GlusterVolume
 
 
@@ -58,3 +60,12 @@ def test_a_failed_start_names_the_step_and_cleans_up(tmp_path: Path, monkeypatch
         c.start()
     assert not (tmp_path / "ceph").exists()
     c.stop()
+
+
+def test_is_mounted_reads_the_mount_table(tmp_path: Path, mount_tmpfs: Any) -> None:
+    """A mount point with a space in its name (escaped in /proc/self/mountinfo), before and after."""
+    mnt = tmp_path / "a mount"
+    assert not is_mounted(mnt) and is_mounted(Path("/"))
+    with mount_tmpfs(mnt, 1 << 20):
+        assert is_mounted(mnt) and is_mounted(tmp_path / "." / "a mount")
+    assert not is_mounted(mnt)

@@ -29,7 +29,15 @@ import subprocess
 import uuid
 from pathlib import Path
 
-from tierckpt.testing._daemons import STEP_TIMEOUT_S, Cluster, ClusterError, free_port, port_open, why_not
+from tierckpt.testing._daemons import (
+    STEP_TIMEOUT_S,
+    Cluster,
+    ClusterError,
+    free_port,
+    is_mounted,
+    port_open,
+    why_not,
+)
 
 __all__ = [
     "CEPH_BINARIES",
@@ -175,11 +183,11 @@ class CephCluster(Cluster):
         self._daemon("mds.a", ["ceph-mds", "-i", "a"])
         self._wait("mds.a up:active", lambda: "up:active" in self.ceph("mds", "stat"))
         mnt.mkdir(parents=True, exist_ok=True)
-        if os.path.ismount(mnt):
+        if is_mounted(mnt):
             self._fail(f"{mnt} is already a mount point")
         self.mount = mnt
         self._daemon("client.admin", ["ceph-fuse", str(mnt)])
-        self._wait(f"ceph-fuse mount at {mnt}", lambda: os.path.ismount(mnt))
+        self._wait(f"ceph-fuse mount at {mnt}", lambda: is_mounted(mnt))
 
     def _start_rgw(self, port: int) -> None:
         self._daemon("client.rgw.a", ["radosgw", "-n", "client.rgw.a"])
@@ -318,12 +326,12 @@ class GlusterVolume(Cluster):
         self._daemons.extra_pids.extend(self._brick_pids())
         mnt = Path(mount).absolute()
         mnt.mkdir(parents=True, exist_ok=True)
-        if os.path.ismount(mnt):
+        if is_mounted(mnt):
             self._fail(f"{mnt} is already a mount point")
         self.mount = mnt
         opts = f"log-file={self.base / 'log' / 'mount.log'}"
         self._run(["mount", "-t", "glusterfs", "-o", opts, f"{host}:/{self.volume}", str(mnt)], "mount -t glusterfs")
-        self._wait(f"glusterfs mount at {mnt}", lambda: os.path.ismount(mnt))
+        self._wait(f"glusterfs mount at {mnt}", lambda: is_mounted(mnt))
         return self
 
     def _brick_pids(self) -> list[int]:
