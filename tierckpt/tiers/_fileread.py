@@ -139,6 +139,11 @@ class FileCopy(TierCopy):
             return False
         return (st.st_dev, st.st_ino) == self._ident
 
+    def _stale(self, e: OSError) -> bool:
+        """Whether ``e`` is a network file system's ``ESTALE`` for the directory held open, removed or
+        replaced since (GlusterFS answers so where a local file system answers ENOENT)."""
+        return e.errno == errno.ESTALE and not self.still_committed()
+
     def _missing(self, what: str, name: str, blob: str | None = None) -> NoReturn:
         if self.still_committed():  # the committed copy lacks it: damage
             raise self._bad(f"{what} {self.path / name} is missing", blob)
@@ -155,6 +160,8 @@ class FileCopy(TierCopy):
         except FileNotFoundError:
             self._missing(what, name, blob)
         except OSError as e:
+            if self._stale(e):
+                self._missing(what, name, blob)
             raise io_error(self.tier.name, f"cannot stat {p}", e) from e
         if not stat.S_ISREG(mode):
             raise self._bad(f"{what} {p} is not a regular file ({kind_of(mode)})", blob)
@@ -165,6 +172,8 @@ class FileCopy(TierCopy):
         except OSError as e:
             if e.errno == errno.ELOOP:  # replaced by a link since the stat
                 raise self._bad(f"{what} {p} is not a regular file ({kind_of(stat.S_IFLNK)})", blob) from None
+            if self._stale(e):
+                self._missing(what, name, blob)
             raise io_error(self.tier.name, f"cannot open {p}", e) from e
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
@@ -233,6 +242,8 @@ class FileCopy(TierCopy):
         except FileNotFoundError:
             return False
         except OSError as e:
+            if self._stale(e):
+                return False
             raise io_error(self.tier.name, f"cannot stat {self.path / name}", e) from e
         return True
 
