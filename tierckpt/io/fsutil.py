@@ -1,6 +1,6 @@
 """File-system facts and durable-publish helpers: the facts of a tier's file system (:func:`probe_fs`:
 block sizes, O_DIRECT and its alignment from statx, a read-only mount, and from :mod:`~tierckpt.io.fsdetect`
-and :mod:`~tierckpt.io.fslayout` its type, family, mount point and stripe layout), fsync of
+and :mod:`~tierckpt.io.fsstripes` its type, family, mount point and stripe layout), fsync of
 directories."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tierckpt.io.fsdetect import MAGICS, locate
-from tierckpt.io.fslayout import Candidate, candidates, ceph_settable, file_answers, layout_for
+from tierckpt.io.fsstripes import Candidate, candidates, ceph_settable, file_answers, striping_for
 from tierckpt.io.geometry import PAGE, FsFacts
 
 __all__ = ["FsProbe", "dio_alignment", "fsync_dir", "probe_fs", "probe_fs_explained"]
@@ -108,7 +108,7 @@ def probe_fs(directory: Path, *, writable: bool, sample: Path | None = None) -> 
     O_DIRECT, and with no sample, O_DIRECT is not used (buffered reads work everywhere). The file
     system's type, family and layout are read from the mount table, ``statfs`` and extended attributes
     of the directory, of that file and (CephFS) of the directory's parents (:mod:`tierckpt.io.fsdetect`,
-    :mod:`tierckpt.io.fslayout`); on CephFS the probe file's layout is set to what it is, to learn
+    :mod:`tierckpt.io.fsstripes`); on CephFS the probe file's layout is set to what it is, to learn
     whether this client may set layouts. Nothing else is written.
 
     Raises:
@@ -164,21 +164,21 @@ def probe_fs_explained(directory: Path, *, writable: bool, sample: Path | None =
     mem, off = align or (None, None)
     file = None if seen is None else Candidate(seen.label, False, seen.answers.get)
     asked = candidates(os.path.realpath(directory), file, where.mount_point, where.family)
-    layout = layout_for(where.family, asked, block_bytes=block, io_block_bytes=io_block, mount=where.mount)
+    stripes = striping_for(where.family, asked, block_bytes=block, io_block_bytes=io_block, mount=where.mount)
     for name in ("stripe_unit_bytes", "stripe_count", "object_bytes"):
-        sources[name] = layout.source if getattr(layout, name) is not None else "not known"
+        sources[name] = stripes.source if getattr(stripes, name) is not None else "not known"
     settable, sources["layout_settable"] = _settable(where.family, readonly, seen)
     facts = FsFacts(
         block, io_block, direct, mem, off, readonly, fs_type=where.fs_type, family=where.family,
-        mount_point=where.mount_point, stripe_unit_bytes=layout.stripe_unit_bytes, stripe_count=layout.stripe_count,
-        object_bytes=layout.object_bytes, layout_settable=settable,
+        mount_point=where.mount_point, stripe_unit_bytes=stripes.stripe_unit_bytes, stripe_count=stripes.stripe_count,
+        object_bytes=stripes.object_bytes, layout_settable=settable,
     )  # fmt: skip
     magic = (
         ()
         if where.magic is None
         else (("statfs magic", f"{where.magic:#x} ({MAGICS.get(where.magic, ('unknown',))[0]})"),)
     )
-    return FsProbe(facts, sources, (*magic, *layout.details))
+    return FsProbe(facts, sources, (*magic, *stripes.details))
 
 
 def _settable(family: str, readonly: bool, seen: _FileSeen | None) -> tuple[bool, str]:

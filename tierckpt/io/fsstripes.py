@@ -1,6 +1,6 @@
-"""The layout a file system gives new files in a directory: stripe unit, stripe count, object size, and
-what else it says about where the bytes go (a CephFS pool, a Lustre pool, GlusterFS bricks, NFS transfer
-sizes).
+"""The striping a file system gives new files in a directory, as it reports it (read only: nothing here
+sets a layout): stripe unit, stripe count, object size, and what else it says about where the bytes go
+(a CephFS pool, a Lustre pool, GlusterFS bricks, NFS transfer sizes).
 
 Read from extended attributes and the mount's options:
 
@@ -17,7 +17,7 @@ Read from extended attributes and the mount's options:
   sharded volume is not shown to clients).
 * NFS: ``rsize`` and ``wsize`` from the mount's options.
 
-Pure functions over recorded answers (:func:`ceph_layout`, :func:`lustre_layout`, :func:`layout_for`
+Pure functions over recorded answers (:func:`ceph_striping`, :func:`lustre_striping`, :func:`striping_for`
 ...) and thin readers (:func:`xattr_getter`, :func:`candidates`). A value that makes no sense (too
 long, not a number, out of range, inconsistent) is ignored with a debug log, never raised.
 """
@@ -35,16 +35,16 @@ from tierckpt.io.fsdetect import Mount
 
 __all__ = [
     "Candidate",
-    "Layout",
+    "Striping",
     "XattrGet",
     "candidates",
-    "ceph_layout",
     "ceph_settable",
+    "ceph_striping",
     "file_answers",
     "gluster_details",
-    "layout_for",
-    "lustre_layout",
+    "lustre_striping",
     "nfs_details",
+    "striping_for",
     "xattr_getter",
 ]
 
@@ -81,7 +81,7 @@ _FILE_XATTRS = {
 
 
 @dataclass(frozen=True)
-class Layout:
+class Striping:
     """The stripes of new files, as a file system says (see the module's docstring).
 
     Attributes:
@@ -152,7 +152,7 @@ def _ceph_answers(get: XattrGet, prefix: str) -> Iterator[tuple[str, dict[str, o
         yield prefix + ".*", {**fields, "pool": get(prefix + ".pool") or b""}
 
 
-def ceph_layout(get: XattrGet, is_dir: bool) -> Layout | None:
+def ceph_striping(get: XattrGet, is_dir: bool) -> Striping | None:
     """The CephFS layout a directory gives its new files (``is_dir``) or a file has, from its virtual
     extended attributes (the first form that answers with a layout that makes sense: CephFS requires the
     object size to be a multiple of the stripe unit); None where none does."""
@@ -164,7 +164,7 @@ def ceph_layout(get: XattrGet, is_dir: bool) -> Layout | None:
             log.debug("ignoring %s: no consistent layout in %.200r", name, got)
             continue
         details = [("pool", _text(got.get("pool"))), ("inheritance", _text(got.get("inheritance")))]
-        return Layout(unit, count, size, name, tuple((k, v) for k, v in details if v))
+        return Striping(unit, count, size, name, tuple((k, v) for k, v in details if v))
     return None
 
 
@@ -173,7 +173,7 @@ def _on_mdt(pattern: int) -> bool:
     return pattern != 0xFFFFFFFF and pattern & 0xFFFF == _LOV_PATTERN_MDT
 
 
-def _lum(data: bytes, order: str, what: str) -> Layout | None:
+def _lum(data: bytes, order: str, what: str) -> Striping | None:
     """A ``lov_user_md`` v1 or v3 (``data`` from its first byte, byte order ``order``)."""
     if len(data) < _LUM_SIZE:
         log.debug("ignoring %s: %d bytes, short of a lov_user_md", what, len(data))
@@ -188,7 +188,7 @@ def _lum(data: bytes, order: str, what: str) -> Layout | None:
         details += [("pool", pool)] if pool else []
     details.append(("stripe_offset", "any" if offset == _LOV_ALL else str(offset)))
     if _on_mdt(pattern):
-        return Layout(source=what + " (data on the MDT: not striped)", details=tuple(details))
+        return Striping(source=what + " (data on the MDT: not striped)", details=tuple(details))
     if size and size % 65536:  # Lustre's stripes are whole multiples of 64 KiB
         log.debug("ignoring %s: stripe size %d is no multiple of 64 KiB", what, size)
         return None
@@ -202,10 +202,10 @@ def _lum(data: bytes, order: str, what: str) -> Layout | None:
         return None
     unit = size or None
     stripes = count if 0 < count <= _MAX_COUNT else None
-    return Layout(unit, stripes, None, what + "".join(f"; {n}" for n in notes), tuple(details))
+    return Striping(unit, stripes, None, what + "".join(f"; {n}" for n in notes), tuple(details))
 
 
-def _composite(data: bytes, order: str, what: str) -> Layout | None:
+def _composite(data: bytes, order: str, what: str) -> Striping | None:
     """A composite (PFL) layout: its first component striped over OSTs (one on the MDT is passed over)."""
     if len(data) < _COMP_SIZE:
         return None
@@ -228,11 +228,11 @@ def _composite(data: bytes, order: str, what: str) -> Layout | None:
             return None
         ext = f"[{start}, {'EOF' if end == _EOF else end})"
         note = "; ".join([*skipped, f"the first on the OSTs, extent {ext}; later ones may stripe otherwise"])
-        return Layout(part.stripe_unit_bytes, part.stripe_count, None, f"{part.source} (PFL: {note})", part.details)
+        return Striping(part.stripe_unit_bytes, part.stripe_count, None, f"{part.source} (PFL: {note})", part.details)
     return None
 
 
-def lustre_layout(data: bytes, what: str = "lustre.lov") -> Layout | None:
+def lustre_striping(data: bytes, what: str = "lustre.lov") -> Striping | None:
     """The striping in a ``lustre.lov`` value (``struct lov_user_md``, host byte order; the other order
     is read too), or None where it is none of v1, v3, a v3 of given OSTs or a composite (PFL) one."""
     if not 4 <= len(data) <= _MAX_XATTR:
@@ -275,41 +275,41 @@ def _power_of_two(n: int) -> int | None:
     return n if 4096 <= n <= _MAX_SIZE and not n & (n - 1) else None
 
 
-def layout_for(
+def striping_for(
     family: str, asked: Iterable[Candidate], *, block_bytes: int, io_block_bytes: int, mount: Mount | None = None
-) -> Layout:
+) -> Striping:
     """The layout of new files in a directory of file-system ``family``, from the first of ``asked``
     that answers (the directory, a file, its parents: :func:`candidates`), its block sizes and its
     mount (empty: none known)."""
     if family == "cephfs":
         for c in asked:
-            got = ceph_layout(c.get, c.is_dir)
+            got = ceph_striping(c.get, c.is_dir)
             if got is not None:
-                return Layout(
+                return Striping(
                     got.stripe_unit_bytes, got.stripe_count, got.object_bytes, f"{got.source} of {c.label}", got.details
                 )
-        return Layout()
+        return Striping()
     if family == "lustre":
         for c in asked:
             raw = c.get("lustre.lov")
-            got = lustre_layout(raw, f"lustre.lov of {c.label}") if raw is not None else None
+            got = lustre_striping(raw, f"lustre.lov of {c.label}") if raw is not None else None
             if got is not None:
                 return got
         unit = _power_of_two(io_block_bytes)
-        return Layout(unit, source="st_blksize (no lustre.lov answered)" if unit else "")
+        return Striping(unit, source="st_blksize (no lustre.lov answered)" if unit else "")
     if family == "gpfs":
         unit = _power_of_two(block_bytes) or _power_of_two(io_block_bytes)
         where = "statvfs f_bsize" if unit == _power_of_two(block_bytes) else "st_blksize"
-        return Layout(unit, source=f"{where} (GPFS's block size)" if unit else "")
+        return Striping(unit, source=f"{where} (GPFS's block size)" if unit else "")
     if family == "glusterfs":
         for c in asked:
             raw = c.get("glusterfs.pathinfo") or c.get("trusted.glusterfs.pathinfo")
             if raw is not None and c.is_dir:
-                return Layout(details=gluster_details(raw), source=f"glusterfs.pathinfo of {c.label}")
-        return Layout()
+                return Striping(details=gluster_details(raw), source=f"glusterfs.pathinfo of {c.label}")
+        return Striping()
     if family == "nfs" and mount is not None:
-        return Layout(details=nfs_details(mount), source="the mount's options")
-    return Layout()
+        return Striping(details=nfs_details(mount), source="the mount's options")
+    return Striping()
 
 
 # --- readers of this machine -------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""The layout of new files (tierckpt.io.fslayout): CephFS's virtual xattrs as a ceph-fuse client answered
+"""The layout of new files (tierckpt.io.fsstripes): CephFS's virtual xattrs as a ceph-fuse client answered
 them here (Ceph 16.2.15), Lustre's ``lustre.lov`` (lov_user_md v1, v3, PFL; built field by field after
 lustre_user.h, as Lustre cannot run here), GPFS's block size, GlusterFS's pathinfo as a GlusterFS 10.3
 client answered it here, NFS's mount options; and odd or hostile values, which are ignored."""
@@ -16,14 +16,14 @@ from hypothesis import strategies as st
 
 from tierckpt.io import fsutil
 from tierckpt.io.fsdetect import FUSE_MAGIC, Mount, parse_mountinfo, place
-from tierckpt.io.fslayout import (
+from tierckpt.io.fsstripes import (
     Candidate,
-    Layout,
-    ceph_layout,
+    Striping,
+    ceph_striping,
     gluster_details,
-    layout_for,
-    lustre_layout,
+    lustre_striping,
     nfs_details,
+    striping_for,
 )
 
 MiB = 1 << 20
@@ -69,47 +69,47 @@ def _file(answers: dict[str, bytes], label: str = "the probe file") -> Candidate
     return Candidate(label, False, answers.get)
 
 
-def _layout(
+def _striping(
     family: str, *asked: Candidate, block: int = 4096, io_block: int = 4096, mount: Mount | None = None
-) -> Layout:
-    return layout_for(family, asked, block_bytes=block, io_block_bytes=io_block, mount=mount)
+) -> Striping:
+    return striping_for(family, asked, block_bytes=block, io_block_bytes=io_block, mount=mount)
 
 
 def test_a_ceph_directory_with_a_layout() -> None:
-    got = _layout("cephfs", _dir(CEPH_ROOT))
+    got = _striping("cephfs", _dir(CEPH_ROOT))
     assert (got.stripe_unit_bytes, got.stripe_count, got.object_bytes) == (4 * MiB, 1, 4 * MiB)
     assert got.source == "ceph.dir.layout.json of directory /c"
     assert dict(got.details) == {"pool": "cephfs_data", "inheritance": "@default"}
 
 
 def test_a_ceph_directory_that_inherits_its_layout_answers_in_json() -> None:
-    got = _layout("cephfs", _dir(CEPH_INHERITED))
+    got = _striping("cephfs", _dir(CEPH_INHERITED))
     assert (got.stripe_unit_bytes, got.stripe_count, got.object_bytes) == (4 * MiB, 4, 4 * MiB)
     assert dict(got.details)["inheritance"] == "@inherited"
 
 
 def test_the_text_form_and_the_fields_one_by_one() -> None:
-    got = _layout("cephfs", _dir(CEPH_KERNEL_DIR))
+    got = _striping("cephfs", _dir(CEPH_KERNEL_DIR))
     assert (got.stripe_unit_bytes, got.stripe_count, got.object_bytes) == (MiB, 8, 8 * MiB)
     assert got.source == "ceph.dir.layout of directory /c" and dict(got.details)["pool"] == "fast"
     fields = {k: v for k, v in CEPH_ROOT.items() if k not in ("ceph.dir.layout", "ceph.dir.layout.json")}
-    got = _layout("cephfs", _dir(fields))
+    got = _striping("cephfs", _dir(fields))
     assert (got.stripe_unit_bytes, got.stripe_count, got.source) == (4 * MiB, 1, "ceph.dir.layout.* of directory /c")
 
 
 def test_a_ceph_directory_without_an_answer_takes_the_files_layout() -> None:
     """ceph-fuse before Ceph 15 and the kernel client answer nothing for a directory that inherits its layout."""
-    got = _layout("cephfs", _dir(NOTHING), _file(CEPH_FILE), _dir(CEPH_ROOT, "parent /"))
+    got = _striping("cephfs", _dir(NOTHING), _file(CEPH_FILE), _dir(CEPH_ROOT, "parent /"))
     assert (got.stripe_unit_bytes, got.stripe_count, got.object_bytes) == (MiB, 4, 4 * MiB)
     assert got.source == "ceph.file.layout of the probe file"
 
 
 def test_then_the_nearest_parent_with_a_layout() -> None:
-    got = _layout(
+    got = _striping(
         "cephfs", _dir(NOTHING), _file(NOTHING), _dir(NOTHING, "parent /c/a"), _dir(CEPH_KERNEL_DIR, "parent /c")
     )
     assert (got.stripe_unit_bytes, got.source) == (MiB, "ceph.dir.layout of parent /c")
-    assert _layout("cephfs", _dir(NOTHING)) == Layout()
+    assert _striping("cephfs", _dir(NOTHING)) == Striping()
 
 
 def test_the_candidates_are_asked_lazily_and_stop_at_the_first_answer() -> None:
@@ -120,7 +120,7 @@ def test_the_candidates_are_asked_lazily_and_stop_at_the_first_answer() -> None:
             asked.append(label)
             yield _dir(answers, label)
 
-    layout_for("cephfs", candidates(), block_bytes=4096, io_block_bytes=4096)  # type: ignore[arg-type]
+    striping_for("cephfs", candidates(), block_bytes=4096, io_block_bytes=4096)  # type: ignore[arg-type]
     assert asked == ["directory /c"]
 
 
@@ -149,19 +149,19 @@ def test_the_candidates_are_asked_lazily_and_stop_at_the_first_answer() -> None:
     ],
 )
 def test_an_odd_ceph_answer_is_ignored(answers: dict[str, bytes]) -> None:
-    assert ceph_layout(answers.get, True) is None
-    assert _layout("cephfs", _dir(answers), _file(CEPH_FILE)).stripe_unit_bytes == MiB  # the next one answers
+    assert ceph_striping(answers.get, True) is None
+    assert _striping("cephfs", _dir(answers), _file(CEPH_FILE)).stripe_unit_bytes == MiB  # the next one answers
 
 
 def test_an_odd_json_falls_back_to_the_text_form() -> None:
     answers = {"ceph.dir.layout.json": b'{"stripe_unit": 0}', "ceph.dir.layout": CEPH_ROOT["ceph.dir.layout"]}
-    got = ceph_layout(answers.get, True)
+    got = ceph_striping(answers.get, True)
     assert got is not None and got.source == "ceph.dir.layout"
 
 
 def test_an_unprintable_pool_name_is_left_out() -> None:
     answers = {"ceph.dir.layout": b"stripe_unit=4194304 stripe_count=1 object_size=4194304 pool=a\x1b[2Jb"}
-    got = ceph_layout(answers.get, True)
+    got = ceph_striping(answers.get, True)
     assert got is not None and got.details == ()
 
 
@@ -203,32 +203,32 @@ LOV_PFL_DOM = LOV_PFL[:128] + bytes.fromhex("d00bd10b 00010000") + LOV_PFL[136:]
 
 
 def test_lustre_v1() -> None:
-    got = lustre_layout(LOV_V1)
+    got = lustre_striping(LOV_V1)
     assert got is not None and (got.stripe_unit_bytes, got.stripe_count, got.object_bytes) == (MiB, 4, None)
     assert dict(got.details) == {"pattern": "0x1", "stripe_offset": "any"}
 
 
 def test_lustre_v3_with_its_pool() -> None:
-    got = lustre_layout(LOV_V3)
+    got = lustre_striping(LOV_V3)
     assert got is not None and (got.stripe_unit_bytes, got.stripe_count) == (4 * MiB, 1)
     assert dict(got.details) == {"pattern": "0x1", "pool": "flash", "stripe_offset": "3"}
 
 
 def test_lustre_pfl_takes_its_first_component_and_says_so() -> None:
-    got = lustre_layout(LOV_PFL, "lustre.lov of directory /l")
+    got = lustre_striping(LOV_PFL, "lustre.lov of directory /l")
     assert got is not None and (got.stripe_unit_bytes, got.stripe_count) == (MiB, 1)
     assert "component 1 of 2" in got.source and "[0, 67108864)" in got.source and "PFL" in got.source
 
 
 def test_lustre_pfl_passes_over_a_data_on_mdt_component() -> None:
-    got = lustre_layout(LOV_PFL_DOM)
+    got = lustre_striping(LOV_PFL_DOM)
     assert got is not None and got.stripe_unit_bytes == 4 * MiB and got.stripe_count is None
     assert "component 1 (data on the MDT) passed over" in got.source and "every OST" in got.source
 
 
 def test_lustre_defaults_and_every_ost() -> None:
     default = LOV_V1[:24] + bytes.fromhex("00000000 0000 ffff")  # size 0, count 0: the file system's
-    got = lustre_layout(default)
+    got = lustre_striping(default)
     assert got is not None and (got.stripe_unit_bytes, got.stripe_count) == (None, None)
     assert (
         "stripe size: the file system's default" in got.source
@@ -240,7 +240,7 @@ def test_lustre_in_the_other_byte_order() -> None:
     swapped = b"".join(
         struct.pack(">" + f, *struct.unpack_from("<" + f, LOV_V1, o)) for f, o in (("II", 0), ("QQ", 8), ("IHH", 24))
     )
-    got = lustre_layout(swapped)
+    got = lustre_striping(swapped)
     assert got is not None and (got.stripe_unit_bytes, got.stripe_count) == (MiB, 4)
 
 
@@ -263,44 +263,44 @@ def test_lustre_in_the_other_byte_order() -> None:
     ],
 )
 def test_an_odd_lustre_value_is_ignored(value: bytes) -> None:
-    assert lustre_layout(value) is None
+    assert lustre_striping(value) is None
 
 
 @given(st.binary(max_size=512))
 def test_any_bytes_read_as_a_lustre_layout_without_raising(value: bytes) -> None:
-    got = lustre_layout(value)
+    got = lustre_striping(value)
     assert got is None or got.stripe_unit_bytes is None or got.stripe_unit_bytes % 65536 == 0
 
 
 @given(st.binary(max_size=200), st.sampled_from(["ceph.dir.layout.json", "ceph.dir.layout"]))
 def test_any_bytes_read_as_a_ceph_layout_without_raising(value: bytes, name: str) -> None:
-    got = ceph_layout({name: value}.get, True)
+    got = ceph_striping({name: value}.get, True)
     assert got is None or (got.object_bytes or 0) % (got.stripe_unit_bytes or 1) == 0
 
 
 def test_a_lustre_directory_then_a_file_then_st_blksize() -> None:
-    got = _layout("lustre", _dir({"lustre.lov": LOV_V3}))
+    got = _striping("lustre", _dir({"lustre.lov": LOV_V3}))
     assert got.stripe_unit_bytes == 4 * MiB and got.source == "lustre.lov of directory /c"
-    got = _layout("lustre", _dir(NOTHING), _file({"lustre.lov": LOV_V1}))
+    got = _striping("lustre", _dir(NOTHING), _file({"lustre.lov": LOV_V1}))
     assert got.stripe_count == 4 and got.source == "lustre.lov of the probe file"
-    got = _layout("lustre", _dir({"lustre.lov": b"junk"}), io_block=2 * MiB)
+    got = _striping("lustre", _dir({"lustre.lov": b"junk"}), io_block=2 * MiB)
     assert (got.stripe_unit_bytes, got.stripe_count) == (2 * MiB, None) and "st_blksize" in got.source
-    assert _layout("lustre", _dir(NOTHING), io_block=3000) == Layout()  # not a block size
+    assert _striping("lustre", _dir(NOTHING), io_block=3000) == Striping()  # not a block size
 
 
 # --- GPFS, GlusterFS, NFS, and the rest --------------------------------------------------------------
 
 
 def test_gpfs_stripes_over_its_block_size() -> None:
-    got = _layout("gpfs", _dir(NOTHING), block=16 * MiB, io_block=16 * MiB)
+    got = _striping("gpfs", _dir(NOTHING), block=16 * MiB, io_block=16 * MiB)
     assert (got.stripe_unit_bytes, got.stripe_count, got.source) == (
         16 * MiB,
         None,
         "statvfs f_bsize (GPFS's block size)",
     )
-    got = _layout("gpfs", _dir(NOTHING), block=1000, io_block=8 * MiB)
+    got = _striping("gpfs", _dir(NOTHING), block=1000, io_block=8 * MiB)
     assert (got.stripe_unit_bytes, got.source) == (8 * MiB, "st_blksize (GPFS's block size)")
-    assert _layout("gpfs", _dir(NOTHING), block=1000, io_block=1000) == Layout()
+    assert _striping("gpfs", _dir(NOTHING), block=1000, io_block=1000) == Striping()
 
 
 # what GlusterFS 10.3 answered here: a one-brick volume's mount root, and a directory of a two-brick
@@ -314,19 +314,19 @@ GLUSTER_TWO = (
 
 
 def test_glusterfs_shows_its_bricks_and_no_stripes() -> None:
-    got = _layout("glusterfs", _dir({"glusterfs.pathinfo": GLUSTER_TWO}))
+    got = _striping("glusterfs", _dir({"glusterfs.pathinfo": GLUSTER_TWO}))
     assert (got.stripe_unit_bytes, got.stripe_count, got.object_bytes) == (None, None, None)
     assert dict(got.details) == {"bricks": "2", "translators": "DISTRIBUTE"}
-    got = _layout("glusterfs", _dir({"trusted.glusterfs.pathinfo": GLUSTER_ONE}))
+    got = _striping("glusterfs", _dir({"trusted.glusterfs.pathinfo": GLUSTER_ONE}))
     assert got.details == (("bricks", "1"),)
-    assert gluster_details(b"\xff" * 100) == () and _layout("glusterfs", _dir(NOTHING)) == Layout()
+    assert gluster_details(b"\xff" * 100) == () and _striping("glusterfs", _dir(NOTHING)) == Striping()
 
 
 def test_nfs_transfer_sizes_from_the_mount_options() -> None:
     (mount,) = parse_mountinfo(
         "61 27 0:52 / /mnt/nfs rw,relatime - nfs4 fs1:/export rw,vers=4.2,rsize=1048576,wsize=524288,hard,proto=tcp"
     )
-    got = _layout("nfs", _dir(NOTHING), mount=mount)
+    got = _striping("nfs", _dir(NOTHING), mount=mount)
     assert dict(got.details) == {"rsize": "1048576", "wsize": "524288", "vers": "4.2"}
     assert got.stripe_unit_bytes is None
     odd = Mount("/m", "nfs", options=("rsize=lots", "wsize=0", "vers=" + "9" * 40))
@@ -335,7 +335,7 @@ def test_nfs_transfer_sizes_from_the_mount_options() -> None:
 
 @pytest.mark.parametrize("family", ["local", "memory", "unknown", "beegfs"])
 def test_other_families_have_no_layout(family: str) -> None:
-    assert _layout(family, _dir(CEPH_ROOT | {"lustre.lov": LOV_V1})) == Layout()
+    assert _striping(family, _dir(CEPH_ROOT | {"lustre.lov": LOV_V1})) == Striping()
 
 
 # --- probe_fs with recorded answers: what it reads, where, and that it writes nothing else -------------
