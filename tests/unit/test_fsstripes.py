@@ -379,7 +379,7 @@ def test_probe_fs_on_lustre_reads_the_directorys_striping(tmp_path: Path, monkey
     assert (f.fs_type, f.family, f.mount_point) == ("lustre", "lustre", str(tmp_path))
     assert (f.stripe_unit_bytes, f.stripe_count, f.object_bytes, f.layout_settable) == (4 * MiB, 1, None, True)
     assert probe.sources["stripe_unit_bytes"] == f"lustre.lov of directory {tmp_path}"
-    assert dict(probe.details)["pool"] == "flash" and dict(probe.details)["statfs magic"] == "0xbd00bd0 (lustre)"
+    assert dict(probe.details)["pool"] == "flash" and dict(probe.details)["statfs_magic"] == "0xbd00bd0 (lustre)"
     assert os.listdir(tmp_path) == []  # the probe file is gone
 
 

@@ -16,11 +16,11 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tierckpt.io.fsdetect import MAGICS, locate
+from tierckpt.io.fsdetect import MAGICS, SHARED_FAMILIES, locate
 from tierckpt.io.fsstripes import Candidate, candidates, ceph_settable, file_answers, striping_for
 from tierckpt.io.geometry import PAGE, FsFacts
 
-__all__ = ["FsProbe", "dio_alignment", "fsync_dir", "probe_fs", "probe_fs_explained"]
+__all__ = ["FsProbe", "dio_alignment", "find_sample", "fsync_dir", "probe_fs", "probe_fs_explained"]
 
 log = logging.getLogger(__name__)
 
@@ -81,8 +81,8 @@ class FsProbe:
     Attributes:
         facts: the facts (:class:`~tierckpt.io.geometry.FsFacts`).
         sources: for each of their fields (and ``dio_align``), where its value came from, in words.
-        details: what else the file system said (its statfs magic, a CephFS or Lustre pool, a Lustre
-            pattern, GlusterFS bricks, NFS transfer sizes ...), as (name, value) text.
+        details: what else the file system said (``statfs_magic``; a CephFS or Lustre ``pool``, a Lustre
+            ``pattern``, GlusterFS ``bricks``, NFS ``rsize`` and ``wsize`` ...), as (name, value) text.
     """
 
     facts: FsFacts
@@ -165,19 +165,17 @@ def probe_fs_explained(directory: Path, *, writable: bool, sample: Path | None =
     file = None if seen is None else Candidate(seen.label, False, seen.answers.get)
     asked = candidates(os.path.realpath(directory), file, where.mount_point, where.family)
     stripes = striping_for(where.family, asked, block_bytes=block, io_block_bytes=io_block, mount=where.mount)
+    unstriped = "not known" if where.family in SHARED_FAMILIES | {"unknown"} else f"none: {where.family} storage"
     for name in ("stripe_unit_bytes", "stripe_count", "object_bytes"):
-        sources[name] = stripes.source if getattr(stripes, name) is not None else "not known"
+        sources[name] = stripes.source if getattr(stripes, name) is not None else unstriped
     settable, sources["layout_settable"] = _settable(where.family, readonly, seen)
     facts = FsFacts(
         block, io_block, direct, mem, off, readonly, fs_type=where.fs_type, family=where.family,
         mount_point=where.mount_point, stripe_unit_bytes=stripes.stripe_unit_bytes, stripe_count=stripes.stripe_count,
         object_bytes=stripes.object_bytes, layout_settable=settable,
     )  # fmt: skip
-    magic = (
-        ()
-        if where.magic is None
-        else (("statfs magic", f"{where.magic:#x} ({MAGICS.get(where.magic, ('unknown',))[0]})"),)
-    )
+    named = MAGICS.get(where.magic, ("unknown",))[0] if where.magic is not None else ""
+    magic = () if where.magic is None else (("statfs_magic", f"{where.magic:#x} ({named})"),)
     return FsProbe(facts, sources, (*magic, *stripes.details))
 
 
@@ -240,6 +238,28 @@ def _probe_existing_file(
         return hasattr(os, "O_DIRECT"), _statx_dio(sample), look(fd, f"the file {sample}")
     finally:
         os.close(fd)
+
+
+def find_sample(top: Path, depth: int = 3, per_dir: int = 256) -> Path | None:
+    """A regular file under ``top`` to try O_DIRECT on without writing (:func:`probe_fs`'s ``sample``):
+    the first by name, level by level, ``depth`` levels down at most, ``per_dir`` entries of each
+    directory read, no link followed; None where there is none."""
+    level = [top]
+    for _ in range(depth):
+        below: list[Path] = []
+        for d in level:
+            try:
+                with os.scandir(d) as it:
+                    entries = sorted((e for _, e in zip(range(per_dir), it)), key=lambda e: e.name)
+            except OSError:
+                continue
+            for e in entries:
+                if e.is_file(follow_symlinks=False):
+                    return Path(e.path)
+                if e.is_dir(follow_symlinks=False):
+                    below.append(Path(e.path))
+        level = below
+    return None
 
 
 def fsync_dir(path: str | os.PathLike[str]) -> None:
