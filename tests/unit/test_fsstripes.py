@@ -8,6 +8,7 @@ from __future__ import annotations
 import errno
 import os
 import struct
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -115,12 +116,12 @@ def test_then_the_nearest_parent_with_a_layout() -> None:
 def test_the_candidates_are_asked_lazily_and_stop_at_the_first_answer() -> None:
     asked: list[str] = []
 
-    def candidates() -> object:
+    def candidates() -> Iterator[Candidate]:
         for label, answers in (("directory /c", CEPH_ROOT), ("parent /", CEPH_ROOT)):
             asked.append(label)
             yield _dir(answers, label)
 
-    striping_for("cephfs", candidates(), block_bytes=4096, io_block_bytes=4096)  # type: ignore[arg-type]
+    striping_for("cephfs", candidates(), block_bytes=4096, io_block_bytes=4096)
     assert asked == ["directory /c"]
 
 
