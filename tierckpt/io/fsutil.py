@@ -128,39 +128,9 @@ def probe_fs_explained(directory: Path, *, writable: bool, sample: Path | None =
         "fs_type": f"/proc/self/mountinfo, the mount at {where.mount_point}" if where.mount else "no mount found",
         "mount_point": "/proc/self/mountinfo: the longest mount point over the resolved path",
         "family": where.why,
-        "block_bytes": "statvfs f_bsize",
-        "readonly": "statvfs f_flag",
-        "io_block_bytes": "st_blksize of the directory",
     }
-    try:
-        vfs = os.statvfs(directory)
-        block, readonly = vfs.f_bsize, bool(vfs.f_flag & os.ST_RDONLY)
-    except OSError as e:
-        block, readonly = PAGE, False
-        sources["block_bytes"] = sources["readonly"] = f"statvfs failed ({e.strerror}): assumed"
-    try:
-        io_block = os.stat(directory).st_blksize
-    except OSError as e:
-        io_block = PAGE
-        sources["io_block_bytes"] = f"stat failed ({e.strerror}): assumed"
-
-    def look(fd: int, label: str) -> _FileSeen:
-        seen = _FileSeen(label, file_answers(where.family, fd))
-        if where.family == "cephfs" and label == "the probe file":
-            seen.settable = ceph_settable(fd)
-        return seen
-
-    seen: _FileSeen | None = None
-    if writable and not readonly:
-        direct, align, seen = _probe_new_file(directory, look)
-        sources["direct"] = "a probe file " + ("opened with O_DIRECT" if direct else "refused O_DIRECT")
-    elif sample is not None:
-        direct, align, seen = _probe_existing_file(sample, look)
-        sources["direct"] = f"the file {sample} " + ("opened with O_DIRECT" if direct else "not opened with O_DIRECT")
-    else:
-        direct, align = False, None
-        sources["direct"] = "not tried: nothing to write, no file to open"
-    sources["dio_align"] = "statx STATX_DIOALIGN of that file" if align else "not reported (statx)"
+    block, io_block, readonly = _block_sizes(directory, sources)
+    direct, align, seen = _try_direct(directory, where.family, writable and not readonly, sample, sources)
     mem, off = align or (None, None)
     file = None if seen is None else Candidate(seen.label, False, seen.answers.get)
     asked = candidates(os.path.realpath(directory), file, where.mount_point, where.family)
@@ -179,6 +149,54 @@ def probe_fs_explained(directory: Path, *, writable: bool, sample: Path | None =
     return FsProbe(facts, sources, (*magic, *stripes.details))
 
 
+def _block_sizes(directory: Path, sources: dict[str, str]) -> tuple[int, int, bool]:
+    """(``f_bsize``, ``st_blksize``, mounted read-only) of ``directory``, a page and False where they
+    cannot be read; where each came from into ``sources``."""
+    sources.update(
+        block_bytes="statvfs f_bsize", readonly="statvfs f_flag", io_block_bytes="st_blksize of the directory"
+    )
+    try:
+        vfs = os.statvfs(directory)
+        block, readonly = vfs.f_bsize, bool(vfs.f_flag & os.ST_RDONLY)
+    except OSError as e:
+        block, readonly = PAGE, False
+        sources["block_bytes"] = sources["readonly"] = f"statvfs failed ({e.strerror}): assumed"
+    try:
+        io_block = os.stat(directory).st_blksize
+    except OSError as e:
+        io_block = PAGE
+        sources["io_block_bytes"] = f"stat failed ({e.strerror}): assumed"
+    return block, io_block, readonly
+
+
+def _try_direct(
+    directory: Path, family: str, write: bool, sample: Path | None, sources: dict[str, str]
+) -> tuple[bool, tuple[int, int] | None, _FileSeen | None]:
+    """(O_DIRECT works, its statx alignment, what the file showed) from a new probe file (``write``),
+    else from ``sample``; where they came from into ``sources``."""
+
+    def look(fd: int, label: str, own: bool) -> _FileSeen:
+        seen = _FileSeen(label, file_answers(family, fd))
+        if family == "cephfs" and own:  # only ever our own, new, empty file's layout
+            seen.settable = ceph_settable(fd)
+        return seen
+
+    direct: bool
+    align: tuple[int, int] | None
+    seen: _FileSeen | None
+    if write:
+        direct, align, seen = _probe_new_file(directory, look)
+        sources["direct"] = "a probe file " + ("opened with O_DIRECT" if direct else "refused O_DIRECT")
+    elif sample is not None:
+        direct, align, seen = _probe_existing_file(sample, look)
+        sources["direct"] = f"the file {sample} " + ("opened with O_DIRECT" if direct else "not opened with O_DIRECT")
+    else:
+        direct, align, seen = False, None, None
+        sources["direct"] = "not tried: nothing to write, no file to open"
+    sources["dio_align"] = "statx STATX_DIOALIGN of that file" if align else "not reported (statx)"
+    return direct, align, seen
+
+
 def _settable(family: str, readonly: bool, seen: _FileSeen | None) -> tuple[bool, str]:
     """Whether a writer may set a new file's layout there, and why."""
     if family not in ("cephfs", "lustre"):
@@ -193,7 +211,7 @@ def _settable(family: str, readonly: bool, seen: _FileSeen | None) -> tuple[bool
 
 
 def _probe_new_file(
-    directory: Path, look: Callable[[int, str], _FileSeen]
+    directory: Path, look: Callable[[int, str, bool], _FileSeen]
 ) -> tuple[bool, tuple[int, int] | None, _FileSeen | None]:
     """(O_DIRECT works, its statx alignment, what ``look`` saw of it) for a file created in
     ``directory``, then removed.
@@ -216,7 +234,7 @@ def _probe_new_file(
                 return False, None, None
             raise
         try:
-            return hasattr(os, "O_DIRECT"), _statx_dio(probe), look(fd, "the probe file")
+            return hasattr(os, "O_DIRECT"), _statx_dio(probe), look(fd, "the probe file", True)
         finally:
             os.close(fd)
             probe.unlink(missing_ok=True)
@@ -224,7 +242,7 @@ def _probe_new_file(
 
 
 def _probe_existing_file(
-    sample: Path, look: Callable[[int, str], _FileSeen]
+    sample: Path, look: Callable[[int, str, bool], _FileSeen]
 ) -> tuple[bool, tuple[int, int] | None, _FileSeen | None]:
     """(O_DIRECT works, its statx alignment, what ``look`` saw of it) for the regular file ``sample``,
     opened for reading only; (False, None, None) where it cannot be opened so or is no regular file."""
@@ -235,7 +253,7 @@ def _probe_existing_file(
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             return False, None, None
-        return hasattr(os, "O_DIRECT"), _statx_dio(sample), look(fd, f"the file {sample}")
+        return hasattr(os, "O_DIRECT"), _statx_dio(sample), look(fd, f"the file {sample}", False)
     finally:
         os.close(fd)
 
