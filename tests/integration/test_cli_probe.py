@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import asdict
@@ -140,3 +141,14 @@ def test_a_tmpfs_is_memory(
     assert (facts["fs_type"], facts["family"], facts["mount_point"]) == ("tmpfs", "memory", str(mnt))
     assert out["details"]["statfs_magic"] == "0x1021994 (tmpfs)" and out["kind"] == "local"
     assert (facts["stripe_unit_bytes"], facts["layout_settable"]) == (None, False)
+
+
+def test_a_read_only_mount_is_probed_on_a_file_there(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], mount_tmpfs: Callable[[Path, int], AbstractContextManager[Path]]
+) -> None:
+    with mount_tmpfs(tmp_path / "mnt", 16 << 20) as mnt:
+        (mnt / "data.bin").write_bytes(b"x" * 4096)
+        subprocess.run(["mount", "-o", "remount,ro", str(mnt)], check=True, capture_output=True, timeout=30)
+        out = probe_json(capsys, str(mnt))
+    assert out["facts"]["readonly"] is True and out["wrote_probe_file"] is False
+    assert out["sources"]["direct"].startswith(f"the file {mnt}/data.bin")

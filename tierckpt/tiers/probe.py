@@ -43,8 +43,9 @@ def probe_report(path: str | os.PathLike[str], *, kind: str | None = None, write
         path: an existing directory.
         kind: the tier kind to size for (``pfs`` or ``local``); None: ``pfs`` on a shared file system
             (:data:`~tierckpt.io.fsdetect.SHARED_FAMILIES`), else ``local``.
-        write: learn whether O_DIRECT works by creating and removing a probe file (else by opening an
-            existing file under ``path`` for reading, if there is one; nothing is written).
+        write: learn whether O_DIRECT works by creating and removing a probe file; else (and on a
+            read-only mount) by opening an existing file under ``path`` for reading, if there is one:
+            nothing is written.
 
     Returns:
         ``path`` (resolved), ``kind``, ``kind_from`` (``--kind`` or the family it was chosen by),
@@ -60,7 +61,7 @@ def probe_report(path: str | os.PathLike[str], *, kind: str | None = None, write
     if kind is not None and kind not in KINDS:
         raise ValueError(f"kind {kind!r}: expected one of {', '.join(KINDS)}")
     where = os.path.realpath(path)
-    sample = None if write else find_sample(Path(where))
+    sample = find_sample(Path(where))  # used where nothing is written (--no-write, a read-only mount)
     try:
         probe = probe_fs_explained(Path(where), writable=write, sample=sample)
     except OSError as e:
