@@ -1,5 +1,6 @@
 """The ``tierckpt`` command (also ``python -m tierckpt``): ``ls``, ``inspect`` and ``verify`` a
-hierarchy's checkpoints, and ``bench`` (the benchmark suite, :mod:`tierckpt.bench`).
+hierarchy's checkpoints, ``probe`` a directory's file system, and ``bench`` (the benchmark suite,
+:mod:`tierckpt.bench`).
 
 Argument parsing imports nothing heavy: torch is imported by the command that needs it, so
 ``--help``, ``--version`` and usage errors return at once.
@@ -313,6 +314,46 @@ def _directories(t: TierConfig, rank: int) -> list[tuple[int, int | None, str]]:
     return sorted(out, key=lambda rnp: (rnp[0], -1 if rnp[1] is None else rnp[1]))
 
 
+def _shown(name: str, value: object) -> str:
+    from tierckpt.configvalues import format_size
+
+    if value is None or value == "":
+        return "-"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, int) and name.endswith("_bytes") and value >= 1024:
+        return f"{value} ({format_size(value)})"
+    return str(value)
+
+
+def _cmd_probe(args: argparse.Namespace) -> int:
+    from tierckpt.tiers.probe import probe_report
+
+    if not os.path.isdir(args.path):
+        print(f"tierckpt: {args.path}: no such directory", file=sys.stderr)
+        return 2
+    report = probe_report(args.path, kind=args.kind, write=not args.no_write)
+    if args.json:
+        print(json.dumps(report))
+        return 0
+    facts, sources, details, geometry = (report[k] for k in ("facts", "sources", "details", "geometry"))
+    assert isinstance(facts, dict) and isinstance(sources, dict) and isinstance(details, dict)
+    assert isinstance(geometry, dict)
+    print(
+        f"{report['path']}: {facts['family']} ({facts['fs_type'] or 'type unknown'}) at {facts['mount_point'] or '?'}"
+    )
+    print("facts, and where each came from:")
+    for name, value in facts.items():
+        source = sources.get("dio_align" if name.startswith("dio_") else name, "")
+        print(f"  {name:<24} {_shown(name, value):<22} {source}")
+    for name, value in details.items():
+        print(f"  {name:<24} {value}")
+    print(f"geometry of a {report['kind']} tier here (kind from {report['kind_from']}; default io settings):")
+    for name, value in geometry.items():
+        print(f"  {name:<24} {_shown(name, value)}")
+    return 0
+
+
 def _cmd_bench(args: argparse.Namespace) -> int:
     from tierckpt.bench.runner import run
 
@@ -345,6 +386,18 @@ def build_parser() -> argparse.ArgumentParser:
             )  # fmt: skip
         sp.add_argument("--json", action="store_true", help="machine-readable output")
         sp.set_defaults(func=fn)
+    helptext = "show what tierckpt detects of a directory's file system and the I/O sizes a tier there would use"
+    sp = sub.add_parser("probe", help=helptext, description=helptext + " (see docs/tiers.md)")
+    sp.add_argument("path", help="a directory")
+    sp.add_argument(
+        "--kind", choices=("pfs", "local"), default=None, help="the tier kind (default: pfs on a shared file system)"
+    )
+    sp.add_argument(
+        "--no-write", action="store_true",
+        help="write nothing (by default a probe file is created and removed, to learn whether O_DIRECT works)",
+    )  # fmt: skip
+    sp.add_argument("--json", action="store_true", help="machine-readable output")
+    sp.set_defaults(func=_cmd_probe)
     helptext = "benchmark tierckpt against torch.save, DCP, TorchSnapshot, safetensors and the raw disk"
     sp = sub.add_parser("bench", help=helptext, description=helptext + " (see docs/benchmarks.md)")
     add_arguments(sp)

@@ -97,8 +97,8 @@ class FsFacts:
             ``fuse.ceph-fuse``, ``ceph``, ``fuse.glusterfs``, ``nfs4``, ``lustre``, ``gpfs`` ...; empty:
             unknown).
         family: what kind of storage that is, for sizing: ``cephfs``, ``glusterfs``, ``lustre``,
-            ``gpfs``, ``nfs``, ``local`` (a disk file system of this node), ``memory`` (tmpfs, ramfs) or
-            ``unknown``.
+            ``gpfs``, ``nfs``, ``beegfs``, ``local`` (a disk file system of this node), ``memory``
+            (tmpfs, ramfs) or ``unknown`` (:func:`tierckpt.io.fsdetect.decide_family`).
         mount_point: where that file system is mounted (empty: unknown).
         stripe_unit_bytes: the bytes written to one stripe target before the next (CephFS
             ``stripe_unit``, Lustre ``lmm_stripe_size``; GPFS: its block size); None: not striped or
