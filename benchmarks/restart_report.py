@@ -12,6 +12,7 @@ _ROWS = {
     "tierckpt": "tierckpt `restore()` (fresh tensors)",
     "tierckpt-into": "tierckpt `restore(into=)` (built target)",
     "torch": "`torch.load`",
+    "torch-mmap": "`torch.load(mmap=True)` + copy into new tensors",
     "dcp": "`dcp.load` (built target)",
 }
 
