@@ -47,7 +47,7 @@ def test_a_local_tier_on_ext4_keeps_the_sizes_it_had() -> None:
     g = io_geometry(FILE, IO, EXT4_NVME, blob_bytes=256 * MiB)
     assert g == IOGeometry(
         alignment_bytes=4096, direct=True, blob_bytes=256 * MiB, one_file=False, chunk_bytes=32 * MiB,
-        piece_bytes=16 * MiB, queue_depth=16, staging_slots=STAGING_SLOTS, staging_slot_bytes=32 * MiB,
+        piece_bytes=8 * MiB, queue_depth=16, staging_slots=STAGING_SLOTS, staging_slot_bytes=32 * MiB,
         read_slots=READ_SLOTS, read_slot_bytes=READ_SLOT_BYTES, memory_alignment_bytes=4096,
         steady_reads=STEADY_READS, direct_read_min_bytes=DIRECT_READ_MIN,
     )  # fmt: skip
@@ -67,7 +67,7 @@ def test_a_pfs_tier_aligns_to_the_file_systems_block(facts: FsFacts, align: int)
 
 def test_the_tiers_own_settings_win_over_the_hierarchys_and_direct_needs_the_file_system() -> None:
     g = io_geometry(FILE, IO, EXT4_NVME, blob_bytes=MiB, chunk_bytes=8 * MiB, direct=False)
-    assert (g.chunk_bytes, g.staging_slot_bytes, g.piece_bytes, g.direct) == (8 * MiB, 8 * MiB, 4 * MiB, False)
+    assert (g.chunk_bytes, g.staging_slot_bytes, g.piece_bytes, g.direct) == (8 * MiB, 8 * MiB, 2 * MiB, False)
     assert not io_geometry(FILE, IO, FsFacts(direct=False), blob_bytes=MiB).direct
     assert not io_geometry(FILE, IOConfig(direct=False), EXT4_NVME, blob_bytes=MiB).direct
     assert io_geometry(FILE, IOConfig(queue_depth=64, chunk_bytes=12 * KiB), blob_bytes=MiB).queue_depth == 64
@@ -76,14 +76,14 @@ def test_the_tiers_own_settings_win_over_the_hierarchys_and_direct_needs_the_fil
 
 def test_a_memory_tier_stages_through_the_hierarchys_chunk() -> None:
     g = io_geometry(MEMORY, IOConfig(chunk_bytes=4 * MiB), blob_bytes=GiB, chunk_bytes=32 * MiB)
-    assert (g.chunk_bytes, g.staging_slot_bytes, g.piece_bytes, g.direct) == (32 * MiB, 4 * MiB, 2 * MiB, False)
+    assert (g.chunk_bytes, g.staging_slot_bytes, g.piece_bytes, g.direct) == (32 * MiB, 4 * MiB, MiB, False)
 
 
 def test_an_object_tiers_parts_bound_its_chunk_and_its_pieces() -> None:
     g = io_geometry(S3, IO, blob_bytes=GiB, chunk_bytes=8 * MiB)
-    assert (g.alignment_bytes, g.chunk_bytes, g.piece_bytes) == (1, 8 * MiB, 8 * MiB)  # a half is < 5 MiB
+    assert (g.alignment_bytes, g.chunk_bytes, g.piece_bytes) == (1, 8 * MiB, 8 * MiB)  # a quarter is < 5 MiB
     assert io_geometry(S3, IO, blob_bytes=GiB, chunk_bytes=MiB).chunk_bytes == 5 * MiB
-    assert io_geometry(S3, IO, blob_bytes=GiB, chunk_bytes=64 * MiB).piece_bytes == 32 * MiB
+    assert io_geometry(S3, IO, blob_bytes=GiB, chunk_bytes=64 * MiB).piece_bytes == 16 * MiB
 
 
 def test_a_checkpoint_takes_the_largest_alignment_and_blob_size_and_every_tier_follows() -> None:

@@ -112,7 +112,7 @@ def pack_and_write(
 ) -> list[int]:
     """Pack every tensor, hand each chunk to every writer, wait for the writes; return the checksums.
 
-    A chunk is handed to the writers in pieces of ``piece_bytes`` (the tier's geometry's: half a
+    A chunk is handed to the writers in pieces of ``piece_bytes`` (the tier's geometry's: a quarter
     chunk, or the whole chunk where that is below the tier's smallest part; None: the whole chunk), each
     as soon as it is packed, so the disk gets the first bytes of a chunk while the rest is still being
     packed and always has several operations queued (whole-chunk writes from 3 staging slots kept only

@@ -48,10 +48,7 @@ MAX_FS_ALIGN = 16 << 20
 STAGING_SLOTS = 6
 #: A save hands each staging chunk to the writers in this many pieces, each as soon as it is packed, so
 #: the disk always has several writes queued (whole-chunk writes from 3 slots kept only 2 in flight).
-#: Halves rather than quarters: the virtual disk here lands a whole queue at once, so the bytes a queue
-#: holds set the speed (16 MiB writes: up to 192 MiB queued, 8 MiB ones 128 MiB at queue depth 16); a
-#: 1.6 GB save went from 79 % to 98 % of fio's write (docs/io.md, "Staging buffers: how many").
-PIECES = 2
+PIECES = 4
 #: ``restore(into=)``'s staging buffers: until the target is matched every slot reads, so the slots hold
 #: what the disk reads while the match runs: 16 x 16 MiB (256 MiB, 70-80 ms here) covers a 20,000-tensor
 #: match even with cold caches (docs/restore.md).
@@ -249,7 +246,7 @@ def _within_parts(chunk: int, align: int, lo: int, hi: int | None) -> int:
 
 
 def _piece(chunk: int, align: int, min_part: int) -> int:
-    """Half a chunk (:data:`PIECES`), aligned; the whole chunk where that is below the smallest part."""
+    """A quarter chunk (:data:`PIECES`), aligned; the whole chunk where that is below the smallest part."""
     piece = max(align, chunk // PIECES // align * align)
     return chunk if piece < min_part else piece
 
