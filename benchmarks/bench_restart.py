@@ -40,7 +40,7 @@ from tierckpt.bench.system import machine_info, make_cold, read_text
 from tierckpt.bench.workloads import make_llm_state, state_bytes
 
 HERE = Path(__file__).resolve().parent
-OPS = ("raw", "tierckpt", "tierckpt-into", "torch", "dcp")
+OPS = ("raw", "tierckpt", "tierckpt-into", "torch", "torch-mmap", "dcp")
 RESTARTS = ("tierckpt", "torch", "dcp")
 REPORTED = Path("/sys/module/page_reporting/parameters/reported_kib")  # this VM's free page reporting counter
 SPIN = "import os, sys\nos.sched_setaffinity(0, {int(sys.argv[1])})\nwhile True:\n    pass\n"
@@ -173,7 +173,7 @@ class Bench:
         s = self.scratch
         spec: dict[str, Any] = {"op": op, "step": 1, "size": self.size, "skeleton": str(s / "skeleton.pkl")}
         spec["path"] = str({"tierckpt": s / "tierckpt", "tierckpt-into": s / "tierckpt", "torch": s / "torch.pt",
-                            "dcp": s / "dcp", "raw": s}[op])  # fmt: skip
+                            "torch-mmap": s / "torch.pt", "dcp": s / "dcp", "raw": s}[op])  # fmt: skip
         spec["files"] = [str(p) for p in self.blobs]
         return spec
 

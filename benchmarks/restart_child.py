@@ -95,6 +95,11 @@ def _hierarchy(path: str) -> Any:
     return Hierarchy.from_config({"tiers": [{"name": "local", "kind": "local", "path": path}]}, readonly=True)
 
 
+def _copied(state: Any) -> Any:
+    """``state`` with every tensor copied into a freshly allocated one (``torch.empty_like`` + ``copy_``)."""
+    return like_state(state, lambda t: torch.empty_like(t).copy_(t))
+
+
 def _restore_op(spec: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
     """Set up (untimed), run the timed restore; (restored state, measurements)."""
     op, extra = spec["op"], {}
@@ -127,6 +132,8 @@ def _restore_op(spec: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
         got = h.restore(step=spec["step"], tier="local", into=target)
     elif op == "torch":
         got = torch.load(spec["path"], weights_only=True)
+    elif op == "torch-mmap":  # what load_state_dict into a new model does: map the file, copy into new tensors
+        got = _copied(torch.load(spec["path"], weights_only=True, mmap=True))
     elif op == "dcp":
         dcp.load(target, storage_reader=dcp.FileSystemReader(spec["path"]), no_dist=True)
         got = target

@@ -12,6 +12,7 @@ _ROWS = {
     "tierckpt": "tierckpt `restore()` (fresh tensors)",
     "tierckpt-into": "tierckpt `restore(into=)` (built target)",
     "torch": "`torch.load`",
+    "torch-mmap": "`torch.load(mmap=True)` + copy into new tensors",
     "dcp": "`dcp.load` (built target)",
 }
 
@@ -73,6 +74,10 @@ def _targets(s: dict[tuple[str, str], dict[str, float]], cond: str) -> list[str]
         ("CPU-s/GB ≤ torch.load's", t["cpu_per_gb"] <= tl["cpu_per_gb"],
          f"{t['cpu_per_gb']:.2f} vs {tl['cpu_per_gb']:.2f}"),
     ]  # fmt: skip
+    mm = s.get((cond, "torch-mmap"))
+    if mm:
+        ratio = mm["secs"] / t["secs"]
+        checks.append(("restore() ≥ 1.2× torch.load(mmap=True) + copy", ratio >= 1.2, f"{ratio:.2f}×"))
     return [f"* {name}: {'met' if ok else 'MISSED'} ({got})" for name, ok, got in checks]
 
 

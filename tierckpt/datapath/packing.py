@@ -50,8 +50,9 @@ def _zero(view: memoryview, start: int, stop: int) -> None:
 
 
 def _source(t: torch.Tensor) -> int:
-    """The address the C loop may copy ``t``'s bytes from, or 0 (not a contiguous CPU tensor)."""
-    return t.data_ptr() if t.is_cpu and t.is_contiguous() and not (t.is_neg() or t.is_conj()) else 0
+    """The address the C loop may copy ``t``'s bytes from, or 0 (not a contiguous CPU tensor). A
+    flattened state holds no negative or conjugate view: the walk replaced each by its value."""
+    return t.data_ptr() if t.is_cpu and t.is_contiguous() else 0
 
 
 def _resized(ref: TensorRef, nbytes: int, planned: int) -> StateError:

@@ -25,7 +25,8 @@ from tierckpt.format.sharding import Mesh, Placement, placement_of, shard_box, w
 __all__ = ["MAX_NESTING", "ShardSpec", "TensorRef", "TooDeep", "Walk", "encode"]
 
 EXT_TUPLE, EXT_TENSOR, EXT_PICKLE, EXT_ODICT, EXT_INT, EXT_DTYPE, EXT_DEVICE, EXT_SIZE = EXT_CODES
-_PLAIN = (type(None), bool, int, float, str, bytes)
+_PLAIN = frozenset((type(None), bool, int, float, str, bytes))
+_TENSOR, _PARAMETER = torch.Tensor, torch.nn.Parameter
 _PLAIN_SMALL = frozenset((type(None), bool, float, str, bytes))  # stored as themselves, whatever the value
 #: Containers (dict, list, tuple) nested deeper than this are refused: msgpack stops at 511, and
 #: rebuilding the state takes two Python frames per level (the default limit is 1000 in all).
@@ -37,6 +38,9 @@ class TensorRef(NamedTuple):
 
     path: str
     tensor: torch.Tensor
+
+
+_new_ref = tuple.__new__
 
 
 class ShardSpec(NamedTuple):
@@ -140,14 +144,19 @@ class Walk:
             return [x if type(x) in _PLAIN_SMALL else value(x, f"{path}[{i}]") for i, x in enumerate(v)]
         if tv is tuple:
             return msgpack.ExtType(EXT_TUPLE, _pack([value(x, f"{path}[{i}]") for i, x in enumerate(v)]))
-        items = []
+        items: list[tuple[Any, Any]] = []
+        append, tensor = items.append, self.tensor
         for k, x in v.items():
             tk = type(k)
             if tk is not str and (tk is not int or not _I64_MIN <= k <= _U64_MAX):
                 if tk is int:
                     return self.pickled(v, path, f"a dict with an int key {k} (outside 64 bits)")
                 return self.pickled(v, path, f"a dict with a {tk.__name__} key {k!r}")
-            items.append((k, x if type(x) in _PLAIN_SMALL else value(x, f"{path}[{k!r}]")))
+            tx = type(x)
+            if tx is _TENSOR or tx is _PARAMETER:  # most of a state: straight to tensor(), no dispatch
+                append((k, tensor(x, f"{path}[{k!r}]")))
+            else:
+                append((k, x if tx in _PLAIN_SMALL else value(x, f"{path}[{k!r}]")))
         if tv is dict:
             return dict(items)
         return msgpack.ExtType(EXT_ODICT, _pack([list(kv) for kv in items]))
@@ -171,9 +180,12 @@ class Walk:
         twice, tied weights, views starting at the same byte) pay for the full identity (:meth:`known`).
         """
         tt = type(obj)
-        if tt is not torch.Tensor and tt is not torch.nn.Parameter and tt is dtensor_type():
+        if tt is _TENSOR or tt is _PARAMETER:
+            t, p, nb = _plain_readable(obj, path)
+        elif tt is dtensor_type():
             return self.dtensor(obj, path)
-        t, p, nb = _readable(obj, path)
+        else:
+            t, p, nb = _readable(obj, path)
         tensors = self.tensors
         idx = len(tensors)
         seen = self.seen
@@ -189,7 +201,7 @@ class Walk:
             t = t.detach()
         if t.is_neg() or t.is_conj():
             t = _resolved(t, path)
-        tensors.append(TensorRef(path, t))
+        tensors.append(_new_ref(TensorRef, (path, t)))  # TensorRef(path, t) without its Python __new__
         self.nbytes.append(nb)
         return idx if self.plain_refs else _tensor_ref(idx)
 
@@ -307,6 +319,27 @@ def _readable(t: torch.Tensor, path: str) -> tuple[torch.Tensor, int, int]:
     except (RuntimeError, TypeError):  # data_ptr() or untyped_storage() of a tensor that has no storage
         pass
     raise StateError(f"{path}: cannot save {unreadable(t) or 'a tensor whose memory cannot be read'}")
+
+
+def _plain_readable(t: torch.Tensor, path: str) -> tuple[torch.Tensor, int, int]:
+    """:func:`_readable` of a ``torch.Tensor`` or ``nn.Parameter`` (no subclass to resolve): the checks
+    of the common case, a contiguous tensor within its storage, in the fewest torch calls (~40 ns each
+    over a Python call: a third of the walk's time for 20,000 tensors); anything else goes the long way."""
+    try:
+        if t.layout is _STRIDED and not (t.is_quantized or t.is_meta or t.is_nested):
+            nb = t.nbytes
+            if nb and t.is_contiguous():
+                p = t.data_ptr()
+                st = t.untyped_storage()
+                base = st.data_ptr()
+                if base and base <= p and p + nb <= base + st.nbytes():
+                    return t, p, nb
+    except (RuntimeError, TypeError):
+        pass
+    return _readable(t, path)
+
+
+_STRIDED = torch.strided
 
 
 def _resolved(t: torch.Tensor, path: str) -> torch.Tensor:
