@@ -33,6 +33,7 @@ from pathlib import Path
 from tierckpt.config import LEASE_STALE_SECS, IOConfig, TierConfig, default_io
 from tierckpt.errors import TierFullError
 from tierckpt.format.manifest import BlobEntry
+from tierckpt.io.budget import Budget
 from tierckpt.io.engine import IOEngine, make_engine
 from tierckpt.io.fsutil import fsync_dir, probe_fs
 from tierckpt.io.geometry import FsFacts, IOGeometry, io_geometry
@@ -77,8 +78,14 @@ class FileTier(Tier):
         lease_stale_secs: how long a lease holder on another host may go without renewing it.
         one_file: write each copy's blobs into one data file (``data.bin``) rather than a file a blob
             (None: the kind's default, :attr:`one_file`). Copies of either kind are read either way.
+        bandwidth_bytes_per_sec: the tier's bandwidth budget (None: none): its :attr:`budget`, a token
+            bucket of one chunk that paces the hierarchy's background reads and writes of the tier
+            (docs/tiers.md, "Bandwidth budgets").
+        throttle: what the budget paces: ``background`` (background copies, non-blocking saves) or
+            ``all`` (prefetches, blocking saves and restores too).
 
     Raises:
+        ValueError: a ``bandwidth_bytes_per_sec`` that is not positive, or an unknown ``throttle``.
         TierBusyError: (writable) another job holds the directory's lease.
         TierIOError: the directory is missing (``readonly``), cannot be made, is not readable (and
             writable), or is on a read-only file system and the tier is not ``readonly``.
@@ -105,8 +112,12 @@ class FileTier(Tier):
         job: str | None = None,
         lease_stale_secs: float = LEASE_STALE_SECS,
         one_file: bool | None = None,
+        bandwidth_bytes_per_sec: int | None = None,
+        throttle: str = "background",
     ) -> None:
         super().__init__(name)
+        # checked before anything is made; a bucket of one chunk (docs/tiers.md, "Bandwidth budgets")
+        budget = None if bandwidth_bytes_per_sec is None else Budget(bandwidth_bytes_per_sec, throttle=throttle)
         if one_file is not None:
             self.one_file = one_file
         self.path = Path(path)
@@ -133,6 +144,9 @@ class FileTier(Tier):
             persistent=True, shared=self.shared, device="file", alignment_bytes=self.facts.direct_alignment_bytes
         )
         self._fix_io(default_io())
+        if budget is not None:
+            budget.burst_bytes = self.geometry.chunk_bytes
+            self.budget = budget
         self._lock = threading.Lock()
         self._reserved = 0  # bytes of checkpoints being written by this process (counted against capacity)
         self._evicted: list[Path] = []  # renamed away by evict(free=False), deleted by reclaim()
@@ -220,10 +234,13 @@ class FileTier(Tier):
             job=cfg.job,
             lease_stale_secs=cfg.lease_stale_secs,
             one_file=opts["one_file"],
+            bandwidth_bytes_per_sec=cfg.io.bandwidth_bytes_per_sec,
+            throttle=cfg.io.throttle,
         )
 
     def describe(self) -> str:
-        return f"{self.path} ({'O_DIRECT' if self.direct else 'buffered'}, {self.engine.name} engine)"
+        budget = f", {self.budget.describe()} budget" if self.budget is not None else ""
+        return f"{self.path} ({'O_DIRECT' if self.direct else 'buffered'}, {self.engine.name} engine{budget})"
 
     def location(self) -> str:
         return os.path.realpath(self.path)
