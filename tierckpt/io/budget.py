@@ -4,8 +4,9 @@ The bucket is charged once per I/O operation, before the operation is handed to 
 a save's piece of one), so the engine's queue depth still works: the operations the bucket lets through
 are in flight together, as without a budget. It holds at most ``burst_bytes`` (one chunk), so a long
 idle period buys no more than one operation at once, and every window of ``w`` seconds lets through at
-most ``burst_bytes + rate * w`` bytes, whatever the size of the operations: one larger than the burst
-waits until the bucket has been full and the rest of it has accrued, before it starts.
+most ``rate * w`` bytes plus one burst (plus the window's first operation instead, where that one is
+larger than the burst: it waits, before it starts, until the bucket has been full and the rest of it has
+accrued, so the rate holds over every longer window).
 
 It is the generic cell rate algorithm (virtual scheduling) with sizes: the state is one instant, up to
 which the bucket's bytes are spent; a request of ``n`` bytes moves it ``n / rate`` on from where it was,
