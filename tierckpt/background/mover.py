@@ -23,6 +23,7 @@ from tierckpt.background.catalog import Catalog
 from tierckpt.background.executor import RankExecutor
 from tierckpt.background.held import HeldCopies
 from tierckpt.background.listing import Listing
+from tierckpt.background.reclaim import Reclaimer
 from tierckpt.background.worker import Worker
 from tierckpt.datapath.blobcopy import copy_blobs, staging_for, writer_for
 from tierckpt.datapath.manifests import load_manifest
@@ -150,6 +151,7 @@ class Mover:
         self.rank = coordinator.rank
         self.geometries = dict(geometries)
         self.workers = {t.name: Worker(t.name, _pool_of(self.geometries[t.name])) for t in tiers}
+        self.reclaimer = Reclaimer(lambda name: self.tiers[name].reclaim())  # evicted copies, freed beside the workers
         self._evict_lock = threading.Lock()
         self._full_logged: set[str] = set()
         self.held = HeldCopies(catalog)  # copies retention keeps beyond their window, and why
@@ -231,21 +233,15 @@ class Mover:
                 evicted = self.apply_retention(free=False, shared=shared if error is None else None)
             except Exception as e:  # retention problems are logged, never raised into a save
                 log.warning("retention after step %d on tier %r failed: %s", step, tier, e)
+            self.reclaimer.settle()  # what jobs before this one evicted is freed (it overlapped this one)
             if not done.done():
                 if error is None:
                     done.set_result(None)
                 else:
                     done.set_exception(error)
-            self._reclaim(evicted)
+            self.reclaimer.free(evicted)
 
         return self.workers[tier].submit(run)
-
-    def _reclaim(self, names: set[str]) -> None:
-        for name in names:
-            try:
-                self.tiers[name].reclaim()
-            except Exception as e:
-                log.warning("freeing the evicted copies on tier %r failed: %s", name, e)
 
     def transfer(
         self,
@@ -363,7 +359,10 @@ class Mover:
 
     def _make_room(self, tier: Tier, step: int, full: TierFullError, tried: set[int]) -> None:
         """One round of :meth:`with_room`: evict a victim not ``tried`` yet, or wait a while; raise when
-        nothing frees room (every victim was tried, and is still there: its eviction failed)."""
+        nothing frees room (every victim was tried, and is still there: its eviction failed). Copies
+        evicted from the tier whose files are still being deleted are waited for first."""
+        if self.reclaimer.settle(tier.name):
+            return
         self.apply_retention()
         committed = self.ranks.listing.committed_all()
         event = MakeRoom(tier.name, step, device=isinstance(full, DeviceFullError))
@@ -430,3 +429,4 @@ class Mover:
     def close(self, timeout: float | None = None) -> None:
         for w in self.workers.values():
             w.close(timeout)
+        self.reclaimer.close()
