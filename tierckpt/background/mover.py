@@ -233,7 +233,7 @@ class Mover:
                 evicted = self.apply_retention(free=False, shared=shared if error is None else None)
             except Exception as e:  # retention problems are logged, never raised into a save
                 log.warning("retention after step %d on tier %r failed: %s", step, tier, e)
-            self.reclaimer.settle()  # what jobs before this one evicted is freed (it overlapped this one)
+            self.reclaimer.settle(tier)  # what earlier jobs evicted from it is freed (it overlapped this one)
             if not done.done():
                 if error is None:
                     done.set_result(None)
@@ -429,4 +429,4 @@ class Mover:
     def close(self, timeout: float | None = None) -> None:
         for w in self.workers.values():
             w.close(timeout)
-        self.reclaimer.close()
+        self.reclaimer.close(timeout)

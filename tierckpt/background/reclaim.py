@@ -4,10 +4,12 @@ Retention unlists the copies it evicts at once (``Tier.evict(key, free=False)``)
 to ``Tier.reclaim()``: seconds for a gigabyte file on some file systems. Run on the tier's worker, that
 deletion stalled the next copy to the tier for as long (a gap of 0.2-0.5 s between back-to-back
 demotions here, which a bandwidth budget could not make up: docs/benchmarks.md, "Bandwidth budgets").
-Here it runs on a thread of its own, overlapping the next copy, with two rules that keep what running it
-in line gave: a job's outcome resolves only once the deletions queued before it are done (a later save
-still implies the earlier evictions' files are gone), and a tier that is full waits for its deletions
-in flight before anything else makes room (no copy is evicted for space that is about to be freed).
+Here each tier's deletions run on a thread of the tier's own, overlapping the next copy (a deletion that
+hangs on a vanished mount holds up that tier alone), with two rules that keep what running them in line
+gave: a job's outcome resolves only once the deletions from its tier queued before it are done (a later
+save to a tier still implies that the earlier evictions' files there are gone), and a tier that is full
+waits for its deletions in flight before anything else makes room (no copy is evicted for space that is
+about to be freed).
 """
 
 from __future__ import annotations
@@ -15,7 +17,10 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Iterable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
+from functools import partial
+
+from tierckpt.background.worker import Worker
 
 __all__ = ["Reclaimer"]
 
@@ -23,7 +28,8 @@ log = logging.getLogger(__name__)
 
 
 class Reclaimer:
-    """Runs ``reclaim(name)`` for tier names, one at a time, in the order asked, on a thread of its own.
+    """Runs ``reclaim(name)`` for tier names: per tier one at a time, in the order asked, on a thread of
+    the tier's own (started on first use).
 
     Args:
         reclaim: frees what was evicted from the named tier (``tiers[name].reclaim()``).
@@ -31,11 +37,10 @@ class Reclaimer:
 
     def __init__(self, reclaim: Callable[[str], None]) -> None:
         self._reclaim = reclaim
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tierckpt-reclaim")
-        self._latest: dict[
-            str, Future[None]
-        ] = {}  # per tier, its last deletion queued (FIFO: the earlier are done first)
+        self._workers: dict[str, Worker] = {}
+        self._latest: dict[str, Future[None]] = {}  # per tier, its last deletion queued: the earlier are done first
         self._lock = threading.Lock()
+        self._closed = False
 
     def _run(self, name: str) -> None:
         try:
@@ -47,12 +52,13 @@ class Reclaimer:
         """Queue the deletion of what was evicted from each of these tiers (after :meth:`close`: at once)."""
         for name in names:
             with self._lock:
-                try:
-                    self._latest[name] = self._pool.submit(self._run, name)
+                if not self._closed:
+                    worker = self._workers.get(name)
+                    if worker is None:
+                        worker = self._workers[name] = Worker(f"{name}-reclaim")
+                    self._latest[name] = worker.submit(partial(self._run, name))
                     continue
-                except RuntimeError:  # closed: a worker that outlived close(timeout) frees its own
-                    pass
-            self._run(name)
+            self._run(name)  # closed: a worker that outlived close(timeout) frees its own
 
     def settle(self, tier: str | None = None) -> bool:
         """Wait for the deletions queued so far (of ``tier``'s evicted copies; None: of every tier's);
@@ -63,8 +69,11 @@ class Reclaimer:
             f.result()
         return bool(pending)
 
-    def close(self) -> None:
-        """Finish the deletions queued; later ones run in their caller's thread."""
+    def close(self, timeout: float | None = None) -> None:
+        """Finish the deletions queued (waiting at most ``timeout`` seconds for each tier's); later ones
+        run in their caller's thread."""
         with self._lock:
-            self._pool.shutdown(wait=False)
-        self._pool.shutdown(wait=True)
+            self._closed = True
+            workers = list(self._workers.values())
+        for w in workers:
+            w.close(timeout)
