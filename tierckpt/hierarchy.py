@@ -265,7 +265,9 @@ class Hierarchy:
             state: nested dict/list/tuple of tensors and plain values.
             step: non-negative integer identifying the checkpoint.
             allow_pickle: pickle values that are neither tensors nor plain values.
-            blocking: return only when every tier this save goes to has committed it or failed.
+            blocking: return only when every tier this save goes to has committed it or failed. Its
+                copies are then not paced by the tiers' bandwidth budgets (unless ``throttle: all``); a
+                non-blocking save's are (docs/tiers.md, "Bandwidth budgets").
         """
         self._check_writable("save")
         check_step(step)
@@ -292,7 +294,8 @@ class Hierarchy:
         Call it early (while the model is being built) so that ``restore()`` later reads from memory.
         The copy goes straight from the fastest tier holding the step to ``to`` (one read of the slow
         tier); every tier in between then receives a copy from ``to``'s (or, if that failed, from the
-        source).
+        source). Its reads and writes are not paced by the tiers' bandwidth budgets, unless a budget says
+        ``throttle: all``.
 
         Args:
             step: the step (default: the newest committed one).
