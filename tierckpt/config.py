@@ -5,7 +5,7 @@ Schema (docs/config.md has every key)::
     tiers:
       - {name: host, kind: host, capacity: 2GiB}
       - {name: ssd,  kind: local, path: /scratch/ckpt, capacity: 100GiB}
-      - {name: pfs,  kind: pfs,   path: /lustre/me/ckpt, io: {queue_depth: 32}}
+      - {name: pfs,  kind: pfs,   path: /lustre/me/ckpt, io: {queue_depth: 32, bandwidth: 300MB/s}}
       - {name: obj,  kind: s3,    path: s3://bucket/prefix, options: {endpoint: https://s3.example}}
     io: {engine: auto, direct: true, queue_depth: 16, chunk: 32MiB}
     layout: {align: 4KiB, blob_size: 1GiB}
@@ -38,6 +38,7 @@ from tierckpt.configvalues import (
     expand_placeholders,
     format_size,
     no_nul,
+    parse_rate,
     parse_size,
 )
 from tierckpt.configvalues import short as _short
@@ -48,6 +49,7 @@ __all__ = [
     "ENGINES",
     "LEASE_STALE_SECS",
     "ON_FULL",
+    "THROTTLES",
     "DemoteConfig",
     "DistributedConfig",
     "HierarchyConfig",
@@ -65,6 +67,10 @@ __all__ = [
 
 ENGINES = ("auto", "uring", "threads")
 ON_FULL = ("wait", "fail")
+#: which of a budgeted tier's I/O its bandwidth budget paces (docs/tiers.md, "Bandwidth budgets")
+THROTTLES = ("background", "all")
+#: the smallest bandwidth budget: below it a chunk of 32 MiB would wait over half a minute (a typo for MB/s)
+MIN_BANDWIDTH = 10**6
 ENV_ENGINE = "TIERCKPT_ENGINE"
 #: how long a lease holder on another host may go without renewing before it counts as gone (docs/jobs.md)
 LEASE_STALE_SECS = 60.0
@@ -85,9 +91,13 @@ class IOConfig:
             detected).
         stripe_count: its stripe count, likewise.
         object_bytes: its object size, likewise.
+        bandwidth_bytes_per_sec: a tier's bandwidth budget (None: none); a tier's own setting, never
+            the hierarchy's (docs/tiers.md, "Bandwidth budgets").
+        throttle: what the budget paces: ``background`` (background copies and non-blocking saves) or
+            ``all`` (prefetches, blocking saves and restores too).
 
     These are settings, inputs of each tier's I/O geometry (:func:`tierckpt.io.geometry.io_geometry`),
-    which decides every size used from them.
+    which decides every size used from them, and of its budget.
     """
 
     engine: str = "auto"
@@ -98,6 +108,8 @@ class IOConfig:
     stripe_unit_bytes: int | None = None
     stripe_count: int | None = None
     object_bytes: int | None = None
+    bandwidth_bytes_per_sec: int | None = None
+    throttle: str = "background"
 
 
 def default_io() -> IOConfig:
@@ -259,11 +271,23 @@ def _int(v: Any, key: str, lo: int, hi: int) -> int:
     return v
 
 
-_STRIPE_KEYS = {"stripe_unit", "stripe_count", "object_size"}
+_STRIPE_KEYS = ("stripe_unit", "stripe_count", "object_size")
+_BUDGET_KEYS = ("bandwidth", "throttle")
 
 
-def _parse_io(d: Any, key: str, base: IOConfig) -> IOConfig:
-    d = _check_keys(d, key, {"engine", "direct", "queue_depth", "chunk", *_STRIPE_KEYS})
+def _parse_io(d: Any, key: str, base: IOConfig, *, tier: bool = False) -> IOConfig:
+    """The top-level ``io:`` (over ``base``, the defaults), or a tier entry's (``tier``: over the
+    top-level one), which may also hold the tier's bandwidth budget."""
+    if not tier and isinstance(d, Mapping):
+        for k in _BUDGET_KEYS:
+            if k in d:
+                raise ConfigError(
+                    f"{key}.{k}: a bandwidth budget is one tier's: give it in that tier's entry, e.g. "
+                    "tiers[2].io: {bandwidth: 300MB/s} (here it would give every tier a budget of its own "
+                    "that size, not one for the whole hierarchy; docs/tiers.md, 'Bandwidth budgets')"
+                )
+    keys = {"engine", "direct", "queue_depth", "chunk", *_STRIPE_KEYS, *(_BUDGET_KEYS if tier else ())}
+    d = _check_keys(d, key, keys)
     out = base
     if "engine" in d:
         if d["engine"] not in ENGINES:
@@ -282,7 +306,7 @@ def _parse_io(d: Any, key: str, base: IOConfig) -> IOConfig:
                 f"{key}.chunk: expected a multiple of 4KiB between 4KiB and 1GiB, got {_short(d['chunk'])}"
             )
         out = replace(out, chunk_bytes=chunk)
-    return _parse_stripes(d, key, out)
+    return _parse_budget(d, key, _parse_stripes(d, key, out))
 
 
 def _parse_stripes(d: Mapping[str, Any], key: str, out: IOConfig) -> IOConfig:
@@ -304,6 +328,20 @@ def _parse_stripes(d: Mapping[str, Any], key: str, out: IOConfig) -> IOConfig:
             raise ConfigError(f"{key}.object_size: expected {within} up to 4GiB, got {_short(d['object_size'])}")
         out = replace(out, object_bytes=obj)
     return out
+
+
+def _parse_budget(d: Mapping[str, Any], key: str, io: IOConfig) -> IOConfig:
+    """A tier entry's ``io.bandwidth`` (a rate such as ``300MB/s``) and ``io.throttle``."""
+    if "bandwidth" in d:
+        rate = parse_rate(d["bandwidth"], f"{key}.bandwidth")
+        if rate < MIN_BANDWIDTH:
+            raise ConfigError(f"{key}.bandwidth: expected a rate of at least 1MB/s, got {_short(d['bandwidth'])}")
+        io = replace(io, bandwidth_bytes_per_sec=rate)
+    if "throttle" in d:
+        if "bandwidth" not in d:
+            raise ConfigError(f"{key}.throttle: there is no {key}.bandwidth for it to apply to")
+        io = replace(io, throttle=_choice(d["throttle"], f"{key}.throttle", THROTTLES))
+    return io
 
 
 def parse_config(data: Any, base_dir: str | os.PathLike[str] | None = None) -> HierarchyConfig:
@@ -403,7 +441,7 @@ def _parse_tier(t: Any, key: str, before: list[TierConfig], base: Path, io: IOCo
         options=MappingProxyType(dict(options)),
         capacity_bytes=capacity,
         blob_bytes=_blob_size(t["blob_size"], f"{key}.blob_size") if "blob_size" in t else None,
-        io=_parse_io(t["io"], f"{key}.io", io) if "io" in t else io,
+        io=_parse_io(t["io"], f"{key}.io", io, tier=True) if "io" in t else io,
         key=key,
         lease_stale_secs=stale_secs,
     )

@@ -26,6 +26,7 @@ __all__ = [
     "launched_rank",
     "no_nul",
     "node_identity",
+    "parse_rate",
     "parse_size",
     "process_rank",
     "resolve_path",
@@ -94,6 +95,27 @@ def parse_size(value: Any, key: str) -> int:
     if n > _MAX_SIZE:
         raise ConfigError(f"{key}: expected a size below 8EiB (2**63 bytes), got {short(value)}")
     return n
+
+
+_RATE_RE = re.compile(r"(.*?)\s*/\s*s\s*", re.ASCII | re.IGNORECASE)
+
+
+def parse_rate(value: Any, key: str) -> int:
+    """Parse a rate, ``300MB/s``, ``1.5GiB/s``, ``500 KB/s`` (a size as :func:`parse_size` reads it, then
+    ``/s``) or an int of bytes per second, into bytes per second.
+
+    Raises:
+        ConfigError: naming ``key`` when the value is not a rate (a size without ``/s`` is not one).
+    """
+    if isinstance(value, int) and not isinstance(value, bool):
+        return parse_size(value, key)
+    m = _RATE_RE.fullmatch(value) if isinstance(value, str) else None
+    if m is None or not m.group(1).strip():
+        raise ConfigError(f"{key}: expected a rate like '300MB/s', got {short(value)}")
+    try:
+        return parse_size(m.group(1), key)
+    except ConfigError:
+        raise ConfigError(f"{key}: expected a rate like '300MB/s', got {short(value)}") from None
 
 
 def format_size(n: int) -> str:

@@ -38,7 +38,7 @@ from tierckpt.config import (
 from tierckpt.datapath.manifests import load_manifest
 from tierckpt.datapath.restore_into import RestoreStaging
 from tierckpt.errors import CheckpointNotFoundError, TierckptError
-from tierckpt.facade.checks import check_connected, check_policy_names, check_step, check_tiers
+from tierckpt.facade.checks import check_connected, check_io, check_policy_names, check_step, check_tiers
 from tierckpt.facade.engines import Engines
 from tierckpt.facade.opening import open_parts
 from tierckpt.facade.planner import Planner
@@ -135,6 +135,7 @@ class Hierarchy:
         self._tiers = tuple(tiers)
         self._index = {n: i for i, n in enumerate(names)}
         self.io = io or default_io()
+        check_io(self.io)
         self.layout = layout or LayoutConfig()
         self.coordinator = check_coordinator(coordinator or default_coordinator(rank, world_size, readonly=readonly))
         self.rank, self.world_size = self.coordinator.rank, self.coordinator.world_size
@@ -269,7 +270,9 @@ class Hierarchy:
             state: nested dict/list/tuple of tensors and plain values.
             step: non-negative integer identifying the checkpoint.
             allow_pickle: pickle values that are neither tensors nor plain values.
-            blocking: return only when every tier this save goes to has committed it or failed.
+            blocking: return only when every tier this save goes to has committed it or failed. Its
+                copies are then not paced by the tiers' bandwidth budgets (unless ``throttle: all``); a
+                non-blocking save's are (docs/tiers.md, "Bandwidth budgets").
         """
         self._check_writable("save")
         check_step(step)
@@ -281,7 +284,10 @@ class Hierarchy:
             self._listing.saw_step(step)
             handle = SaveHandle(step, plan.tiers)
             self._pending.add_save(handle)
-            SaveJob(self._mover, plan, handle, flat, layout, key, world_size=self.world_size, align=self.align).start()
+            SaveJob(
+                self._mover, plan, handle, flat, layout, key,
+                world_size=self.world_size, align=self.align, background=not blocking,
+            ).start()  # fmt: skip
         if blocking:
             handle.settle()
         return handle
@@ -293,7 +299,8 @@ class Hierarchy:
         Call it early (while the model is being built) so that ``restore()`` later reads from memory.
         The copy goes straight from the fastest tier holding the step to ``to`` (one read of the slow
         tier); every tier in between then receives a copy from ``to``'s (or, if that failed, from the
-        source).
+        source). Its reads and writes are not paced by the tiers' bandwidth budgets, unless a budget says
+        ``throttle: all``.
 
         Args:
             step: the step (default: the newest committed one).
@@ -312,16 +319,18 @@ class Hierarchy:
         except CheckpointNotFoundError as e:
             out.set_exception(e)
             return out
-        return self._promote(self._planner.prefetch(info, to), to)
+        return self._promote(self._planner.prefetch(info, to), to, background=False)
 
-    def _promote(self, plan: CopyPlan, to: str) -> Future[str]:
-        """Execute a promotion plan; the future resolves to ``to`` once it has committed the copy."""
+    def _promote(self, plan: CopyPlan, to: str, *, background: bool) -> Future[str]:
+        """Execute a promotion plan (``background``: paced by the tiers' budgets, as a promotion after a
+        restore is; a prefetch is not, unless a budget paces everything); the future resolves to ``to``
+        once it has committed the copy."""
         if plan.there is not None or plan.step is None:  # already there, or higher
             out: Future[str] = Future()
             out.set_result(to)
             return out
         with self._lock:
-            return self._pending.add_promotion(plan.step, to, self._mover.execute(plan))
+            return self._pending.add_promotion(plan.step, to, self._mover.execute(plan, background=background))
 
     # -- read side ---------------------------------------------------------------------------------------
     def checkpoints(self) -> list[CheckpointInfo]:
@@ -409,7 +418,7 @@ class Hierarchy:
         state, got, name = job.run(step)
         self.last_restore = (got, name)
         if tier is None and not self.readonly:  # promote_on_restore
-            self._promote(self._planner.restored(got, name), self._tiers[0].name)
+            self._promote(self._planner.restored(got, name), self._tiers[0].name, background=True)
         return state
 
     def inspect(self, step: int | None = None) -> tuple[str, Manifest]:

@@ -4,7 +4,9 @@ It decides nothing: which tiers a save goes to, the fill order of a prefetch, th
 what retention evicts and what a full tier gives up all come from :func:`~tierckpt.policies.place`. The
 mover runs each copy on its destination's worker (:mod:`~tierckpt.background.worker`), records every
 state in the catalog, pins the sources a copy reads, applies retention after every change, and makes
-room on a full tier as its plan says.
+room on a full tier as its plan says. Each job is background work (its reads and writes paced by the
+tiers' bandwidth budgets: :mod:`~tierckpt.datapath.throttle`) unless its caller waits for it: a
+prefetch, a blocking save.
 """
 
 from __future__ import annotations
@@ -21,9 +23,11 @@ from tierckpt.background.catalog import Catalog
 from tierckpt.background.executor import RankExecutor
 from tierckpt.background.held import HeldCopies
 from tierckpt.background.listing import Listing
+from tierckpt.background.reclaim import Reclaimer
 from tierckpt.background.worker import Worker
 from tierckpt.datapath.blobcopy import copy_blobs, staging_for, writer_for
 from tierckpt.datapath.manifests import load_manifest
+from tierckpt.datapath.throttle import throttled_reader, throttled_writer
 from tierckpt.errors import DeviceFullError, TierckptError, TierFullError
 from tierckpt.format.manifest import BlobEntry
 from tierckpt.io.buffers import StagingPool
@@ -56,16 +60,18 @@ def _pool_of(geometry: IOGeometry) -> Callable[[], StagingPool]:
 class Room:
     """What the mover lends a job that writes a checkpoint to one tier itself (a save's packing job):
     the tier and its geometry in the checkpoint's alignment, room on it (:meth:`reserve`, which makes
-    room as the tier's full-tier plan says) and its worker's staging buffers."""
+    room as the tier's full-tier plan says) and its worker's staging buffers; ``background``: whether the
+    job's writes are paced by the tier's budget as background work."""
 
-    def __init__(self, mover: Mover, tier: Tier) -> None:
+    def __init__(self, mover: Mover, tier: Tier, background: bool = True) -> None:
         self.tier = tier
         self.geometry = mover.geometries[tier.name]
+        self.background = background
         self._mover = mover
 
     def reserve(self, key: CheckpointKey, blobs: Sequence[BlobEntry]) -> TierWriter:
         """A writer for ``key`` on the tier (see :meth:`Mover.reserve`)."""
-        return self._mover.reserve(self.tier, key, blobs)
+        return self._mover.reserve(self.tier, key, blobs, background=self.background)
 
     def staging(self) -> StagingPool:
         """The tier's worker's staging buffers (only that worker's thread uses them)."""
@@ -145,6 +151,7 @@ class Mover:
         self.rank = coordinator.rank
         self.geometries = dict(geometries)
         self.workers = {t.name: Worker(t.name, _pool_of(self.geometries[t.name])) for t in tiers}
+        self.reclaimer = Reclaimer(lambda name: self.tiers[name].reclaim())  # evicted copies, freed beside the workers
         self._evict_lock = threading.Lock()
         self._full_logged: set[str] = set()
         self.held = HeldCopies(catalog)  # copies retention keeps beyond their window, and why
@@ -154,15 +161,17 @@ class Mover:
         )  # the protocol's plans
 
     # -- plans ------------------------------------------------------------------------------------------
-    def execute(self, plan: CopyPlan) -> dict[str, Future[None]]:
+    def execute(self, plan: CopyPlan, *, background: bool = True) -> dict[str, Future[None]]:
         """Queue a plan's copies in order; per destination, a future resolving once it has committed.
-        A copy's source that is an earlier destination of the plan is read once that one has committed."""
+        A copy's source that is an earlier destination of the plan is read once that one has committed.
+        ``background=False``: a caller waits for the copies (a prefetch), which budgets do not pace
+        unless they pace everything."""
         assert plan.step is not None, "a plan with nothing to copy"
         key = CheckpointKey(plan.step, self.rank)
         done: dict[str, Future[None]] = {}
         for c in plan.copies:
             done[c.dst] = Future()
-            self.copy(key, c, done[c.dst], {s: done.get(s) or resolved() for s in c.sources})
+            self.copy(key, c, done[c.dst], {s: done.get(s) or resolved() for s in c.sources}, background=background)
         return done
 
     def copy(
@@ -173,23 +182,28 @@ class Mover:
         sources: Mapping[str, Future[None]],
         blobs: Sequence[BlobEntry] | None = None,
         fallback: Job | None = None,
+        *,
+        background: bool = True,
     ) -> None:
         """Queue one copy of a plan: from the first of ``c.sources`` whose future (in ``sources``)
         succeeds; ``fallback`` writes the checkpoint by other means when every source failed (only where
         the plan allows it)."""
         self.transfer(
-            key, c.dst, [(s, sources[s]) for s in c.sources], done, blobs, c.promoted, fallback if c.fallback else None
-        )
+            key, c.dst, [(s, sources[s]) for s in c.sources], done, blobs, c.promoted, fallback if c.fallback else None,
+            background=background,
+        )  # fmt: skip
 
     # -- jobs -------------------------------------------------------------------------------------------
-    def run_commit(self, tier: str, step: int, job: Job, done: Future[None], announce: bool = True) -> Future[None]:
+    def run_commit(
+        self, tier: str, step: int, job: Job, done: Future[None], announce: bool = True, *, background: bool = True
+    ) -> Future[None]:
         """Run ``job`` (reserve, write, commit on ``tier``, with the :class:`Room` the mover lends it) on
         the tier's worker; record the outcome in the
         catalog and in ``done``; apply retention afterwards. With ``announce`` the step shows as
         ``writing`` as soon as the job starts; otherwise the job says so itself (a transfer, once its
-        source has committed)."""
+        source has committed). ``background``: the job's writes are background work (see the module)."""
 
-        room = Room(self, self.tiers[tier])
+        room = Room(self, self.tiers[tier], background)
         key = CheckpointKey(step, self.rank)
 
         def run() -> None:
@@ -219,21 +233,15 @@ class Mover:
                 evicted = self.apply_retention(free=False, shared=shared if error is None else None)
             except Exception as e:  # retention problems are logged, never raised into a save
                 log.warning("retention after step %d on tier %r failed: %s", step, tier, e)
+            self.reclaimer.settle(tier)  # what earlier jobs evicted from it is freed (it overlapped this one)
             if not done.done():
                 if error is None:
                     done.set_result(None)
                 else:
                     done.set_exception(error)
-            self._reclaim(evicted)
+            self.reclaimer.free(evicted)
 
         return self.workers[tier].submit(run)
-
-    def _reclaim(self, names: set[str]) -> None:
-        for name in names:
-            try:
-                self.tiers[name].reclaim()
-            except Exception as e:
-                log.warning("freeing the evicted copies on tier %r failed: %s", name, e)
 
     def transfer(
         self,
@@ -244,6 +252,8 @@ class Mover:
         blobs: Sequence[BlobEntry] | None = None,
         promoted: bool = False,
         fallback: Job | None = None,
+        *,
+        background: bool = True,
     ) -> None:
         """Queue a copy of ``key`` to ``dst`` from the first of ``sources`` (nearest first) whose future
         succeeds. The sources are pinned until the copy is over (the ones not needed are released as
@@ -268,7 +278,7 @@ class Mover:
                     return fallback(room)
                 pins.release(keep=src)
                 self.catalog.set(key.step, dst, "writing")
-                manifest = self._copy(key, self.tiers[src], self.tiers[dst], blobs)
+                manifest = self._copy(key, self.tiers[src], self.tiers[dst], blobs, background)
                 if promoted:  # a cache of this rank's copy: no commit of all ranks (the protocol says what it needs)
                     self.ranks.promote(self.tiers[src], self.tiers[dst], key.step, manifest)
                     self.catalog.promoted(key.step, dst, True)
@@ -278,7 +288,7 @@ class Mover:
                 pins.release()
 
         self.catalog.plan(key.step, [dst])
-        self.run_commit(dst, key.step, job, done, announce=False)
+        self.run_commit(dst, key.step, job, done, announce=False, background=background)
 
     def _pick_source(self, key: CheckpointKey, dst: str, sources: Sequence[tuple[str, Future[None]]]) -> str:
         causes: list[tuple[str, BaseException]] = []
@@ -292,15 +302,18 @@ class Mover:
             causes[0][1] if causes else None
         )
 
-    def _copy(self, key: CheckpointKey, src: Tier, dst: Tier, blobs: Sequence[BlobEntry] | None) -> bytes:
-        """Copy ``key`` from ``src`` to ``dst`` blob by blob and commit it there; the manifest committed."""
+    def _copy(
+        self, key: CheckpointKey, src: Tier, dst: Tier, blobs: Sequence[BlobEntry] | None, background: bool
+    ) -> bytes:
+        """Copy ``key`` from ``src`` to ``dst`` blob by blob and commit it there; the manifest committed.
+        Each chunk is charged to the budgets of both tiers (a read of one, a write of the other)."""
         with src.open_copy(key) as copy:  # manifest and blobs of one copy; blob sizes checked at open
             manifest = copy.read_manifest()
             if blobs is None:
                 blobs = load_manifest(src, key, copy=copy).blobs
-            reader = copy.reader(blobs)
+            reader = throttled_reader(src, copy.reader(blobs), background=background)
         try:
-            writer = self.reserve(dst, key, blobs)
+            writer = self.reserve(dst, key, blobs, background=background)
         except BaseException:
             reader.close()
             raise
@@ -317,11 +330,17 @@ class Mover:
         return manifest
 
     # -- room -------------------------------------------------------------------------------------------
-    def reserve(self, tier: Tier, key: CheckpointKey, blobs: Sequence[BlobEntry]) -> TierWriter:
-        """Reserve room on ``tier`` (a writer that honours the tier's declared write order), making room
-        as :meth:`with_room` says; the writer's commit makes room too when the device is full as the
-        manifest is written."""
-        writer = self.with_room(tier, key.step, lambda: writer_for(tier, tier.reserve(key, blobs), blobs))
+    def reserve(
+        self, tier: Tier, key: CheckpointKey, blobs: Sequence[BlobEntry], *, background: bool = True
+    ) -> TierWriter:
+        """Reserve room on ``tier`` (a writer that honours the tier's declared write order, its writes
+        charged to the tier's budget as ``background`` says), making room as :meth:`with_room` says; the
+        writer's commit makes room too when the device is full as the manifest is written."""
+
+        def reserve() -> TierWriter:
+            return writer_for(tier, throttled_writer(tier, tier.reserve(key, blobs), background=background), blobs)
+
+        writer = self.with_room(tier, key.step, reserve)
         return _CommitsWithRoom(writer, lambda commit: self.with_room(tier, key.step, commit))
 
     def with_room(self, tier: Tier, step: int, attempt: Callable[[], T]) -> T:
@@ -340,7 +359,10 @@ class Mover:
 
     def _make_room(self, tier: Tier, step: int, full: TierFullError, tried: set[int]) -> None:
         """One round of :meth:`with_room`: evict a victim not ``tried`` yet, or wait a while; raise when
-        nothing frees room (every victim was tried, and is still there: its eviction failed)."""
+        nothing frees room (every victim was tried, and is still there: its eviction failed). Copies
+        evicted from the tier whose files are still being deleted are waited for first."""
+        if self.reclaimer.settle(tier.name):
+            return
         self.apply_retention()
         committed = self.ranks.listing.committed_all()
         event = MakeRoom(tier.name, step, device=isinstance(full, DeviceFullError))
@@ -407,3 +429,4 @@ class Mover:
     def close(self, timeout: float | None = None) -> None:
         for w in self.workers.values():
             w.close(timeout)
+        self.reclaimer.close(timeout)

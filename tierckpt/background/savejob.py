@@ -44,6 +44,8 @@ class SaveJob:
         key: the step and this rank.
         world_size: the number of ranks (recorded in the manifest).
         align: the checkpoint's alignment.
+        background: whether its writes are background work, which the tiers' bandwidth budgets pace
+            (False: a blocking save, which its caller waits for).
     """
 
     def __init__(
@@ -57,9 +59,10 @@ class SaveJob:
         *,
         world_size: int,
         align: int,
+        background: bool = True,
     ) -> None:
         self.mover, self.plan, self.handle, self.flat, self.layout, self.key = mover, plan, handle, flat, layout, key
-        self.world_size, self.align = world_size, align
+        self.world_size, self.align, self.background = world_size, align, background
         self.blobs = tuple(BlobEntry(f"blob-{i:05d}.bin", s) for i, s in enumerate(layout.blob_sizes))
 
     @staticmethod
@@ -83,9 +86,11 @@ class SaveJob:
         catalog.set_sent(self.plan.sent)
         top, *lower = self.plan.copies
         durable = self.handle.durable
-        self.mover.run_commit(top.dst, self.key.step, self._stage, durable[top.dst])
+        self.mover.run_commit(top.dst, self.key.step, self._stage, durable[top.dst], background=self.background)
         for c in lower:
-            self.mover.copy(self.key, c, durable[c.dst], durable, self.blobs, fallback=self._stage)
+            self.mover.copy(
+                self.key, c, durable[c.dst], durable, self.blobs, fallback=self._stage, background=self.background
+            )
 
     def _stage(self, room: Room) -> bytes:
         """Reserve room on ``tier``, pack the caller's tensors into it, commit; the manifest committed. A

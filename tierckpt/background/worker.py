@@ -23,10 +23,10 @@ class Worker:
     Args:
         name: thread name suffix (the tier's name).
         staging: factory of this worker's staging pool (created on first use, one per worker so two
-            workers never wait on each other's buffers).
+            workers never wait on each other's buffers); None for a worker whose jobs move no bytes.
     """
 
-    def __init__(self, name: str, staging: Callable[[], StagingPool]) -> None:
+    def __init__(self, name: str, staging: Callable[[], StagingPool] | None = None) -> None:
         self.name = name
         self._make_pool = staging
         self._pool: StagingPool | None = None
@@ -38,6 +38,8 @@ class Worker:
     def pool(self) -> StagingPool:
         """This worker's staging buffers (only its own thread uses them)."""
         if self._pool is None:
+            if self._make_pool is None:
+                raise RuntimeError(f"worker {self.name!r} has no staging buffers")
             self._pool = self._make_pool()
         return self._pool
 

@@ -19,6 +19,7 @@ import torch
 
 from tierckpt.datapath.manifests import absent, load_manifest, load_tree, located
 from tierckpt.datapath.reshard import read_sharded
+from tierckpt.datapath.throttle import throttled_reader
 from tierckpt.datapath.verifier import BlobVerifier, Where
 from tierckpt.errors import CheckpointNotFoundError, CorruptCheckpointError
 from tierckpt.format.manifest import Manifest, dtype_from_name
@@ -65,6 +66,7 @@ def _read_blobs(
     (:meth:`~tierckpt.io.geometry.IOGeometry.first_read`), so the disk starts once a quarter chunk is populated.
     """
     chunk, first = tier.geometry.read_chunk(m.align), tier.geometry.first_read(m.align)  # in the copy's alignment
+    reader = throttled_reader(tier, reader, background=False)  # paced only by a budget that paces everything
     try:
         bufs = _fresh_buffers(tier, key, m)  # page-aligned: fine for O_DIRECT
     except BaseException:

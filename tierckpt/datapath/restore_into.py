@@ -33,6 +33,7 @@ import torch
 from tierckpt.datapath.manifests import absent, load_head, load_rest
 from tierckpt.datapath.matching import Match, holds_dtensor, match_target
 from tierckpt.datapath.reshard import restore_sharded
+from tierckpt.datapath.throttle import throttled_reader
 from tierckpt.datapath.verifier import BlobVerifier, Where
 from tierckpt.errors import CheckpointNotFoundError
 from tierckpt.format.layout import round_up
@@ -157,7 +158,7 @@ def restore_into(
             return restore_sharded(
                 tier, key, target, allow_pickle=allow_pickle, strict=strict, others=others, replicas=replicas
             )
-        reader = copy.reader(head.blobs)
+        reader = throttled_reader(tier, copy.reader(head.blobs), background=False)
     try:
         stream = _Stream(tier, key, head, reader, lambda: pool(head.align))
         try:

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tierckpt.datapath.manifests import UnnamedCopyError, absent, load_manifest
+from tierckpt.datapath.throttle import throttled_reader
 from tierckpt.datapath.verifier import Where, verify_range
 from tierckpt.errors import CheckpointNotFoundError, CorruptCheckpointError
 from tierckpt.format.layout import round_up
@@ -90,7 +91,9 @@ class Copies:
             key = CheckpointKey(self.step, rank)
             with tier.open_copy(key) as copy:
                 m = load_manifest(tier, key, allow_pickle=self.allow_pickle, copy=copy)
-                got = self.opened[rank] = _Copy(rank, m, copy.reader(m.blobs), tier)
+                got = self.opened[rank] = _Copy(
+                    rank, m, throttled_reader(tier, copy.reader(m.blobs), background=False), tier
+                )
         return got
 
     def base(self, rank: int) -> _Copy:

@@ -7,16 +7,27 @@ import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from tierckpt.config import PolicyConfig
+from tierckpt.config import IOConfig, PolicyConfig
 from tierckpt.errors import ConfigError
 from tierckpt.ranks.coordinator import Coordinator
 from tierckpt.tiers.base import Tier
 
-__all__ = ["MAX_STEP", "check_connected", "check_policy_names", "check_step", "check_tiers"]
+__all__ = [
+    "MAX_STEP",
+    "MEMORY_DEVICES",
+    "check_connected",
+    "check_io",
+    "check_policy_names",
+    "check_step",
+    "check_tiers",
+    "memory_budget",
+]
 
 log = logging.getLogger("tierckpt.hierarchy")
 
 MAX_STEP = 10**12 - 1  #: file tiers name a step with 12 decimal digits (docs/format.md)
+#: the devices whose copies are memory copies (``memmove``, a device copy), which no budget paces
+MEMORY_DEVICES = ("cpu", "cuda")
 
 
 def check_step(step: object) -> int:
@@ -55,12 +66,37 @@ def check_tiers(tiers: Sequence[Tier]) -> list[str]:
                 f"tiers[{i}] ({t.name!r}): tier kind {t.kind!r} is persistent but keeps no commit records: "
                 "it must implement Tier.write_record / read_record / remove_record / list_records (docs/tiers.md)"
             )
+        if t.budget is not None and t.capabilities.device in MEMORY_DEVICES:
+            raise ConfigError(f"tiers[{i}] ({t.name!r}): {memory_budget(t)}")
     if not any(t.capabilities.persistent for t in tiers):
         log.warning(
             "no tier of %s is persistent: its checkpoints are lost when this process ends (add a file tier)",
             names,
         )
     return names
+
+
+def memory_budget(tier: Tier) -> str:
+    """Why a memory tier takes no bandwidth budget (the end of an error message)."""
+    return (
+        f"a {tier.kind} tier's copies are memory copies, which a bandwidth budget does not pace: give the "
+        "budget to the file or object tier they go to or come from (docs/tiers.md, 'Bandwidth budgets')"
+    )
+
+
+def check_io(io: IOConfig) -> None:
+    """A hierarchy's ``io`` settings hold no bandwidth budget: that is a tier's (each file tier's
+    ``bandwidth_bytes_per_sec``, or its YAML entry's ``io.bandwidth``).
+
+    Raises:
+        ConfigError: the settings hold one.
+    """
+    if io.bandwidth_bytes_per_sec is not None:
+        raise ConfigError(
+            "io.bandwidth_bytes_per_sec: a bandwidth budget is one tier's: give it to the tier "
+            "(LocalTier(..., bandwidth_bytes_per_sec=...), or tiers[i].io.bandwidth in a config), not to "
+            "the hierarchy's io settings (docs/tiers.md, 'Bandwidth budgets')"
+        )
 
 
 def check_policy_names(

@@ -10,8 +10,11 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
-from tierckpt.config import HierarchyConfig, parse_config
+from tierckpt.config import HierarchyConfig, TierConfig, parse_config
+from tierckpt.errors import ConfigError
+from tierckpt.facade.checks import MEMORY_DEVICES, memory_budget
 from tierckpt.facade.engines import Engines
+from tierckpt.io.budget import Budget
 from tierckpt.ranks.coordinator import Coordinator, check_coordinator
 from tierckpt.ranks.distributed import default_coordinator, shared_job
 from tierckpt.registry import get_tier_class
@@ -88,8 +91,25 @@ def open_parts(
         cfg = replace(cfg, tiers=tuple(replace(t, job=job or t.job) for t in cfg.tiers))
     parts = Parts(cfg, [], coord, Engines(), job)
     try:
-        parts.tiers += (get_tier_class(t.kind, f"{t.key}.kind").from_config(t, parts.engines) for t in cfg.tiers)
+        for t in cfg.tiers:
+            parts.tiers.append(get_tier_class(t.kind, f"{t.key}.kind").from_config(t, parts.engines))
+            _give_budget(parts.tiers[-1], t)
     except BaseException:
         parts.close()
         raise
     return parts
+
+
+def _give_budget(tier: Tier, cfg: TierConfig) -> None:
+    """The entry's ``io.bandwidth``, on a tier whose kind did not take it (a file tier takes it itself):
+    a bucket of one chunk of the tier's, which the data path charges as it does a file tier's.
+
+    Raises:
+        ConfigError: naming the key, for a memory tier (whose copies no budget paces).
+    """
+    rate = cfg.io.bandwidth_bytes_per_sec
+    if rate is None or tier.budget is not None:
+        return
+    if tier.capabilities.device in MEMORY_DEVICES:
+        raise ConfigError(f"{cfg.key}.io.bandwidth: {memory_budget(tier)}")
+    tier.budget = Budget(rate, burst_bytes=tier.geometry.chunk_bytes, throttle=cfg.io.throttle)

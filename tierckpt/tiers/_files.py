@@ -36,6 +36,7 @@ from typing import Any
 from tierckpt.config import LEASE_STALE_SECS, IOConfig, TierConfig, default_io
 from tierckpt.errors import TierFullError
 from tierckpt.format.manifest import BlobEntry
+from tierckpt.io.budget import Budget
 from tierckpt.io.engine import IOEngine, make_engine
 from tierckpt.io.fslayout import FileLayout, with_layout
 from tierckpt.io.fsutil import fsync_dir, probe_fs
@@ -95,8 +96,14 @@ class FileTier(Tier):
             the geometry sizes for it rather than for the layout detected.
         io: the tier's own ``io`` settings (its config entry's): its queue depth and the stripes it sizes
             for (``stripe_unit_bytes`` ...) over the hierarchy's; None: the hierarchy's.
+        bandwidth_bytes_per_sec: the tier's bandwidth budget (None: none): its :attr:`budget`, a token
+            bucket of one chunk that paces the hierarchy's background reads and writes of the tier
+            (docs/tiers.md, "Bandwidth budgets").
+        throttle: what the budget paces: ``background`` (background copies, non-blocking saves) or
+            ``all`` (prefetches, blocking saves and restores too).
 
     Raises:
+        ValueError: a ``bandwidth_bytes_per_sec`` that is not positive, or an unknown ``throttle``.
         TierBusyError: (writable) another job holds the directory's lease.
         TierIOError: the directory is missing (``readonly``), cannot be made, is not readable (and
             writable), or is on a read-only file system and the tier is not ``readonly``; or its file
@@ -127,8 +134,12 @@ class FileTier(Tier):
         one_file: bool | None = None,
         file_layout: FileLayout | None = None,
         io: IOConfig | None = None,
+        bandwidth_bytes_per_sec: int | None = None,
+        throttle: str = "background",
     ) -> None:
         super().__init__(name)
+        # checked before anything is made; a bucket of one chunk (docs/tiers.md, "Bandwidth budgets")
+        budget = None if bandwidth_bytes_per_sec is None else Budget(bandwidth_bytes_per_sec, throttle=throttle)
         if one_file is not None:
             self.one_file = one_file
         self.path = Path(path)
@@ -159,6 +170,9 @@ class FileTier(Tier):
             persistent=True, shared=self.shared, device="file", alignment_bytes=self.facts.direct_alignment_bytes
         )
         self._fix_io(default_io())
+        if budget is not None:
+            budget.burst_bytes = self.geometry.chunk_bytes
+            self.budget = budget
         self._lock = threading.Lock()
         self._reserved = 0  # bytes of checkpoints being written by this process (counted against capacity)
         self._evicted: list[Path] = []  # renamed away by evict(free=False), deleted by reclaim()
@@ -250,12 +264,15 @@ class FileTier(Tier):
             one_file=opts["one_file"],
             file_layout=opts.get("file_layout"),
             io=cfg.io,
+            bandwidth_bytes_per_sec=cfg.io.bandwidth_bytes_per_sec,
+            throttle=cfg.io.throttle,
         )
         tier._engine, tier._engine_given = engines.get(cfg.io.engine, tier.plan_geometry(cfg.io).queue_depth), True
         return tier
 
     def describe(self) -> str:
-        return f"{self.path} ({'O_DIRECT' if self.direct else 'buffered'}, {self.engine.name} engine)"
+        budget = f", {self.budget.describe()} budget" if self.budget is not None else ""
+        return f"{self.path} ({'O_DIRECT' if self.direct else 'buffered'}, {self.engine.name} engine{budget})"
 
     def storage_facts(self) -> dict[str, Any]:
         """``{"facts": ..., "file_layout": ...}``: its file system's :attr:`facts` as probed, and the

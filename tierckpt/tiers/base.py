@@ -67,6 +67,7 @@ import torch
 
 from tierckpt.config import IOConfig
 from tierckpt.format.manifest import BlobEntry
+from tierckpt.io.budget import Budget
 from tierckpt.io.geometry import IOGeometry, io_geometry
 
 if TYPE_CHECKING:
@@ -274,6 +275,12 @@ class Tier(ABC):
             :meth:`plan_geometry` (the size used is :attr:`geometry`'s ``chunk_bytes``, within the
             tier's part sizes and alignment; the file tiers take the hierarchy's ``io.chunk`` instead
             unless given their own, and read it as their geometry's).
+        budget: the tier's bandwidth budget, or None: a token bucket that the hierarchy's data path
+            charges before each read and write of the tier's blobs that it paces (docs/tiers.md,
+            "Bandwidth budgets"). One per tier object: hierarchies that share the tier share it. A file
+            tier makes it from its ``bandwidth_bytes_per_sec``; a tier of any other kind that moves its
+            bytes through :meth:`TierWriter.write` and :meth:`TierReader.read` takes one from its YAML
+            entry's ``io.bandwidth`` (or have one assigned); a memory tier takes none.
 
     What a full tier does (wait for room or fail) is policy, not the tier's: ``policy.on_full``.
     """
@@ -285,6 +292,7 @@ class Tier(ABC):
     chunk_bytes: int = 32 << 20
     _geometry: IOGeometry | None = None
     _geometry_io: IOConfig | None = None  # the io settings it was fixed for
+    budget: Budget | None = None
 
     def __init__(self, name: str) -> None:
         self.name = name
