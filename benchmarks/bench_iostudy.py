@@ -179,11 +179,11 @@ def run_case(root: Path, wl: str, world: int, args: argparse.Namespace) -> dict[
         res["save"][n] = [x[0][1] if n in FIO else span(x) for x in runs]
     print(f"  saves ({wl}, {world} ranks): " + ", ".join(f"{n} {statistics.median(t):.2f}s"
           for n, t in res["save"].items()), flush=True)  # fmt: skip
-    names = [n for n in s0["t"] if n not in FIO and not n.startswith("dcp-t") or n == "dcp-t1"]
+    names = [n for n in s0["t"] if (n not in FIO and not n.startswith("dcp-t")) or n == "dcp-t1"]
     last = args.repeats - 1
     for rep in range(args.repeats):
         k = rep % (len(names) + 1)
-        for n in ([*names, "fio"][k:] + [*names, "fio"][:k]):
+        for n in [*names, "fio"][k:] + [*names, "fio"][:k]:
             res["cold"].add(make_cold([root]))
             if n == "fio":
                 secs = run_fio(root / "fio", world, res["bytes"] // world, "read", direct=True)
@@ -222,12 +222,14 @@ def run_mount(d: Path, args: argparse.Namespace) -> dict[str, Any]:
 
 
 @contextlib.contextmanager
-def started_mounts(base: Path) -> Any:
-    """A loopback CephFS and GlusterFS mount (tierckpt.testing.clusters), stopped afterwards."""
+def started_mounts(base: Path, memstore_gb: float) -> Any:
+    """A loopback CephFS (its OSD's memstore of ``memstore_gb``) and GlusterFS (a brick on ``base``'s disk)
+    (tierckpt.testing.clusters), unmounted and stopped afterwards."""
     from tierckpt.testing.clusters import CephCluster, GlusterVolume
 
     with contextlib.ExitStack() as stack:
-        ceph = stack.enter_context(CephCluster(base / "ceph").start(cephfs=base / "cephfs"))
+        ceph = CephCluster(base / "ceph", memstore_bytes=int(memstore_gb * (1 << 30)))
+        ceph = stack.enter_context(ceph.start(cephfs=base / "cephfs"))
         gv = stack.enter_context(GlusterVolume(base / "gluster").start(base / "gfs"))
         yield [Path(ceph.mount), Path(gv.mount)]
 
@@ -237,8 +239,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--dir", type=Path, action="append", default=[], help="a mount to measure on (repeatable)")
-    ap.add_argument("--start-mounts", action="store_true", help="also start and measure a loopback CephFS and GlusterFS")
+    ap.add_argument(
+        "--start-mounts", action="store_true", help="also start and measure a loopback CephFS and GlusterFS"
+    )
     ap.add_argument("--mounts-base", type=Path, default=Path("/var/tmp/bench-iostudy-clusters"))
+    ap.add_argument("--memstore-gib", type=float, default=5.0, help="the Ceph OSD's memstore (RAM), GiB")
     ap.add_argument("--workloads", nargs="+", default=["llm", "small"], choices=["llm", "small"])
     ap.add_argument("--ranks", nargs="+", type=int, default=[1, 4])
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
@@ -262,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
     with contextlib.ExitStack() as stack:
         dirs = list(args.dir)
         if args.start_mounts:
-            dirs += stack.enter_context(started_mounts(args.mounts_base))
+            dirs += stack.enter_context(started_mounts(args.mounts_base, args.memstore_gib))
         for d in dirs:
             mounts.append(run_mount(d, args))
     info = {"date": started, "argv": sys.argv[1:], "cpus": os.cpu_count(), "mounts": mounts,

@@ -1,6 +1,6 @@
 """Tables, target checks and plots of ``bench_iostudy.py``'s results (its ``iostudy.json``).
 
-    python benchmarks/iostudy_report.py /tmp/iostudy/iostudy.json   # the tables again, and the PNGs
+``python benchmarks/iostudy_report.py /tmp/iostudy/iostudy.json`` prints the tables again and writes the PNGs.
 """
 
 from __future__ import annotations
@@ -92,7 +92,7 @@ def targets(m: dict[str, Any]) -> list[str]:
     out = []
     ok = lambda b: "met" if b else "missed"  # noqa: E731
     for k, c in m["cases"].items():
-        wl, world = k.split("/")
+        wl = k.split("/")[0]
         ours = med(c, "save", OURS)
         if ours is None:
             continue

@@ -14,8 +14,8 @@ same or in a fresh process:
 * ``datastates``: DataStates-LLM's pattern without file-system awareness: the tensors packed back to back
   after a header (no alignment), the stream written in 16 MiB writes at those unaligned offsets,
   buffered, all queued on tierckpt's io_uring engine, one file per rank.
-* ``torch.save``, ``dcp-tN`` (``FileSystemWriter(thread_count=N)``) and ``torchsnapshot``, each rank's
-  tensors under a key of its own (so that DCP and TorchSnapshot write every rank's).
+* ``torch.save``, ``dcp-tN`` (``FileSystemWriter(thread_count=N)``; each rank's tensors under a key of its own,
+  so that DCP writes every rank's) and ``torchsnapshot``.
 
 File format of ``uncoalesced`` and ``datastates``: an 8-byte little-endian header length, a JSON index
 (name, dtype, shape, offset, bytes of each tensor) and the tensors' bytes at those offsets.
@@ -326,10 +326,11 @@ class DataStatesStyle(Variant):
             index, start = _read_index(fd)
             total = sum(e["n"] for e in index)
             data = torch.empty(total, dtype=torch.uint8)
-            futs = [
-                self.engine.pread(fd, data.data_ptr() + p, min(STREAM_CHUNK, total - p), start + p)
-                for p in range(0, total, STREAM_CHUNK)
-            ]
+            futs: list[Any] = []
+            for p in range(0, total, STREAM_CHUNK):  # as many reads in flight as the save had writes
+                if len(futs) == _STREAM_SLOTS:
+                    futs.pop(0).result()
+                futs.append(self.engine.pread(fd, data.data_ptr() + p, min(STREAM_CHUNK, total - p), start + p))
             for f in futs:
                 f.result()
         finally:
@@ -390,8 +391,8 @@ class Dcp(Variant):
 
 
 class TorchSnapshot(Variant):
-    """``torchsnapshot.Snapshot.take`` of ``{"r{rank}": StateDict(tensors)}`` + fsync of what it wrote (it
-    does not fsync); restore into a template of zeros."""
+    """``torchsnapshot.Snapshot.take`` of ``{"s": StateDict(tensors)}`` (each rank's its own: not
+    replicated) + fsync of what it wrote (it does not fsync); restore into a template of zeros."""
 
     name = "torchsnapshot"
 
@@ -408,14 +409,14 @@ class TorchSnapshot(Variant):
         return [self.path(rep)]
 
     def save(self, flat: dict[str, torch.Tensor], rep: int) -> None:
-        self.ts.Snapshot.take(path=str(self.path(rep)), app_state={f"r{self.rank}": self.ts.StateDict(flat)})
+        self.ts.Snapshot.take(path=str(self.path(rep)), app_state={"s": self.ts.StateDict(flat)})
         torch.distributed.barrier()
         if self.rank == 0:
             fsync_tree(self.path(rep))
 
     def restore(self, rep: int, like: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         target = self.ts.StateDict({k: torch.zeros_like(v) for k, v in like.items()})
-        self.ts.Snapshot(path=str(self.path(rep))).restore({f"r{self.rank}": target})
+        self.ts.Snapshot(path=str(self.path(rep))).restore({"s": target})
         return dict(target)
 
 
