@@ -133,6 +133,7 @@ def save_job(rank: int, world: int, root: str, wl: str, total: dict[str, float],
             if rep == 0 and rank == 0:
                 fs = files_under(vs[n].checkpoint_paths(rep))
                 out["files"][n] = len(fs)
+            dist.barrier()  # counted before any rank deletes its part
             if rep < repeats - 1:
                 vs[n].discard(rep)
     for n, v in vs.items():
@@ -180,6 +181,7 @@ def run_case(root: Path, wl: str, world: int, args: argparse.Namespace) -> dict[
     print(f"  saves ({wl}, {world} ranks): " + ", ".join(f"{n} {statistics.median(t):.2f}s"
           for n, t in res["save"].items()), flush=True)  # fmt: skip
     names = [n for n in s0["t"] if (n not in FIO and not n.startswith("dcp-t")) or n == "dcp-t1"]
+    names = [n for n in names if args.restores is None or n in args.restores]
     last = args.repeats - 1
     for rep in range(args.repeats):
         k = rep % (len(names) + 1)
@@ -203,10 +205,12 @@ def describe_mount(d: Path) -> dict[str, Any]:
     """The file system under ``d`` as tierckpt detects it."""
     from dataclasses import asdict
 
+    from tierckpt.bench.system import _mount_of
     from tierckpt.io.fsutil import probe_fs
 
     f = probe_fs(d, writable=True)
-    return {"path": str(d), "fs_type": f.fs_type or "?", "family": f.family, "facts": asdict(f)}
+    fs = f.fs_type or _mount_of(d)[2]  # a probe that does not name the type yet: /proc/self/mounts's
+    return {"path": str(d), "fs_type": fs, "family": f.family, "facts": asdict(f)}
 
 
 def run_mount(d: Path, args: argparse.Namespace) -> dict[str, Any]:
@@ -217,6 +221,8 @@ def run_mount(d: Path, args: argparse.Namespace) -> dict[str, Any]:
     m["cases"] = {}
     for wl in args.workloads:
         for world in args.ranks:
+            if f"{m['fs_type']}:{wl}/{world}" in args.skip:
+                continue
             m["cases"][f"{wl}/{world}"] = run_case(d / "bench-iostudy", wl, world, args)
     return m
 
@@ -247,6 +253,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--workloads", nargs="+", default=["llm", "small"], choices=["llm", "small"])
     ap.add_argument("--ranks", nargs="+", type=int, default=[1, 4])
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    ap.add_argument("--restores", nargs="+", choices=list(VARIANTS), help="restore only these (default: all)")
+    ap.add_argument("--skip", nargs="+", default=[], help="cases to leave out, as FSTYPE:WORKLOAD/RANKS")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--llm-gb", type=float, default=1.0, help="the llm state's total size, all ranks (GB)")
     ap.add_argument("--small-count", type=int, default=20000, help="the small workload's tensors, all ranks")
