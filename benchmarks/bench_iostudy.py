@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import gc
 import json
 import os
 import shutil
@@ -66,14 +65,6 @@ def _skip_reason(name: str, flat: dict[str, torch.Tensor]) -> str | None:
     return None
 
 
-def _settle() -> None:
-    gc.collect()
-    dist.barrier()
-    if dist.get_rank() == 0:
-        os.sync()
-    dist.barrier()
-
-
 def run_fio(d: Path, world: int, per_rank: int, rw: str, direct: bool) -> float:
     """Seconds fio takes (its own rate) to write or read ``world`` files of ``per_rank`` bytes in ``d``."""
     d.mkdir(parents=True, exist_ok=True)
@@ -89,6 +80,8 @@ def run_fio(d: Path, world: int, per_rank: int, rw: str, direct: bool) -> float:
 def save_job(rank: int, world: int, root: str, wl: str, total: dict[str, float], names: list[str],
              repeats: int) -> dict[str, Any]:  # fmt: skip
     """Every variant's saves, interleaved; the last repeat's checkpoints kept for the restores."""
+    from bench_dist import _settle
+
     from tierckpt.bench.iostudy import make_variant
     from tierckpt.bench.system import files_under
 

@@ -363,7 +363,17 @@ class TorchSave(Variant):
         return out
 
 
-class Dcp(Variant):
+class _SharedFolder(Variant):
+    """A variant whose checkpoint is one folder that every rank writes into."""
+
+    def path(self, rep: int) -> Path:
+        return self.dir / str(rep)
+
+    def checkpoint_paths(self, rep: int) -> list[Path]:
+        return [self.path(rep)]
+
+
+class Dcp(_SharedFolder):
     """``dcp.save`` with ``FileSystemWriter(thread_count=N)`` in the process group, each rank's tensors
     under ``r{rank}/``; ``dcp.load`` into a template of zeros."""
 
@@ -373,12 +383,6 @@ class Dcp(Variant):
         import torch.distributed.checkpoint as dcp
 
         self.dcp = dcp
-
-    def path(self, rep: int) -> Path:
-        return self.dir / str(rep)
-
-    def checkpoint_paths(self, rep: int) -> list[Path]:
-        return [self.path(rep)]
 
     def save(self, flat: dict[str, torch.Tensor], rep: int) -> None:
         writer = self.dcp.FileSystemWriter(str(self.path(rep)), thread_count=self.threads)
@@ -390,7 +394,7 @@ class Dcp(Variant):
         return target[f"r{self.rank}"]
 
 
-class TorchSnapshot(Variant):
+class TorchSnapshot(_SharedFolder):
     """``torchsnapshot.Snapshot.take`` of ``{"s": StateDict(tensors)}`` (each rank's its own: not
     replicated) + fsync of what it wrote (it does not fsync); restore into a template of zeros."""
 
@@ -401,12 +405,6 @@ class TorchSnapshot(Variant):
         import torchsnapshot
 
         self.ts = torchsnapshot
-
-    def path(self, rep: int) -> Path:
-        return self.dir / str(rep)
-
-    def checkpoint_paths(self, rep: int) -> list[Path]:
-        return [self.path(rep)]
 
     def save(self, flat: dict[str, torch.Tensor], rep: int) -> None:
         self.ts.Snapshot.take(path=str(self.path(rep)), app_state={"s": self.ts.StateDict(flat)})
