@@ -77,6 +77,17 @@ def run_fio(d: Path, world: int, per_rank: int, rw: str, direct: bool) -> float:
     return world * size / float(job["read" if rw == "read" else "write"]["bw_bytes"])
 
 
+def _in_rank_order(make: Any) -> Any:
+    """``make()`` on one rank after the other: tierckpt's tiers take their directory's lease at once on
+    GlusterFS, where 4 ranks doing so together failed (``close`` answering ENOENT)."""
+    made = None
+    for r in range(dist.get_world_size()):
+        if r == dist.get_rank():
+            made = make()
+        dist.barrier()
+    return made
+
+
 def save_job(rank: int, world: int, root: str, wl: str, total: dict[str, float], names: list[str],
              repeats: int) -> dict[str, Any]:  # fmt: skip
     """Every variant's saves, interleaved; the last repeat's checkpoints kept for the restores."""
@@ -94,7 +105,7 @@ def save_job(rank: int, world: int, root: str, wl: str, total: dict[str, float],
         why = _skip_reason(n, flat)
         if why is None:
             try:
-                vs[n] = make_variant(n, Path(root), rank, world)
+                vs[n] = _in_rank_order(lambda n=n: make_variant(n, Path(root), rank, world))
             except (ImportError, RuntimeError) as e:
                 why = f"{type(e).__name__}: {e}"
         if why is not None:
@@ -143,7 +154,7 @@ def restore_job(rank: int, world: int, root: str, wl: str, total: dict[str, floa
 
     warnings.simplefilter("ignore")
     like = rank_state(wl, total, rank, world)
-    v = make_variant(name, Path(root), rank, world)
+    v = _in_rank_order(lambda: make_variant(name, Path(root), rank, world))
     dist.barrier()
     t0 = time.time()
     got = v.restore(rep, like)
@@ -221,16 +232,19 @@ def run_mount(d: Path, args: argparse.Namespace) -> dict[str, Any]:
 
 
 @contextlib.contextmanager
-def started_mounts(base: Path, memstore_gb: float) -> Any:
+def started_mounts(base: Path, memstore_gb: float, which: list[str]) -> Any:
     """A loopback CephFS (its OSD's memstore of ``memstore_gb``) and GlusterFS (a brick on ``base``'s disk)
     (tierckpt.testing.clusters), unmounted and stopped afterwards."""
     from tierckpt.testing.clusters import CephCluster, GlusterVolume
 
     with contextlib.ExitStack() as stack:
-        ceph = CephCluster(base / "ceph", memstore_bytes=int(memstore_gb * (1 << 30)))
-        ceph = stack.enter_context(ceph.start(cephfs=base / "cephfs"))
-        gv = stack.enter_context(GlusterVolume(base / "gluster").start(base / "gfs"))
-        yield [Path(ceph.mount), Path(gv.mount)]
+        mounts = []
+        if "ceph" in which:
+            ceph = CephCluster(base / "ceph", memstore_bytes=int(memstore_gb * (1 << 30)))
+            mounts.append(Path(stack.enter_context(ceph.start(cephfs=base / "cephfs")).mount))
+        if "gluster" in which:
+            mounts.append(Path(stack.enter_context(GlusterVolume(base / "gluster").start(base / "gfs")).mount))
+        yield mounts
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -239,7 +253,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--dir", type=Path, action="append", default=[], help="a mount to measure on (repeatable)")
     ap.add_argument(
-        "--start-mounts", action="store_true", help="also start and measure a loopback CephFS and GlusterFS"
+        "--start-mounts",
+        nargs="*",
+        choices=["ceph", "gluster"],
+        help="also start and measure a loopback CephFS and GlusterFS (or the one named)",
     )
     ap.add_argument("--mounts-base", type=Path, default=Path("/var/tmp/bench-iostudy-clusters"))
     ap.add_argument("--memstore-gib", type=float, default=5.0, help="the Ceph OSD's memstore (RAM), GiB")
@@ -253,7 +270,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--small-count", type=int, default=20000, help="the small workload's tensors, all ranks")
     ap.add_argument("--out", type=Path, default=Path("/tmp/iostudy"), help="folder for the JSON, tables and PNGs")
     args = ap.parse_args(argv)
-    if not args.dir and not args.start_mounts:
+    if not args.dir and args.start_mounts is None:
         ap.error("give --dir PATH and/or --start-mounts")
     return args
 
@@ -267,8 +284,9 @@ def main(argv: list[str] | None = None) -> int:
     mounts = []
     with contextlib.ExitStack() as stack:
         dirs = list(args.dir)
-        if args.start_mounts:
-            dirs += stack.enter_context(started_mounts(args.mounts_base, args.memstore_gib))
+        if args.start_mounts is not None:
+            which = args.start_mounts or ["ceph", "gluster"]
+            dirs += stack.enter_context(started_mounts(args.mounts_base, args.memstore_gib, which))
         for d in dirs:
             mounts.append(run_mount(d, args))
     info = {"date": started, "argv": sys.argv[1:], "cpus": os.cpu_count(), "mounts": mounts,

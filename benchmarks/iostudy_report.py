@@ -79,7 +79,7 @@ def mount_tables(m: dict[str, Any]) -> list[str]:
     for n in dict.fromkeys(save_names):
         lines.append(f"| {n} | " + " | ".join(_cell(cases[k], "save", n) for k in keys) + " |")
     lines.append("| files per checkpoint | " + " | ".join(
-        ", ".join(f"{n.split(':')[0][:8]} {c}" for n, c in cases[k]["files"].items()
+        ", ".join(f"{n} {c}" for n, c in cases[k]["files"].items()
                   if n in (OURS, "dcp-t1", "torchsnapshot", "torch.save")) for k in keys) + " |")  # fmt: skip
     lines += ["", "Restore (cold, fresh processes, into new tensors), GB/s (× fio O_DIRECT read):", "", head, sep]
     for n in next(iter(cases.values()))["restore"]:
@@ -103,8 +103,8 @@ def targets(m: dict[str, Any]) -> list[str]:
             r = med(c, "save", "fio") / ours  # type: ignore[operator]
             peers = {p: med(c, "save", p) for p in PEERS}
             best = min((v, p) for p, v in peers.items() if v)
-            out.append(f"* {k}: save {r:.0%} of fio; ≥ 90 %: {ok(r >= 0.9)}; fastest peer {best[1]} "
-                       f"{ours / best[0]:.2f}× our time: ahead {ok(ours < best[0])}")  # fmt: skip
+            out.append(f"* {k}: save {r:.0%} of fio; ≥ 90 %: {ok(r >= 0.9)}; fastest peer ({best[1]}) "
+                       f"takes {best[0] / ours:.2f}× our time: ahead {ok(ours < best[0])}")  # fmt: skip
         rs = med(c, "restore", OURS)
         for p in ("dcp", "torch.save"):
             other = med(c, "restore", p)
