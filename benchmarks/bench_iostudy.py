@@ -77,17 +77,6 @@ def run_fio(d: Path, world: int, per_rank: int, rw: str, direct: bool) -> float:
     return world * size / float(job["read" if rw == "read" else "write"]["bw_bytes"])
 
 
-def _in_rank_order(make: Any) -> Any:
-    """``make()`` on one rank after the other: tierckpt's tiers take their directory's lease at once on
-    GlusterFS, where 4 ranks doing so together failed (``close`` answering ENOENT)."""
-    made = None
-    for r in range(dist.get_world_size()):
-        if r == dist.get_rank():
-            made = make()
-        dist.barrier()
-    return made
-
-
 def save_job(rank: int, world: int, root: str, wl: str, total: dict[str, float], names: list[str],
              repeats: int) -> dict[str, Any]:  # fmt: skip
     """Every variant's saves, interleaved; the last repeat's checkpoints kept for the restores."""
@@ -105,7 +94,7 @@ def save_job(rank: int, world: int, root: str, wl: str, total: dict[str, float],
         why = _skip_reason(n, flat)
         if why is None:
             try:
-                vs[n] = _in_rank_order(lambda n=n: make_variant(n, Path(root), rank, world))
+                vs[n] = make_variant(n, Path(root), rank, world)
             except (ImportError, RuntimeError) as e:
                 why = f"{type(e).__name__}: {e}"
         if why is not None:
@@ -154,7 +143,7 @@ def restore_job(rank: int, world: int, root: str, wl: str, total: dict[str, floa
 
     warnings.simplefilter("ignore")
     like = rank_state(wl, total, rank, world)
-    v = _in_rank_order(lambda: make_variant(name, Path(root), rank, world))
+    v = make_variant(name, Path(root), rank, world)
     dist.barrier()
     t0 = time.time()
     got = v.restore(rep, like)
