@@ -323,3 +323,23 @@ def test_without_hard_links_the_generation_is_created_exclusively(
     with pytest.raises(TierBusyError, match="job 'A'"):
         acquire(tmp_path, "B", leases)
     assert not [n for n in names(tmp_path) if n.startswith("tmp-")]
+
+
+def test_a_record_read_whole_survives_a_close_that_fails(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """GlusterFS's FUSE client answers the close of a file another process removed meanwhile with ENOENT
+    (four ranks taking one directory's lease together): the record was read whole, so it stands."""
+    import errno
+
+    from tierckpt.tiers import _lease_state
+
+    rec = tmp_path / "gen-1"
+    rec.write_text('{"job": "a"}')
+    real_close = os.close
+
+    def close(fd: int) -> None:
+        real_close(fd)
+        raise OSError(errno.ENOENT, "No such file or directory")
+
+    monkeypatch.setattr(_lease_state.os, "close", close)
+    got = _lease_state.read_record(rec)
+    assert got is not None and got[0] == {"job": "a"}

@@ -65,7 +65,10 @@ def read_record(path: Path) -> tuple[dict[str, Any] | None, int] | None:
     except OSError:
         return None
     finally:
-        os.close(fd)
+        # read-only, so nothing to lose; a FUSE client may answer the close of a file that another
+        # process removed meanwhile with ENOENT (GlusterFS does, with ranks taking a lease together)
+        with contextlib.suppress(OSError):
+            os.close(fd)
     try:
         rec = json.loads(data)
     except ValueError:
