@@ -177,3 +177,16 @@ def test_stripe_overrides_merge_into_the_tiers_io() -> None:
         }
     )
     assert (cfg.tiers[0].io.stripe_unit_bytes, cfg.tiers[0].io.stripe_count, cfg.io.stripe_unit_bytes) == (MiB, 8, None)
+
+
+def test_ceph_fuse_is_written_buffered_unless_the_tier_asks_for_o_direct() -> None:
+    """ceph-fuse's O_DIRECT bypasses its object cache: buffered writes (then fsync) measured ~2x faster,
+    so the detected geometry writes buffered there; the kernel client and other file systems keep it."""
+    fuse = FsFacts(direct=True, fs_type="fuse.ceph-fuse", family="cephfs", stripe_unit_bytes=4 << 20, stripe_count=1)
+    kernel = FsFacts(direct=True, fs_type="ceph", family="cephfs", stripe_unit_bytes=4 << 20, stripe_count=1)
+    gluster = FsFacts(direct=True, fs_type="fuse.glusterfs", family="glusterfs")
+    blob = 1 << 30
+    assert not io_geometry(caps(True), IOConfig(), fuse, blob_bytes=blob).direct
+    assert io_geometry(caps(True), IOConfig(), fuse, blob_bytes=blob, direct=True).direct
+    assert io_geometry(caps(True), IOConfig(), kernel, blob_bytes=blob).direct
+    assert io_geometry(caps(True), IOConfig(), gluster, blob_bytes=blob).direct
