@@ -173,8 +173,7 @@ def run_case(root: Path, wl: str, world: int, args: argparse.Namespace) -> dict[
         res["save"][n] = [x[0][1] if n in FIO else span(x) for x in runs]
     print(f"  saves ({wl}, {world} ranks): " + ", ".join(f"{n} {statistics.median(t):.2f}s"
           for n, t in res["save"].items()), flush=True)  # fmt: skip
-    names = [n for n in s0["t"] if (n not in FIO and not n.startswith("dcp-t")) or n == "dcp-t1"]
-    names = [n for n in names if args.restores is None or n in args.restores]
+    names = _restore_names(list(s0["t"]), args.restores)
     last = args.repeats - 1
     for rep in range(args.repeats):
         k = rep % (len(names) + 1)
@@ -187,11 +186,28 @@ def run_case(root: Path, wl: str, world: int, args: argparse.Namespace) -> dict[
                 if not all(g["ok"] for g in got):
                     raise RuntimeError(f"{n}: the restored tensors differ from the saved ones")
                 secs = span([g["t"] for g in got])
-            res["restore"].setdefault("dcp.load" if n == "dcp-t1" else n, []).append(secs)
+            res["restore"].setdefault("dcp.load" if n.startswith("dcp-t") else n, []).append(secs)
             print(f"  restore {n} ({wl}, {world} ranks): {secs:.2f}s", flush=True)
     res["cold"] = sorted(res["cold"])
     shutil.rmtree(root, ignore_errors=True)
     return res
+
+
+def _restore_names(saved: list[str], wanted: list[str] | None) -> list[str]:
+    """The variants to restore: ``wanted`` (default: every one saved), with ``dcp.load`` (or any ``dcp-tN``)
+    read from one ``dcp-t`` checkpoint (``dcp.load`` has no thread count: the first saved of t1, t2, t4)."""
+    dcps = sorted(n for n in saved if n.startswith("dcp-t"))
+    out: list[str] = []
+    for n in [n for n in saved if n not in FIO] if wanted is None else wanted:
+        if n.startswith("dcp-t") or n == "dcp.load":
+            if not dcps:
+                raise SystemExit(f"--restores {n}: no dcp-t variant was saved (add one to --variants)")
+            n = dcps[0]
+        elif n not in saved:
+            raise SystemExit(f"--restores {n}: not among the variants saved ({', '.join(saved)})")
+        if n not in out:
+            out.append(n)
+    return out
 
 
 def describe_mount(d: Path) -> dict[str, Any]:
@@ -252,7 +268,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--workloads", nargs="+", default=["llm", "small"], choices=["llm", "small"])
     ap.add_argument("--ranks", nargs="+", type=int, default=[1, 4])
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
-    ap.add_argument("--restores", nargs="+", choices=list(VARIANTS), help="restore only these (default: all)")
+    ap.add_argument("--restores", nargs="+", choices=[*VARIANTS, "dcp.load"],
+                    help="restore only these (default: all saved; dcp.load or any dcp-tN: dcp.load once)")  # fmt: skip
     ap.add_argument("--skip", nargs="+", default=[], help="cases to leave out, as FSTYPE:WORKLOAD/RANKS")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--llm-gb", type=float, default=1.0, help="the llm state's total size, all ranks (GB)")

@@ -20,7 +20,7 @@ __version__ = "0.1.0"
 _LAZY: dict[str, str] = {
     "DemoteConfig": "tierckpt.config",
     "HierarchyConfig": "tierckpt.config",
-    "IOConfig": "tierckpt.config",
+    "IOConfig": "tierckpt.ioconfig",
     "LayoutConfig": "tierckpt.config",
     "PolicyConfig": "tierckpt.config",
     "TierConfig": "tierckpt.config",
@@ -100,7 +100,6 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time __getattr__ im
     from tierckpt.config import (
         DemoteConfig,
         HierarchyConfig,
-        IOConfig,
         LayoutConfig,
         PolicyConfig,
         TierConfig,
@@ -121,6 +120,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time __getattr__ im
         UnsupportedFormatError,
     )
     from tierckpt.hierarchy import CheckpointInfo, Hierarchy, SaveHandle
+    from tierckpt.ioconfig import IOConfig
     from tierckpt.ranks.coordinator import Coordinator, SoloCoordinator
     from tierckpt.ranks.distributed import StoreCoordinator
     from tierckpt.registry import available_kinds, get_tier_class, register_tier

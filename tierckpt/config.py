@@ -1,4 +1,5 @@
-"""YAML / dict configuration → frozen dataclasses, with errors that name the bad key.
+"""YAML / dict configuration → frozen dataclasses, with errors that name the bad key (the ``io:``
+settings in :mod:`tierckpt.ioconfig`; this module re-exports them).
 
 Schema (docs/config.md has every key)::
 
@@ -25,24 +26,27 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Mapping
-from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
 from tierckpt.configvalues import (
+    check_bool,
+    check_choice,
+    check_int,
+    check_keys,
     check_node,
     check_timeout,
     expand_path,
     expand_placeholders,
     format_size,
     no_nul,
-    parse_rate,
     parse_size,
 )
 from tierckpt.configvalues import short as _short
 from tierckpt.errors import ConfigError
+from tierckpt.ioconfig import ENGINES, THROTTLES, IOConfig, default_io, parse_io
 from tierckpt.yamlfile import YAMLFileError, load_yaml
 
 __all__ = [
@@ -65,64 +69,11 @@ __all__ = [
     "parse_size",
 ]
 
-ENGINES = ("auto", "uring", "threads")
 ON_FULL = ("wait", "fail")
-#: which of a budgeted tier's I/O its bandwidth budget paces (docs/tiers.md, "Bandwidth budgets")
-THROTTLES = ("background", "all")
-#: the smallest bandwidth budget: below it a chunk of 32 MiB would wait over half a minute (a typo for MB/s)
-MIN_BANDWIDTH = 10**6
-ENV_ENGINE = "TIERCKPT_ENGINE"
 #: how long a lease holder on another host may go without renewing before it counts as gone (docs/jobs.md)
 LEASE_STALE_SECS = 60.0
 
 _NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")  # used with fullmatch: "ssd\n" is no name
-
-
-@dataclass(frozen=True)
-class IOConfig:
-    """How bytes move between memory and files.
-
-    Attributes:
-        engine: ``auto`` (io_uring, falling back to threads with one log line), ``uring`` or ``threads``.
-        direct: open blob files with O_DIRECT where the file system allows it.
-        queue_depth: operations in flight per engine.
-        chunk_bytes: size of one read/write operation and of one staging buffer.
-        stripe_unit_bytes: the file system's stripe unit to size for, over the one detected (None: as
-            detected).
-        stripe_count: its stripe count, likewise.
-        object_bytes: its object size, likewise.
-        bandwidth_bytes_per_sec: a tier's bandwidth budget (None: none); a tier's own setting, never
-            the hierarchy's (docs/tiers.md, "Bandwidth budgets").
-        throttle: what the budget paces: ``background`` (background copies and non-blocking saves) or
-            ``all`` (prefetches, blocking saves and restores too).
-
-    These are settings, inputs of each tier's I/O geometry (:func:`tierckpt.io.geometry.io_geometry`),
-    which decides every size used from them, and of its budget.
-    """
-
-    engine: str = "auto"
-    direct: bool = True
-    queue_depth: int = 16
-    chunk_bytes: int = 32 << 20
-    # the file system's stripes, over its detected facts (docs/tiers.md, "I/O geometry")
-    stripe_unit_bytes: int | None = None
-    stripe_count: int | None = None
-    object_bytes: int | None = None
-    bandwidth_bytes_per_sec: int | None = None
-    throttle: str = "background"
-
-
-def default_io() -> IOConfig:
-    """The ``io`` settings of a hierarchy whose config (or constructor) names none: the defaults, with
-    the engine from ``$TIERCKPT_ENGINE`` when it is set.
-
-    Raises:
-        ConfigError: ``$TIERCKPT_ENGINE`` names no engine.
-    """
-    engine = os.environ.get(ENV_ENGINE, "auto")
-    if engine not in ENGINES:
-        raise ConfigError(f"${ENV_ENGINE}: expected one of {', '.join(ENGINES)}, got {_short(engine)}")
-    return IOConfig(engine=engine)
 
 
 @dataclass(frozen=True)
@@ -251,99 +202,6 @@ class HierarchyConfig:
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
 
 
-def _check_keys(
-    d: Any, key: str, allowed: AbstractSet[str], required: AbstractSet[str] = frozenset()
-) -> Mapping[str, Any]:
-    if not isinstance(d, Mapping):
-        raise ConfigError(f"{key}: expected a mapping, got {type(d).__name__} {_short(d)}")
-    for k in d:
-        if k not in allowed:
-            raise ConfigError(f"{key}.{k}: unknown key (allowed: {', '.join(sorted(allowed))})")
-    for k in required:
-        if k not in d:
-            raise ConfigError(f"{key}.{k}: required key is missing")
-    return d
-
-
-def _int(v: Any, key: str, lo: int, hi: int) -> int:
-    if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
-        raise ConfigError(f"{key}: expected an integer in [{lo}, {hi}], got {_short(v)}")
-    return v
-
-
-_STRIPE_KEYS = ("stripe_unit", "stripe_count", "object_size")
-_BUDGET_KEYS = ("bandwidth", "throttle")
-
-
-def _parse_io(d: Any, key: str, base: IOConfig, *, tier: bool = False) -> IOConfig:
-    """The top-level ``io:`` (over ``base``, the defaults), or a tier entry's (``tier``: over the
-    top-level one), which may also hold the tier's bandwidth budget."""
-    if not tier and isinstance(d, Mapping):
-        for k in _BUDGET_KEYS:
-            if k in d:
-                raise ConfigError(
-                    f"{key}.{k}: a bandwidth budget is one tier's: give it in that tier's entry, e.g. "
-                    "tiers[2].io: {bandwidth: 300MB/s} (here it would give every tier a budget of its own "
-                    "that size, not one for the whole hierarchy; docs/tiers.md, 'Bandwidth budgets')"
-                )
-    keys = {"engine", "direct", "queue_depth", "chunk", *_STRIPE_KEYS, *(_BUDGET_KEYS if tier else ())}
-    d = _check_keys(d, key, keys)
-    out = base
-    if "engine" in d:
-        if d["engine"] not in ENGINES:
-            raise ConfigError(f"{key}.engine: expected one of {', '.join(ENGINES)}, got {_short(d['engine'])}")
-        out = replace(out, engine=d["engine"])
-    if "direct" in d:
-        if not isinstance(d["direct"], bool):
-            raise ConfigError(f"{key}.direct: expected true or false, got {_short(d['direct'])}")
-        out = replace(out, direct=d["direct"])
-    if "queue_depth" in d:
-        out = replace(out, queue_depth=_int(d["queue_depth"], f"{key}.queue_depth", 1, 1024))
-    if "chunk" in d:
-        chunk = parse_size(d["chunk"], f"{key}.chunk")  # what a setting may be; the geometry sizes from it
-        if chunk < 4096 or chunk % 4096 or chunk > 1 << 30:
-            raise ConfigError(
-                f"{key}.chunk: expected a multiple of 4KiB between 4KiB and 1GiB, got {_short(d['chunk'])}"
-            )
-        out = replace(out, chunk_bytes=chunk)
-    return _parse_budget(d, key, _parse_stripes(d, key, out))
-
-
-def _parse_stripes(d: Mapping[str, Any], key: str, out: IOConfig) -> IOConfig:
-    """``stripe_unit``, ``stripe_count``, ``object_size``: the stripes to size for, over the detected."""
-    if "stripe_unit" in d:
-        unit = parse_size(d["stripe_unit"], f"{key}.stripe_unit")
-        if unit < 4096 or unit % 4096 or unit > 1 << 32:
-            raise ConfigError(
-                f"{key}.stripe_unit: expected a multiple of 4KiB between 4KiB and 4GiB, got {_short(d['stripe_unit'])}"
-            )
-        out = replace(out, stripe_unit_bytes=unit)
-    if "stripe_count" in d:
-        out = replace(out, stripe_count=_int(d["stripe_count"], f"{key}.stripe_count", 1, 65535))
-    if "object_size" in d:
-        obj = parse_size(d["object_size"], f"{key}.object_size")
-        of = out.stripe_unit_bytes
-        if obj < 4096 or obj % 4096 or obj > 1 << 32 or (of is not None and obj % of):
-            within = f"a multiple of the stripe unit ({format_size(of)})" if of else "a multiple of 4KiB"
-            raise ConfigError(f"{key}.object_size: expected {within} up to 4GiB, got {_short(d['object_size'])}")
-        out = replace(out, object_bytes=obj)
-    return out
-
-
-def _parse_budget(d: Mapping[str, Any], key: str, io: IOConfig) -> IOConfig:
-    """A tier entry's ``io.bandwidth`` (a rate such as ``300MB/s``) and ``io.throttle``."""
-    if "bandwidth" in d:
-        rate = parse_rate(d["bandwidth"], f"{key}.bandwidth")
-        if rate < MIN_BANDWIDTH:
-            raise ConfigError(f"{key}.bandwidth: expected a rate of at least 1MB/s, got {_short(d['bandwidth'])}")
-        io = replace(io, bandwidth_bytes_per_sec=rate)
-    if "throttle" in d:
-        if "bandwidth" not in d:
-            raise ConfigError(f"{key}.throttle: there is no {key}.bandwidth for it to apply to")
-        io = replace(io, throttle=_choice(d["throttle"], f"{key}.throttle", THROTTLES))
-    return io
-
-
 def parse_config(data: Any, base_dir: str | os.PathLike[str] | None = None) -> HierarchyConfig:
     """Validate a config mapping (the YAML schema) and return a :class:`HierarchyConfig`.
 
@@ -355,13 +213,13 @@ def parse_config(data: Any, base_dir: str | os.PathLike[str] | None = None) -> H
     Raises:
         ConfigError: naming the first bad key, e.g. ``tiers[1].capacity: expected a size like '64GiB', got 'lots'``.
     """
-    d = _check_keys(data, "config", {"tiers", "io", "layout", "policy", "lease", "distributed"}, {"tiers"})
+    d = check_keys(data, "config", {"tiers", "io", "layout", "policy", "lease", "distributed"}, {"tiers"})
     io = default_io()
     if "io" in d:
-        io = _parse_io(d["io"], "io", io)
+        io = parse_io(d["io"], "io", io)
     layout = LayoutConfig()
     if "layout" in d:
-        ld = _check_keys(d["layout"], "layout", {"align", "blob_size"})
+        ld = check_keys(d["layout"], "layout", {"align", "blob_size"})
         if "align" in ld:
             align = parse_size(ld["align"], "layout.align")
             if align < 512 or align & (align - 1) or align > 1 << 24:
@@ -383,7 +241,7 @@ def parse_config(data: Any, base_dir: str | os.PathLike[str] | None = None) -> H
     for i, t in enumerate(tiers_raw):
         tier = _parse_tier(t, f"tiers[{i}]", tiers, base, io, stale_secs)
         if "on_full" in t:
-            on_full[tier.name] = (_choice(t["on_full"], f"{tier.key}.on_full", ON_FULL), tier.key)
+            on_full[tier.name] = (check_choice(t["on_full"], f"{tier.key}.on_full", ON_FULL), tier.key)
         tiers.append(tier)
     policy = (
         parse_policy(_policy_mapping(d["policy"], base), [t.name for t in tiers]) if "policy" in d else PolicyConfig()
@@ -396,7 +254,7 @@ def parse_config(data: Any, base_dir: str | os.PathLike[str] | None = None) -> H
 
 def _parse_distributed(value: Any) -> DistributedConfig:
     """``distributed: {timeout: 600, node: 3}``."""
-    d = _check_keys(value, "distributed", {"timeout", "node"})
+    d = check_keys(value, "distributed", {"timeout", "node"})
     return DistributedConfig(
         timeout=check_timeout(d["timeout"], "distributed.timeout") if "timeout" in d else None,
         node=check_node(d["node"], "distributed.node") if "node" in d else None,
@@ -408,7 +266,7 @@ _TIER_KEYS = {"name", "kind", "path", "capacity", "blob_size", "io", "on_full", 
 
 def _parse_tier(t: Any, key: str, before: list[TierConfig], base: Path, io: IOConfig, stale_secs: float) -> TierConfig:
     """One ``tiers[i]`` entry: the common keys checked, ``path`` and ``options`` kept for the kind."""
-    t = _check_keys(t, key, _TIER_KEYS, {"name", "kind"})
+    t = check_keys(t, key, _TIER_KEYS, {"name", "kind"})
     name, kind = t["name"], t["kind"]
     if not isinstance(name, str) or not _NAME_RE.fullmatch(name):
         raise ConfigError(f"{key}.name: expected a name of letters, digits, '_', '-', '.', got {_short(name)}")
@@ -441,7 +299,7 @@ def _parse_tier(t: Any, key: str, before: list[TierConfig], base: Path, io: IOCo
         options=MappingProxyType(dict(options)),
         capacity_bytes=capacity,
         blob_bytes=_blob_size(t["blob_size"], f"{key}.blob_size") if "blob_size" in t else None,
-        io=_parse_io(t["io"], f"{key}.io", io, tier=True) if "io" in t else io,
+        io=parse_io(t["io"], f"{key}.io", io, tier=True) if "io" in t else io,
         key=key,
         lease_stale_secs=stale_secs,
     )
@@ -465,7 +323,7 @@ def _fold_on_full(policy: PolicyConfig, entries: Mapping[str, tuple[str, str]]) 
 
 def _parse_lease(value: Any) -> float:
     """``lease: {stale_secs: 60}``: the renewal timeout of lease holders on other hosts (docs/jobs.md)."""
-    secs = _check_keys(value, "lease", {"stale_secs"}).get("stale_secs", LEASE_STALE_SECS)
+    secs = check_keys(value, "lease", {"stale_secs"}).get("stale_secs", LEASE_STALE_SECS)
     if isinstance(secs, bool) or not isinstance(secs, (int, float)) or not 1 <= secs <= 86400:
         raise ConfigError(f"lease.stale_secs: expected a number of seconds from 1 to 86400, got {_short(secs)}")
     return float(secs)
@@ -482,23 +340,10 @@ def _policy_mapping(value: Any, base: Path) -> Mapping[str, Any]:
             raise ConfigError(f"policy: cannot read policy preset {p}: {e.strerror or e}") from e
         except YAMLFileError as e:
             raise ConfigError(f"policy: {p}: {e}") from e
-    return _check_keys(value, "policy", _POLICY_KEYS)
+    return check_keys(value, "policy", _POLICY_KEYS)
 
 
 _POLICY_KEYS = {"keep", "demote", "promote", "on_full"}
-
-
-def _choice(v: Any, key: str, choices: tuple[str, ...]) -> str:
-    if v not in choices:
-        raise ConfigError(f"{key}: expected one of {', '.join(choices)}, got {_short(v)}")
-    choice: str = v  # one of the str choices (checked above)
-    return choice
-
-
-def _bool(v: Any, key: str) -> bool:
-    if not isinstance(v, bool):
-        raise ConfigError(f"{key}: expected true or false, got {_short(v)}")
-    return v
 
 
 def parse_policy(data: Any, tiers: list[str]) -> PolicyConfig:
@@ -507,38 +352,38 @@ def parse_policy(data: Any, tiers: list[str]) -> PolicyConfig:
     Raises:
         ConfigError: naming the bad key, e.g. ``policy.demote.pfs.every: expected an integer in [1, ...]``.
     """
-    pd = _check_keys(data, "policy", _POLICY_KEYS)
+    pd = check_keys(data, "policy", _POLICY_KEYS)
     names = set(tiers)
     keep: dict[str, int] = {}
     if "keep" in pd:
-        kd = _check_keys(pd["keep"], "policy.keep", names)
-        keep = {k: _int(v, f"policy.keep.{k}", 1, 1 << 31) for k, v in kd.items()}
+        kd = check_keys(pd["keep"], "policy.keep", names)
+        keep = {k: check_int(v, f"policy.keep.{k}", 1, 1 << 31) for k, v in kd.items()}
     demote: dict[str, DemoteConfig] = {}
     if "demote" in pd:
-        dd = _check_keys(pd["demote"], "policy.demote", names)
+        dd = check_keys(pd["demote"], "policy.demote", names)
         for name, rule in dd.items():
             key = f"policy.demote.{name}"
             if name == tiers[0]:
                 raise ConfigError(
                     f"{key}: {_short(name)} is the top tier, which receives every save; demotion rules are for the tiers below it"
                 )
-            rule = _check_keys(rule, key, {"every", "every_secs", "on_close"})
+            rule = check_keys(rule, key, {"every", "every_secs", "on_close"})
             secs = rule.get("every_secs")
             if secs is not None and (isinstance(secs, bool) or not isinstance(secs, (int, float)) or not secs > 0):
                 raise ConfigError(f"{key}.every_secs: expected a positive number of seconds, got {_short(secs)}")
             demote[name] = DemoteConfig(
-                every=_int(rule["every"], f"{key}.every", 1, 1 << 31) if "every" in rule else None,
+                every=check_int(rule["every"], f"{key}.every", 1, 1 << 31) if "every" in rule else None,
                 every_secs=float(secs) if secs is not None else None,
-                on_close=_bool(rule.get("on_close", False), f"{key}.on_close"),
+                on_close=check_bool(rule.get("on_close", False), f"{key}.on_close"),
             )
     on_restore = False
     if "promote" in pd:
-        prd = _check_keys(pd["promote"], "policy.promote", {"on_restore"})
-        on_restore = _bool(prd.get("on_restore", False), "policy.promote.on_restore")
+        prd = check_keys(pd["promote"], "policy.promote", {"on_restore"})
+        on_restore = check_bool(prd.get("on_restore", False), "policy.promote.on_restore")
     on_full: dict[str, str] = {}
     if "on_full" in pd:
-        fd = _check_keys(pd["on_full"], "policy.on_full", names)
-        on_full = {k: _choice(v, f"policy.on_full.{k}", ON_FULL) for k, v in fd.items()}
+        fd = check_keys(pd["on_full"], "policy.on_full", names)
+        on_full = {k: check_choice(v, f"policy.on_full.{k}", ON_FULL) for k, v in fd.items()}
     return PolicyConfig(keep=keep, demote=demote, promote_on_restore=on_restore, on_full=on_full)
 
 

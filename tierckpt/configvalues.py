@@ -7,6 +7,8 @@ import logging
 import os
 import re
 import reprlib
+from collections.abc import Mapping
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -17,6 +19,10 @@ __all__ = [
     "LAUNCHERS",
     "NODE_ENV_VARS",
     "Launch",
+    "check_bool",
+    "check_choice",
+    "check_int",
+    "check_keys",
     "check_node",
     "check_timeout",
     "expand_path",
@@ -163,6 +169,47 @@ def resolve_path(value: str, key: str, base_dir: str | os.PathLike[str]) -> Path
     """
     p = expand_path(value, key)
     return p if p.is_absolute() else (Path(base_dir) / p).resolve()
+
+
+def check_keys(
+    d: Any, key: str, allowed: AbstractSet[str], required: AbstractSet[str] = frozenset()
+) -> Mapping[str, Any]:
+    """``d`` as a mapping whose keys are all in ``allowed`` and include ``required``.
+
+    Raises:
+        ConfigError: ``d`` is no mapping, or has an unknown key or lacks a required one, naming it.
+    """
+    if not isinstance(d, Mapping):
+        raise ConfigError(f"{key}: expected a mapping, got {type(d).__name__} {short(d)}")
+    for k in d:
+        if k not in allowed:
+            raise ConfigError(f"{key}.{k}: unknown key (allowed: {', '.join(sorted(allowed))})")
+    for k in required:
+        if k not in d:
+            raise ConfigError(f"{key}.{k}: required key is missing")
+    return d
+
+
+def check_int(v: Any, key: str, lo: int, hi: int) -> int:
+    """``v``, an integer (not a bool) in ``[lo, hi]``; else :class:`ConfigError` naming ``key``."""
+    if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
+        raise ConfigError(f"{key}: expected an integer in [{lo}, {hi}], got {short(v)}")
+    return v
+
+
+def check_choice(v: Any, key: str, choices: tuple[str, ...]) -> str:
+    """``v``, one of ``choices``; else :class:`ConfigError` naming ``key`` and the choices."""
+    if v not in choices:
+        raise ConfigError(f"{key}: expected one of {', '.join(choices)}, got {short(v)}")
+    choice: str = v  # one of the str choices (checked above)
+    return choice
+
+
+def check_bool(v: Any, key: str) -> bool:
+    """``v``, a bool; else :class:`ConfigError` naming ``key``."""
+    if not isinstance(v, bool):
+        raise ConfigError(f"{key}: expected true or false, got {short(v)}")
+    return v
 
 
 def check_timeout(value: Any, key: str) -> float:

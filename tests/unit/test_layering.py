@@ -19,7 +19,7 @@ import tierckpt
 ROOT = Path(tierckpt.__file__).parent
 # lowest first: a module may import its own layer and the layers below it, never one above
 LAYERS: list[set[str]] = [
-    {"errors", "yamlfile", "config", "configvalues", "format", "io", "policies"},
+    {"errors", "yamlfile", "config", "configvalues", "ioconfig", "format", "io", "policies"},
     {"tiers", "registry"},
     # the orchestration, by concern: how ranks meet; the bytes; what runs on the tiers' workers; what
     # the facade runs in the caller's thread

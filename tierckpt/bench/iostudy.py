@@ -34,11 +34,11 @@ from typing import Any
 import torch
 
 from tierckpt.bench.peers import fsync_tree
-from tierckpt.config import IOConfig
 from tierckpt.hierarchy import Hierarchy
 from tierckpt.io.buffers import aligned_empty, ptr_mv
 from tierckpt.io.engine import make_engine
 from tierckpt.io.geometry import PAGE, FsFacts
+from tierckpt.ioconfig import IOConfig
 from tierckpt.tiers.base import CheckpointKey
 from tierckpt.tiers.pfs import PfsTier
 

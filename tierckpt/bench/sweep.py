@@ -21,8 +21,9 @@ from tierckpt.bench.compare import Progress
 from tierckpt.bench.metrics import Recorder, Sample
 from tierckpt.bench.system import make_cold, measure
 from tierckpt.bench.workloads import Workload
-from tierckpt.config import IOConfig, format_size
+from tierckpt.config import format_size
 from tierckpt.hierarchy import Hierarchy
+from tierckpt.ioconfig import IOConfig
 from tierckpt.tiers.base import CheckpointKey
 
 __all__ = ["KNOBS", "QUICK_KNOBS", "Setting", "SweepResult", "run_sweep", "settings_count"]

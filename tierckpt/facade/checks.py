@@ -7,8 +7,9 @@ import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from tierckpt.config import IOConfig, PolicyConfig
+from tierckpt.config import PolicyConfig
 from tierckpt.errors import ConfigError
+from tierckpt.ioconfig import IOConfig
 from tierckpt.ranks.coordinator import Coordinator
 from tierckpt.tiers.base import Tier
 

@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from tierckpt.config import THROTTLES
+from tierckpt.ioconfig import THROTTLES
 
 __all__ = ["Budget", "BudgetStats"]
 

@@ -20,7 +20,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Protocol
 
-from tierckpt.config import IOConfig, LayoutConfig
+from tierckpt.config import LayoutConfig
+from tierckpt.ioconfig import IOConfig
 
 __all__ = [
     "DIRECT_READ_MIN",

@@ -14,8 +14,9 @@ from tierckpt.format.manifest import BlobEntry
 from tierckpt.tiers.base import CheckpointKey, EngineSource, Tier, TierCopy, TierReader, TierWriter
 
 if TYPE_CHECKING:
-    from tierckpt.config import IOConfig, TierConfig
+    from tierckpt.config import TierConfig
     from tierckpt.io.geometry import IOGeometry
+    from tierckpt.ioconfig import IOConfig
 
 __all__ = ["FaultyTier"]
 

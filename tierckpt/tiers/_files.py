@@ -33,7 +33,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from tierckpt.config import LEASE_STALE_SECS, IOConfig, TierConfig, default_io
+from tierckpt.config import LEASE_STALE_SECS, TierConfig
 from tierckpt.errors import TierFullError
 from tierckpt.format.manifest import BlobEntry
 from tierckpt.io.budget import Budget
@@ -41,6 +41,7 @@ from tierckpt.io.engine import IOEngine, make_engine
 from tierckpt.io.fslayout import FileLayout, with_layout
 from tierckpt.io.fsutil import fsync_dir, probe_fs
 from tierckpt.io.geometry import FsFacts, IOGeometry, io_geometry
+from tierckpt.ioconfig import IOConfig, default_io
 from tierckpt.tiers._filedir import open_directory
 from tierckpt.tiers._filelayout import check_file_layout, parse_file_layout
 from tierckpt.tiers._filelisting import RECORD_NAME, FileListing, rank_dir_name, step_dir_name

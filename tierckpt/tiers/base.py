@@ -65,10 +65,10 @@ from typing import TYPE_CHECKING, Any, final
 
 import torch
 
-from tierckpt.config import IOConfig
 from tierckpt.format.manifest import BlobEntry
 from tierckpt.io.budget import Budget
 from tierckpt.io.geometry import IOGeometry, io_geometry
+from tierckpt.ioconfig import IOConfig
 
 if TYPE_CHECKING:
     from collections.abc import Callable

@@ -9,11 +9,11 @@ import os
 from dataclasses import asdict
 from pathlib import Path
 
-from tierckpt.config import IOConfig, default_io
 from tierckpt.errors import TierIOError
 from tierckpt.io.fsdetect import SHARED_FAMILIES
 from tierckpt.io.fsutil import find_sample, probe_fs_explained
 from tierckpt.io.geometry import FsFacts, IOGeometry, io_geometry
+from tierckpt.ioconfig import IOConfig, default_io
 from tierckpt.tiers._files import FileTier
 from tierckpt.tiers.base import TierCapabilities
 from tierckpt.tiers.local import LocalTier
