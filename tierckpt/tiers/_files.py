@@ -47,7 +47,7 @@ from tierckpt.io.geometry import FsFacts, IOGeometry, io_geometry
 from tierckpt.tiers._filedir import open_directory
 from tierckpt.tiers._filelayout import check_file_layout, parse_file_layout
 from tierckpt.tiers._filelisting import RECORD_NAME, FileListing, rank_dir_name, step_dir_name
-from tierckpt.tiers._fileread import FileCopy, io_error, read_regular
+from tierckpt.tiers._fileread import MANIFEST_NAME, FileCopy, io_error, read_regular
 from tierckpt.tiers._filescratch import drop_unused_node_files, scratch_name, sweep
 from tierckpt.tiers._filewrite import FileWriter, device_full, write_file
 from tierckpt.tiers._lease import Lease
@@ -400,6 +400,18 @@ class FileTier(Tier):
     def read_manifest(self, key: CheckpointKey) -> bytes:
         with self.open_copy(key) as copy:
             return copy.read_manifest()
+
+    def copy_files(self, key: CheckpointKey) -> dict[str, Any]:
+        """``{"layout": "per_node", "node_file": name, "offset": n}`` for a per-node copy (its region
+        of the step's node file), else ``{"layout": "per_rank", "data_files": [names]}``."""
+        copy = self.open_copy(key)
+        try:
+            copy.read_manifest()
+            if copy.location is not None:
+                return {"layout": "per_node", "node_file": copy.location.name, "offset": copy.location.offset}
+            return {"layout": "per_rank", "data_files": sorted(n for n in os.listdir(copy.path) if n != MANIFEST_NAME)}
+        finally:
+            copy.close()
 
     def close(self) -> None:
         """Release the lease (another job may write here once no process of this one holds it) and

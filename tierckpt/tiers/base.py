@@ -493,6 +493,12 @@ class Tier(ABC):
         (:class:`~tierckpt.io.geometry.FsFacts`) and the layout it sets on its new data files."""
         return {}
 
+    def copy_files(self, key: CheckpointKey) -> dict[str, Any]:
+        """Optional: where ``key``'s copy keeps its bytes, as plain values (``tierckpt inspect --json``
+        shows them): nothing by default; a file tier's layout (``per_rank``: its data files;
+        ``per_node``: the node file and the offset of the copy's region in it)."""
+        return {}
+
     def lease_job(self) -> str | None:
         """Optional: the job identity this tier's lease on its location is held for (docs/jobs.md), or
         None (the default) for a tier that holds no lease: memory tiers, a read-only file tier. A tier
