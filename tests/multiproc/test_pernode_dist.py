@@ -121,12 +121,17 @@ def restore_job(rank: int, world: int, tmp: str, saved_world: int) -> dict[str, 
         target["mine"] = torch.zeros_like(plain(mine_rank, step))
         got = h.restore(into=target)
         want = distribute_tensor(full(step), mesh, [Shard(0)]).to_local()
-        return {
+        out = {
             "step": step,
             "rows": bool(torch.equal(got["s"].to_local(), want)),
             "mine": bool(torch.equal(got["mine"], plain(mine_rank, step))),
             "from": list(h.last_restore),
         }
+        # the mover promotes each rank's own copy back to host, read from its region; every rank restores
+        promoted = h.prefetch(step, to="host").result(timeout=60) if rank < saved_world else None
+        again = h.restore(step)
+        out["promoted"] = [promoted, list(h.last_restore), bool(torch.equal(again["mine"], plain(mine_rank, step)))]
+        return out
 
 
 def _steps(tmp: Path) -> dict[int, list[str]]:
@@ -158,6 +163,8 @@ def test_one_node_file_a_step_restores_bit_exact_on_the_same_and_another_world(w
             assert out is not None and "ok" in out, (reading, r, out)
             assert out["ok"]["step"] == 4 and out["ok"]["rows"] and out["ok"]["mine"], (reading, r, out)
             assert out["ok"]["from"] == [4, "pfs"], (reading, r, out)
+            if reading <= world:  # every rank has its own copy to promote
+                assert out["ok"]["promoted"] == ["host", [4, "host"], True], (reading, r, out)
 
 
 @pytest.fixture(scope="module")
