@@ -89,9 +89,9 @@ def create_node_file(
             set_file_layout(layout, fd, path)
         if nbytes:
             os.posix_fallocate(fd, 0, nbytes)
-        os.fsync(fd)
+        # its name is durable before any manifest can name it; its size and blocks become durable with each
+        # writer's fsync of its region (and the step directory's entry in the tier's with each publish)
         fsync_dir(step_dir)
-        fsync_dir(space.path)
     except OSError as e:
         if fd >= 0:
             with contextlib.suppress(OSError):
