@@ -4,13 +4,16 @@ Usage, from the repository root (tests/golden/README.md says when)::
 
     PYTHONPATH=$PWD python tests/golden/make_dist_fixture.py dist tests/golden/dist-v5
     PYTHONPATH=$PWD python tests/golden/make_dist_fixture.py dcp tests/golden/dcp-v5
+    PYTHONPATH=$PWD python tests/golden/make_dist_fixture.py pernode tests/golden/dist-v5-pernode
 
 ``dist``: step :data:`~dist_states.DIST_STEP` of :func:`~dist_states.dist_state` saved with
 ``Hierarchy.save`` through the tiers of :func:`config`: ``ssd``, a ``local`` tier per simulated node
 (``node{node}/ssd``, rank ``r`` on node ``r``), and ``pfs``, a ``pfs`` tier shared by both (one
 ``data.bin`` a rank); the sharded rows' checksum chunks are 4 KiB, so that a small shard has several.
 ``dcp``: step :data:`~dist_states.DCP_STEP` of :func:`~dist_states.dcp_state` saved with ``dcp.save``
-through ``tierckpt.dcp.HierarchyWriter`` into a ``pfs`` tier alone.
+through ``tierckpt.dcp.HierarchyWriter`` into a ``pfs`` tier alone. ``pernode``: the ``dist`` step saved
+by 2 ranks of one node into a ``pfs`` tier alone with ``files: per_node`` (one node file for both ranks'
+copies; its name holds the writing host and process, so it is not written again byte for byte).
 
 The committed files (each copy's ``manifest`` and blobs, each step's ``commit``; no lease, no scratch)
 are copied into the given directory, which must not exist yet: a fixture is never rewritten.
@@ -37,20 +40,24 @@ from make_fixture import copy_committed
 from tierckpt import Hierarchy
 from tierckpt.format.manifest import FORMAT_VERSION
 
-__all__ = ["CHUNK", "KINDS", "TIER_DIRS", "config", "copy_fixture", "save_fixture", "write"]
+__all__ = ["CHUNK", "KINDS", "PERNODE", "TIER_DIRS", "config", "copy_fixture", "save_fixture", "write"]
 
 CHUNK = 4096  #: checksum chunk of the sharded rows (the writers' default, 4 MiB, exceeds every shard here)
-KINDS = ("dist", "dcp")
+KINDS = ("dist", "dcp")  #: the fixtures the current writer writes again byte for byte
+PERNODE = "pernode"
 #: per kind, the tier directories of the fixture, relative to it
-TIER_DIRS = {"dist": ("node0/ssd", "node1/ssd", "pfs"), "dcp": ("pfs",)}
+TIER_DIRS = {"dist": ("node0/ssd", "node1/ssd", "pfs"), "dcp": ("pfs",), PERNODE: ("pfs",)}
 
 
 def config(root: Path, kind: str, node: int, timeout: float = 30.0) -> dict[str, Any]:
     """The hierarchy of a fixture rooted at ``root`` (its writer's, and its readers'), for a rank on ``node``
     (``timeout``: of the ranks' coordination)."""
-    pfs = {"name": "pfs", "kind": "pfs", "path": str(root / "pfs")}
+    pfs: dict[str, Any] = {"name": "pfs", "kind": "pfs", "path": str(root / "pfs")}
     ssd = {"name": "ssd", "kind": "local", "path": str(root / "node{node}" / "ssd")}
     tiers = [ssd, pfs] if kind == "dist" else [pfs]
+    if kind == PERNODE:  # the ranks of one node share one data file a step
+        pfs["options"] = {"files": "per_node"}
+        node = 0
     return {"tiers": tiers, "distributed": {"timeout": timeout, "node": node}}
 
 
@@ -78,7 +85,7 @@ def save_fixture(rank: int, kind: str, root: Path) -> None:
     _set_chunk_bytes()
     meshes = _meshes()
     with Hierarchy.from_config(config(root, kind, node=rank), job=f"golden-{kind}") as h:
-        if kind == "dist":
+        if kind in ("dist", PERNODE):
             h.save(ds.dist_state(rank, meshes), step=ds.DIST_STEP, blocking=True)
         else:
             import torch.distributed.checkpoint as dcp
@@ -113,7 +120,11 @@ def write(kind: str, dest: Path) -> list[Path]:
 def main() -> int:
     """Write the fixture named on the command line into the directory given there."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("kind", choices=KINDS, help="dist: Hierarchy.save of DTensors; dcp: dcp.save")
+    p.add_argument(
+        "kind",
+        choices=(*KINDS, PERNODE),
+        help="dist: Hierarchy.save of DTensors; dcp: dcp.save; pernode: dist, files: per_node",
+    )
     p.add_argument("dest", type=Path, help="fixture directory to create, e.g. tests/golden/dist-v5")
     args = p.parse_args()
     if args.dest.exists():

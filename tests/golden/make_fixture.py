@@ -64,6 +64,11 @@ def copy_committed(tier_dir: Path, dest: Path) -> list[Path]:
         for f in [rank_dir / "manifest", *data]:
             shutil.copyfile(f, out / f.name)
             copied.append(out / f.name)
+    for node_file in sorted(tier_dir.glob("step-" + "[0-9]" * 12 + "/node-*.data")):  # files: per_node
+        out = dest / node_file.relative_to(tier_dir)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(node_file, out)
+        copied.append(out)
     for record in sorted(tier_dir.glob("step-" + "[0-9]" * 12 + "/commit")):  # format version 5 on
         out = dest / record.relative_to(tier_dir)
         out.parent.mkdir(parents=True, exist_ok=True)

@@ -13,6 +13,7 @@ tensors, the newest step agreed, the listing of a writable and a read-only hiera
 
 from __future__ import annotations
 
+import re
 import shutil
 import sys
 from collections.abc import Callable
@@ -38,7 +39,8 @@ import make_dist_fixture as mdf  # noqa: E402
 
 def _versions(kind: str) -> list[int]:
     """The format versions of the fixtures of ``kind`` (``dist``, ``dcp``) in tests/golden."""
-    return sorted(int(p.name.rpartition("-v")[2]) for p in GOLDEN.glob(f"{kind}-v*") if p.is_dir())
+    found = (re.fullmatch(rf"{kind}-v(\d+)", p.name) for p in GOLDEN.glob(f"{kind}-v*") if p.is_dir())
+    return sorted(int(m.group(1)) for m in found if m)  # dist-v5-pernode: tests/multiproc/test_golden_pernode.py
 
 
 VERSIONS = _versions("dist")

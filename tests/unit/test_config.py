@@ -3,6 +3,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 from tierckpt import ConfigError, Hierarchy
 from tierckpt.config import format_size, load_config, parse_config, parse_size
@@ -275,7 +276,9 @@ def test_options_and_location_shape(entry: dict, message: str) -> None:
 @pytest.mark.parametrize(
     ("entry", "message"),
     [({"name": "h", "kind": "host", "options": {"pinned": True}}, r"^tiers\[0\]\.options\.pinned: unknown option \(a host tier takes: none\)"),
-     ({"name": "s", "kind": "local", "path": "/tmp/x", "options": {"bucket": "b"}}, r"^tiers\[0\]\.options\.bucket: unknown option \(a local tier takes: one_file\)"),
+     ({"name": "s", "kind": "local", "path": "/tmp/x", "options": {"bucket": "b"}}, r"^tiers\[0\]\.options\.bucket: unknown option \(a local tier takes: files, one_file\)"),
+     ({"name": "p", "kind": "pfs", "path": "/tmp/x", "options": {"files": "per_host"}}, r"^tiers\[0\]\.options\.files: expected one of per_rank, per_node, got 'per_host'"),
+     ({"name": "p", "kind": "pfs", "path": "/tmp/x", "options": {"files": "per_node", "one_file": False}}, r"^tiers\[0\]\.options\.one_file: files: per_node keeps each rank's blobs back to back .* cannot go with one_file: false"),
      ({"name": "p", "kind": "pfs", "path": "s3://bucket/p"}, r"^tiers\[0\]\.path: a pfs tier takes a directory, not a URL, got 's3://bucket/p'"),
      ({"name": "g", "kind": "gpu", "options": {"device": "tpu:0"}}, r"^tiers\[0\]\.options\.device: expected a string matching"),
      ({"name": "g", "kind": "gpu", "options": {"dev": "cuda:0"}}, r"^tiers\[0\]\.options\.dev: unknown option \(a gpu tier takes: device\)")],
@@ -284,6 +287,21 @@ def test_builtin_kinds_check_their_options_and_location(entry: dict, message: st
     with pytest.raises(ConfigError, match=message):
         Hierarchy.from_config({"tiers": [entry]})
     assert not Path("s3:").exists()
+
+
+def test_files_per_rank_is_the_default_and_per_node_writes_a_node_file(tmp_path: Path) -> None:
+    layouts = {}
+    for i, options in enumerate(({}, {"files": "per_rank"}, {"files": "per_node"})):
+        entry = {"name": "p", "kind": "pfs", "path": str(tmp_path / str(i)), "options": options}
+        with Hierarchy.from_config({"tiers": [entry]}) as h:
+            h.save({"w": torch.ones(3)}, step=1).wait()
+        step = tmp_path / str(i) / "step-000000000001"
+        layouts[i] = (
+            sorted(p.name.split("-")[0] for p in step.iterdir()),
+            sorted(p.name for p in (step / "rank-00000").iterdir()),
+        )
+    assert layouts[0] == layouts[1] == (["commit", "rank"], ["data.bin", "manifest"])  # one data file a rank
+    assert layouts[2] == (["commit", "node", "rank"], ["manifest"])  # one rank alone: a node of one rank
 
 
 def test_on_full_is_policy(tmp_path: Path) -> None:

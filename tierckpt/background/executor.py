@@ -18,7 +18,8 @@ from typing import Any, Protocol, TypeVar
 from tierckpt.background.catalog import Catalog
 from tierckpt.background.listing import Listing
 from tierckpt.errors import CheckpointNotFoundError, TierckptError
-from tierckpt.format.manifest import HEADER, manifest_version
+from tierckpt.format.location import Location
+from tierckpt.format.manifest import HEADER, BlobEntry, manifest_version
 from tierckpt.format.record import decode_record, encode_record, manifest_tag
 from tierckpt.policies.protocol import (
     Action,
@@ -50,6 +51,7 @@ from tierckpt.policies.protocol import (
 from tierckpt.policies.retention import RetentionPlan
 from tierckpt.ranks.commit import Commits, DecisionKeys
 from tierckpt.ranks.coordinator import Coordinator
+from tierckpt.ranks.nodeplace import node_place
 from tierckpt.tiers.base import CheckpointKey, Tier
 from tierckpt.tiers.holdings import record_world_size, recorded
 
@@ -101,6 +103,7 @@ class RankExecutor:
         self.catalog = catalog
         self.me = listing.me
         self.commits = Commits(coordinator, keys)
+        self.coordinator = coordinator
         self.listing = listing
         self.shared = {t.name for t in tiers if t.capabilities.shared}
         self._unowned: dict[tuple[str, int], list[int]] = {}  # (tier, step): rank 0 evicts them with its own
@@ -137,6 +140,11 @@ class RankExecutor:
             raise
         self._decided(tier.name)
         return [(str(n), int(s)) for n, s in got["evict"]]
+
+    def place(self, tier: Tier, key: CheckpointKey, blobs: Sequence[BlobEntry], name: str | None) -> Location:
+        """This rank's place for its copy of ``key`` on ``tier`` (a ``node_files`` tier): from its node's
+        exchange named ``name``, or a node file of its own (None); see :mod:`tierckpt.ranks.nodeplace`."""
+        return node_place(self.coordinator, tier, key, blobs, name, self.room)
 
     def abandon(self, tier: Tier, key: CheckpointKey) -> None:
         """This rank's copy of ``key`` on ``tier`` failed: tell the other ranks at once (they fail the

@@ -36,6 +36,7 @@ from tierckpt.policies.placement import Copy, CopyPlan, MakeRoom, Policy, Retain
 from tierckpt.policies.protocol import unknown_outcome
 from tierckpt.ranks.commit import DecisionKeys
 from tierckpt.ranks.coordinator import Coordinator
+from tierckpt.ranks.nodeplace import place_key
 from tierckpt.tiers.base import CheckpointKey, Tier, TierWriter
 
 __all__ = ["Mover", "Room", "resolved"]
@@ -68,10 +69,15 @@ class Room:
         self.geometry = mover.geometries[tier.name]
         self.background = background
         self._mover = mover
+        #: the key of the node's exchange for a copy to a ``node_files`` tier that every rank makes (set
+        #: by the commit's job; None: a copy of this rank alone)
+        self.place_key: str | None = None
 
-    def reserve(self, key: CheckpointKey, blobs: Sequence[BlobEntry]) -> TierWriter:
-        """A writer for ``key`` on the tier (see :meth:`Mover.reserve`)."""
-        return self._mover.reserve(self.tier, key, blobs, background=self.background)
+    def reserve(self, key: CheckpointKey, blobs: Sequence[BlobEntry], *, alone: bool = False) -> TierWriter:
+        """A writer for ``key`` on the tier (see :meth:`Mover.reserve`); ``alone``: a copy no other rank
+        makes (a promotion), which shares no node file."""
+        place = None if alone else self.place_key
+        return self._mover.reserve(self.tier, key, blobs, background=self.background, place_key=place)
 
     def staging(self) -> StagingPool:
         """The tier's worker's staging buffers (only that worker's thread uses them)."""
@@ -207,6 +213,8 @@ class Mover:
         key = CheckpointKey(step, self.rank)
 
         def run() -> None:
+            # the commit this job ends in is the n-th of the step on the tier on every rank: so is its exchange
+            room.place_key = place_key(tier, step, self.keys.count("commit", tier, step) + 1)
             if announce:
                 self.catalog.set(step, tier, "writing")
             error: BaseException | None = None
@@ -278,7 +286,7 @@ class Mover:
                     return fallback(room)
                 pins.release(keep=src)
                 self.catalog.set(key.step, dst, "writing")
-                manifest = self._copy(key, self.tiers[src], self.tiers[dst], blobs, background)
+                manifest = self._copy(key, self.tiers[src], room, blobs, alone=promoted)
                 if promoted:  # a cache of this rank's copy: no commit of all ranks (the protocol says what it needs)
                     self.ranks.promote(self.tiers[src], self.tiers[dst], key.step, manifest)
                     self.catalog.promoted(key.step, dst, True)
@@ -302,18 +310,18 @@ class Mover:
             causes[0][1] if causes else None
         )
 
-    def _copy(
-        self, key: CheckpointKey, src: Tier, dst: Tier, blobs: Sequence[BlobEntry] | None, background: bool
-    ) -> bytes:
-        """Copy ``key`` from ``src`` to ``dst`` blob by blob and commit it there; the manifest committed.
-        Each chunk is charged to the budgets of both tiers (a read of one, a write of the other)."""
+    def _copy(self, key: CheckpointKey, src: Tier, room: Room, blobs: Sequence[BlobEntry] | None, alone: bool) -> bytes:
+        """Copy ``key`` from ``src`` to the room's tier blob by blob and commit it there; the manifest
+        committed. Each chunk is charged to the budgets of both tiers (a read of one, a write of the
+        other). ``alone``: a copy no other rank makes (see :meth:`Room.reserve`)."""
+        dst, background = room.tier, room.background
         with src.open_copy(key) as copy:  # manifest and blobs of one copy; blob sizes checked at open
             manifest = copy.read_manifest()
             if blobs is None:
                 blobs = load_manifest(src, key, copy=copy).blobs
             reader = throttled_reader(src, copy.reader(blobs), background=background)
         try:
-            writer = self.reserve(dst, key, blobs, background=background)
+            writer = room.reserve(key, blobs, alone=alone)
         except BaseException:
             reader.close()
             raise
@@ -331,14 +339,31 @@ class Mover:
 
     # -- room -------------------------------------------------------------------------------------------
     def reserve(
-        self, tier: Tier, key: CheckpointKey, blobs: Sequence[BlobEntry], *, background: bool = True
+        self,
+        tier: Tier,
+        key: CheckpointKey,
+        blobs: Sequence[BlobEntry],
+        *,
+        background: bool = True,
+        place_key: str | None = None,
     ) -> TierWriter:
         """Reserve room on ``tier`` (a writer that honours the tier's declared write order, its writes
         charged to the tier's budget as ``background`` says), making room as :meth:`with_room` says; the
-        writer's commit makes room too when the device is full as the manifest is written."""
+        writer's commit makes room too when the device is full as the manifest is written. On a
+        ``node_files`` tier the copy's place comes first, from its node's exchange under ``place_key``
+        (None: a node file of this rank's own; :mod:`tierckpt.ranks.nodeplace`)."""
+        if tier.node_files:
+            place = self.ranks.place(tier, key, blobs, place_key)
+
+            def made() -> TierWriter:
+                return tier.reserve_at(key, blobs, place)
+        else:
+
+            def made() -> TierWriter:
+                return tier.reserve(key, blobs)
 
         def reserve() -> TierWriter:
-            return writer_for(tier, throttled_writer(tier, tier.reserve(key, blobs), background=background), blobs)
+            return writer_for(tier, throttled_writer(tier, made(), background=background), blobs)
 
         writer = self.with_room(tier, key.step, reserve)
         return _CommitsWithRoom(writer, lambda commit: self.with_room(tier, key.step, commit))

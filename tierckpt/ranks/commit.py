@@ -43,6 +43,11 @@ class DecisionKeys:
         self._count: Counter[str] = Counter()
         self._lock = threading.Lock()
 
+    def count(self, *parts: object) -> int:
+        """How many decisions about ``parts`` were named so far."""
+        with self._lock:
+            return self._count["/".join(str(p) for p in parts)]
+
     def next(self, *parts: object) -> str:
         """The name of the next decision about ``parts``."""
         base = "/".join(str(p) for p in parts)

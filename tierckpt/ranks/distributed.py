@@ -29,6 +29,7 @@ import msgpack
 from tierckpt.configvalues import Launch, check_timeout, launched, launched_rank
 from tierckpt.errors import ConfigError, CoordinationError
 from tierckpt.ranks.coordinator import SoloCoordinator, check_rank, dist_rank
+from tierckpt.ranks.nodegather import NodeGather
 from tierckpt.ranks.storekeys import KeyNames, Keys, check_key, decode, encode, failure, parse_values
 from tierckpt.tiers.jobs import resolve_job
 
@@ -182,6 +183,14 @@ class StoreCoordinator:
         else:
             result = self._follow(key, value, wait)
         return result
+
+    def node_gather(self, key: str, value: V, fn: Callable[[list[V]], T], timeout: float | None = None) -> T:
+        """:meth:`gather` among the ranks of this rank's node only, decided by the node's first rank
+        (tierckpt.ranks.nodegather): a per-node data file's one exchange per save and node."""
+        wait = self.timeout if timeout is None else check_timeout(timeout, "timeout")
+        ns = f"{self._names.namespace}/node-{self.node}"
+        waits = lambda st, k, secs: self._wait(st, k, secs, key)  # noqa: E731
+        return NodeGather(ns, self.rank, self._on_node, self._st, waits, self.max_bytes).gather(key, value, fn, wait)
 
     @property
     def _result_bytes(self) -> int:

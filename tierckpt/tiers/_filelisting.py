@@ -15,6 +15,7 @@ import re
 import stat
 from pathlib import Path
 
+from tierckpt.format.location import NODE_FILE_RE
 from tierckpt.tiers._fileread import MANIFEST_NAME, io_error
 from tierckpt.tiers.base import CheckpointKey
 
@@ -41,6 +42,11 @@ def _names(directory: Path, pattern: re.Pattern[str]) -> list[str]:
     """The names in ``directory`` that match ``pattern`` whole and are not links."""
     with os.scandir(directory) as it:
         return [e.name for e in it if pattern.fullmatch(e.name) and not e.is_symlink()]
+
+
+def _is_node_file(e: os.DirEntry[str]) -> bool:
+    """Whether ``e`` is a node file (a regular file named like one)."""
+    return NODE_FILE_RE.fullmatch(e.name) is not None and e.is_file(follow_symlinks=False)
 
 
 def _is_file(p: Path) -> bool:
@@ -140,8 +146,12 @@ class FileListing:
         return [int(step.name[5:]) for step in self.step_dirs() if _is_file(step / RECORD_NAME)]
 
     def used_bytes(self) -> int:
-        """Bytes of the files of every committed copy."""
+        """Bytes of the files of every committed copy, and of every node file (``files: per_node``: one
+        a node and step, counted once however many copies it holds)."""
         total = 0
+        for step in self.step_dirs():
+            with contextlib.suppress(OSError), os.scandir(step) as it:
+                total += sum(e.stat(follow_symlinks=False).st_size for e in it if _is_node_file(e))
         for key in self.committed():
             with contextlib.suppress(OSError):
                 total += sum(

@@ -9,6 +9,11 @@ snapshot: a save that replaces it (a rename swap) or an eviction (a rename, then
 process changes names, not the open files, so the reader keeps reading the copy it opened. A copy
 that goes away before it is fully opened raises CheckpointEvictedError, not damage: an entry missing
 from a rank directory is damage only while that directory is still the one committed under its name.
+
+A per-node copy (``files: per_node``) keeps its blobs in a node file of the step directory, which the
+copy holds open too: its manifest file ends in a location block (:mod:`tierckpt.format.location`),
+checked whole and stripped before the manifest is handed on; the node file is opened relative to the
+step directory, and the region the block names must lie inside it before any byte is read.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from typing import NoReturn, Protocol
 
 from tierckpt.errors import CheckpointEvictedError, CheckpointNotFoundError, CorruptCheckpointError, TierIOError
 from tierckpt.format.layout import data_offsets
+from tierckpt.format.location import MAX_LOCATION_BYTES, Location, split_location
 from tierckpt.format.manifest import HEADER, MAGIC, MAX_PAYLOAD_BYTES, TRAILER_BYTES, BlobEntry
 from tierckpt.io.engine import IOEngine
 from tierckpt.io.fsutil import dio_alignment
@@ -38,7 +44,7 @@ DATA_NAME = "data.bin"  # a copy's blobs back to back, where the tier writes one
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _FILE_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 # the header's length is checked against the file's size before the rest is read (docs/format.md)
-_MAX_MANIFEST_BYTES = HEADER.size + MAX_PAYLOAD_BYTES + TRAILER_BYTES
+_MAX_MANIFEST_BYTES = HEADER.size + MAX_PAYLOAD_BYTES + TRAILER_BYTES + MAX_LOCATION_BYTES
 _OPAQUE_BYTES = 1 << 20  # read whole without looking; larger manifests must show their framing first
 
 
@@ -79,7 +85,8 @@ def kind_of(mode: int) -> str:
 
 
 class FileCopy(TierCopy):
-    """A committed copy on a :class:`~tierckpt.tiers._files.FileTier`, held open by its rank directory.
+    """A committed copy on a :class:`~tierckpt.tiers._files.FileTier`, held open by its rank directory
+    (and its step directory, where a per-node copy's node file is).
 
     Args:
         tier: the tier.
@@ -102,15 +109,18 @@ class FileCopy(TierCopy):
         except OSError as e:
             raise io_error(tier.name, f"cannot open {space.path}", e) from e
         try:
-            step_fd = self._open_dir(root, step_name, space.path / step_name)
+            self.step_fd = self._open_dir(root, step_name, space.path / step_name)
             try:
-                self.fd = self._open_dir(step_fd, rank_name, self.path)
-            finally:
-                os.close(step_fd)
+                self.fd = self._open_dir(self.step_fd, rank_name, self.path)
+            except BaseException:
+                os.close(self.step_fd)
+                raise
         finally:
             os.close(root)
         st = os.fstat(self.fd)
         self._ident = (st.st_dev, st.st_ino)
+        self.location: Location | None = None  #: a per-node copy's, once its manifest file is read
+        self._manifest_read = False
 
     def _open_dir(self, parent: int, name: str, path: Path) -> int:
         try:
@@ -144,36 +154,39 @@ class FileCopy(TierCopy):
         replaced since (GlusterFS answers so where a local file system answers ENOENT)."""
         return e.errno == errno.ESTALE and not self.still_committed()
 
-    def _missing(self, what: str, name: str, blob: str | None = None) -> NoReturn:
+    def _missing(self, what: str, name: str, blob: str | None = None, where: Path | None = None) -> NoReturn:
         if self.still_committed():  # the committed copy lacks it: damage
-            raise self._bad(f"{what} {self.path / name} is missing", blob)
+            raise self._bad(f"{what} {(where or self.path) / name} is missing", blob)
         raise CheckpointEvictedError(
             f"tier {self.tier.name!r}: step {self.key.step} rank {self.key.rank} was evicted or replaced "
             f"by another process while it was being opened"
         )
 
-    def _open_file(self, name: str, what: str, flags: int = 0, blob: str | None = None) -> tuple[int, int]:
-        """Open regular file ``name`` of the copy: (descriptor, size)."""
-        p = self.path / name
+    def _open_file(
+        self, name: str, what: str, flags: int = 0, blob: str | None = None, *, in_step: bool = False
+    ) -> tuple[int, int]:
+        """Open regular file ``name`` of the copy (``in_step``: of its step directory): (descriptor, size)."""
+        where, dir_fd = (self.path.parent, self.step_fd) if in_step else (self.path, self.fd)
+        p = where / name
         try:
-            mode = os.stat(name, dir_fd=self.fd, follow_symlinks=False).st_mode
+            mode = os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode
         except FileNotFoundError:
-            self._missing(what, name, blob)
+            self._missing(what, name, blob, where)
         except OSError as e:
             if self._stale(e):
-                self._missing(what, name, blob)
+                self._missing(what, name, blob, where)
             raise io_error(self.tier.name, f"cannot stat {p}", e) from e
         if not stat.S_ISREG(mode):
             raise self._bad(f"{what} {p} is not a regular file ({kind_of(mode)})", blob)
         try:
-            fd = os.open(name, _FILE_FLAGS | flags, dir_fd=self.fd)
+            fd = os.open(name, _FILE_FLAGS | flags, dir_fd=dir_fd)
         except FileNotFoundError:
-            self._missing(what, name, blob)
+            self._missing(what, name, blob, where)
         except OSError as e:
             if e.errno == errno.ELOOP:  # replaced by a link since the stat
                 raise self._bad(f"{what} {p} is not a regular file ({kind_of(stat.S_IFLNK)})", blob) from None
             if self._stale(e):
-                self._missing(what, name, blob)
+                self._missing(what, name, blob, where)
             raise io_error(self.tier.name, f"cannot open {p}", e) from e
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
@@ -183,8 +196,10 @@ class FileCopy(TierCopy):
 
     def read_manifest(self) -> bytes:
         """The manifest's bytes. One larger than 1 MiB must start with the format's magic and a payload
-        length that matches the file's size, checked before the rest is read, so that a huge (e.g.
-        sparse) file is refused after reading 24 bytes; nothing larger than the format allows is read."""
+        length that matches the file's size (with at most a location block past it), checked before the
+        rest is read, so that a huge (e.g. sparse) file is refused after reading 24 bytes; nothing larger
+        than the format allows is read. A per-node copy's location block is checked and stripped (kept
+        in :attr:`location`)."""
         p = self.path / MANIFEST_NAME
         fd, size = self._open_file(MANIFEST_NAME, "manifest")
         try:
@@ -194,9 +209,14 @@ class FileCopy(TierCopy):
                 magic, _, _, _, n = HEADER.unpack(pread_all(fd, HEADER.size, 0))
                 if magic != MAGIC:
                     raise self._bad(f"bad magic {magic!r} (not a tierckpt manifest)")
-                if HEADER.size + n + TRAILER_BYTES != size:
+                if not 0 <= size - (HEADER.size + n + TRAILER_BYTES) <= MAX_LOCATION_BYTES:
                     raise self._bad(f"manifest {p} is {size} bytes, its header says {n} + framing")
-            return pread_all(fd, size, 0)
+            try:
+                manifest, self.location = split_location(pread_all(fd, size, 0), f"manifest {p}")
+            except CorruptCheckpointError as e:
+                raise self._bad(str(e)) from None
+            self._manifest_read = True
+            return manifest
         except OSError as e:
             if isinstance(e, CorruptCheckpointError):
                 raise
@@ -208,6 +228,10 @@ class FileCopy(TierCopy):
         """Open every blob now (the copy is a snapshot from here on) and check its size. A copy holding
         a ``data.bin`` keeps all its blobs in it, back to back (tierckpt.tiers._filewrite)."""
         flags = os.O_DIRECT if self.space.geometry.direct else 0
+        if not self._manifest_read:
+            self.read_manifest()  # where a per-node copy's blobs are
+        if self.location is not None:
+            return self._node_reader(blobs, self.location, flags)
         if blobs and all(b.name != DATA_NAME for b in blobs) and self._present(DATA_NAME):
             fd, size = self._open_file(DATA_NAME, "data file", flags, DATA_NAME)
             need = sum(b.size for b in blobs)
@@ -235,6 +259,21 @@ class FileCopy(TierCopy):
             raise
         return FileReader(self.space, self.path, blobs, fds, [(i, 0, b.name) for i, b in enumerate(blobs)])
 
+    def _node_reader(self, blobs: Sequence[BlobEntry], loc: Location, flags: int) -> TierReader:
+        """A per-node copy's reader: its region of the node file ``loc`` names, which must lie inside the
+        file (a missing node file, while the copy is still the committed one, is damage)."""
+        fd, size = self._open_file(loc.name, "node file", flags, loc.name, in_step=True)
+        need = sum(b.size for b in blobs)
+        if loc.offset + need > size:
+            os.close(fd)
+            raise self._bad(
+                f"node file {self.path.parent / loc.name} is {size} bytes: the region of rank {self.key.rank} "
+                f"(offset {loc.offset}, {len(blobs)} blob(s) of {need} bytes in all) does not fit in it",
+                loc.name,
+            )
+        where = [(0, loc.offset + o, loc.name) for o in data_offsets(blobs)]
+        return FileReader(self.space, self.path.parent, blobs, [fd], where)
+
     def _present(self, name: str) -> bool:
         """Whether the copy's directory has an entry ``name`` (of any kind: opening it checks that)."""
         try:
@@ -250,7 +289,8 @@ class FileCopy(TierCopy):
     def close(self) -> None:
         if self.fd >= 0:
             os.close(self.fd)
-            self.fd = -1
+            os.close(self.step_fd)
+            self.fd = self.step_fd = -1
 
 
 def read_regular(tier: str, path: Path, step: int, what: str, limit: int) -> bytes | None:

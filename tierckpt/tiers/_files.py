@@ -5,6 +5,8 @@ On disk (docs/format.md)::
     <path>/step-000000000100/rank-00000/manifest        the msgpack manifest (framed, checksummed)
     <path>/step-000000000100/rank-00000/blob-00000.bin  aggregated tensor bytes (a file a blob)
     <path>/step-000000000100/rank-00000/data.bin        or all the blobs in one file (``one_file``)
+    <path>/step-000000000100/node-00000-<host>-<pid>-<hex>.data   or, ``files: per_node``, the blobs of
+                                                        every rank of a node in one file (_nodefile)
     <path>/step-000000000100/.tmp-rank-00000-<host>-<pid>-<hex>/   a write in progress (never listed)
 
 A rank's directory is written under a ``.tmp-`` name, every file and the directory are fsynced, and
@@ -16,7 +18,7 @@ This module is the tier itself (its settings and geometry, engine, lease, commit
 its parts, each in a module of its own: the directory opened (``_filedir``), what it holds as its
 directory lists it (``_filelisting``: the names of steps, copies and records), scratch names and the sweep
 of dead processes' scratch (``_filescratch``), a copy read as a snapshot (``_fileread``), a copy written
-and published (``_filewrite``), the directory's lease (``_lease``).
+and published (``_filewrite``; a per-node copy: ``_nodefile``), the directory's lease (``_lease``).
 """
 
 from __future__ import annotations
@@ -34,7 +36,8 @@ from pathlib import Path
 from typing import Any
 
 from tierckpt.config import LEASE_STALE_SECS, TierConfig
-from tierckpt.errors import TierFullError
+from tierckpt.errors import ConfigError, TierFullError
+from tierckpt.format.location import Location
 from tierckpt.format.manifest import BlobEntry
 from tierckpt.io.budget import Budget
 from tierckpt.io.engine import IOEngine, make_engine
@@ -45,12 +48,13 @@ from tierckpt.ioconfig import IOConfig, default_io
 from tierckpt.tiers._filedir import open_directory
 from tierckpt.tiers._filelayout import check_file_layout, parse_file_layout
 from tierckpt.tiers._filelisting import RECORD_NAME, FileListing, rank_dir_name, step_dir_name
-from tierckpt.tiers._fileread import FileCopy, io_error, read_regular
-from tierckpt.tiers._filescratch import scratch_name, sweep
+from tierckpt.tiers._fileread import MANIFEST_NAME, FileCopy, io_error, read_regular
+from tierckpt.tiers._filescratch import drop_unused_node_files, scratch_name, sweep
 from tierckpt.tiers._filewrite import FileWriter, device_full, write_file
 from tierckpt.tiers._lease import Lease
+from tierckpt.tiers._nodefile import NodeFileWriter, create_node_file, node_part
 from tierckpt.tiers.base import CheckpointKey, EngineSource, Tier, TierCapabilities, TierReader, TierWriter
-from tierckpt.tiers.options import Option, boolean, check_options, local_directory
+from tierckpt.tiers.options import Option, boolean, check_options, choice, local_directory
 
 __all__ = ["FileTier"]
 
@@ -63,7 +67,13 @@ _OPTIONS = {
     "one_file": Option(
         boolean(), default=None, doc="all of a copy's blobs in one data file (default: true on pfs, false on local)"
     ),
+    "files": Option(
+        choice("per_rank", "per_node"),
+        default="per_rank",
+        doc="data files of a step: per_rank (one a rank) or per_node (the ranks of a node share one)",
+    ),
 }
+FILES = ("per_rank", "per_node")
 #: a shared tier's (``pfs``): also the layout it sets on its data files
 _SHARED_OPTIONS = {
     **_OPTIONS,
@@ -72,6 +82,11 @@ _SHARED_OPTIONS = {
     ),
 }
 #: the tier's own ``io`` settings that are inputs of its geometry, besides ``direct`` and the chunk
+#: why ``files: per_node`` takes no ``one_file: false``
+_PER_NODE_ONE_FILE = (
+    "files: per_node keeps each rank's blobs back to back in its node's file, as one_file does: it cannot go "
+    "with one_file: false (leave one_file out, or use files: per_rank)"
+)
 _OWN_IO = ("queue_depth", "stripe_unit_bytes", "stripe_count", "object_bytes")
 
 
@@ -93,6 +108,9 @@ class FileTier(Tier):
         lease_stale_secs: how long a lease holder on another host may go without renewing it.
         one_file: write each copy's blobs into one data file (``data.bin``) rather than a file a blob
             (None: the kind's default, :attr:`one_file`). Copies of either kind are read either way.
+        files: ``per_rank`` (the default: each copy's own data files) or ``per_node``: the copies of the
+            ranks of a node go into one data file a step, each rank's blobs back to back in its region
+            (docs/distributed.md, "A per-node data file"); copies of every layout are read either way.
         file_layout: the layout to set on each new data file (CephFS, Lustre: :mod:`tierckpt.io.fslayout`);
             the geometry sizes for it rather than for the layout detected.
         io: the tier's own ``io`` settings (its config entry's): its queue depth and the stripes it sizes
@@ -104,7 +122,8 @@ class FileTier(Tier):
             ``all`` (prefetches, blocking saves and restores too).
 
     Raises:
-        ValueError: a ``bandwidth_bytes_per_sec`` that is not positive, or an unknown ``throttle``.
+        ValueError: a ``bandwidth_bytes_per_sec`` that is not positive, or an unknown ``throttle``; an
+            unknown ``files``, or ``per_node`` with ``one_file=False``.
         TierBusyError: (writable) another job holds the directory's lease.
         TierIOError: the directory is missing (``readonly``), cannot be made, is not readable (and
             writable), or is on a read-only file system and the tier is not ``readonly``; or its file
@@ -137,8 +156,17 @@ class FileTier(Tier):
         io: IOConfig | None = None,
         bandwidth_bytes_per_sec: int | None = None,
         throttle: str = "background",
+        files: str = "per_rank",
     ) -> None:
         super().__init__(name)
+        if files not in FILES:
+            raise ValueError(f"tier {name!r}: files: expected one of {', '.join(FILES)}, got {files!r}")
+        if files == "per_node" and one_file is False:
+            raise ValueError(f"tier {name!r}: {_PER_NODE_ONE_FILE}")
+        self.files = files
+        self.node_files = files == "per_node"
+        if self.node_files:
+            one_file = True  # a node file holds each rank's blobs back to back, as data.bin does
         # checked before anything is made; a bucket of one chunk (docs/tiers.md, "Bandwidth budgets")
         budget = None if bandwidth_bytes_per_sec is None else Budget(bandwidth_bytes_per_sec, throttle=throttle)
         if one_file is not None:
@@ -252,6 +280,8 @@ class FileTier(Tier):
         at once as its geometry's queue depth."""
         path = local_directory(cfg)
         opts = check_options(cfg, _SHARED_OPTIONS if cls.shared else _OPTIONS)
+        if opts["files"] == "per_node" and opts["one_file"] is False:
+            raise ConfigError(f"{cfg.key}.options.one_file: {_PER_NODE_ONE_FILE}")
         tier = cls(
             cfg.name,
             path,
@@ -267,6 +297,7 @@ class FileTier(Tier):
             io=cfg.io,
             bandwidth_bytes_per_sec=cfg.io.bandwidth_bytes_per_sec,
             throttle=cfg.io.throttle,
+            files=opts["files"],
         )
         tier._engine, tier._engine_given = engines.get(cfg.io.engine, tier.plan_geometry(cfg.io).queue_depth), True
         return tier
@@ -371,6 +402,18 @@ class FileTier(Tier):
         with self.open_copy(key) as copy:
             return copy.read_manifest()
 
+    def copy_files(self, key: CheckpointKey) -> dict[str, Any]:
+        """``{"layout": "per_node", "node_file": name, "offset": n}`` for a per-node copy (its region
+        of the step's node file), else ``{"layout": "per_rank", "data_files": [names]}``."""
+        copy = self.open_copy(key)
+        try:
+            copy.read_manifest()
+            if copy.location is not None:
+                return {"layout": "per_node", "node_file": copy.location.name, "offset": copy.location.offset}
+            return {"layout": "per_rank", "data_files": sorted(n for n in os.listdir(copy.path) if n != MANIFEST_NAME)}
+        finally:
+            copy.close()
+
     def close(self) -> None:
         """Release the lease (another job may write here once no process of this one holds it) and
         close the engine the tier made for itself (:attr:`engine`), if it made one."""
@@ -386,26 +429,37 @@ class FileTier(Tier):
         if self.lease is not None:
             self.lease.check()
 
-    def reserve(self, key: CheckpointKey, blobs: Sequence[BlobEntry]) -> TierWriter:
+    def _take_room(self, step: int, need: int, what: str = "checkpoint") -> int:
+        """Take ``need`` bytes of the tier's capacity for a write of ``step`` (given back with
+        :meth:`_unreserve`); the bytes taken (0 without a capacity). TierFullError when they are not free."""
         self._check_lease()
-        need = sum(b.size for b in blobs)
-        if self.capacity_bytes is not None:
-            used = self.used_bytes()  # listed outside the lock: a commit meanwhile counts twice, not never
-            with self._lock:
-                if used + self._reserved + need > self.capacity_bytes:
-                    raise TierFullError(
-                        f"tier {self.name!r}: checkpoint of step {key.step} needs {need} bytes, "
-                        f"{max(0, self.capacity_bytes - used - self._reserved)} of capacity "
-                        f"{self.capacity_bytes} are free"
-                    )
-                self._reserved += need
+        if self.capacity_bytes is None:
+            return 0
+        used = self.used_bytes()  # listed outside the lock: a commit meanwhile counts twice, not never
+        with self._lock:
+            if used + self._reserved + need > self.capacity_bytes:
+                raise TierFullError(
+                    f"tier {self.name!r}: {what} of step {step} needs {need} bytes, "
+                    f"{max(0, self.capacity_bytes - used - self._reserved)} of capacity "
+                    f"{self.capacity_bytes} are free"
+                )
+            self._reserved += need
+        return need
+
+    def reserve(self, key: CheckpointKey, blobs: Sequence[BlobEntry]) -> TierWriter:
+        """A writer of ``key``'s copy. On a ``files: per_node`` tier used without a place from the rank
+        executor (:meth:`reserve_at`), the copy gets a node file of its own (a node of one rank)."""
+        if self.node_files:
+            part, _ = self.node_part(blobs)
+            return self.reserve_at(key, blobs, Location(self.create_node_file(key.step, key.rank, part), 0))
+        need = self._take_room(key.step, sum(b.size for b in blobs))
         try:
             step_dir = self.path / step_dir_name(key.step)
             return FileWriter(
                 self,
                 key,
                 blobs,
-                need if self.capacity_bytes is not None else 0,
+                need,
                 self._unreserve,
                 step_dir=step_dir,
                 tmp=step_dir / scratch_name("tmp", key.rank),
@@ -415,8 +469,40 @@ class FileTier(Tier):
                 layout=None if self.file_layout is None else (self.facts.family, self.file_layout),
             )
         except BaseException:
-            self._unreserve(need if self.capacity_bytes is not None else 0)
+            self._unreserve(need)
             raise
+
+    # -- per-node copies (``files: per_node``; tierckpt.tiers._nodefile) --------------------------------
+    def node_part(self, blobs: Sequence[BlobEntry]) -> tuple[int, int]:
+        """The bytes of a copy's region in its node's file and the multiple its start must be."""
+        return node_part(self.geometry, blobs)
+
+    def create_node_file(self, step: int, first_rank: int, nbytes: int) -> str:
+        """Create ``step``'s new node file of ``nbytes`` for the node whose first rank is ``first_rank``
+        (its room checked against the capacity, then allocated on the device); its name. Counted in
+        :meth:`used_bytes` from then on, once whatever copies it holds."""
+        taken = self._take_room(step, nbytes, "the node file")
+        try:
+            layout = None if self.file_layout is None else (self.facts.family, self.file_layout)
+            return create_node_file(self, self.path / step_dir_name(step), first_rank, nbytes, layout)
+        finally:
+            self._unreserve(taken)  # the file itself is counted now
+
+    def reserve_at(self, key: CheckpointKey, blobs: Sequence[BlobEntry], place: Location) -> TierWriter:
+        """A writer of ``key``'s copy into its region of the node file ``place`` names (made by
+        :meth:`create_node_file`, by this rank or its node's first)."""
+        self._check_lease()
+        step_dir = self.path / step_dir_name(key.step)
+        return NodeFileWriter(
+            self,
+            key,
+            blobs,
+            step_dir=step_dir,
+            tmp=step_dir / scratch_name("tmp", key.rank),
+            final=self._rank_dir(key),
+            old=step_dir / scratch_name("old", key.rank),
+            place=place,
+        )
 
     def _unreserve(self, nbytes: int) -> None:
         if nbytes:
@@ -434,6 +520,8 @@ class FileTier(Tier):
         try:
             os.rename(src, gone)
         except FileNotFoundError:
+            if self.node_files:  # a failed save's: its node file goes once no copy and no writer is left
+                drop_unused_node_files(src.parent)
             return
         except OSError as e:
             raise io_error(self.name, f"cannot evict step {key.step}", e) from e
@@ -451,8 +539,8 @@ class FileTier(Tier):
             gone, self._evicted = self._evicted, []
         for p in gone:
             shutil.rmtree(p, ignore_errors=True)
-            with contextlib.suppress(OSError):
-                p.parent.rmdir()  # only succeeds when no other rank (or write) is in there
+            # the step's node files, once no copy (of any rank) and no write is left; then the directory
+            drop_unused_node_files(p.parent)
 
     def _close_engine(self) -> None:
         """Close the engine the tier made for itself (:attr:`engine`), if it made one."""

@@ -28,7 +28,7 @@ from tierckpt.io.fsutil import fsync_dir
 from tierckpt.tiers._fileread import DATA_NAME, MANIFEST_NAME, FileSpace, io_error
 from tierckpt.tiers.base import CheckpointKey, TierWriter
 
-__all__ = ["FileWriter", "device_full", "write_file"]
+__all__ = ["FileWriter", "device_full", "make_scratch", "set_file_layout", "write_file"]
 
 _RENAME_EXCHANGE = 2
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
@@ -59,6 +59,18 @@ def write_file(path: Path, data: bytes) -> None:
         os.close(fd)
 
 
+def make_scratch(step_dir: Path, tmp: Path) -> None:
+    """Make the scratch directory ``tmp`` in ``step_dir`` (made too if missing; ``tmp`` must not exist)."""
+    for attempt in (0, 1):  # another process may remove an empty step directory between the two
+        step_dir.mkdir(exist_ok=True)
+        try:
+            tmp.mkdir()
+            return
+        except FileNotFoundError:
+            if attempt:
+                raise
+
+
 def device_full(tier: FileSpace, what: str, need: int, e: OSError, whole: int | None = None) -> DeviceFullError | None:
     """A full device as the tier contract's "no room" (so that the hierarchy makes room as for a full
     ``capacity``): ENOSPC or EDQUOT while writing ``what`` (``need`` bytes) of a copy that would fit on
@@ -81,7 +93,7 @@ def device_full(tier: FileSpace, what: str, need: int, e: OSError, whole: int | 
     )
 
 
-def _set_layout(layout: tuple[str, FileLayout], target: int | Path, path: str | Path | None = None) -> None:
+def set_file_layout(layout: tuple[str, FileLayout], target: int | Path, path: str | Path | None = None) -> None:
     """Set ``layout`` on ``target`` (a new file's descriptor, or a directory); a refusal is an OSError
     naming the layout and the file (``path``, else ``target``)."""
     family, wanted = layout
@@ -144,21 +156,14 @@ class FileWriter(TierWriter):
         self._where = [(0, o) for o in data_offsets(self.blobs)] if one_file else [(i, 0) for i in range(len(blobs))]
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | (os.O_DIRECT if tier.geometry.direct else 0)
         try:
-            for attempt in (0, 1):  # another process may remove an empty step directory between the two
-                step_dir.mkdir(exist_ok=True)
-                try:
-                    tmp.mkdir()
-                    break
-                except FileNotFoundError:
-                    if attempt:
-                        raise
+            make_scratch(step_dir, tmp)
             if layout is not None and layout[0] == "lustre":  # the files take the directory's default
-                _set_layout(layout, tmp)
+                set_file_layout(layout, tmp)
             for path, size in zip(self._files, sizes):
                 fd = os.open(path, flags, 0o644)
                 self.fds.append(fd)
                 if layout is not None and layout[0] != "lustre":  # on the new file, before its first byte
-                    _set_layout(layout, fd, path)
+                    set_file_layout(layout, fd, path)
                 if size:
                     os.posix_fallocate(fd, 0, size)  # ENOSPC now, not halfway; parallel O_DIRECT writes
         except OSError as e:
@@ -181,6 +186,7 @@ class FileWriter(TierWriter):
             syncs = [self.tier.engine.fsync(fd, path=p) for fd, p in zip(self.fds, self._files)]
             for f in syncs:
                 f.result()
+            manifest = self._seal(manifest)
             for fd in self.fds:
                 os.close(fd)
             self.fds = []
@@ -198,6 +204,11 @@ class FileWriter(TierWriter):
             raise io_error(self.tier.name, f"cannot commit step {self.key.step}", e) from e
         self._open = False
         self._give_back()
+
+    def _seal(self, manifest: bytes) -> bytes:
+        """The manifest file's bytes, once the data files are durable (their descriptors still open): the
+        manifest itself (a per-node copy's writer checks its node file and appends its location)."""
+        return manifest
 
     def _write_manifest(self, manifest: bytes) -> None:
         """Write the manifest into the scratch directory, durably; on a full device none is left there."""

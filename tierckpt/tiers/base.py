@@ -12,6 +12,13 @@ Write, by the hierarchy's saving thread::
                                           # atomically (rename / swap); the step becomes listable
     w.abort()                             # instead of commit, on any failure: leaves no trace
 
+A tier that keeps the copies of a node's ranks in one data file (``node_files``: a file tier with
+``files: per_node``) is written the same way, except that its writer comes from
+``tier.reserve_at(key, blobs, place)``: the rank executor gets each rank's ``place`` (the node file and
+the offset of the rank's region) in one exchange per save and node, in which the node's first rank asks
+``tier.node_part(blobs)`` of every rank and creates the file with ``tier.create_node_file(...)``
+(docs/distributed.md, "A per-node data file"). The tier never calls the ranks' coordination itself.
+
 Read, by any thread or process::
 
     tier.list_committed(rank=None)        # keys of committed checkpoints, oldest first (one rank's)
@@ -65,6 +72,7 @@ from typing import TYPE_CHECKING, Any, final
 
 import torch
 
+from tierckpt.format.location import Location
 from tierckpt.format.manifest import BlobEntry
 from tierckpt.io.budget import Budget
 from tierckpt.io.geometry import IOGeometry, io_geometry
@@ -347,6 +355,26 @@ class Tier(ABC):
     def reserve(self, key: CheckpointKey, blobs: Sequence[BlobEntry]) -> TierWriter:
         """Take room for a checkpoint with these blobs; raise TierFullError when there is none."""
 
+    #: whether the copies of a node's ranks share one data file a step (a file tier's ``files: per_node``):
+    #: its writers then come from :meth:`reserve_at`, with a place the rank executor got for them
+    node_files: bool = False
+
+    def node_part(self, blobs: Sequence[BlobEntry]) -> tuple[int, int]:
+        """Optional (:attr:`node_files` tiers): the bytes a copy of ``blobs`` takes in its node's file, and
+        the multiple its region's start must be (the node's first rank lays the regions out)."""
+        raise NotImplementedError(f"tier kind {self.kind!r} writes no node files (Tier.node_part)")
+
+    def create_node_file(self, step: int, first_rank: int, nbytes: int) -> str:
+        """Optional (:attr:`node_files` tiers): create ``step``'s new node file of ``nbytes`` (room
+        allocated, its name durable), for the node whose first rank is ``first_rank``; its name. Run by
+        that rank once per save and node. TierFullError when there is no room (room is made, then again)."""
+        raise NotImplementedError(f"tier kind {self.kind!r} writes no node files (Tier.create_node_file)")
+
+    def reserve_at(self, key: CheckpointKey, blobs: Sequence[BlobEntry], place: Location) -> TierWriter:
+        """Optional (:attr:`node_files` tiers): :meth:`reserve`, the copy's blobs going to its region of
+        the node file at ``place`` (made by :meth:`create_node_file`)."""
+        raise NotImplementedError(f"tier kind {self.kind!r} writes no node files (Tier.reserve_at)")
+
     @abstractmethod
     def list_committed(self, rank: int | None = None) -> list[CheckpointKey]:
         """Committed checkpoints on this tier, sorted by (step, rank); only ``rank``'s when given (a
@@ -463,6 +491,12 @@ class Tier(ABC):
         """Optional: what the tier knows of its storage, as plain values (``tierckpt inspect --json``
         shows them beside its geometry): nothing by default; a file tier's file-system facts
         (:class:`~tierckpt.io.geometry.FsFacts`) and the layout it sets on its new data files."""
+        return {}
+
+    def copy_files(self, key: CheckpointKey) -> dict[str, Any]:
+        """Optional: where ``key``'s copy keeps its bytes, as plain values (``tierckpt inspect --json``
+        shows them): nothing by default; a file tier's layout (``per_rank``: its data files;
+        ``per_node``: the node file and the offset of the copy's region in it)."""
         return {}
 
     def lease_job(self) -> str | None:
