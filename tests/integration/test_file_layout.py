@@ -189,7 +189,9 @@ def test_a_bad_file_layout_is_named(tmp_path: Path, layout: Any, message: str) -
 
 def test_a_local_tier_takes_no_file_layout(tmp_path: Path) -> None:
     entry = {"name": "ssd", "kind": "local", "path": str(tmp_path), "options": {"file_layout": {"stripe_unit": "1MiB"}}}
-    with pytest.raises(ConfigError, match=r"options\.file_layout: unknown option \(a local tier takes: files, one_file\)"):
+    with pytest.raises(
+        ConfigError, match=r"options\.file_layout: unknown option \(a local tier takes: files, one_file\)"
+    ):
         Hierarchy.from_config({"tiers": [entry]})
 
 

@@ -60,8 +60,8 @@ def test_regions_start_on_their_unit_in_rank_order() -> None:
         lay_out([[1, 1], [5, 0]])
 
 
-def _coordinators(n: int, timeout: float) -> list[StoreCoordinator]:
-    store = dist.HashStore()
+def _coordinators(n: int, timeout: float, store: Any = None) -> list[StoreCoordinator]:
+    store = store or dist.HashStore()
     made: list[Any] = [None] * n
 
     def build(r: int) -> None:

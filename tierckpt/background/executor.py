@@ -146,6 +146,19 @@ class RankExecutor:
         exchange named ``name``, or a node file of its own (None); see :mod:`tierckpt.ranks.nodeplace`."""
         return node_place(self.coordinator, tier, key, blobs, name, self.room)
 
+    def skip_place(self, tier: Tier, key: CheckpointKey, name: str, error: BaseException) -> None:
+        """This rank's copy of ``key`` on ``tier`` failed before its node's exchange ``name``: tell the
+        ranks of its node at once (they would wait for it until the timeout). Never raises."""
+        fail = getattr(self.coordinator, "node_fail", None)
+        if fail is None or commits_alone(self.me):
+            return
+        try:
+            fail(name, f"tier {tier.name!r}: step {key.step}: {type(error).__name__}: {error}")
+        except BaseException as e:
+            log.debug(
+                "step %d on tier %r: the node's exchange could not learn of the failure (%s)", key.step, tier.name, e
+            )
+
     def abandon(self, tier: Tier, key: CheckpointKey) -> None:
         """This rank's copy of ``key`` on ``tier`` failed: tell the other ranks at once (they fail the
         step without waiting for a timeout). Never raises."""

@@ -72,11 +72,14 @@ class Room:
         #: the key of the node's exchange for a copy to a ``node_files`` tier that every rank makes (set
         #: by the commit's job; None: a copy of this rank alone)
         self.place_key: str | None = None
+        #: whether the job took part in that exchange (or failed in it): if not, its failure is told there
+        self.placed = False
 
     def reserve(self, key: CheckpointKey, blobs: Sequence[BlobEntry], *, alone: bool = False) -> TierWriter:
         """A writer for ``key`` on the tier (see :meth:`Mover.reserve`); ``alone``: a copy no other rank
         makes (a promotion), which shares no node file."""
         place = None if alone else self.place_key
+        self.placed = self.placed or place is not None
         return self._mover.reserve(self.tier, key, blobs, background=self.background, place_key=place)
 
     def staging(self) -> StagingPool:
@@ -222,7 +225,9 @@ class Mover:
             try:
                 try:
                     manifest = job(room)
-                except BaseException:
+                except BaseException as e:
+                    if room.tier.node_files and room.place_key is not None and not room.placed:
+                        self.ranks.skip_place(room.tier, key, room.place_key, e)  # its node's ranks wait there
                     self.ranks.abandon(room.tier, key)
                     raise
                 if manifest is not None:
@@ -274,6 +279,8 @@ class Mover:
             sources[0][1].add_done_callback(lambda f: pins.release(keep=first) if f.exception() is None else None)
 
         def job(room: Room) -> bytes | None:
+            if promoted:  # a copy of this rank alone: its node's ranks hold no exchange for it
+                room.place_key = None
             try:
                 try:
                     src = self._pick_source(key, dst, sources)
@@ -375,6 +382,8 @@ class Mover:
         says: evict its oldest copy that another tier holds (a lower one, for a full device; never a
         pinned or held one); or wait for the transfers that pin copies on it (``on_full: wait``,
         backpressure); or fail (``on_full: fail``, or nothing will free room)."""
+        if tier.node_files:  # a node file holds every rank's copy of its node: one rank's eviction frees nothing
+            return attempt()
         tried: set[int] = set()  # victims evicted once: one still there failed to go (logged), and is not tried again
         while True:
             try:

@@ -106,6 +106,7 @@ class StoreCoordinator:
         self._local = threading.local()
         self._lock = threading.Lock()
         self._calls = 0  # foreground calls made so far: their keys
+        self._node_gather: NodeGather | None = None  # made on first use (it needs the ranks on the node)
         self._decided: deque[tuple[float, str, bool]] = deque()  # rank 0: (when, key, ok) of its calls
         #: seconds after which rank 0 deletes whatever is left of a key (a failure's outcome, kept for
         #: the ranks that arrive late; the values of ranks that arrived after it)
@@ -188,9 +189,22 @@ class StoreCoordinator:
         """:meth:`gather` among the ranks of this rank's node only, decided by the node's first rank
         (tierckpt.ranks.nodegather): a per-node data file's one exchange per save and node."""
         wait = self.timeout if timeout is None else check_timeout(timeout, "timeout")
-        ns = f"{self._names.namespace}/node-{self.node}"
-        waits = lambda st, k, secs: self._wait(st, k, secs, key)  # noqa: E731
-        return NodeGather(ns, self.rank, self._on_node, self._st, waits, self.max_bytes).gather(key, value, fn, wait)
+        return self._node().gather(key, value, fn, wait)
+
+    def node_fail(self, key: str, why: str) -> None:
+        """This rank will not take part in the :meth:`node_gather` ``key`` (its part failed first): the
+        ranks of its node fail it at once, naming this rank and ``why``."""
+        self._node().fail(key, why)
+
+    def _node(self) -> NodeGather:
+        with self._lock:
+            if self._node_gather is None:
+                ns = f"{self._names.namespace}/node-{self.node}"
+                waits = lambda st, k, secs: self._wait(st, k, secs, "node exchange")  # noqa: E731
+                self._node_gather = NodeGather(
+                    ns, self.rank, self._on_node, self._st, waits, self.max_bytes, self.linger
+                )
+            return self._node_gather
 
     @property
     def _result_bytes(self) -> int:

@@ -87,6 +87,16 @@ _PER_NODE_ONE_FILE = (
     "files: per_node keeps each rank's blobs back to back in its node's file, as one_file does: it cannot go "
     "with one_file: false (leave one_file out, or use files: per_rank)"
 )
+#: why ``files: per_node`` takes no ``capacity``
+_PER_NODE_CAPACITY = (
+    "files: per_node cannot go with a capacity: a node file holds the copies of every rank of its node, "
+    "so evicting one rank's copy to make room frees nothing (leave capacity out, or use files: per_rank)"
+)
+#: why ``files: per_node`` takes no ``{rank}`` in its path
+_PER_NODE_RANK_PATH = (
+    "files: per_node shares one data file a step among the ranks of a node, in one directory: a path with "
+    "{rank} gives each rank its own (use {node}, or files: per_rank)"
+)
 _OWN_IO = ("queue_depth", "stripe_unit_bytes", "stripe_count", "object_bytes")
 
 
@@ -163,6 +173,8 @@ class FileTier(Tier):
             raise ValueError(f"tier {name!r}: files: expected one of {', '.join(FILES)}, got {files!r}")
         if files == "per_node" and one_file is False:
             raise ValueError(f"tier {name!r}: {_PER_NODE_ONE_FILE}")
+        if files == "per_node" and capacity_bytes is not None:
+            raise ValueError(f"tier {name!r}: {_PER_NODE_CAPACITY}")
         self.files = files
         self.node_files = files == "per_node"
         if self.node_files:
@@ -280,8 +292,8 @@ class FileTier(Tier):
         at once as its geometry's queue depth."""
         path = local_directory(cfg)
         opts = check_options(cfg, _SHARED_OPTIONS if cls.shared else _OPTIONS)
-        if opts["files"] == "per_node" and opts["one_file"] is False:
-            raise ConfigError(f"{cfg.key}.options.one_file: {_PER_NODE_ONE_FILE}")
+        if opts["files"] == "per_node":
+            _check_per_node(cfg, opts)
         tier = cls(
             cfg.name,
             path,
@@ -547,3 +559,13 @@ class FileTier(Tier):
         if self._own_engine and self._engine is not None:
             self._engine.close()
             self._engine, self._own_engine = None, False
+
+
+def _check_per_node(cfg: TierConfig, opts: dict[str, Any]) -> None:
+    """``files: per_node``'s settings that cannot work, refused by name (docs/distributed.md)."""
+    if opts["one_file"] is False:
+        raise ConfigError(f"{cfg.key}.options.one_file: {_PER_NODE_ONE_FILE}")
+    if cfg.capacity_bytes is not None:
+        raise ConfigError(f"{cfg.key}.capacity: {_PER_NODE_CAPACITY}")
+    if cfg.location is not None and "{rank}" in cfg.location.replace("{{", ""):
+        raise ConfigError(f"{cfg.key}.path: {_PER_NODE_RANK_PATH}")

@@ -21,7 +21,7 @@ import re
 import secrets
 import shutil
 import socket
-from collections.abc import Iterable
+from collections.abc import Callable, Collection, Iterable
 from pathlib import Path
 
 from tierckpt.format.location import MAX_LOCATION_BYTES, block_start, decode_location
@@ -29,7 +29,7 @@ from tierckpt.format.manifest import HEADER
 from tierckpt.io.fsutil import fsync_dir
 from tierckpt.tiers._fileread import MANIFEST_NAME
 
-__all__ = ["HOST", "NODE_RE", "SCRATCH_RE", "drop_unused_node_files", "scratch_name", "sweep"]
+__all__ = ["HOST", "NODE_RE", "SCRATCH_RE", "drop_unused_node_files", "release_node_file", "scratch_name", "sweep"]
 
 #: this host, as scratch names carry it (so that a sweep removes only what this host's processes left);
 #: ``-`` made ``_``, at most 32 characters (not :data:`tierckpt.tiers.jobs.HOST`, the lease's, which is whole)
@@ -39,6 +39,8 @@ SCRATCH_RE = re.compile(r"\.(tmp|old|evict)-(?:rank-\d{5}|commit)-(.+)-(\d+)-[0-
 #: a node file's name: (the node's first rank), (its creator's host), (pid)
 NODE_RE = re.compile(r"node-(\d{5})-(.+)-(\d+)-[0-9a-f]{8}\.data")
 _RANK_DIR_RE = re.compile(r"rank-\d{5}")
+#: a node file being dropped (:func:`_retire`): (the dropper's host), (pid), (the node file's name)
+_DROP_RE = re.compile(r"\.drop-([^-]+)-(\d+)-(node-\d{5}-.+\.data)")
 
 
 def scratch_name(kind: str, rank: int | None) -> str:
@@ -86,29 +88,85 @@ def _unlink_all(step: Path, names: Iterable[str]) -> None:
         step.rmdir()
 
 
+def _copies(names: Iterable[str]) -> list[str]:
+    """Of a step directory's ``names``, the directories that may hold a copy whose node file must stay:
+    the ranks' copies and the ``.old-…`` copies of a replace (the sweep keeps an interrupted one's)."""
+    return [n for n in names if _RANK_DIR_RE.fullmatch(n) or ((m := SCRATCH_RE.fullmatch(n)) and m.group(1) == "old")]
+
+
+def _retire(step: Path, names: Iterable[str], keep: Callable[[list[str]], Collection[str] | None]) -> None:
+    """Unlink the node files ``names`` of ``step`` unless ``keep`` (given the directory's listing, None:
+    keep them all) names them once they are renamed out of the way, then remove the directory if that
+    left it empty. A writer checks its node file by name after it published its copy
+    (tierckpt.tiers._nodefile), so either this listing sees its scratch or copy (and the file is renamed
+    back), or the writer sees its file gone (and takes its copy back): the two never both miss."""
+    moved = []
+    for name in names:
+        away = f".drop-{HOST}-{os.getpid()}-{name}"
+        with contextlib.suppress(OSError):
+            os.rename(step / name, step / away)
+            moved.append((name, away))
+    if not moved:
+        return
+    try:
+        kept = keep(os.listdir(step))
+    except OSError:
+        kept = None
+    for name, away in moved:
+        if kept is None or name in kept:
+            with contextlib.suppress(OSError):
+                os.rename(step / away, step / name)
+    _unlink_all(step, [away for name, away in moved if kept is not None and name not in kept])
+
+
 def drop_unused_node_files(step: Path) -> None:
-    """Unlink the node files of ``step`` where no copy of the step (``rank-NNNNN``) and no rank's write
-    in progress is left in it, and remove the directory if that left it empty: a node file lives until
-    every copy of the step on the tier is gone. A write that starts meanwhile and finds its node file
-    gone fails (tierckpt.tiers._nodefile), never publishes."""
+    """Unlink the node files of ``step`` where no copy of the step (``rank-NNNNN``, ``.old-…``) and no
+    rank's write in progress is left in it, and remove the directory if that left it empty: a node file
+    lives until every copy of the step on the tier is gone. A write that runs meanwhile and finds its
+    node file gone, before or after it published, fails (tierckpt.tiers._nodefile): no copy stays that
+    names a missing file."""
+
+    def used(names: list[str]) -> Collection[str] | None:
+        return None if _copies(names) or _writing(names) else ()
+
     try:
         names = os.listdir(step)
     except OSError:
         return
-    if any(_RANK_DIR_RE.fullmatch(n) for n in names) or _writing(names):
+    if used(names) is None:
         return
-    _unlink_all(step, [n for n in names if NODE_RE.fullmatch(n)])
+    _retire(step, [n for n in names if NODE_RE.fullmatch(n)], used)
 
 
-def _named_node_files(step: Path) -> set[str] | None:
-    """The node files the manifests of ``step``'s copies name; None where a manifest cannot be read or
-    its location block is damaged (nothing is then known to be unnamed)."""
+def release_node_file(step: Path, name: str) -> None:
+    """Unlink the node file ``name`` of ``step`` (a re-save replaced a copy that named it) once no
+    manifest of the step names it and no rank's write is in progress there. The manifests are read
+    from the node's first rank on, so that a rank whose node still has old copies stops early."""
+    m = NODE_RE.fullmatch(name)
+    if m is None or name in (_named_node_files(step, first=int(m.group(1)), stop_at=name) or {name}):
+        return
+
+    def used(names: list[str]) -> Collection[str] | None:
+        return None if _writing(names) else _named_node_files(step, names, stop_at=name)
+
+    _retire(step, [name], used)
+
+
+def _named_node_files(
+    step: Path, names: list[str] | None = None, *, first: int = 0, stop_at: str | None = None
+) -> set[str] | None:
+    """The node files the manifests of ``step``'s copies (``rank-NNNNN`` and ``.old-…``; ``names``: its
+    listing, else listed now) name, read from rank ``first`` on (then the others, then ``.old-…``),
+    stopping once one names ``stop_at``; None where a manifest cannot be read or its location block is
+    damaged (nothing is then known to be unnamed)."""
+    dirs = sorted(_copies(os.listdir(step) if names is None else names))
+    ranks = [d for d in dirs if _RANK_DIR_RE.fullmatch(d)]
+    at = f"rank-{first:05d}"
+    dirs = [d for d in ranks if d >= at] + [d for d in ranks if d < at] + [d for d in dirs if d not in ranks]
     named: set[str] = set()
-    for rank in os.listdir(step):
-        if not _RANK_DIR_RE.fullmatch(rank):
-            continue
+    for copy in dirs:
         try:
-            fd = os.open(step / rank / MANIFEST_NAME, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+            fd = os.open(step / copy / MANIFEST_NAME, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
         except FileNotFoundError:
             continue
         except OSError:
@@ -122,18 +180,36 @@ def _named_node_files(step: Path) -> set[str] | None:
             return None
         finally:
             os.close(fd)
+        if stop_at in named:
+            break
     return named
 
 
 def _sweep_node_files(step: Path, names: list[str]) -> None:
     """Remove the node files of ``step`` whose creator is a dead process of this host and which no
     manifest of the step names, unless a rank's write is in progress there."""
+    _restore_dropped(step, names)
     dead = [n for n in names if (m := NODE_RE.fullmatch(n)) and m.group(2) == HOST and not _pid_alive(int(m.group(3)))]
     if not dead or _writing(names):
         return
-    named = _named_node_files(step)
-    if named is not None:
-        _unlink_all(step, [n for n in dead if n not in named])
+    named = _named_node_files(step, names)
+    if named is None:
+        return
+
+    def used(names: list[str]) -> Collection[str] | None:
+        return None if _writing(names) else _named_node_files(step, names)
+
+    _retire(step, [n for n in dead if n not in named], used)
+
+
+def _restore_dropped(step: Path, names: list[str]) -> None:
+    """Node files that a dead process of this host renamed away to drop them (:func:`_retire`) and
+    did not finish with: back under their names (the next sweep then decides about them again)."""
+    for n in names:
+        m = _DROP_RE.fullmatch(n)
+        if m and m.group(1) == HOST and not _pid_alive(int(m.group(2))) and not (step / m.group(3)).exists():
+            with contextlib.suppress(OSError):
+                os.rename(step / n, step / m.group(3))
 
 
 def sweep(step_dirs: Iterable[Path]) -> None:

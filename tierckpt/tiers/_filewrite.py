@@ -197,6 +197,7 @@ class FileWriter(TierWriter):
                 os.rename(self.tmp, self.final)
             fsync_dir(self.step_dir)
             fsync_dir(self.tier.path)
+            self._published()
         except DeviceFullError:
             raise
         except OSError as e:
@@ -209,6 +210,9 @@ class FileWriter(TierWriter):
         """The manifest file's bytes, once the data files are durable (their descriptors still open): the
         manifest itself (a per-node copy's writer checks its node file and appends its location)."""
         return manifest
+
+    def _published(self) -> None:
+        """Run once the copy is in place (a per-node copy's writer checks its node file again)."""
 
     def _write_manifest(self, manifest: bytes) -> None:
         """Write the manifest into the scratch directory, durably; on a full device none is left there."""

@@ -22,18 +22,19 @@ import errno
 import math
 import os
 import secrets
+import shutil
 import stat
 from collections.abc import Sequence
 from pathlib import Path
 
 from tierckpt.format.layout import data_offsets
-from tierckpt.format.location import Location, encode_location
+from tierckpt.format.location import Location, encode_location, split_location
 from tierckpt.format.manifest import BlobEntry, decode_head
 from tierckpt.io.fslayout import FileLayout
 from tierckpt.io.fsutil import fsync_dir
 from tierckpt.io.geometry import IOGeometry
-from tierckpt.tiers._fileread import FileSpace, io_error
-from tierckpt.tiers._filescratch import HOST, drop_unused_node_files
+from tierckpt.tiers._fileread import MANIFEST_NAME, FileSpace, io_error
+from tierckpt.tiers._filescratch import HOST, drop_unused_node_files, release_node_file
 from tierckpt.tiers._filewrite import FileWriter, device_full, make_scratch, set_file_layout
 from tierckpt.tiers.base import CheckpointKey
 
@@ -52,9 +53,12 @@ def node_part(geometry: IOGeometry, blobs: Sequence[BlobEntry]) -> tuple[int, in
     """(bytes, unit): the size of a copy's region in a node file (its blobs back to back) and the multiple
     its start must be: the tier's blob alignment (a stripe, where the file system has them), its I/O
     alignment, and the largest power of two (up to 16 MiB) dividing every blob's size, which the
-    checkpoint's alignment divides (so that the region starts on a multiple of the manifest's ``align``)."""
+    checkpoint's alignment divides (so that the region starts on a multiple of the manifest's ``align``).
+    A copy without bytes takes ``(0, 1)``: it pads the file with nothing."""
     sizes = [b.size for b in blobs]
-    g = math.gcd(*sizes) if any(sizes) else _MAX_UNIT
+    if not any(sizes):  # no bytes: a region of none, anywhere (no padding before it)
+        return 0, 1
+    g = math.gcd(*sizes)
     pow2 = min(g & -g, _MAX_UNIT)
     return sum(sizes), math.lcm(geometry.blob_align_bytes, geometry.alignment_bytes, pow2)
 
@@ -68,7 +72,8 @@ def create_node_file(
     manifest can name it). Its name.
 
     Raises:
-        DeviceFullError: the device has no room for it (room is made, then it is created again).
+        DeviceFullError: the device has no room for it (nothing is evicted for it: the save fails on the
+            tier, see :meth:`Mover.with_room <tierckpt.background.mover.Mover.with_room>`).
         TierIOError: any other failure (nothing is left behind).
     """
     name = node_file_name(first_rank)
@@ -97,7 +102,8 @@ def create_node_file(
             with contextlib.suppress(OSError):
                 os.unlink(path)
         err = io_error(space.name, f"cannot create the node file of step {step_dir.name} ({path})", e)
-        raise device_full(space, f"the node file {name}", nbytes, e) or err from e
+        what = f"the node file {name} of step {int(step_dir.name.split('-')[1])} (the node of rank {first_rank})"
+        raise device_full(space, what, nbytes, e) or err from e
     finally:
         if fd >= 0:
             os.close(fd)
@@ -142,6 +148,7 @@ class NodeFileWriter(FileWriter):
         self._reserved, self._unreserve = 0, _nothing
         self.step_dir, self.tmp, self.final, self._old = step_dir, tmp, final, old
         self.place = place
+        self._replaced: str | None = None  # the node file of the copy this one replaced, if another
         self.fds = []
         self._open = True
         self._bytes = sum(b.size for b in self.blobs)
@@ -153,6 +160,9 @@ class NodeFileWriter(FileWriter):
             make_scratch(step_dir, tmp)
             self.fds.append(os.open(path, flags))
             st = os.fstat(self.fds[0])
+            #: the node file's identity: what :meth:`_seal` and the check after publishing compare its name
+            #: with (kept apart from ``fds``, which the commit closes before the manifest is written)
+            self._ident = (st.st_dev, st.st_ino)
             end = place.offset + self._bytes
             if not stat.S_ISREG(st.st_mode) or st.st_size < end:
                 raise OSError(
@@ -169,15 +179,9 @@ class NodeFileWriter(FileWriter):
         is not published) when the node file was unlinked meanwhile (swept or evicted under it) or the
         region does not start on a multiple of the manifest's ``align``."""
         path = self._files[0]
-        if os.fstat(self.fds[0]).st_nlink == 0:
-            raise OSError(
-                errno.ENOENT,
-                f"the node file was removed while rank {self.key.rank}'s copy was written (swept or evicted): "
-                "the copy is not published",
-                path,
-            )
+        self._check_linked("the copy is not published")
         align = decode_head(manifest).align
-        if self.place.offset % align:
+        if self._bytes and self.place.offset % align:
             raise OSError(
                 errno.EINVAL,
                 f"rank {self.key.rank}'s region starts at {self.place.offset}, not a multiple of {align}",
@@ -185,8 +189,55 @@ class NodeFileWriter(FileWriter):
             )
         return manifest + encode_location(self.place)
 
+    def _check_linked(self, then: str) -> None:
+        """Raise ENOENT unless the step directory still names this writer's node file (not swept, evicted
+        or being dropped: tierckpt.tiers._filescratch renames a node file away before it unlinks it)."""
+        try:
+            st = os.stat(self._files[0], follow_symlinks=False)
+            linked = (st.st_dev, st.st_ino) == self._ident
+        except FileNotFoundError:
+            linked = False
+        if not linked:
+            raise OSError(
+                errno.ENOENT,
+                f"the node file was removed while rank {self.key.rank}'s copy was written (swept or evicted): {then}",
+                self._files[0],
+            )
+
+    def _replace(self) -> None:
+        """Replace the existing copy; the node file it named is released once no manifest names it (a
+        re-save's old file: readers that opened it keep reading it)."""
+        replaced = _location_of(self.final / MANIFEST_NAME)
+        super()._replace()
+        self._replaced = None if replaced is None or replaced.name == self.place.name else replaced.name
+
+    def _published(self) -> None:
+        """After the copy's directory went into place: its node file must still be linked, or a sweep or
+        an eviction that listed the step before this writer's scratch existed may unlink it now; the
+        copy is then taken back (its commit fails: the step's record comes only after every rank's
+        report, so nothing names it yet)."""
+        try:
+            self._check_linked("the copy is taken back")
+        except OSError:
+            gone = self._old
+            with contextlib.suppress(OSError):
+                os.rename(self.final, gone)
+                shutil.rmtree(gone, ignore_errors=True)
+                fsync_dir(self.step_dir)
+            raise
+        if self._replaced is not None:
+            release_node_file(self.step_dir, self._replaced)
+
     def abort(self) -> None:
         was_open = self._open
         super().abort()
         if was_open:  # a failed save: its node file goes once no copy of the step and no writer is left
             drop_unused_node_files(self.step_dir)
+
+
+def _location_of(manifest: Path) -> Location | None:
+    """The location block of the manifest file ``manifest`` (None: none, or unreadable)."""
+    try:
+        return split_location(manifest.read_bytes())[1]
+    except (OSError, ValueError):  # CorruptCheckpointError included
+        return None
