@@ -103,16 +103,16 @@ def failing_job(rank: int, world: int, tmp: str, victim: int) -> dict[str, Any]:
             return pick(self, key, dst, sources)
 
         Mover._pick_source = broken  # type: ignore[method-assign]
-    out: dict[str, Any] = {}
     h = Hierarchy.from_config(config(tmp, tmp + "/pfs", 60.0))
+    times, outcomes = [], []
     try:
         for step in (1, 2):
-            t0 = time.monotonic()
-            out[str(step)] = _wait(h.save({"w": torch.full((1024,), float(step))}, step=step))
-            out[f"{step}-secs"] = time.monotonic() - t0
+            times.append(time.monotonic())
+            outcomes.append(_wait(h.save({"w": torch.full((1024,), float(step))}, step=step)))
+            times[-1] = time.monotonic() - times[-1]
     finally:
         _close(h)
-    return out
+    return {"1": outcomes[0], "2": outcomes[1], "2-secs": times[1]}
 
 
 @pytest.mark.parametrize("victim", [1, 0])  # a rank of the node, and its first (the node file's creator)
