@@ -5,11 +5,12 @@ Every rank of a node that writes its copy of a step to a ``files: per_node`` tie
 part and the multiple its region must start on (:meth:`~tierckpt.tiers.base.Tier.node_part`) under a
 key made of the tier, the step and the n-th commit of that step on that tier (unique in the job's run,
 as the commit's own keys are); the node's first rank lays the regions out (:func:`lay_out`), creates
-the file (:meth:`~tierckpt.tiers.base.Tier.create_node_file`, making room on a full tier as a
-reservation does) and sends its name and the offsets back. 2 store requests a rank, L + 1 more for the
+the file (:meth:`~tierckpt.tiers.base.Tier.create_node_file`; a full device fails it, and nothing is
+evicted for it: :meth:`Mover.with_room <tierckpt.background.mover.Mover.with_room>`) and sends its name and the offsets back. 2 store requests a rank, L + 1 more for the
 first (L ranks on the node). The waits are bounded by the coordinator's timeout: a rank that does not
 come fails the copy of every rank of its node on that tier, with an error naming the tier, the step and
-the node, and the save goes on elsewhere.
+the node, and the save goes on elsewhere. A rank whose copy fails before its exchange tells its node at
+once (the rank executor's ``skip_place``).
 
 Where the coordinator offers no node gather (a third party's, or ranks deciding alone), or the copy is
 made by this rank alone (a promotion: no other rank makes it), the rank's node is itself alone: it
@@ -29,7 +30,8 @@ from tierckpt.tiers.base import CheckpointKey, Tier
 
 __all__ = ["lay_out", "node_place", "place_key"]
 
-#: runs a write of ``step`` on ``tier`` (the node file's creation), making room while the tier is full
+#: runs a write of ``step`` on ``tier`` (the node file's creation) as the mover runs writes (which, on a
+#: ``node_files`` tier, makes no room: a full device fails it)
 Room = Callable[[Tier, int, Callable[[], str]], str]
 
 

@@ -8,9 +8,12 @@ checkpoint (tierckpt.tiers._filelisting).
 
 A per-node copy's blobs are in the step's ``node-<first rank>-<host>-<pid>-<hex>.data`` file
 (tierckpt.tiers._nodefile), never listed either. It goes once no copy of the step and no writer is left
-(:func:`drop_unused_node_files`, after an eviction or a failed save), and a sweep removes one whose
+(:func:`drop_unused_node_files`, after an eviction or a failed save), once no manifest names it after a
+re-save replaced the copies naming it (:func:`release_node_file`), and a sweep removes one whose
 creator is a dead process of this host and which no manifest of the step names while no writer is
-working in the step (docs/distributed.md, "A per-node data file").
+working in the step. Each removal renames the file to ``.drop-<host>-<pid>-<name>`` first and looks at
+the step again (:func:`_retire`), and a writer checks its file by name after publishing, so that a
+removal and a writer never miss each other (docs/distributed.md, "A per-node data file").
 """
 
 from __future__ import annotations

@@ -367,7 +367,7 @@ class Tier(ABC):
     def create_node_file(self, step: int, first_rank: int, nbytes: int) -> str:
         """Optional (:attr:`node_files` tiers): create ``step``'s new node file of ``nbytes`` (room
         allocated, its name durable), for the node whose first rank is ``first_rank``; its name. Run by
-        that rank once per save and node. TierFullError when there is no room (room is made, then again)."""
+        that rank once per save and node. TierFullError when there is no room (the save then fails on the tier: nothing is evicted for it)."""
         raise NotImplementedError(f"tier kind {self.kind!r} writes no node files (Tier.create_node_file)")
 
     def reserve_at(self, key: CheckpointKey, blobs: Sequence[BlobEntry], place: Location) -> TierWriter:
