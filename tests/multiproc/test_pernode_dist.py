@@ -269,6 +269,7 @@ def test_a_rank_late_within_the_timeout_waits_and_one_never_coming_fails_its_nod
         assert "tier 'pfs': step 1: node 0" in err or r == 1, (r, err)  # rank 0 names tier, step and node
         assert out["ok"]["1"]["host"] is None and out["ok"]["2"] == {"host": None, "pfs": None}, (r, out)
     assert "rank(s) 1 of the node did not arrive" in got[0]["ok"]["1"]["pfs"]  # type: ignore[index]
+    assert "configure its tiers the same way" in got[0]["ok"]["1"]["pfs"]  # type: ignore[index]
     assert took < 60
     steps = _steps(tmp_path / "x")
     assert sorted(steps) == [2] and len(_node_files(steps[2])) == 1  # step 1 left nothing on pfs

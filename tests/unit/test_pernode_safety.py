@@ -196,6 +196,22 @@ def test_a_dead_droppers_renamed_node_file_comes_back_when_a_copy_names_it(tmp_p
         assert torch.equal(h.restore()["w"], torch.ones(1024))
 
 
+def test_a_sweep_before_a_followers_scratch_exists_makes_it_fail_never_publish(tmp_path: Path) -> None:
+    tier = _tier(tmp_path)
+    try:
+        made = tier.create_node_file(1, 0, 8192)
+        step = tmp_path / "step-000000000001"
+        dead = f"node-00000-{HOST}-{_dead_pid()}-0badcafe.data"
+        os.rename(step / made, step / dead)  # its creator died after it sent the place; no scratch yet
+        _tier(tmp_path).close()  # another process's sweep on open
+        assert _node_files(step) == []
+        with pytest.raises(TierIOError, match="cannot start step 1"):
+            tier.reserve_at(CheckpointKey(1, 1), _blobs(8192), Location(dead, 0))
+        assert not tier.holds(CheckpointKey(1, 1))
+    finally:
+        tier.close()
+
+
 # -- F6: a re-save's replaced node file --------------------------------------------------------------------
 def test_a_resaves_replaced_node_file_is_reclaimed_and_an_open_reader_still_reads_it(tmp_path: Path) -> None:
     tier = _tier(tmp_path, direct=False)  # the test's buffers are not aligned for O_DIRECT

@@ -35,6 +35,13 @@ __all__ = ["lay_out", "node_place", "place_key"]
 Room = Callable[[Tier, int, Callable[[], str]], str]
 
 
+#: what a rank that never comes to its node's exchange may mean
+_HINT = (
+    " (a rank whose tier is not configured alike, e.g. without files: per_node, never comes: every rank of "
+    "the job must configure its tiers the same way)"
+)
+
+
 def place_key(tier: str, step: int, n: int) -> str:
     """The exchange's key: the ``n``-th commit of ``step`` on ``tier`` (as ``commit/<tier>/<step>/<n>``)."""
     return f"place/{tier}/{step}/{n}"
@@ -91,9 +98,10 @@ def node_place(
         try:
             got = gather(name, part, create)
         except CoordinationError as e:
+            hint = _HINT if "did not arrive" in str(e) else ""
             raise CoordinationError(
                 f"tier {tier.name!r}: step {key.step}: node {coordinator.node} (ranks {on_node}) could not share "
-                f"a node file: {e}",
+                f"a node file: {e}{hint}",
                 e.ranks,
             ) from e
     return _mine(got, on_node.index(key.rank), len(on_node))

@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from tierckpt.config import LEASE_STALE_SECS, TierConfig
-from tierckpt.errors import ConfigError, TierFullError
+from tierckpt.errors import TierFullError
 from tierckpt.format.location import Location
 from tierckpt.format.manifest import BlobEntry
 from tierckpt.io.budget import Budget
@@ -52,7 +52,14 @@ from tierckpt.tiers._fileread import MANIFEST_NAME, FileCopy, io_error, read_reg
 from tierckpt.tiers._filescratch import drop_unused_node_files, scratch_name, sweep
 from tierckpt.tiers._filewrite import FileWriter, device_full, write_file
 from tierckpt.tiers._lease import Lease
-from tierckpt.tiers._nodefile import NodeFileWriter, create_node_file, node_part
+from tierckpt.tiers._nodefile import (
+    PER_NODE_CAPACITY,
+    PER_NODE_ONE_FILE,
+    NodeFileWriter,
+    check_per_node,
+    create_node_file,
+    node_part,
+)
 from tierckpt.tiers.base import CheckpointKey, EngineSource, Tier, TierCapabilities, TierReader, TierWriter
 from tierckpt.tiers.options import Option, boolean, check_options, choice, local_directory
 
@@ -82,21 +89,6 @@ _SHARED_OPTIONS = {
     ),
 }
 #: the tier's own ``io`` settings that are inputs of its geometry, besides ``direct`` and the chunk
-#: why ``files: per_node`` takes no ``one_file: false``
-_PER_NODE_ONE_FILE = (
-    "files: per_node keeps each rank's blobs back to back in its node's file, as one_file does: it cannot go "
-    "with one_file: false (leave one_file out, or use files: per_rank)"
-)
-#: why ``files: per_node`` takes no ``capacity``
-_PER_NODE_CAPACITY = (
-    "files: per_node cannot go with a capacity: a node file holds the copies of every rank of its node, "
-    "so evicting one rank's copy to make room frees nothing (leave capacity out, or use files: per_rank)"
-)
-#: why ``files: per_node`` takes no ``{rank}`` in its path
-_PER_NODE_RANK_PATH = (
-    "files: per_node shares one data file a step among the ranks of a node, in one directory: a path with "
-    "{rank} gives each rank its own (use {node}, or files: per_rank)"
-)
 _OWN_IO = ("queue_depth", "stripe_unit_bytes", "stripe_count", "object_bytes")
 
 
@@ -172,9 +164,9 @@ class FileTier(Tier):
         if files not in FILES:
             raise ValueError(f"tier {name!r}: files: expected one of {', '.join(FILES)}, got {files!r}")
         if files == "per_node" and one_file is False:
-            raise ValueError(f"tier {name!r}: {_PER_NODE_ONE_FILE}")
+            raise ValueError(f"tier {name!r}: {PER_NODE_ONE_FILE}")
         if files == "per_node" and capacity_bytes is not None:
-            raise ValueError(f"tier {name!r}: {_PER_NODE_CAPACITY}")
+            raise ValueError(f"tier {name!r}: {PER_NODE_CAPACITY}")
         self.files = files
         self.node_files = files == "per_node"
         if self.node_files:
@@ -293,7 +285,7 @@ class FileTier(Tier):
         path = local_directory(cfg)
         opts = check_options(cfg, _SHARED_OPTIONS if cls.shared else _OPTIONS)
         if opts["files"] == "per_node":
-            _check_per_node(cfg, opts)
+            check_per_node(cfg, opts)
         tier = cls(
             cfg.name,
             path,
@@ -559,13 +551,3 @@ class FileTier(Tier):
         if self._own_engine and self._engine is not None:
             self._engine.close()
             self._engine, self._own_engine = None, False
-
-
-def _check_per_node(cfg: TierConfig, opts: dict[str, Any]) -> None:
-    """``files: per_node``'s settings that cannot work, refused by name (docs/distributed.md)."""
-    if opts["one_file"] is False:
-        raise ConfigError(f"{cfg.key}.options.one_file: {_PER_NODE_ONE_FILE}")
-    if cfg.capacity_bytes is not None:
-        raise ConfigError(f"{cfg.key}.capacity: {_PER_NODE_CAPACITY}")
-    if cfg.location is not None and "{rank}" in cfg.location.replace("{{", ""):
-        raise ConfigError(f"{cfg.key}.path: {_PER_NODE_RANK_PATH}")

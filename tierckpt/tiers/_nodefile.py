@@ -26,7 +26,10 @@ import shutil
 import stat
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
+from tierckpt.config import TierConfig
+from tierckpt.errors import ConfigError
 from tierckpt.format.layout import data_offsets
 from tierckpt.format.location import Location, encode_location, split_location
 from tierckpt.format.manifest import BlobEntry, decode_head
@@ -38,8 +41,31 @@ from tierckpt.tiers._filescratch import HOST, drop_unused_node_files, release_no
 from tierckpt.tiers._filewrite import FileWriter, device_full, make_scratch, set_file_layout
 from tierckpt.tiers.base import CheckpointKey
 
-__all__ = ["NodeFileWriter", "create_node_file", "node_file_name", "node_part"]
+__all__ = [
+    "PER_NODE_CAPACITY",
+    "PER_NODE_ONE_FILE",
+    "NodeFileWriter",
+    "check_per_node",
+    "create_node_file",
+    "node_file_name",
+    "node_part",
+]
 
+#: why ``files: per_node`` takes no ``one_file: false``
+PER_NODE_ONE_FILE = (
+    "files: per_node keeps each rank's blobs back to back in its node's file, as one_file does: it cannot go "
+    "with one_file: false (leave one_file out, or use files: per_rank)"
+)
+#: why ``files: per_node`` takes no ``capacity``
+PER_NODE_CAPACITY = (
+    "files: per_node cannot go with a capacity: a node file holds the copies of every rank of its node, "
+    "so evicting one rank's copy to make room frees nothing (leave capacity out, or use files: per_rank)"
+)
+#: why ``files: per_node`` takes no ``{rank}`` in its path
+PER_NODE_RANK_PATH = (
+    "files: per_node shares one data file a step among the ranks of a node, in one directory: a path with "
+    "{rank} gives each rank its own (use {node}, or files: per_rank)"
+)
 _MAX_UNIT = 16 << 20  # the largest alignment a layout may ask for (config: layout.align)
 
 
@@ -225,8 +251,9 @@ class NodeFileWriter(FileWriter):
                 shutil.rmtree(gone, ignore_errors=True)
                 fsync_dir(self.step_dir)
             raise
-        if self._replaced is not None:
-            release_node_file(self.step_dir, self._replaced)
+        if self._replaced is not None:  # space only: the copy is published whatever happens here
+            with contextlib.suppress(OSError):
+                release_node_file(self.step_dir, self._replaced)
 
     def abort(self) -> None:
         was_open = self._open
@@ -241,3 +268,13 @@ def _location_of(manifest: Path) -> Location | None:
         return split_location(manifest.read_bytes())[1]
     except (OSError, ValueError):  # CorruptCheckpointError included
         return None
+
+
+def check_per_node(cfg: TierConfig, opts: dict[str, Any]) -> None:
+    """``files: per_node``'s settings that cannot work, refused by name (docs/distributed.md)."""
+    if opts["one_file"] is False:
+        raise ConfigError(f"{cfg.key}.options.one_file: {PER_NODE_ONE_FILE}")
+    if cfg.capacity_bytes is not None:
+        raise ConfigError(f"{cfg.key}.capacity: {PER_NODE_CAPACITY}")
+    if cfg.location is not None and "{rank}" in cfg.location.replace("{{", ""):
+        raise ConfigError(f"{cfg.key}.path: {PER_NODE_RANK_PATH}")
