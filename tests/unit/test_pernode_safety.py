@@ -186,9 +186,10 @@ def test_a_writer_whose_node_file_goes_after_its_check_takes_its_copy_back(tmp_p
         tier.close()
 
 
-def test_a_dead_droppers_renamed_node_file_comes_back_when_a_copy_names_it(tmp_path: Path) -> None:
+@pytest.mark.parametrize("host", [HOST, "otherhost"])
+def test_a_dead_droppers_renamed_node_file_comes_back_when_a_copy_names_it(host: str, tmp_path: Path) -> None:
     step, dead = _saved_with_dead_creator(tmp_path)
-    away = f".drop-{HOST}-{_dead_pid()}-{dead}"
+    away = f".drop-{host}-{_dead_pid()}-{dead}"
     os.rename(step / dead, step / away)  # a drop killed between its rename and its second look
     _tier(tmp_path).close()
     assert _node_files(step) == [dead]

@@ -143,14 +143,16 @@ def drop_unused_node_files(step: Path) -> None:
 
 def release_node_file(step: Path, name: str) -> None:
     """Unlink the node file ``name`` of ``step`` (a re-save replaced a copy that named it) once no
-    manifest of the step names it and no rank's write is in progress there. The manifests are read
-    from the node's first rank on, so that a rank whose node still has old copies stops early."""
+    manifest of the step names it. The manifests are read from the node's first rank on, so that a rank
+    whose node still has old copies stops early; the last rank of a node to replace its copy reads up
+    to every manifest of the step. No new write goes to a replaced file (a save names a fresh one); a
+    late writer of the old save finds it gone by its name and fails (tierckpt.tiers._nodefile)."""
     m = NODE_RE.fullmatch(name)
     if m is None or name in (_named_node_files(step, first=int(m.group(1)), stop_at=name) or {name}):
         return
 
     def used(names: list[str]) -> Collection[str] | None:
-        return None if _writing(names) else _named_node_files(step, names, stop_at=name)
+        return _named_node_files(step, names, stop_at=name)
 
     _retire(step, [name], used)
 
@@ -206,11 +208,14 @@ def _sweep_node_files(step: Path, names: list[str]) -> None:
 
 
 def _restore_dropped(step: Path, names: list[str]) -> None:
-    """Node files that a dead process of this host renamed away to drop them (:func:`_retire`) and
-    did not finish with: back under their names (the next sweep then decides about them again)."""
-    for n in names:
-        m = _DROP_RE.fullmatch(n)
-        if m and m.group(1) == HOST and not _pid_alive(int(m.group(2))) and not (step / m.group(3)).exists():
+    """Node files renamed away to be dropped (:func:`_retire`) whose remover died before it finished,
+    back under their names: a dead process of this host's (the next sweep decides about them again),
+    and any that a manifest of the step names (safe whoever renamed it: a live remover that looks again
+    keeps it, and its own rename back or unlink then finds nothing)."""
+    dropped = [(n, m) for n in names if (m := _DROP_RE.fullmatch(n)) and not (step / m.group(3)).exists()]
+    named = _named_node_files(step, names) if dropped else set()  # None: cannot tell, so back they go
+    for n, m in dropped:
+        if named is None or m.group(3) in named or (m.group(1) == HOST and not _pid_alive(int(m.group(2)))):
             with contextlib.suppress(OSError):
                 os.rename(step / n, step / m.group(3))
 
