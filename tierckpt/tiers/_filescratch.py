@@ -110,6 +110,7 @@ def _retire(step: Path, names: Iterable[str], keep: Callable[[list[str]], Collec
             os.rename(step / name, step / away)
             moved.append((name, away))
     if not moved:
+        _unlink_all(step, [])  # the directory, if it is empty
         return
     try:
         kept = keep(os.listdir(step))
