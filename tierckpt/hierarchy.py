@@ -38,7 +38,14 @@ from tierckpt.config import (
 from tierckpt.datapath.manifests import load_manifest
 from tierckpt.datapath.restore_into import RestoreStaging
 from tierckpt.errors import CheckpointNotFoundError, TierckptError
-from tierckpt.facade.checks import check_connected, check_io, check_policy_names, check_step, check_tiers
+from tierckpt.facade.checks import (
+    check_connected,
+    check_io,
+    check_on_full,
+    check_policy_names,
+    check_step,
+    check_tiers,
+)
 from tierckpt.facade.engines import Engines
 from tierckpt.facade.opening import open_parts
 from tierckpt.facade.planner import Planner
@@ -132,6 +139,7 @@ class Hierarchy:
         self.job = None if readonly else hierarchy_job(tiers, job)
         self.policy = parse_policy(policy, names) if isinstance(policy, Mapping) else policy or PolicyConfig()
         check_policy_names(names, self.policy, retention or {}, demotion or {})
+        check_on_full(tiers, self.policy)
         self._tiers = tuple(tiers)
         self._index = {n: i for i, n in enumerate(names)}
         self.io = io or default_io()

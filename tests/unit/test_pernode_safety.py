@@ -59,6 +59,7 @@ def _dead_pid() -> int:
     ("entry", "named"),
     [
         ({"path": "{tmp}/r{rank}"}, r"tiers\[1\]\.path: files: per_node .* \{rank\}"),
+        ({"path": "{tmp}/r{rank:05d}"}, r"tiers\[1\]\.path: files: per_node .* \{rank\}"),
         ({"path": "{tmp}/p", "capacity": "1GiB"}, r"tiers\[1\]\.capacity: files: per_node cannot go with a capacity"),
     ],
 )
@@ -72,6 +73,60 @@ def test_per_node_refuses_a_rank_path_and_a_capacity(tmp_path: Path, entry: dict
     ok = {**tier, "path": str(tmp_path / "n{node}")}
     ok.pop("capacity", None)
     Hierarchy.from_config({"tiers": [{"name": "host", "kind": "host"}, ok]}).close()  # {node} is fine
+
+
+def test_per_node_refuses_on_full_wait(tmp_path: Path) -> None:
+    tier = {"name": "pfs", "kind": "pfs", "path": str(tmp_path / "p"), "options": {"files": "per_node"}}
+    host = {"name": "host", "kind": "host"}
+    with pytest.raises(
+        ConfigError, match=r"policy\.on_full\.pfs: 'wait' cannot free room on a tier with files: per_node"
+    ):
+        Hierarchy.from_config({"tiers": [host, tier], "policy": {"on_full": {"pfs": "wait"}}})
+    with pytest.raises(ConfigError, match=r"policy\.on_full\.pfs: 'wait'"):
+        Hierarchy.from_config({"tiers": [host, {**tier, "on_full": "wait"}]})
+    Hierarchy.from_config({"tiers": [host, tier], "policy": {"on_full": {"pfs": "fail"}}}).close()
+
+
+class _Reclaimer:
+    """Deletions of evicted copies still running: ``pending`` of them, each freeing room when settled."""
+
+    def __init__(self, pending: int) -> None:
+        self.pending, self.settled = pending, 0
+
+    def settle(self, tier: str | None = None) -> bool:
+        if not self.pending:
+            return False
+        self.pending -= 1
+        self.settled += 1
+        return True
+
+
+@pytest.mark.parametrize("pending", [0, 1, 2])
+def test_a_full_node_file_tier_waits_for_deletions_already_queued_then_fails(pending: int) -> None:
+    import errno
+    from types import SimpleNamespace
+
+    from tierckpt.background.mover import Mover
+    from tierckpt.errors import DeviceFullError
+
+    tier = SimpleNamespace(name="pfs", node_files=True)
+    reclaimer = _Reclaimer(pending)
+    attempts = []
+
+    def attempt() -> str:
+        attempts.append(1)
+        if reclaimer.settled == 2:  # the second deletion frees the room the write needs
+            return "written"
+        raise DeviceFullError(errno.ENOSPC, "No space left on device")
+
+    mover = SimpleNamespace(reclaimer=reclaimer)
+    if pending < 2:
+        with pytest.raises(DeviceFullError):
+            Mover.with_room(mover, tier, 3, attempt)  # type: ignore[arg-type]
+        assert len(attempts) == pending + 1
+    else:
+        assert Mover.with_room(mover, tier, 3, attempt) == "written"  # type: ignore[arg-type]
+        assert len(attempts) == 3
 
 
 # -- F8: a copy without blobs pads nothing --------------------------------------------------------------

@@ -42,6 +42,8 @@ from tierckpt.tiers.base import CheckpointKey, Tier, TierWriter
 __all__ = ["Mover", "Room", "resolved"]
 
 log = logging.getLogger(__name__)
+#: how often a full node-file tier waits for deletions already queued before its write fails
+_SETTLE_ROUNDS = 4
 
 T = TypeVar("T")
 
@@ -383,6 +385,12 @@ class Mover:
         pinned or held one); or wait for the transfers that pin copies on it (``on_full: wait``,
         backpressure); or fail (``on_full: fail``, or nothing will free room)."""
         if tier.node_files:  # a node file holds every rank's copy of its node: one rank's eviction frees nothing
+            for _ in range(_SETTLE_ROUNDS):  # but copies already evicted, still being deleted, free room soon
+                try:
+                    return attempt()
+                except TierFullError:
+                    if not self.reclaimer.settle(tier.name):
+                        raise
             return attempt()
         tried: set[int] = set()  # victims evicted once: one still there failed to go (logged), and is not tried again
         while True:

@@ -18,6 +18,7 @@ __all__ = [
     "MEMORY_DEVICES",
     "check_connected",
     "check_io",
+    "check_on_full",
     "check_policy_names",
     "check_step",
     "check_tiers",
@@ -116,6 +117,21 @@ def check_policy_names(
         for name in given:
             if name not in names or (arg == "demotion" and name == names[0]):
                 raise ConfigError(f"{arg}: {name!r} is not a tier below the top one (tiers: {', '.join(names)})")
+
+
+def check_on_full(tiers: Sequence[Tier], policy: PolicyConfig) -> None:
+    """No ``on_full: wait`` for a tier whose copies share node files (``files: per_node``): waiting for
+    copies to move down so that one can be evicted frees no room there (docs/distributed.md, "Full tiers").
+
+    Raises:
+        ConfigError: naming the tier.
+    """
+    for t in tiers:
+        if t.node_files and policy.on_full.get(t.name) == "wait":
+            raise ConfigError(
+                f"policy.on_full.{t.name}: 'wait' cannot free room on a tier with files: per_node (evicting one "
+                "rank's copy frees no node file, so a full tier is never evicted from); use 'fail'"
+            )
 
 
 def check_connected(coordinator: Coordinator, *, readonly: bool) -> None:

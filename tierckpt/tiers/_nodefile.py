@@ -21,6 +21,7 @@ import contextlib
 import errno
 import math
 import os
+import re
 import secrets
 import shutil
 import stat
@@ -276,5 +277,5 @@ def check_per_node(cfg: TierConfig, opts: dict[str, Any]) -> None:
         raise ConfigError(f"{cfg.key}.options.one_file: {PER_NODE_ONE_FILE}")
     if cfg.capacity_bytes is not None:
         raise ConfigError(f"{cfg.key}.capacity: {PER_NODE_CAPACITY}")
-    if cfg.location is not None and "{rank}" in cfg.location.replace("{{", ""):
+    if cfg.location is not None and re.search(r"\{rank(?:[:!][^}]*)?\}", cfg.location.replace("{{", "")):
         raise ConfigError(f"{cfg.key}.path: {PER_NODE_RANK_PATH}")
