@@ -42,8 +42,6 @@ from tierckpt.tiers.base import CheckpointKey, Tier, TierWriter
 __all__ = ["Mover", "Room", "resolved"]
 
 log = logging.getLogger(__name__)
-#: how often a full node-file tier waits for deletions already queued before its write fails
-_SETTLE_ROUNDS = 4
 
 T = TypeVar("T")
 
@@ -384,14 +382,6 @@ class Mover:
         says: evict its oldest copy that another tier holds (a lower one, for a full device; never a
         pinned or held one); or wait for the transfers that pin copies on it (``on_full: wait``,
         backpressure); or fail (``on_full: fail``, or nothing will free room)."""
-        if tier.node_files:  # a node file holds every rank's copy of its node: one rank's eviction frees nothing
-            for _ in range(_SETTLE_ROUNDS):  # but copies already evicted, still being deleted, free room soon
-                try:
-                    return attempt()
-                except TierFullError:
-                    if not self.reclaimer.settle(tier.name):
-                        raise
-            return attempt()
         tried: set[int] = set()  # victims evicted once: one still there failed to go (logged), and is not tried again
         while True:
             try:
@@ -402,9 +392,12 @@ class Mover:
     def _make_room(self, tier: Tier, step: int, full: TierFullError, tried: set[int]) -> None:
         """One round of :meth:`with_room`: evict a victim not ``tried`` yet, or wait a while; raise when
         nothing frees room (every victim was tried, and is still there: its eviction failed). Copies
-        evicted from the tier whose files are still being deleted are waited for first."""
+        evicted from the tier whose files are still being deleted are waited for first; on a tier whose
+        copies share node files that is all (one rank's eviction would free no node file)."""
         if self.reclaimer.settle(tier.name):
             return
+        if tier.node_files:  # a node file holds every rank's copy of its node: one rank's eviction frees nothing
+            raise full
         self.apply_retention()
         committed = self.ranks.listing.committed_all()
         event = MakeRoom(tier.name, step, device=isinstance(full, DeviceFullError))
