@@ -5,7 +5,8 @@ from __future__ import annotations
 import threading
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
-from typing import TYPE_CHECKING
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -21,7 +22,7 @@ if TYPE_CHECKING:
 __all__ = ["FaultyTier"]
 
 METHODS = (
-    "reserve", "write", "commit", "list_committed", "read_manifest", "read", "evict", "reclaim",
+    "reserve", "write", "commit", "list_committed", "holds", "read_manifest", "read", "evict", "reclaim",
     "write_record", "read_record", "remove_record", "list_records",
 )  # fmt: skip
 
@@ -30,12 +31,15 @@ class FaultyTier(Tier):
     """Wraps a tier and raises chosen exceptions from chosen methods.
 
     Args:
-        inner: the real tier (its name and capabilities are reused).
-        fail: method name → exception to raise (methods: reserve, write, commit, list_committed,
-            read_manifest, read, evict, reclaim). ``write`` and ``read`` failures arrive through the future.
+        inner: the real tier (its name and capabilities are reused, but for ``capabilities``).
+        fail: method name → exception to raise (methods: :data:`METHODS`). ``write`` and ``read``
+            failures arrive through the future.
         after: let this many calls of each failing method succeed first.
         gates: method name → event; each call of that method first waits until the event is set
             (to hold a tier mid-copy and look at the hierarchy meanwhile).
+        capabilities: fields of the inner tier's capabilities to declare otherwise (``{"cheap_listing":
+            False, "shared": True}``: a directory that a hierarchy treats as an object store, listed by
+            one rank; with ``calls``, the listings counted).
 
     Attributes:
         calls: how often each method was called.
@@ -47,6 +51,7 @@ class FaultyTier(Tier):
         fail: Mapping[str, BaseException] | None = None,
         after: int = 0,
         gates: Mapping[str, threading.Event] | None = None,
+        capabilities: Mapping[str, Any] | None = None,
     ) -> None:
         super().__init__(inner.name)
         fail, gates = fail or {}, gates or {}
@@ -55,7 +60,7 @@ class FaultyTier(Tier):
             raise ValueError(f"cannot inject into {sorted(unknown)}; methods: {', '.join(METHODS)}")
         self.inner, self.fail, self.after, self.gates = inner, dict(fail), after, dict(gates)
         self.kind = f"faulty-{inner.kind}"
-        self.capabilities = inner.capabilities
+        self.capabilities = replace(inner.capabilities, **(capabilities or {}))
         self.preferred_blob_bytes = inner.preferred_blob_bytes
         self.chunk_bytes = inner.chunk_bytes
         self.calls: dict[str, int] = dict.fromkeys(METHODS, 0)
@@ -101,6 +106,7 @@ class FaultyTier(Tier):
         return self.inner.list_committed(rank)
 
     def holds(self, key: CheckpointKey) -> bool:
+        self._check("holds")
         return self.inner.holds(key)
 
     def read_manifest(self, key: CheckpointKey) -> bytes:
