@@ -111,12 +111,13 @@ class RankExecutor:
 
     # -- the commit -------------------------------------------------------------------------------------
     def publish(
-        self, tier: Tier, key: CheckpointKey, manifest: bytes, then: Callable[[], Evictions]
+        self, tier: Tier, key: CheckpointKey, manifest: bytes, then: Callable[[str, int], Evictions]
     ) -> Evictions | None:
         """Publish this rank's copy of ``key``, committed on ``tier``, once every rank's is (the commit:
-        :mod:`tierckpt.ranks.commit`). In a job of several ranks, rank 0 also runs ``then()`` once the
-        record is written (its decision of what shared tiers evict) and every rank returns it; None for a
-        rank alone. On failure, what the failure leaves is removed as the protocol says, then it raises."""
+        :mod:`tierckpt.ranks.commit`). In a job of several ranks, rank 0 also runs ``then(tier name,
+        step)`` once the record is written (its decision of what shared tiers evict, with that step
+        committed) and every rank returns it; None for a rank alone. On failure, what the failure leaves
+        is removed as the protocol says, then it raises."""
         shared = tier.capabilities.shared
         if commits_alone(self.me):
             outcome, plan = lone_commit(tier.name, shared, key.step, manifest_tag(manifest))
@@ -165,14 +166,14 @@ class RankExecutor:
         if commits_alone(self.me):
             return
         try:
-            self.commits.gather(tier.name, key.step, None, self._decider(tier, key.step, list))
+            self.commits.gather(tier.name, key.step, None, self._decider(tier, key.step, lambda *_: []))
         except BaseException as e:
             log.debug("step %d on tier %r: the other ranks learned of the failure (%s)", key.step, tier.name, e)
         else:  # pragma: no cover - rank 0 refuses a commit with a failed copy
             log.error("step %d on tier %r: committed although this rank's copy failed", key.step, tier.name)
 
     def _decider(
-        self, tier: Tier, step: int, then: Callable[[], Evictions]
+        self, tier: Tier, step: int, then: Callable[[str, int], Evictions]
     ) -> Callable[[list[int | None]], dict[str, Any]]:
         """Rank 0's part of the commit, run once every rank's report is in."""
 
@@ -186,7 +187,7 @@ class RankExecutor:
                 )
             evict: Evictions = []
             try:
-                evict = then()
+                evict = then(tier.name, step)
             except Exception as e:  # retention problems are logged, never fail a commit
                 log.warning("retention decided with step %d on tier %r failed: %s", step, tier.name, e)
             return {"record": data, "evict": [[n, s] for n, s in evict]}

@@ -452,13 +452,17 @@ class Mover:
             self.catalog.prune({s for n, steps in committed.items() for s in steps if (n, s) not in gone})
             return {name for name, _ in plan.evict}
 
-    def _shared_evictions(self) -> list[tuple[str, int]]:
-        """Rank 0, in a commit every rank makes (once every rank's copy is in): what its retention plan
-        evicts from shared tiers, the steps' records removed already (every rank then evicts its copy)."""
+    def _shared_evictions(self, tier: str, step: int) -> list[tuple[str, int]]:
+        """Rank 0, in a commit of ``step`` on ``tier`` every rank makes (once every rank's copy is in and
+        the step's record is written): what its retention plan evicts from shared tiers, the steps'
+        records removed already (every rank then evicts its copy). The step counts as committed there
+        already (a tier the catalog follows learns it only once the commit returns)."""
         if not self.ranks.shared:
             return []
         with self._evict_lock:
-            plan = place(Retain(), self.policy, self.catalog.view(self.ranks.listing.committed_all()))
+            committed = self.ranks.listing.committed_all()
+            committed[tier] = sorted({*committed.get(tier, ()), step})
+            plan = place(Retain(), self.policy, self.catalog.view(committed))
             return self.ranks.decide_shared(plan.evict)
 
     def close(self, timeout: float | None = None) -> None:
