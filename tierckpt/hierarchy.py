@@ -160,6 +160,7 @@ class Hierarchy:
         self._catalog = Catalog(self._tiers, self.rank, now=_clock(), world_size=self.world_size)
         me = ThisRank(self.rank, self.world_size, frozenset(self.coordinator.ranks_on_node()))
         self._listing = Listing(self._tiers, self._catalog, me)
+        self._listing.open(self.coordinator)  # a tier whose listing is not cheap: one rank lists it for all
         self._mover = Mover(
             self._tiers, self.placement, self._catalog, self._listing, self.coordinator, self._geometry.tiers
         )

@@ -27,12 +27,15 @@ from tierckpt.policies.protocol import (
     eviction,
     failed_commit_actions,
     listed_steps,
+    lister,
     lone_commit,
     orphan,
+    own_unrecorded,
     promotion,
     rank_evictions,
     removes_record,
     resharded_steps,
+    seen_by,
     shared_decision,
     still_unknown,
     stray_copies,
@@ -366,3 +369,40 @@ def test_a_promoted_copy_brings_its_steps_record_or_fails() -> None:
         plan = promotion("host", STEP, RANKS[2], recorded=False, version=version)
         assert plan[0] == EvictCopy("host", STEP, 2) and isinstance(plan[1], Fail) and len(plan) == 2
         assert f"step {STEP} lost its commit record" in plan[1].why
+
+
+# -- tiers listed by one rank (docs/distributed.md, "Tiers listed by one rank") ---------------------------
+@pytest.mark.parametrize("rank", range(4))
+def test_a_tier_whose_listing_is_not_cheap_is_listed_by_one_rank_of_those_sharing_it(rank: int) -> None:
+    me = RANKS[rank]
+    assert lister(me, shared=True, cheap=False, ranks_meet=True, nodes_meet=True) == 0
+    assert lister(me, shared=False, cheap=False, ranks_meet=True, nodes_meet=True) == (0 if rank < 2 else 2)
+    assert lister(me, shared=False, cheap=False, ranks_meet=True, nodes_meet=True) == (
+        me.rank if sweeps_strays(me, shared=False) else min(me.node_ranks)
+    )
+    # each rank lists itself: a cheap listing, ranks that decide alone, no node exchange, a rank alone
+    assert lister(me, shared=True, cheap=True, ranks_meet=True, nodes_meet=True) is None
+    assert lister(me, shared=True, cheap=False, ranks_meet=False, nodes_meet=True) is None
+    assert lister(me, shared=False, cheap=False, ranks_meet=True, nodes_meet=False) is None
+    assert lister(ThisRank(0, 1), shared=True, cheap=False, ranks_meet=True, nodes_meet=True) is None
+
+
+def test_each_rank_sees_in_the_listing_of_every_rank_what_its_own_listing_would_show() -> None:
+    # steps 1-2 committed by 4 ranks, 3 by a job of 2 (ranks 0-1), 4 without a record (a save killed in
+    # its commit, ranks 0-2 durable), 5 a legacy step of rank 3 alone (format 4, no record)
+    every = TierHoldings(
+        "obj",
+        records=frozenset({1, 2, 3}),
+        record_sizes={1: 4, 2: 4, 3: 2},
+        ranks={1: frozenset(range(4)), 2: frozenset(range(4)), 3: frozenset({0, 1}), 4: frozenset({0, 1, 2}),
+               5: frozenset({3})},
+        step_versions={4: 5, 5: 4},
+    )  # fmt: skip
+    assert [own_unrecorded(every, r) for r in range(4)] == [[4], [4], [4], [5]]
+    views = [seen_by(every, r, {4: 5, 5: 4}) for r in range(4)]
+    assert [sorted(v.own) for v in views] == [[1, 2, 3, 4], [1, 2, 3, 4], [1, 2, 4], [1, 2, 5]]
+    assert [dict(v.record_sizes) for v in views] == [{}, {}, {3: 2}, {3: 2}]
+    assert [dict(v.versions) for v in views] == [{4: 5}, {4: 5}, {4: 5}, {5: 4}]
+    assert all(v.records == every.records and v.ranks is None for v in views)
+    assert [listed_steps(v, 4) for v in views] == [[1, 2, 3], [1, 2, 3], [1, 2, 3], [1, 2, 3, 5]]
+    assert [unrecorded_copies(v) for v in views] == [[4], [4], [4], []]

@@ -1,7 +1,9 @@
 """What one rank lists: per tier, the steps committed there for this rank, read from the tier
 (:func:`tierckpt.tiers.holdings.read_holdings`) and judged by the protocol's rules
 (:func:`tierckpt.policies.protocol.listed_steps`), merged with the states of the copies in flight into
-what ``checkpoints()`` returns (:class:`Listing`)."""
+what ``checkpoints()`` returns (:class:`Listing`). A tier whose listing is not cheap, in a job of several
+ranks, is listed by one rank for the others when the hierarchy opens
+(:mod:`tierckpt.background.sharedlisting`), then followed."""
 
 from __future__ import annotations
 
@@ -10,10 +12,21 @@ import threading
 from collections.abc import Sequence
 
 from tierckpt.background.catalog import Catalog, CheckpointInfo
+from tierckpt.background.sharedlisting import list_for_ranks
 from tierckpt.errors import CheckpointNotFoundError
-from tierckpt.policies.protocol import ThisRank, TierHoldings, listed_steps, sweeps_strays, unrecorded_copies
-from tierckpt.tiers.base import Tier
-from tierckpt.tiers.holdings import read_holdings
+from tierckpt.policies.protocol import (
+    ThisRank,
+    TierHoldings,
+    listed_steps,
+    lister,
+    own_unrecorded,
+    seen_by,
+    sweeps_strays,
+    unrecorded_copies,
+)
+from tierckpt.ranks.coordinator import Coordinator
+from tierckpt.tiers.base import CheckpointKey, Tier
+from tierckpt.tiers.holdings import copy_version, read_holdings
 
 __all__ = ["Listing"]
 
@@ -38,6 +51,10 @@ class Listing:
     is evicted), and the format version of a record-less copy this hierarchy never wrote once (it stays
     legacy).
 
+    A tier whose listing is not cheap is listed once, then followed by the catalog; in a job of several
+    ranks, that one listing is made by one rank for all of them when the hierarchy opens (:meth:`open`),
+    and ``checkpoints()`` follows it too, so that no rank lists it again.
+
     Args:
         tiers: the tiers, fastest first.
         catalog: the hierarchy's bookkeeping (states, errors, the followed tiers).
@@ -59,6 +76,42 @@ class Listing:
         }
         self._newest: int | None = None  # newest step committed or saved (listed at the first save)
         self._warned_order = False
+        self._once: set[str] = set()  # tiers listed by one rank for the ranks sharing them (open())
+
+    def open(self, coordinator: Coordinator) -> None:
+        """List, once, each tier that one rank lists for the ranks that share it
+        (:func:`~tierckpt.policies.protocol.lister`: a tier whose listing is not cheap, in a job of
+        several ranks): that rank reads every rank's copies and publishes them, each rank takes its own
+        holdings from them (:func:`~tierckpt.policies.protocol.seen_by`, reading only the format version
+        of its own copies without a record), and the catalog follows the tier from then on. Every rank
+        calls it when its hierarchy is built; a tier no rank lists for the others is listed by each rank
+        when it is first needed, as before.
+
+        Raises:
+            OSError: this rank lists a tier for the others and cannot.
+            CoordinationError: the rank that lists a tier could not, or did not answer in time.
+        """
+        nodes_meet = callable(getattr(coordinator, "node_gather", None))
+        for t in self.tiers:
+            caps = t.capabilities
+            who = lister(
+                self.me, shared=caps.shared, cheap=caps.cheap_listing,
+                ranks_meet=coordinator.connects_ranks, nodes_meet=nodes_meet,
+            )  # fmt: skip
+            if who is None:
+                continue
+            got = every = list_for_ranks(coordinator, t, self.me, who)
+            if who != self.me.rank:
+                mine = own_unrecorded(every, self.me.rank)
+                got = seen_by(every, self.me.rank, {s: copy_version(t, CheckpointKey(s, self.me.rank)) for s in mine})
+            self._keep(t.name, got, everyone=who == self.me.rank)
+            self.catalog.follow(t.name, listed_steps(got, self.me.world_size))
+            self._once.add(t.name)
+
+    def listed_once(self, tier: str) -> bool:
+        """Whether ``tier`` was listed by one rank for the ranks sharing it (:meth:`open`): this rank never
+        lists it; what it holds is what the catalog follows."""
+        return tier in self._once
 
     # -- one tier ---------------------------------------------------------------------------------------
     def holdings(self, tier: Tier, everyone: bool = False) -> TierHoldings | None:
@@ -77,15 +130,19 @@ class Listing:
         except OSError as e:
             log.warning("tier %r cannot list its checkpoints: %s", name, e)
             return None
+        self._keep(name, got, everyone)
+        return got
+
+    def _keep(self, name: str, got: TierHoldings, everyone: bool) -> None:
+        """What a listing of tier ``name`` showed (``everyone``: every rank's copies, for the stray sweep)."""
         with self._lock:
             self._shown[name] = got
-            if everyone:
+            if everyone and name in self._everyone:
                 self._everyone[name] = got
             self._sizes.update({(s, name): n for s, n in got.record_sizes.items() if n is not None})
             self._versions.update(
                 {(s, name): v for s, v in got.versions.items() if v is not None and s not in got.records}
             )
-        return got
 
     def _listed(self, tier: Tier, everyone: bool = False) -> list[int] | None:
         got = self.holdings(tier, everyone)
@@ -133,11 +190,12 @@ class Listing:
     # -- every tier ---------------------------------------------------------------------------------------
     def checkpoints(self) -> list[CheckpointInfo]:
         """This rank's steps, oldest first: what the tiers list as committed (always listed afresh: other
-        processes may evict or remove copies) merged with the states of the copies in flight. A tier that
+        processes may evict or remove copies; a tier one rank listed for the others when the hierarchy
+        opened, as the catalog follows it) merged with the states of the copies in flight. A tier that
         cannot list (e.g. its directory is gone) is logged and skipped."""
         committed: dict[int, list[str]] = {}
         for t in self.tiers:
-            for step in self._listed(t) or ():
+            for step in (self.committed(t) if t.name in self._once else self._listed(t)) or ():
                 committed.setdefault(step, []).append(t.name)
         tracked, errors = self.catalog.states(), self.catalog.errors()
         out = []

@@ -133,8 +133,13 @@ class HierarchyReader(StorageReader):
 
     # -- reading -------------------------------------------------------------------------------------------
     def _newest(self) -> int:
-        steps = []
+        steps: list[int] = []
+        infos = None  # the hierarchy's listing, for the tiers it lists once (their listing is not cheap)
         for t in self.h.tiers:
+            if not t.capabilities.cheap_listing:  # one rank listed it for all when the hierarchy opened
+                infos = self.h.checkpoints() if infos is None else infos
+                steps += [c.step for c in infos if t.name in c.tiers]
+                continue
             try:
                 steps += [k.step for k in t.list_committed(0)]
             except OSError as e:
@@ -148,11 +153,14 @@ class HierarchyReader(StorageReader):
         """``read(tier)`` of the fastest tier holding ``rank``'s part of ``step`` whose copy reads."""
         key, errors = CheckpointKey(step, rank), []
         for tier in self.h.tiers:
-            if not holds(tier, key):
+            cheap = tier.capabilities.cheap_listing  # else not asked first: the read says whether it is there
+            if cheap and not holds(tier, key):
                 continue
             try:
                 return read(tier, key)
             except (CorruptCheckpointError, CheckpointNotFoundError, OSError) as e:
+                if not cheap and type(e) is CheckpointNotFoundError:  # not there, or not committed there
+                    continue
                 log.warning("DCP load: rank %d's part of step %d on tier %r: %s", rank, step, tier.name, e)
                 errors.append((tier.name, e))
         if len(errors) == 1:

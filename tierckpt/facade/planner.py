@@ -4,7 +4,7 @@
 :class:`Planner` gathers what each event needs (which tiers already hold a step saved again, the clock as
 the deciding rank reads it, the newest committed step at close), calls ``place`` and returns its plan; the
 hierarchy hands the plan to the mover. It decides nothing itself and runs no I/O beyond asking the tiers
-whether they hold a step saved again.
+whether they hold a step saved again (a tier one rank lists for the others: the catalog).
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ class Planner:
         tier (a save must not wait for a slow shared tier)."""
         holders: list[str] = []
         if key.step <= self.listing.newest_step():
-            holders = [t.name for t in self.tiers[1:] if holds(t, key)]
+            holders = [t.name for t in self.tiers[1:] if self._holds(t, key)]
         now = (
             self.clock()
         )  # a plan from counts alone is the same on every rank; one that reads the clock reads one rank's
@@ -68,6 +68,13 @@ class Planner:
         if plan.replaced:
             log.info("step %d is saved again: its older copies on %s are replaced too", key.step, list(plan.replaced))
         return plan
+
+    def _holds(self, tier: Tier, key: CheckpointKey) -> bool:
+        """Whether ``tier`` holds ``key``: for a tier one rank listed for the others, as the catalog
+        follows it (no rank asks such a tier per save); else as the tier says."""
+        if self.listing.listed_once(tier.name):
+            return key.step in self.listing.committed(tier)
+        return holds(tier, key)
 
     def prefetch(self, info: CheckpointInfo, to: str) -> CopyPlan:
         """How ``info``'s step climbs to tier ``to``."""

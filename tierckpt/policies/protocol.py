@@ -47,12 +47,15 @@ rule                                         decides
 :func:`sweeps_strays`, :func:`stray_copies`  copies of ranks beyond this job's world size no record names
                                              (a larger job killed before it committed; never of format 4
                                              and older, committed by themselves): who removes them
+:func:`lister`, :func:`seen_by`              who lists a tier whose listing is not cheap (an object store)
+                                             for the ranks that share it, once, and what each of those
+                                             ranks takes from that listing of every rank's copies
 ===========================================  ============================================================
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 from tierckpt.errors import CoordinationError
@@ -92,12 +95,16 @@ __all__ = [
     "eviction",
     "failed_commit_actions",
     "listed_steps",
+    "lister",
     "lone_commit",
     "orphan",
+    "own_steps",
+    "own_unrecorded",
     "promotion",
     "rank_evictions",
     "removes_record",
     "resharded_steps",
+    "seen_by",
     "shared_decision",
     "still_unknown",
     "stray_copies",
@@ -305,6 +312,46 @@ def orphan(tier: str, step: int, me: ThisRank, recorded: bool | None, copy: Copy
     if copy.state == "committed" and copy.pinned:
         return Keep(tier, step, me.rank, "a transfer reads it")
     return EvictCopy(tier, step, me.rank)
+
+
+def lister(me: ThisRank, *, shared: bool, cheap: bool, ranks_meet: bool, nodes_meet: bool) -> int | None:
+    """The rank that lists a tier for the ranks that share it, once, when the hierarchy opens (every rank
+    then follows the tier through its commits and evictions, and never lists it again): on a tier whose
+    listing is not cheap (an object store's LIST costs a request and money, and hundreds of ranks listing
+    at once get throttled), in a job of several ranks whose coordinator connects them (``ranks_meet``),
+    rank 0 for a shared tier, and for a node-local one the lowest rank of the node, where the coordinator
+    has node exchanges (``nodes_meet``) — the rank :func:`sweeps_strays` names. None: each rank lists the
+    tier itself (a cheap listing, a rank alone, ranks that decide alone)."""
+    if cheap or me.world_size == 1 or not ranks_meet or not (shared or nodes_meet):
+        return None
+    return 0 if shared else min(me.node_ranks, default=me.rank)
+
+
+def seen_by(every: TierHoldings, rank: int, versions: Mapping[int, int | None]) -> TierHoldings:
+    """What ``every``, a listing of every rank's copies (``every.ranks``) made by :func:`lister`'s rank,
+    shows ``rank``: its own copies, the records, the world size of each record of a step without a copy
+    of ``rank``, and ``versions``, the format version of each of its copies without a record (read from
+    the copy by ``rank``: :func:`own_unrecorded` says which). The same holdings as ``rank``'s own listing
+    would have shown at that moment."""
+    own = own_steps(every, rank)
+    return TierHoldings(
+        every.tier,
+        own,
+        every.records,
+        {s: every.record_sizes.get(s) for s in sorted(every.records - own)},
+        {s: versions.get(s) for s in sorted(own - every.records)},
+    )
+
+
+def own_steps(every: TierHoldings, rank: int) -> frozenset[int]:
+    """The steps of which ``every`` (a listing of every rank's copies) shows a copy of ``rank``."""
+    return frozenset(s for s, ranks in (every.ranks or {}).items() if rank in ranks)
+
+
+def own_unrecorded(every: TierHoldings, rank: int) -> list[int]:
+    """The steps of ``rank``'s copies without a record in ``every``, whose format versions :func:`seen_by`
+    needs (a copy of format 4 or older is committed by itself)."""
+    return sorted(own_steps(every, rank) - every.records)
 
 
 # -- retention and eviction ----------------------------------------------------------------------------
