@@ -18,7 +18,7 @@ import logging
 import re
 import threading
 from collections.abc import Sequence
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any
 
 from tierckpt.config import TierConfig
@@ -53,6 +53,7 @@ OPTIONS = {
     "read_timeout": Option(number(0.1, 3600), default=60.0, doc="seconds without a byte from the server"),
     "create_bucket": Option(boolean(), default=False, doc="create the bucket when it does not exist"),
     "sweep": Option(boolean(), default=True, doc="rank 0 removes interrupted uploads and unpublished data at open"),
+    "sweep_grace": Option(number(0, 86400), default=60.0, doc="seconds before the open that the sweep leaves alone"),
 }
 _BUCKET_RE = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")
 _BAD_BUCKET = ("NoSuchBucket",)
@@ -89,6 +90,8 @@ class S3Tier(Tier):
         create_bucket: create the bucket if it does not exist.
         sweep: remove, at open, the uploads and unpublished data that earlier processes left (give it
             to one rank of a job: every rank's copies are swept).
+        sweep_grace_s: what was begun less than this before the open is left to a later sweep (another
+            rank of the job may have opened first and begun its upload).
 
     Raises:
         ConfigError: the bucket does not exist, or the credentials are refused.
@@ -110,6 +113,7 @@ class S3Tier(Tier):
         readonly: bool = False,
         create_bucket: bool = False,
         sweep: bool = True,
+        sweep_grace_s: float = 60.0,
     ) -> None:
         super().__init__(name)
         self.part_bytes = part_size
@@ -133,7 +137,7 @@ class S3Tier(Tier):
         try:
             self.opened_at = self._open(create_bucket)
             if sweep and not readonly:
-                self.sweep(self.opened_at)
+                self.sweep(self.opened_at - timedelta(seconds=sweep_grace_s))
         except BaseException:
             self.bucket.close()
             raise
@@ -165,7 +169,8 @@ class S3Tier(Tier):
         try:
             return cls(cfg.name, bucket, prefix, settings, part_size=opts["part_size"],
                        hashed_prefixes=opts["hashed_prefixes"], blob_bytes=cfg.blob_bytes, readonly=cfg.readonly,
-                       create_bucket=opts["create_bucket"], sweep=opts["sweep"] and rank == 0)  # fmt: skip
+                       create_bucket=opts["create_bucket"], sweep=opts["sweep"] and rank == 0,
+                       sweep_grace_s=opts["sweep_grace"])  # fmt: skip
         except ConfigError as e:
             raise ConfigError(f"{cfg.key}: {e}") from e
 
