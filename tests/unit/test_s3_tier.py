@@ -108,6 +108,16 @@ def test_bad_urls(url: str) -> None:
         parse_s3_url(url, "tiers[1].path")
 
 
+def test_url_variables(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("RUN", "exp7")
+    assert parse_s3_url("s3://bkt/ckpt/$RUN/x", "k") == ("bkt", "ckpt/exp7/x/")
+    monkeypatch.delenv("RUN")
+    with pytest.raises(ConfigError, match=r"k: \$RUN is not set"):
+        parse_s3_url("s3://bkt/ckpt/$RUN", "k")
+    with pytest.raises(ConfigError, match="shared by every rank"):
+        parse_s3_url("s3://bkt/ckpt/{rank}", "k")
+
+
 def _entry(**kw: Any) -> Any:
     entry = {"name": "obj", "kind": "s3", "path": f"s3://{BUCKET}/run"} | kw
     return parse_config({"tiers": [{"name": "host", "kind": "host"}, entry]}).tiers[1]

@@ -23,7 +23,7 @@ from datetime import datetime
 from functools import partial
 from typing import Any, TypeVar
 
-from tierckpt.errors import TierFullError, TierIOError
+from tierckpt.errors import ConfigError, TierFullError, TierIOError
 
 __all__ = ["Bucket", "Listed", "S3Error", "S3Settings", "Upload"]
 
@@ -140,8 +140,11 @@ class Bucket:
     """
 
     def __init__(self, settings: S3Settings, bucket: str) -> None:
-        import boto3
-        from botocore.config import Config
+        try:
+            import boto3
+            from botocore.config import Config
+        except ImportError as e:
+            raise ConfigError(f"an s3 tier needs boto3 (pip install 'tierckpt[s3]'): {e}") from e
 
         self.settings, self.name = settings, bucket
         session = boto3.session.Session(profile_name=settings.profile)

@@ -22,7 +22,7 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from tierckpt.config import TierConfig
-from tierckpt.configvalues import process_rank
+from tierckpt.configvalues import expand_path, process_rank
 from tierckpt.errors import ConfigError, CorruptCheckpointError
 from tierckpt.format.manifest import BlobEntry
 from tierckpt.format.objecthead import ObjectHead, decode_head
@@ -61,11 +61,16 @@ _BAD_AUTH = ("InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied", "For
 
 
 def parse_s3_url(url: str, key: str) -> tuple[str, str]:
-    """``s3://BUCKET/PREFIX`` → (bucket, prefix: "" or ending in "/").
+    """``s3://BUCKET/PREFIX`` → (bucket, prefix: "" or ending in "/"); ``$VAR`` and ``${VAR}`` are expanded.
 
     Raises:
-        ConfigError: naming ``key``.
+        ConfigError: naming ``key``: not such a URL, a bad bucket name or prefix, an unset variable, or
+            ``{rank}`` / ``{node}`` (every rank shares an s3 tier: its keys carry the rank already).
     """
+    if re.search(r"\{(rank|node)(:[^}]*)?\}", url):
+        raise ConfigError(f"{key}: an s3 tier is shared by every rank and node: no {{rank}} or {{node}} in {url!r}")
+    if url.startswith("s3://") and "$" in url:
+        url = "s3://" + str(expand_path(url[5:], key))
     m = re.fullmatch(r"s3://([^/]+)(?:/(.*))?", url)
     if m is None or not _BUCKET_RE.fullmatch(m.group(1)) or ".." in m.group(1):
         raise ConfigError(f"{key}: expected s3://BUCKET/PREFIX with a valid bucket name, got {url!r}")
