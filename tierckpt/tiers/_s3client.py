@@ -44,6 +44,9 @@ FULL_CODES = frozenset({"QuotaExceeded", "EntityTooLarge"})
 _RANGE = re.compile(r"bytes (\d+)-(\d+)/(\d+|\*)")
 _BACKOFF_BASE_S = 0.1
 _BACKOFF_CAP_S = 8.0
+#: how long cleanup (aborting a failed copy's uploads, deleting what it completed) retries: what it leaves
+#: behind is the next open's sweep's, and a failing save should not wait minutes on a server that is down
+CLEANUP_DEADLINE_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -171,7 +174,7 @@ class Bucket:
         return f"s3://{self.name}/{key or ''} at {self.endpoint}"
 
     # -- the retry loop -----------------------------------------------------------------------------------
-    def call(self, op: str, key: str | None, fn: Callable[[], T]) -> T:
+    def call(self, op: str, key: str | None, fn: Callable[[], T], *, cleanup: bool = False) -> T:
         """``fn()`` (one request, ``op`` on ``key``), retried while it fails transiently (module docstring).
 
         Raises:
@@ -179,6 +182,9 @@ class Bucket:
             S3Error: naming ``op``, the endpoint, the bucket and ``key``.
         """
         s, start, attempt = self.settings, time.monotonic(), 0
+        attempts, deadline = (
+            (min(s.attempts, 2), min(s.deadline_s, CLEANUP_DEADLINE_S)) if cleanup else (s.attempts, s.deadline_s)
+        )
         while True:
             attempt += 1
             try:
@@ -187,12 +193,7 @@ class Bucket:
                 status, code = _answer(e)
                 elapsed = time.monotonic() - start
                 delay = random.uniform(0, min(_BACKOFF_CAP_S, _BACKOFF_BASE_S * 2**attempt))
-                if (
-                    _transient(e)
-                    and attempt < s.attempts
-                    and elapsed + delay < s.deadline_s
-                    and not self._closed.is_set()
-                ):
+                if _transient(e) and attempt < attempts and elapsed + delay < deadline and not self._closed.is_set():
                     log.info(
                         "%s of %s: %s (%s); try %d in %.2fs", op, self.where(key), code, status, attempt + 1, delay
                     )
@@ -293,7 +294,7 @@ class Bucket:
             if not token:
                 return
 
-    def delete(self, keys: Sequence[str]) -> None:
+    def delete(self, keys: Sequence[str], *, cleanup: bool = False) -> None:
         """Delete ``keys`` (missing ones are no error), 1,000 a request.
 
         Raises:
@@ -302,7 +303,7 @@ class Bucket:
         for i in range(0, len(keys), 1000):
             batch = [{"Key": k} for k in keys[i : i + 1000]]
             request = partial(self.client.delete_objects, Bucket=self.name, Delete={"Objects": batch, "Quiet": True})
-            resp: dict[str, Any] = self.call("DeleteObjects", batch[0]["Key"], request)
+            resp: dict[str, Any] = self.call("DeleteObjects", batch[0]["Key"], request, cleanup=cleanup)
             errors = resp.get("Errors") or []
             if errors:
                 e = errors[0]
@@ -334,7 +335,7 @@ class Bucket:
                 return
             kw["KeyMarker"], kw["UploadIdMarker"] = page.get("NextKeyMarker"), page.get("NextUploadIdMarker")
 
-    def abort_upload(self, key: str, upload_id: str) -> None:
+    def abort_upload(self, key: str, upload_id: str, *, cleanup: bool = False) -> None:
         """Abort an upload (one already gone is no error)."""
 
         def abort() -> None:
@@ -344,7 +345,7 @@ class Bucket:
                 if _answer(e)[0] != 404:
                     raise
 
-        self.call("AbortMultipartUpload", key, abort)
+        self.call("AbortMultipartUpload", key, abort, cleanup=cleanup)
 
 
 class Upload:
@@ -383,8 +384,8 @@ class Upload:
             ),
         )
 
-    def abort(self) -> None:
-        self.bucket.abort_upload(self.key, self.id)
+    def abort(self, *, cleanup: bool = False) -> None:
+        self.bucket.abort_upload(self.key, self.id, cleanup=cleanup)
 
 
 def _read_into(body: Any, view: memoryview, n: int) -> int:

@@ -155,9 +155,9 @@ class S3Writer(TierWriter):
         try:
             for up in self._uploads:
                 if up is not None:
-                    up.abort()
+                    up.abort(cleanup=True)
             if self._completed:
-                self.tier.bucket.delete(self._completed)
+                self.tier.bucket.delete(self._completed, cleanup=True)
         except Exception as e:  # the next open's sweep takes what is left
             log.warning("tier %r: cleaning up an aborted copy of step %d: %s", self.tier.name, self.key.step, e)
 
