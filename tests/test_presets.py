@@ -11,7 +11,9 @@ import torch
 from tierckpt import ConfigError, Hierarchy
 from tierckpt.config import load_config, parse_config
 from tierckpt.tiers.host import HostTier
-from tierckpt.tiers.options import local_directory
+from tierckpt.tiers.options import check_options, local_directory
+from tierckpt.tiers.s3 import OPTIONS as S3_OPTIONS
+from tierckpt.tiers.s3 import parse_s3_url
 
 ROOT = Path(__file__).resolve().parent.parent
 TIER_PRESETS = sorted((ROOT / "tiers").glob("*.yaml"))
@@ -26,7 +28,13 @@ def test_presets_exist() -> None:
 def test_tier_preset_loads(path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("USER", "tester")  # the dgx presets put their directories under $USER
     cfg = load_config(path)
-    assert cfg.tiers and all(t.location is None or local_directory(t).is_absolute() for t in cfg.tiers)
+    assert cfg.tiers
+    for t in cfg.tiers:
+        if t.kind == "s3":  # a bucket and a prefix; building the tier needs a server (tests/s3)
+            assert parse_s3_url(t.location or "", t.key) == ("checkpoints", "tester/tierckpt/")
+            check_options(t, S3_OPTIONS)
+        else:
+            assert t.location is None or local_directory(t).is_absolute()
 
 
 def test_a_preset_path_with_an_unset_variable_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:

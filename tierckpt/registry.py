@@ -32,6 +32,7 @@ _known: dict[str, str] = {
     "host": "tierckpt.tiers.host:HostTier",
     "local": "tierckpt.tiers.local:LocalTier",
     "pfs": "tierckpt.tiers.pfs:PfsTier",
+    "s3": "tierckpt.tiers.s3:S3Tier",
 }
 _registry: dict[str, type[Tier]] = {}
 

@@ -1,0 +1,71 @@
+"""Four spawned gloo ranks demote DTensor shards to the s3 tier on the session's radosgw: each step is
+committed once on the bucket (one record), and the job restores it resharded on 2 ranks and whole on 1."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tests.multiproc.harness import spawn
+
+pytestmark = pytest.mark.remote
+
+ROWS, COLS = 64, 48
+
+
+def full(step: int) -> torch.Tensor:
+    return torch.arange(ROWS * COLS, dtype=torch.float32).reshape(ROWS, COLS) + 1000 * step
+
+
+def config(entry: dict[str, Any], host: bool) -> dict[str, Any]:
+    tiers = [{"name": "host", "kind": "host"}] if host else []
+    return {"tiers": [*tiers, entry], "policy": {"keep": {"obj": 2} | ({"host": 1} if host else {})}}
+
+
+def save_job(rank: int, world: int, entry: dict[str, Any], env: dict[str, str]) -> dict[str, Any]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from tierckpt import Hierarchy
+
+    os.environ.update(env)
+    mesh = init_device_mesh("cpu", (world,))
+    with Hierarchy.from_config(config(entry, host=True)) as h:
+        for step in (1, 2, 3):
+            h.save({"w": distribute_tensor(full(step), mesh, [Shard(0)]), "step": step}, step=step).wait()
+        assert h.flush(timeout=120)
+        return {"listed": {c.step: c.states.get("obj") for c in h.checkpoints()}}
+
+
+def restore_job(rank: int, world: int, entry: dict[str, Any], env: dict[str, str]) -> dict[str, Any]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from tierckpt import Hierarchy
+
+    os.environ.update(env)
+    mesh = init_device_mesh("cpu", (world,))
+    target = {"w": distribute_tensor(torch.zeros(ROWS, COLS), mesh, [Shard(1)]), "step": -1}
+    with Hierarchy.from_config(config(entry, host=False)) as h:
+        got = h.restore(into=target)
+        whole = got["w"].full_tensor()
+        return {"step": got["step"], "ok": bool(torch.equal(whole, full(3))), "from": list(h.last_restore)}
+
+
+def test_four_ranks_commit_once_and_restore_resharded(s3_bucket: Any, tmp_path: Path) -> None:
+    entry = s3_bucket.tier_entry("obj", "ranks", part_size="5MiB")
+    env = s3_bucket.env()
+    saved = spawn(save_job, 4, tmp_path, entry, env, limit=180)
+    assert saved == [{"ok": {"listed": {"2": "committed", "3": "committed"}}}] * 4, saved
+    keys = s3_bucket.objects()
+    assert sorted(k for k in keys if "/records/" in k) == [f"ranks/records/step-{s:012d}" for s in (2, 3)]
+    heads = [k for k in keys if "/manifests/" in k]
+    assert len(heads) == 8 and not any("step-000000000001" in k for k in keys)
+    restored = spawn(restore_job, 2, tmp_path, entry, env, limit=120)
+    assert restored == [{"ok": {"step": 3, "ok": True, "from": [3, "obj"]}}] * 2, restored
+    one = spawn(restore_job, 1, tmp_path, entry, env, limit=120)
+    assert one == [{"ok": {"step": 3, "ok": True, "from": [3, "obj"]}}], one

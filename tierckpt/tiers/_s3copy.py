@@ -1,0 +1,237 @@
+"""One copy on the ``s3`` tier: written as multipart uploads and published by its head object; read by
+ranged GETs of the version its head names.
+
+A write is one part of one blob's multipart upload (part ``offset // part_size + 1``), sent from the
+caller's memory as it is, on the bucket's pool: parts go up in any order and ``concurrency`` at once. The
+uploads are completed only at commit, once every part of every blob is in, and the head object goes up
+last: a copy interrupted before that is a set of multipart uploads, which :meth:`_Writer.abort` aborts
+(or the next open's sweep, after a crash) and which no listing shows.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+from collections.abc import Sequence
+from concurrent.futures import Future
+from typing import Protocol, cast
+
+from tierckpt.errors import CheckpointEvictedError, CheckpointNotFoundError, CorruptCheckpointError
+from tierckpt.format.manifest import BlobEntry
+from tierckpt.format.objecthead import BLOB_NAME_RE, ObjectHead, encode_head
+from tierckpt.io.buffers import ptr_mv
+from tierckpt.tiers._s3client import Bucket, Upload
+from tierckpt.tiers._s3keys import S3Keys, new_version
+from tierckpt.tiers.base import CheckpointKey, Tier, TierCopy, TierReader, TierWriter
+
+__all__ = ["MAX_PARTS", "S3Copy", "S3Writer", "check_blobs"]
+
+log = logging.getLogger("tierckpt.s3")
+
+#: S3's most parts in one multipart upload
+MAX_PARTS = 10_000
+
+
+class S3Tier(Protocol):
+    """What a copy uses of its tier (:class:`tierckpt.tiers.s3.S3Tier`)."""
+
+    name: str
+    part_bytes: int
+    bucket: Bucket
+    keys: S3Keys
+
+    def read_head(self, key: CheckpointKey) -> ObjectHead | None: ...
+
+    def publish(self, key: CheckpointKey, head: bytes, version: str) -> None: ...
+
+
+def check_blobs(tier: S3Tier, blobs: Sequence[BlobEntry]) -> None:
+    """Refuse blobs the tier cannot store: a name its keys cannot carry, one twice, or one of more than
+    :data:`MAX_PARTS` parts.
+
+    Raises:
+        ValueError: naming the blob and what to change.
+    """
+    part = tier.part_bytes
+    if len({b.name for b in blobs}) != len(blobs):
+        raise ValueError(f"tier {tier.name!r}: two blobs of one checkpoint share a name")
+    for b in blobs:
+        if not BLOB_NAME_RE.fullmatch(b.name):
+            raise ValueError(f"tier {tier.name!r}: blob name {b.name!r} cannot be an object key here")
+        if -(-b.size // part) > MAX_PARTS:
+            raise ValueError(
+                f"tier {tier.name!r}: blob {b.name!r} of {b.size} bytes needs more than {MAX_PARTS} parts of "
+                f"{part} bytes (S3's limit): raise the tier's options.part_size or lower layout.blob_size"
+            )
+
+
+class S3Writer(TierWriter):
+    """A copy being uploaded (see the module docstring)."""
+
+    def __init__(self, tier: S3Tier, key: CheckpointKey, blobs: Sequence[BlobEntry]) -> None:
+        self.tier, self.key, self.blobs = tier, key, list(blobs)
+        self.version = new_version()
+        self.prefix = tier.keys.data(key, self.version)
+        self._uploads: list[Upload | None] = [None] * len(self.blobs)
+        self._completed: list[str] = []  # objects made by commit, deleted by a later abort
+        self._parts: list[set[int]] = [set() for _ in self.blobs]
+        self._futures: list[Future[int]] = []
+        self._lock = threading.Lock()
+        self._starting = [threading.Lock() for _ in self.blobs]
+        self._open = True
+
+    def _upload(self, blob: int) -> Upload:
+        with self._starting[blob]:  # one upload per blob, started by its first part
+            up = self._uploads[blob]
+            if up is None:
+                if not self._open:
+                    raise RuntimeError(f"tier {self.tier.name!r}: the writer of step {self.key.step} was aborted")
+                up = self._uploads[blob] = self.tier.bucket.upload(self.prefix + self.blobs[blob].name)
+            return up
+
+    def write(self, blob: int, offset: int, addr: int, nbytes: int) -> Future[int]:
+        if not self._open:
+            raise RuntimeError("writer already finished")
+        part, size = self.tier.part_bytes, self.blobs[blob].size
+        if offset % part or nbytes != min(part, size - offset) or nbytes <= 0:
+            raise ValueError(
+                f"tier {self.tier.name!r}: a write of blob {blob} at [{offset}, +{nbytes}) is not one of its "
+                f"parts of {part} bytes (each write is one whole part: capabilities min/max_part_bytes)"
+            )
+        number = offset // part + 1
+        view = ptr_mv(addr, nbytes, writable=False)
+
+        def send() -> int:
+            self._upload(blob).part(number, view)
+            with self._lock:
+                self._parts[blob].add(number)
+            return nbytes
+
+        fut = self.tier.bucket.submit(send)
+        with self._lock:
+            self._futures.append(fut)
+        return fut
+
+    def commit(self, manifest: bytes) -> None:
+        if not self._open:
+            raise RuntimeError("writer already finished")
+        try:
+            self._wait_writes()
+            for i, b in enumerate(self.blobs):
+                want = -(-b.size // self.tier.part_bytes)
+                if len(self._parts[i]) != want:
+                    raise ValueError(
+                        f"tier {self.tier.name!r}: blob {b.name!r} has {len(self._parts[i])} of its {want} parts"
+                    )
+            done = [(u, self.tier.bucket.submit(u.complete)) for u in self._uploads if u is not None]
+            for u, f in done:
+                f.result()
+                self._completed.append(u.key)
+            self._uploads = [None] * len(self.blobs)
+            head = encode_head(self.version, [(b.name, b.size) for b in self.blobs], manifest)
+            self.tier.publish(self.key, head, self.version)
+        except BaseException:
+            self.abort()
+            raise
+        self._open = False
+
+    def _wait_writes(self) -> None:
+        with self._lock:
+            futures = list(self._futures)
+        for f in futures:
+            f.result()
+
+    def abort(self) -> None:
+        with self._lock:
+            if not self._open:
+                return
+            self._open = False
+            futures = list(self._futures)
+        for f in futures:  # parts in flight read the caller's memory: wait for them
+            f.cancel()
+            with contextlib.suppress(BaseException):
+                f.exception()
+        try:
+            for up in self._uploads:
+                if up is not None:
+                    up.abort(cleanup=True)
+            if self._completed:
+                self.tier.bucket.delete(self._completed, cleanup=True)
+        except Exception as e:  # the next open's sweep takes what is left
+            log.warning("tier %r: cleaning up an aborted copy of step %d: %s", self.tier.name, self.key.step, e)
+
+
+class S3Copy(TierCopy):
+    """One committed copy, by its head object read when it is opened: every read is of that version."""
+
+    def __init__(self, tier: S3Tier, key: CheckpointKey) -> None:
+        super().__init__(cast(Tier, tier), key)
+        self.s3 = tier
+        head = tier.read_head(key)
+        if head is None:
+            raise CheckpointNotFoundError(f"tier {tier.name!r} holds no checkpoint for step {key.step} rank {key.rank}")
+        self.head: ObjectHead = head
+        self.prefix = tier.keys.data(key, head.version)
+
+    def gone(self, what: str) -> OSError:
+        """An object of the copy is missing: damage while its head still names it, else evicted or replaced."""
+        try:
+            now = self.s3.read_head(self.key)
+        except CorruptCheckpointError:
+            now = None
+        if now is not None and now.version == self.head.version:
+            return CorruptCheckpointError(f"{what} is missing", tier=self.tier.name, step=self.key.step)
+        return CheckpointEvictedError(f"tier {self.tier.name!r}: step {self.key.step} was evicted or replaced")
+
+    def read_manifest(self) -> bytes:
+        return self.head.manifest
+
+    def reader(self, blobs: Sequence[BlobEntry]) -> TierReader:
+        sizes = dict(self.head.blobs)
+        for b in blobs:
+            if sizes.get(b.name) != b.size:
+                held = "no such blob" if b.name not in sizes else f"{sizes[b.name]} bytes"
+                raise CorruptCheckpointError(
+                    f"{self.s3.bucket.where(self.prefix + b.name)}: the manifest declares {b.size} bytes, "
+                    f"the copy's head {held}",
+                    tier=self.tier.name,
+                    step=self.key.step,
+                    blob=b.name,
+                )
+        return _Reader(self, list(blobs))
+
+
+class _Reader(TierReader):
+    """Ranged GETs on the bucket's pool, straight into the caller's memory (any address)."""
+
+    def __init__(self, copy: S3Copy, blobs: list[BlobEntry]) -> None:
+        self.copy, self.blobs = copy, blobs
+
+    def read_alignment(self, blob: int) -> tuple[int, int] | None:
+        return (1, 1)
+
+    def read(self, blob: int, offset: int, addr: int, nbytes: int) -> Future[int]:
+        b, copy = self.blobs[blob], self.copy
+        key = copy.prefix + b.name
+        if nbytes == 0 or offset >= b.size:
+            done: Future[int] = Future()
+            done.set_result(0)
+            return done
+        view = ptr_mv(addr, nbytes)
+
+        def get() -> int:
+            got = copy.s3.bucket.get_into(key, offset, view)
+            if got is None:
+                raise copy.gone(copy.s3.bucket.where(key))
+            n, total = got
+            if total is not None and total != b.size:
+                raise CorruptCheckpointError(
+                    f"{copy.s3.bucket.where(key)} holds {total} bytes, its manifest declares {b.size}",
+                    tier=copy.tier.name,
+                    step=copy.key.step,
+                    blob=b.name,
+                )
+            return n
+
+        return copy.s3.bucket.submit(get)
