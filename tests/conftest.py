@@ -12,6 +12,9 @@ import pytest
 
 from tierckpt.io.engine import IOEngine, make_engine
 
+# the real servers (Ceph with CephFS and S3, GlusterFS) and their fixtures, one of each per session
+pytest_plugins = ["tierckpt.testing.pytest_clusters"]
+
 
 @pytest.fixture(params=["threads", "uring"])
 def engine(request: pytest.FixtureRequest) -> Iterator[IOEngine]:

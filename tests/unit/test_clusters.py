@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from tierckpt.testing import clusters
-from tierckpt.testing._daemons import is_mounted
+from tierckpt.testing._daemons import Daemons, is_mounted
 from tierckpt.testing.clusters import CephCluster, ClusterError, GlusterVolume
 
 
@@ -69,3 +70,20 @@ def test_is_mounted_reads_the_mount_table(tmp_path: Path, mount_tmpfs: Any) -> N
     with mount_tmpfs(mnt, 1 << 20):
         assert is_mounted(mnt) and is_mounted(tmp_path / "." / "a mount")
     assert not is_mounted(mnt)
+
+
+def test_a_daemon_killed_is_gone_and_forgotten(tmp_path: Path) -> None:
+    """``kill`` SIGKILLs a running daemon and forgets it; one that exited by itself is only forgotten."""
+    if shutil.which("sleep") is None or shutil.which("true") is None:
+        pytest.skip("no `sleep` or `true` program")
+    (tmp_path / "log").mkdir()
+    d = Daemons(tmp_path)
+    p = d.spawn("sleeper", ["sleep", "600"])
+    d.spawn("quick", ["true"])
+    assert d.running("sleeper")
+    d.kill("sleeper")
+    assert p.returncode == -signal.SIGKILL and not d.running("sleeper")
+    d.procs[0][1].wait(timeout=30)
+    assert not d.running("quick")
+    d.kill("quick")
+    assert d.procs == []

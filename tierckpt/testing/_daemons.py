@@ -4,6 +4,8 @@ in reverse order, SIGTERM then SIGKILL)."""
 
 from __future__ import annotations
 
+import contextlib
+import http.client
 import os
 import re
 import shutil
@@ -11,10 +13,10 @@ import signal
 import socket
 import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import TracebackType
-from typing import TypeVar
+from typing import NoReturn, TypeVar
 
 #: seconds a single step of a start (a command, a daemon becoming ready) may take
 STEP_TIMEOUT_S = 90.0
@@ -71,6 +73,19 @@ def port_open(host: str, port: int) -> bool:
         return False
 
 
+def http_answers(host: str, port: int) -> bool:
+    """Whether an HTTP server answers ``GET /`` at ``host:port`` (with any status) within 2 s."""
+    conn = http.client.HTTPConnection(host, port, timeout=2.0)
+    try:
+        conn.request("GET", "/")
+        conn.getresponse().read()
+        return True
+    except (OSError, http.client.HTTPException):
+        return False
+    finally:
+        conn.close()
+
+
 def is_mounted(path: Path) -> bool:
     """Whether a file system is mounted at ``path``, from ``/proc/self/mountinfo``: never touching the
     mount point, whose every access hangs when a FUSE client has lost its servers."""
@@ -118,6 +133,23 @@ class Daemons:
             p = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True)
         self.procs.append((name, p))
         return p
+
+    def kill(self, name: str) -> None:
+        """SIGKILL the daemon ``name`` (as a crash would), wait until it is gone, and forget it."""
+        for entry in [e for e in self.procs if e[0] == name]:
+            p = entry[1]
+            if p.poll() is None:  # once reaped, its pid may be another process's
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(p.pid, signal.SIGKILL)
+            try:
+                p.wait(timeout=_STOP_WAIT_S)
+            except subprocess.TimeoutExpired:
+                raise ClusterError(f"{name} (pid {p.pid}) survived SIGKILL for {_STOP_WAIT_S:.0f} s") from None
+            self.procs.remove(entry)
+
+    def running(self, name: str) -> bool:
+        """Whether the daemon ``name`` was started and has not exited."""
+        return any(n == name and p.poll() is None for n, p in self.procs)
 
     def check_alive(self, fail: Callable[[str], None]) -> None:
         for name, p in self.procs:
@@ -189,13 +221,21 @@ class Cluster:
     ) -> None:
         self.stop()
 
-    def _fail(self, why: str) -> None:
-        logs = self._daemons.logs()
+    def _fail(self, why: str) -> NoReturn:
+        """Raise :class:`ClusterError` with ``why`` and the tails of the daemons' logs."""
+        raise ClusterError(f"{self.kind} in {self.base}: {why}\n{self._daemons.logs()}")
+
+    @contextlib.contextmanager
+    def _all_or_nothing(self) -> Iterator[None]:
+        """Around a whole start: when a step fails, stop what had started, then raise the step's error."""
         try:
-            self.stop()
+            yield
         except ClusterError as e:
-            why += f" (and stopping what had started failed: {e})"
-        raise ClusterError(f"{self.kind} in {self.base}: {why}\n{logs}")
+            try:
+                self.stop()
+            except ClusterError as stop_error:
+                raise ClusterError(f"{e} (and stopping what had started failed: {stop_error})") from e
+            raise
 
     def _run(self, argv: list[str], what: str | None = None, timeout_s: float | None = None) -> str:
         """Run a command to completion; a failure or a timeout fails the start with its output."""

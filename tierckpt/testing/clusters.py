@@ -34,6 +34,7 @@ from tierckpt.testing._daemons import (
     Cluster,
     ClusterError,
     free_port,
+    http_answers,
     is_mounted,
     port_open,
     why_not,
@@ -86,6 +87,10 @@ mon allow pool size one = true
 mon max pg per osd = 1000
 mon warn on pool no redundancy = false
 mon data avail warn = 5
+# a killed radosgw's watches on its control objects outlive it this long (default 30 s), and every change
+# radosgw announces to its peers (a bucket made or deleted) waits for the dead one's answer until then;
+# a live radosgw pings its watches every tick (objecter tick interval: 1 s below, default 5 s)
+osd client watch timeout = 5
 osd crush chooseleaf type = 0
 osd objectstore = memstore
 memstore device bytes = {memstore_bytes}
@@ -99,9 +104,15 @@ mgr data = {base}/$name
 mds data = {base}/$name
 keyring = {base}/keyring
 [client.rgw.a]
-rgw frontends = beast endpoint=127.0.0.1:{rgw_port}
 rgw data = {base}/rgw
+# radosgw frees a deleted object's tail and an aborted upload's parts by garbage collection, by default
+# two hours after the delete and once an hour: here at once and every few seconds, or the memstore fills up
+rgw gc obj min wait = 0
+rgw gc processor period = 5
+objecter tick interval = 1
 """
+#: the name radosgw runs under (its section of the configuration, its log file)
+RGW = "client.rgw.a"
 
 
 class CephCluster(Cluster):
@@ -110,6 +121,12 @@ class CephCluster(Cluster):
     MDS with CephFS mounted by ``ceph-fuse`` and a radosgw serving S3 on 127.0.0.1.
 
     Auth is off (``auth_*_required = none``); the S3 user has :attr:`access_key` / :attr:`secret_key`.
+    CephFS and radosgw may be started with :meth:`start` or later, on the running cluster
+    (:meth:`start_cephfs`, :meth:`start_rgw`); :meth:`kill_rgw` crashes radosgw for fault tests, and
+    :meth:`start_rgw` brings it back on the same port with the same user and buckets (they live in RADOS).
+
+    A full OSD (about 95 % of ``memstore_bytes``) does not fail radosgw's requests: they wait until room is
+    made, so a client without a timeout hangs. Size the memstore for what the tests keep at once.
     """
 
     kind = "ceph"
@@ -127,11 +144,17 @@ class CephCluster(Cluster):
         self.conf = self.base / "ceph.conf"
         self.mon_port = 0
         self.rgw_port: int | None = None
+        self._s3_user = False
 
     @property
     def s3_endpoint(self) -> str | None:
-        """``http://127.0.0.1:PORT`` when radosgw runs, else ``None``."""
+        """``http://127.0.0.1:PORT`` once radosgw was started (also while it is killed), else ``None``."""
         return None if self.rgw_port is None else f"http://127.0.0.1:{self.rgw_port}"
+
+    @property
+    def rgw_running(self) -> bool:
+        """Whether radosgw was started and has not exited (nor been killed) since."""
+        return self._daemons.running(RGW)
 
     def ceph(self, *args: str, timeout_s: float | None = None) -> str:
         """Run the ``ceph`` command line against this cluster; its standard output."""
@@ -142,21 +165,17 @@ class CephCluster(Cluster):
         missing); with ``rgw_port`` radosgw on 127.0.0.1:``rgw_port`` and an S3 user. Returns ``self``."""
         self._prepare(["mon.a", "osd.0", "mgr.x", "mds.a", "run", "rgw"])
         self.mon_port = free_port()
-        self.rgw_port = rgw_port
         self.conf.write_text(
             _CEPH_CONF.format(
-                fsid=uuid.uuid4(),
-                mon_port=self.mon_port,
-                memstore_bytes=self.memstore_bytes,
-                base=self.base,
-                rgw_port=rgw_port or 0,
+                fsid=uuid.uuid4(), mon_port=self.mon_port, memstore_bytes=self.memstore_bytes, base=self.base
             )
         )
-        self._start_core()
-        if cephfs is not None:
-            self._start_cephfs(Path(cephfs).absolute())
-        if rgw_port is not None:
-            self._start_rgw(rgw_port)
+        with self._all_or_nothing():
+            self._start_core()
+            if cephfs is not None:
+                self.start_cephfs(cephfs)
+            if rgw_port is not None:
+                self.start_rgw(rgw_port)
         return self
 
     def _daemon(self, name: str, argv: list[str]) -> None:
@@ -176,7 +195,13 @@ class CephCluster(Cluster):
         self._daemon("mgr.x", ["ceph-mgr", "-i", "x"])
         self._wait("osd.0 up", lambda: '"num_up_osds":1' in self.ceph("osd", "stat", "-f", "json").replace(" ", ""))
 
-    def _start_cephfs(self, mnt: Path) -> None:
+    def start_cephfs(self, mount: str | os.PathLike[str]) -> Path:
+        """On the running cluster: create CephFS, start an MDS, mount it at ``mount`` (made if missing)
+        with ``ceph-fuse``; returns the mount point. A failure raises :class:`ClusterError` and leaves
+        the cluster running (:meth:`stop` stops what this started)."""
+        if self.mount is not None:
+            raise ClusterError(f"{self.kind} in {self.base}: CephFS is mounted already, at {self.mount}")
+        mnt = Path(mount).absolute()
         self.ceph("osd", "pool", "create", "cephfs_data", "8")
         self.ceph("osd", "pool", "create", "cephfs_metadata", "8")
         self.ceph("fs", "new", "cephfs", "cephfs_metadata", "cephfs_data")
@@ -188,17 +213,41 @@ class CephCluster(Cluster):
         self.mount = mnt
         self._daemon("client.admin", ["ceph-fuse", str(mnt)])
         self._wait(f"ceph-fuse mount at {mnt}", lambda: is_mounted(mnt))
+        return mnt
 
-    def _start_rgw(self, port: int) -> None:
-        self._daemon("client.rgw.a", ["radosgw", "-n", "client.rgw.a"])
-        self._wait(f"radosgw on 127.0.0.1:{port}", lambda: port_open("127.0.0.1", port))
-        self._run(
-            [
-                *("radosgw-admin", "-c", str(self.conf), "user", "create", "--uid=tierckpt", "--display-name=tierckpt"),
-                f"--access-key={self.access_key}",
-                f"--secret-key={self.secret_key}",
-            ]
-        )
+    def start_rgw(self, port: int | None = None) -> str:
+        """On the running cluster: start radosgw on 127.0.0.1:``port`` (by default the port it had, else
+        one chosen free), wait until it answers HTTP (about 13 s on a loaded 2-core machine), and create
+        the S3 user at the first start; returns :attr:`s3_endpoint`. A failure raises
+        :class:`ClusterError` with the logs' tails and leaves the cluster running."""
+        if self.rgw_running:
+            raise ClusterError(f"{self.kind} in {self.base}: radosgw runs already, on port {self.rgw_port}")
+        self._daemons.kill(RGW)  # forget one that exited by itself: it would fail the wait below
+        port = port or self.rgw_port or free_port()
+        self.rgw_port = port
+        self._daemon(RGW, ["radosgw", "-n", RGW, f"--rgw_frontends=beast endpoint=127.0.0.1:{port}"])
+        self._wait(f"radosgw answering on 127.0.0.1:{port}", lambda: http_answers("127.0.0.1", port))
+        if not self._s3_user:
+            self._run(
+                [
+                    *("radosgw-admin", "-c", str(self.conf), "user", "create", "--uid=tierckpt"),
+                    *("--display-name=tierckpt", f"--access-key={self.access_key}", f"--secret-key={self.secret_key}"),
+                ]
+            )
+            self._s3_user = True
+        return f"http://127.0.0.1:{port}"
+
+    def kill_rgw(self) -> None:
+        """SIGKILL radosgw, as a crash would, and wait until it is gone (at most 15 s, else
+        :class:`ClusterError`). Requests in flight fail with a reset connection, new ones are refused,
+        until :meth:`start_rgw` starts it again on the same port."""
+        self._daemons.kill(RGW)
+
+    def _stop_servers(self) -> None:
+        # radosgw keeps nothing of its own (its data is in RADOS), and on SIGTERM it takes 5 to 10 s and
+        # more, waiting for its clients' idle connections: killed at once
+        self._daemons.kill(RGW)
+        super()._stop_servers()
 
     def set_quota(self, directory: str | os.PathLike[str], max_bytes: int) -> None:
         """Set the CephFS quota ``ceph.quota.max_bytes`` on a directory of the mount (0 lifts it); ceph-fuse
@@ -308,6 +357,11 @@ class GlusterVolume(Cluster):
         """Start glusterd (unless one serves this machine already), create and start the volume, mount it
         at ``mount`` (made if missing); returns ``self``."""
         self._prepare(["glusterd", "brick"])
+        with self._all_or_nothing():
+            self._start_volume(Path(mount).absolute(), brick_bytes)
+        return self
+
+    def _start_volume(self, mnt: Path, brick_bytes: int | None) -> None:
         host = brick_host()
         brick = self.base / "brick"
         if brick_bytes is not None:
@@ -324,7 +378,6 @@ class GlusterVolume(Cluster):
             self.gluster("volume", "set", self.volume, "storage.reserve", "0")
         self.gluster("volume", "start", self.volume)
         self._daemons.extra_pids.extend(self._brick_pids())
-        mnt = Path(mount).absolute()
         mnt.mkdir(parents=True, exist_ok=True)
         if is_mounted(mnt):
             self._fail(f"{mnt} is already a mount point")
@@ -332,7 +385,6 @@ class GlusterVolume(Cluster):
         opts = f"log-file={self.base / 'log' / 'mount.log'}"
         self._run(["mount", "-t", "glusterfs", "-o", opts, f"{host}:/{self.volume}", str(mnt)], "mount -t glusterfs")
         self._wait(f"glusterfs mount at {mnt}", lambda: is_mounted(mnt))
-        return self
 
     def _brick_pids(self) -> list[int]:
         pids = []
