@@ -75,7 +75,10 @@ def test_prefetch_from_s3_and_fallback_on_restore(s3_bucket: Any, tmp_path: Path
 def test_s3_alone_and_on_close(s3_bucket: Any) -> None:
     with Hierarchy.from_config({"tiers": [_obj(s3_bucket)]}) as h:
         h.save(_state(1), step=1, blocking=True)
-    cfg = {"tiers": [{"name": "host", "kind": "host"}, _obj(s3_bucket)], "policy": {"demote": {"obj": "on_close"}}}
+    cfg = {
+        "tiers": [{"name": "host", "kind": "host"}, _obj(s3_bucket)],
+        "policy": {"demote": {"obj": {"on_close": True}}},
+    }
     with Hierarchy.from_config(cfg) as h:
         h.save(_state(2), step=2).wait()
         assert h.checkpoints()[-1].tiers == ("host",)
@@ -136,7 +139,12 @@ def test_open_errors_name_the_problem(s3_bucket: Any, monkeypatch: pytest.Monkey
     with pytest.raises(ConfigError, match=r"refused the credentials .*AWS_ACCESS_KEY_ID") as e:
         Hierarchy.from_config({"tiers": [entry]})
     assert "wrong" not in str(e.value)
-    monkeypatch.undo()
+    monkeypatch.delenv("AWS_SECRET_ACCESS_KEY")
+    monkeypatch.delenv("AWS_ACCESS_KEY_ID")
+    with pytest.raises(ConfigError, match=r"found no credentials for bucket .*AWS_ACCESS_KEY_ID"):
+        Hierarchy.from_config({"tiers": [entry]})
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", s3_bucket.server.access_key)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", s3_bucket.server.secret_key)
     bad = entry | {"options": entry["options"] | {"endpoint_url": "http://127.0.0.1:9", "retries": 1}}
     with pytest.raises(S3Error, match=r"HeadBucket of s3://.* at http://127.0.0.1:9 failed after 2 tries"):
         Hierarchy.from_config({"tiers": [bad]})

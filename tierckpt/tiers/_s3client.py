@@ -11,6 +11,7 @@ metadata); they are never logged and never part of an error.
 
 from __future__ import annotations
 
+import io
 import logging
 import random
 import re
@@ -359,11 +360,12 @@ class Upload:
     def part(self, number: int, body: memoryview) -> None:
         """Upload part ``number`` (1 …) from ``body`` (sent as it is, no copy)."""
         b = self.bucket
-        resp = b.call(
-            "UploadPart",
-            self.key,
-            lambda: b.client.upload_part(Bucket=b.name, Key=self.key, UploadId=self.id, PartNumber=number, Body=body),
-        )
+
+        def send() -> Any:
+            stream = _MemoryStream(body)  # a fresh one each try: botocore rewinds what it reads
+            return b.client.upload_part(Bucket=b.name, Key=self.key, UploadId=self.id, PartNumber=number, Body=stream)
+
+        resp = b.call("UploadPart", self.key, send)
         with self._lock:
             self._etags[number] = str(resp["ETag"])
 
@@ -386,6 +388,37 @@ class Upload:
 
     def abort(self, *, cleanup: bool = False) -> None:
         self.bucket.abort_upload(self.key, self.id, cleanup=cleanup)
+
+
+class _MemoryStream(io.RawIOBase):
+    """A request body over memory the caller keeps alive: seekable, as botocore needs to hash it and to
+    rewind it, and read as slices of that memory (no copies)."""
+
+    def __init__(self, view: memoryview) -> None:
+        super().__init__()
+        self._view, self._pos = view, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def read(self, size: int | None = -1) -> memoryview:
+        end = len(self._view) if size is None or size < 0 else min(len(self._view), self._pos + size)
+        out, self._pos = self._view[self._pos : end], max(self._pos, end)
+        return out
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: len(self._view)}[whence]
+        self._pos = max(0, base + offset)
+        return self._pos
+
+    def tell(self) -> int:
+        return self._pos
+
+    def __len__(self) -> int:
+        return len(self._view)
 
 
 def _read_into(body: Any, view: memoryview, n: int) -> int:

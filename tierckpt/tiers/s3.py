@@ -185,6 +185,11 @@ class S3Tier(Tier):
         try:
             return b.check()
         except S3Error as e:
+            if e.code == "NoCredentialsError":
+                raise ConfigError(
+                    f"found no credentials for bucket {b.name!r} at {b.endpoint}: set AWS_ACCESS_KEY_ID / "
+                    "AWS_SECRET_ACCESS_KEY, ~/.aws/credentials or options.profile"
+                ) from e
             if e.code in _BAD_BUCKET or e.status == 404:
                 if create and not self.readonly:
                     b.call("CreateBucket", None, lambda: b.client.create_bucket(Bucket=b.name))
