@@ -94,3 +94,42 @@ def test_radosgw_restarted_in_a_demotion(s3_bucket: Any, ceph_cluster: Any) -> N
         assert steps in ([1, 2, 3], [1, 3]), steps
         for s in steps:
             assert _same(h.restore(step=s), _state(s, n=12_000_000 if s == 2 else 1_000_000))
+
+
+_KILLED_SAVER = """
+import sys, torch
+from tierckpt import Hierarchy
+entry = {"name": "obj", "kind": "s3", "path": sys.argv[1],
+         "options": {"endpoint_url": sys.argv[2], "part_size": "5MiB", "concurrency": 1},
+         "io": {"bandwidth": "5MB/s"}}
+with Hierarchy.from_config({"tiers": [entry]}) as h:
+    h.save({"w": torch.ones(1_000_000), "step": 1}, step=1, blocking=True)
+    print("saved", flush=True)
+    h.save({"w": torch.ones(10_000_000), "step": 2}, step=2, blocking=True)  # killed in this one
+"""
+
+
+def test_a_killed_save_is_never_listed_and_is_swept(s3_bucket: Any) -> None:
+    import subprocess
+    import sys
+
+    url = s3_bucket.url("run")
+    p = subprocess.Popen(
+        [sys.executable, "-c", _KILLED_SAVER, url, s3_bucket.endpoint], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert p.stdout is not None and p.stdout.readline().strip() == "saved"
+        deadline = time.monotonic() + 60
+        while not s3_bucket.uploads() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert s3_bucket.uploads(), "the second save never began its upload"
+    finally:
+        p.kill()
+        p.wait()
+    time.sleep(1.1)  # the server dates uploads to the second
+    entry = s3_bucket.tier_entry("obj", "run", sweep_grace=0)
+    with Hierarchy.from_config({"tiers": [entry]}) as h:
+        assert [c.step for c in h.checkpoints()] == [1]
+        assert h.restore()["step"] == 1
+    assert s3_bucket.uploads() == []
+    assert not any("step-000000000002" in k for k in list(s3_bucket.keys()))

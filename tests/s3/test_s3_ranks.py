@@ -26,7 +26,7 @@ def config(entry: dict[str, Any], host: bool) -> dict[str, Any]:
     return {"tiers": [*tiers, entry], "policy": {"keep": {"obj": 2} | ({"host": 1} if host else {})}}
 
 
-def save_job(rank: int, world: int, entry: dict[str, Any], env: dict[str, str]) -> dict[str, Any]:
+def save_job(rank: int, world: int, entry: dict[str, Any], env: dict[str, str], steps: int = 3) -> dict[str, Any]:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
@@ -35,7 +35,7 @@ def save_job(rank: int, world: int, entry: dict[str, Any], env: dict[str, str]) 
     os.environ.update(env)
     mesh = init_device_mesh("cpu", (world,))
     with Hierarchy.from_config(config(entry, host=True)) as h:
-        for step in (1, 2, 3):
+        for step in range(1, steps + 1):
             h.save({"w": distribute_tensor(full(step), mesh, [Shard(0)]), "step": step}, step=step).wait()
         assert h.flush(timeout=120)
         return {"listed": {c.step: c.states.get("obj") for c in h.checkpoints()}}
@@ -56,11 +56,16 @@ def restore_job(rank: int, world: int, entry: dict[str, Any], env: dict[str, str
         return {"step": got["step"], "ok": bool(torch.equal(whole, full(3))), "from": list(h.last_restore)}
 
 
+def _env(bucket: Any) -> dict[str, str]:
+    """The credentials, for ranks whose processes may come from a server started before this test."""
+    server = bucket.server
+    return {"AWS_ACCESS_KEY_ID": server.access_key, "AWS_SECRET_ACCESS_KEY": server.secret_key,
+            "AWS_DEFAULT_REGION": server.region}  # fmt: skip
+
+
 def test_four_ranks_commit_once_and_restore_resharded(s3_bucket: Any, tmp_path: Path) -> None:
     entry = s3_bucket.tier_entry("obj", "ranks", part_size="5MiB")
-    server = s3_bucket.server  # the ranks' processes may come from a server started before this test
-    env = {"AWS_ACCESS_KEY_ID": server.access_key, "AWS_SECRET_ACCESS_KEY": server.secret_key,
-           "AWS_DEFAULT_REGION": server.region}  # fmt: skip
+    env = _env(s3_bucket)
     saved = spawn(save_job, 4, tmp_path, entry, env, limit=180)
     assert saved == [{"ok": {"listed": {"2": "committed", "3": "committed"}}}] * 4, saved
     keys = s3_bucket.keys()
@@ -71,3 +76,21 @@ def test_four_ranks_commit_once_and_restore_resharded(s3_bucket: Any, tmp_path: 
     assert restored == [{"ok": {"step": 3, "ok": True, "from": [3, "obj"]}}] * 2, restored
     one = spawn(restore_job, 1, tmp_path, entry, env, limit=120)
     assert one == [{"ok": {"step": 3, "ok": True, "from": [3, "obj"]}}], one
+
+
+LISTS = ("ListObjectsV2", "ListObjects", "ListMultipartUploads")
+
+
+def test_four_ranks_list_only_when_they_open(s3_proxy: Any, tmp_path: Path) -> None:
+    """Counted at the proxy: the LIST requests of a job are those of its open (one rank's listing and
+    rank 0's sweep), the same for 2 saves as for 6; every save and eviction is GETs, PUTs and deletes."""
+    proxy, env = s3_proxy.proxy, _env(s3_proxy)
+    counts = []
+    for steps, prefix in ((2, "a"), (6, "b")):
+        proxy.clear_counts()
+        entry = s3_proxy.tier_entry("obj", prefix, part_size="5MiB")
+        saved = spawn(save_job, 4, tmp_path, entry, env, steps, limit=180)
+        assert all(r is not None and "ok" in r for r in saved), saved
+        counts.append({op: n for op, n in proxy.counts().items() if op in LISTS})
+    assert counts[0] == counts[1], counts
+    assert sum(counts[1].values()) <= 6, counts  # one rank's listing at open (heads, records), rank 0's sweep
