@@ -16,13 +16,18 @@ BLOBS = [("blob-00000.bin", 123), ("blob-00001.bin", 0)]
 
 
 def test_round_trip() -> None:
-    head = decode_head(encode_head("18a-00ff", BLOBS, b"\x00manifest"), "here")
-    assert head.version == "18a-00ff" and head.blobs == tuple(BLOBS) and head.manifest == b"\x00manifest"
+    head = decode_head(encode_head("18a-00ff", "7f", BLOBS, b"\x00manifest"), "here")
+    assert (
+        head.version == "18a-00ff"
+        and head.spread == "7f"
+        and head.blobs == tuple(BLOBS)
+        and head.manifest == b"\x00manifest"
+    )
 
 
 @given(st.integers(0, 200), st.integers(0, 7))
 def test_any_bit_flip_is_refused(pos: int, bit: int) -> None:
-    data = bytearray(encode_head("18a-00ff", BLOBS, b"manifest bytes"))
+    data = bytearray(encode_head("18a-00ff", "", BLOBS, b"manifest bytes"))
     data[pos % len(data)] ^= 1 << bit
     with pytest.raises(CorruptCheckpointError, match="where: not a copy's head object"):
         decode_head(bytes(data), "where")
@@ -36,13 +41,15 @@ def _framed(fields: object) -> bytes:
 @pytest.mark.parametrize(
     "fields",
     [
-        {"v": 2, "version": "a", "blobs": [], "manifest": b""},
-        {"v": 1, "version": "../x", "blobs": [], "manifest": b""},
-        {"v": 1, "version": "a", "blobs": [["../../etc/passwd", 1]], "manifest": b""},
-        {"v": 1, "version": "a", "blobs": [["b", -1]], "manifest": b""},
-        {"v": 1, "version": "a", "blobs": [["b", 1], ["b", 2]], "manifest": b""},
-        {"v": 1, "version": "a", "blobs": [["b", 1]], "manifest": "text"},
-        {"v": 1, "version": "a", "blobs": [["b", 1]]},
+        {"v": 2, "version": "a", "spread": "", "blobs": [], "manifest": b""},
+        {"v": 1, "version": "../x", "spread": "", "blobs": [], "manifest": b""},
+        {"v": 1, "version": "a", "spread": "", "blobs": [["../../etc/passwd", 1]], "manifest": b""},
+        {"v": 1, "version": "a", "spread": "", "blobs": [["b", -1]], "manifest": b""},
+        {"v": 1, "version": "a", "spread": "", "blobs": [["b", 1], ["b", 2]], "manifest": b""},
+        {"v": 1, "version": "a", "spread": "", "blobs": [["b", 1]], "manifest": "text"},
+        {"v": 1, "version": "a", "spread": "", "blobs": [["b", 1]]},
+        {"v": 1, "version": "a", "spread": "../", "blobs": [], "manifest": b""},
+        {"v": 1, "version": "a", "spread": "abcde", "blobs": [], "manifest": b""},
         [1, 2, 3],
     ],
 )
@@ -53,6 +60,8 @@ def test_hostile_fields_are_refused(fields: object) -> None:
 
 def test_encode_refuses_bad_names() -> None:
     with pytest.raises(ValueError, match="bad blob"):
-        encode_head("a", [("a/b", 1)], b"")
+        encode_head("a", "", [("a/b", 1)], b"")
     with pytest.raises(ValueError, match="bad version"):
-        encode_head("A B", [], b"")
+        encode_head("A B", "", [], b"")
+    with pytest.raises(ValueError, match="bad spread"):
+        encode_head("a", "x/", [], b"")

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tierckpt.config import parse_config
-from tierckpt.errors import CheckpointEvictedError, ConfigError, CorruptCheckpointError
+from tierckpt.errors import CheckpointEvictedError, ConfigError, CorruptCheckpointError, TierFullError
 from tierckpt.format.manifest import BlobEntry
 from tierckpt.io.buffers import aligned_empty
 from tierckpt.registry import get_tier_class
@@ -369,3 +369,129 @@ def test_sweep_takes_what_a_crash_left(s3: Any) -> None:
         assert swept.list_committed() == [CheckpointKey(1)]
     finally:
         swept.close()
+
+
+# -- what the audit found: ambiguous answers, a full bucket, options changed, hostile answers ------------
+def test_a_changed_hashed_prefixes_still_finds_every_copy(s3: Any) -> None:
+    t = _tier(hashed_prefixes=0)
+    _save(t, CheckpointKey(1), [_blob(100, 1)])
+    t.close()
+    t = _tier(hashed_prefixes=2)
+    try:
+        assert torch.equal(_load(t, CheckpointKey(1), [100])[0], _blob(100, 1))
+        _save(t, CheckpointKey(2), [_blob(100, 2)])
+        t.evict(CheckpointKey(1))
+        assert [k for k in _keys(s3, "run/data/") if "step-000000000001" in k] == []
+    finally:
+        t.close()
+
+
+def test_a_head_put_whose_answer_is_lost_is_a_commit(s3: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    t = _tier(settings=S3Settings(attempts=1, deadline_s=1))
+    real = t.bucket.client.put_object
+
+    def applied_then_lost(**kw: Any) -> Any:
+        real(**kw)
+        if kw["Key"].startswith("run/manifests/"):
+            raise EndpointConnectionError(endpoint_url="http://lost")
+        return None
+
+    monkeypatch.setattr(t.bucket.client, "put_object", applied_then_lost)
+    try:
+        _save(t, CheckpointKey(1), [_blob(100, 1)])  # no error: the head is in place
+        monkeypatch.undo()
+        assert torch.equal(_load(t, CheckpointKey(1), [100])[0], _blob(100, 1))
+    finally:
+        t.close()
+
+
+def test_a_full_bucket_at_commit_leaves_the_writer_to_commit_again(s3: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    t = _tier()
+    real, calls = t.bucket.client.put_object, []
+
+    def quota(**kw: Any) -> Any:
+        calls.append(1)
+        if len(calls) == 1:
+            raise ClientError(
+                {"Error": {"Code": "QuotaExceeded"}, "ResponseMetadata": {"HTTPStatusCode": 403}}, "PutObject"
+            )
+        return real(**kw)
+
+    monkeypatch.setattr(t.bucket.client, "put_object", quota)
+    b = _blob(PART + 5, 1)
+    w = t.reserve(CheckpointKey(1), [BlobEntry("blob-00000.bin", b.numel())])
+    try:
+        for o in (0, PART):
+            w.write(0, o, b.data_ptr() + o, min(PART, b.numel() - o)).result()
+        with pytest.raises(TierFullError):
+            w.commit(b"m")
+        w.commit(b"m")  # room made: the same writer commits
+        assert torch.equal(_load(t, CheckpointKey(1), [b.numel()])[0], b)
+    finally:
+        w.abort()
+        t.close()
+
+
+def test_a_lost_complete_answer_is_not_a_failure(s3: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    t = _tier()
+    real = t.bucket.client.complete_multipart_upload
+    lost: list[int] = []
+
+    def applied_then_lost(**kw: Any) -> Any:
+        if not lost:
+            lost.append(1)
+            real(**kw)
+            raise EndpointConnectionError(endpoint_url="http://lost")
+        raise ClientError({"Error": {"Code": "NoSuchUpload"}, "ResponseMetadata": {"HTTPStatusCode": 404}}, "Complete")
+
+    monkeypatch.setattr(t.bucket.client, "complete_multipart_upload", applied_then_lost)
+    try:
+        _save(t, CheckpointKey(1), [_blob(100, 1)])
+        assert torch.equal(_load(t, CheckpointKey(1), [100])[0], _blob(100, 1))
+    finally:
+        t.close()
+
+
+def test_a_failing_copy_fails_fast_not_once_per_part(s3: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    t = _tier(settings=S3Settings(attempts=3, deadline_s=30))
+    calls: list[int] = []
+
+    def down(**kw: Any) -> Any:
+        calls.append(1)
+        raise ClientError(
+            {"Error": {"Code": "AccessDenied"}, "ResponseMetadata": {"HTTPStatusCode": 403}}, "UploadPart"
+        )
+
+    monkeypatch.setattr(t.bucket.client, "upload_part", down)
+    b = _blob(PART * 12, 1)
+    w = t.reserve(CheckpointKey(1), [BlobEntry("blob-00000.bin", b.numel())])
+    futs = [w.write(0, o, b.data_ptr() + o, PART) for o in range(0, b.numel(), PART)]
+    try:
+        errors = [f.exception() for f in futs]
+        assert all(isinstance(e, S3Error) for e in errors) and len(calls) < 12
+    finally:
+        w.abort()
+        t.close()
+    assert _uploads(s3) == []
+
+
+def test_oversized_heads_and_ignored_ranges_are_refused(s3: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    t = _tier()
+    try:
+        _save(t, CheckpointKey(1), [_blob(PART + 100, 1)])
+        with pytest.raises(CorruptCheckpointError, match="more than"):
+            t.bucket.get("run/manifests/step-000000000001/rank-00000", 10)
+        real = t.bucket.client.get_object
+
+        def whole(**kw: Any) -> Any:
+            kw.pop("Range", None)
+            return real(**kw)
+
+        monkeypatch.setattr(t.bucket.client, "get_object", whole)
+        with t.open_copy(CheckpointKey(1)) as copy:
+            r = copy.reader([BlobEntry("blob-00000.bin", PART + 100)])
+            buf = aligned_empty(100)
+            with pytest.raises(S3Error, match="RangeError"):
+                r.read(0, PART, buf.data_ptr(), 100).result()
+    finally:
+        t.close()

@@ -84,6 +84,7 @@ def copy_blobs(
                     for o in range(0, blob.size, chunk)
                     for n in [min(chunk, blob.size - o)]
                 ]
+                pending += [f for _, _, f in reads]
                 for o, n, f in reads:
                     _check_count(f.result(), n, src, key, blob, o)
             else:
@@ -92,7 +93,7 @@ def copy_blobs(
             f.result()
         pending = []
     finally:
-        for f in pending:  # never leave a write running from memory the caller may free
+        for f in pending:  # never leave a read or write running in memory the caller may free
             with contextlib.suppress(BaseException):  # cancelled
                 f.exception()
 

@@ -11,6 +11,7 @@ metadata); they are never logged and never part of an error.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import logging
 import random
@@ -24,7 +25,7 @@ from datetime import datetime
 from functools import partial
 from typing import Any, TypeVar
 
-from tierckpt.errors import ConfigError, TierFullError, TierIOError
+from tierckpt.errors import ConfigError, CorruptCheckpointError, TierckptError, TierFullError, TierIOError
 
 __all__ = ["Bucket", "Listed", "S3Error", "S3Settings", "Upload"]
 
@@ -41,7 +42,7 @@ RETRY_CODES = frozenset(
     }
 )  # fmt: skip
 #: error codes that mean the bucket or the account is out of room
-FULL_CODES = frozenset({"QuotaExceeded", "EntityTooLarge"})
+FULL_CODES = frozenset({"QuotaExceeded"})
 _RANGE = re.compile(r"bytes (\d+)-(\d+)/(\d+|\*)")
 _BACKOFF_BASE_S = 0.1
 _BACKOFF_CAP_S = 8.0
@@ -117,6 +118,16 @@ def _answer(e: BaseException) -> tuple[int | None, str]:
     return None, type(e).__name__
 
 
+class RangeError(Exception):
+    """The server answered a ranged GET with other bytes than those asked for (not retried)."""
+
+
+def _missing(e: BaseException) -> bool:
+    """Whether ``e`` says the object is not there (a missing bucket is another error)."""
+    status, code = _answer(e)
+    return status == 404 and code != "NoSuchBucket"
+
+
 def _transient(e: BaseException) -> bool:
     from botocore.exceptions import BotoCoreError, ClientError
     from urllib3.exceptions import HTTPError as Urllib3Error
@@ -175,7 +186,15 @@ class Bucket:
         return f"s3://{self.name}/{key or ''} at {self.endpoint}"
 
     # -- the retry loop -----------------------------------------------------------------------------------
-    def call(self, op: str, key: str | None, fn: Callable[[], T], *, cleanup: bool = False) -> T:
+    def call(
+        self,
+        op: str,
+        key: str | None,
+        fn: Callable[[], T],
+        *,
+        cleanup: bool = False,
+        give_up: Callable[[], bool] | None = None,
+    ) -> T:
         """``fn()`` (one request, ``op`` on ``key``), retried while it fails transiently (module docstring).
 
         Raises:
@@ -190,11 +209,14 @@ class Bucket:
             attempt += 1
             try:
                 return fn()
+            except TierckptError:
+                raise  # tierckpt's own verdict on what came back (a head too large ...): not the request's
             except Exception as e:
                 status, code = _answer(e)
                 elapsed = time.monotonic() - start
                 delay = random.uniform(0, min(_BACKOFF_CAP_S, _BACKOFF_BASE_S * 2**attempt))
-                if _transient(e) and attempt < attempts and elapsed + delay < deadline and not self._closed.is_set():
+                stop = self._closed.is_set() or (give_up is not None and give_up())
+                if _transient(e) and attempt < attempts and elapsed + delay < deadline and not stop:
                     log.info(
                         "%s of %s: %s (%s); try %d in %.2fs", op, self.where(key), code, status, attempt + 1, delay
                     )
@@ -215,7 +237,7 @@ class Bucket:
     def close(self) -> None:
         """Stop retrying, wait for the pool's requests, release the client's connections."""
         self._closed.set()
-        self._pool.shutdown(wait=True)
+        self._pool.shutdown(wait=True, cancel_futures=True)
         self.client.close()
 
     # -- objects ------------------------------------------------------------------------------------------
@@ -227,17 +249,25 @@ class Bucket:
     def put(self, key: str, body: bytes | memoryview) -> None:
         self.call("PutObject", key, lambda: self.client.put_object(Bucket=self.name, Key=key, Body=body))
 
-    def get(self, key: str) -> bytes | None:
-        """The object's bytes, None when there is none."""
+    def get(self, key: str, limit: int) -> bytes | None:
+        """The object's bytes, None when there is none.
+
+        Raises:
+            CorruptCheckpointError: the object is over ``limit`` bytes (nothing more is read of it).
+        """
 
         def get() -> bytes | None:
             try:
                 resp = self.client.get_object(Bucket=self.name, Key=key)
             except Exception as e:
-                if _answer(e)[0] == 404:
+                if _missing(e):
                     return None
                 raise
-            return bytes(resp["Body"].read())
+            body, size = resp["Body"], int(resp.get("ContentLength") or 0)
+            with contextlib.closing(body):
+                if size > limit:
+                    raise CorruptCheckpointError(f"{self.where(key)} holds {size} bytes, more than {limit} it may")
+                return bytes(body.read())
 
         return self.call("GetObject", key, get)
 
@@ -248,13 +278,15 @@ class Bucket:
             try:
                 return int(self.client.head_object(Bucket=self.name, Key=key)["ContentLength"])
             except Exception as e:
-                if _answer(e)[0] == 404:
+                if _missing(e):
                     return None
                 raise
 
         return self.call("HeadObject", key, head)
 
-    def get_into(self, key: str, offset: int, view: memoryview) -> tuple[int, int | None] | None:
+    def get_into(
+        self, key: str, offset: int, view: memoryview, give_up: Callable[[], bool] | None = None
+    ) -> tuple[int, int | None] | None:
         """Ranged GET of ``len(view)`` bytes at ``offset`` into ``view``: (bytes read, the object's size),
         or None when there is no object. A range past the end reads 0 bytes."""
         n = len(view)
@@ -264,22 +296,26 @@ class Bucket:
                 resp = self.client.get_object(Bucket=self.name, Key=key, Range=f"bytes={offset}-{offset + n - 1}")
             except Exception as e:
                 status = _answer(e)[0]
-                if status == 404:
+                if _missing(e):
                     return None
                 if status == 416:  # the object ends before offset
                     return 0, None
                 raise
             m = _RANGE.fullmatch(str(resp.get("ContentRange") or ""))
-            total = int(m.group(3)) if m and m.group(3) != "*" else None
-            if m is None and offset == 0:  # a server that ignores the Range answers the whole object
-                total = int(resp.get("ContentLength") or 0)
             body = resp["Body"]
+            if m is None and offset == 0:  # a server that ignores the Range answers the whole object
+                total: int | None = int(resp.get("ContentLength") or 0)
+            elif m is None or int(m.group(1)) != offset:
+                body.close()
+                raise RangeError(f"asked bytes {offset}-{offset + n - 1}, got {resp.get('ContentRange')!r}")
+            else:
+                total = int(m.group(3)) if m.group(3) != "*" else None
             try:
                 return _read_into(body, view, min(n, int(resp.get("ContentLength") or 0))), total
             finally:
                 body.close()
 
-        return self.call("GetObject", key, get)
+        return self.call("GetObject", key, get, give_up=give_up)
 
     def list(self, prefix: str) -> Iterator[Listed]:
         """Every object under ``prefix`` (LIST requests of 1,000 keys each, each retried)."""
@@ -357,7 +393,7 @@ class Upload:
         self._etags: dict[int, str] = {}
         self._lock = threading.Lock()
 
-    def part(self, number: int, body: memoryview) -> None:
+    def part(self, number: int, body: memoryview, give_up: Callable[[], bool] | None = None) -> None:
         """Upload part ``number`` (1 …) from ``body`` (sent as it is, no copy)."""
         b = self.bucket
 
@@ -365,7 +401,7 @@ class Upload:
             stream = _MemoryStream(body)  # a fresh one each try: botocore rewinds what it reads
             return b.client.upload_part(Bucket=b.name, Key=self.key, UploadId=self.id, PartNumber=number, Body=stream)
 
-        resp = b.call("UploadPart", self.key, send)
+        resp = b.call("UploadPart", self.key, send, give_up=give_up)
         with self._lock:
             self._etags[number] = str(resp["ETag"])
 
@@ -373,18 +409,27 @@ class Upload:
         with self._lock:
             return len(self._etags)
 
-    def complete(self) -> None:
-        """Make the parts uploaded so far the object (it appears whole)."""
+    def complete(self, size: int) -> None:
+        """Make the parts uploaded so far the object of ``size`` bytes (it appears whole).
+
+        A try whose answer was lost may have completed the upload already: the next one then finds no
+        upload (``NoSuchUpload``), and the object, of its size, says it is done."""
         with self._lock:
             parts = [{"PartNumber": n, "ETag": t} for n, t in sorted(self._etags.items())]
-        b = self.bucket
-        b.call(
-            "CompleteMultipartUpload",
-            self.key,
-            lambda: b.client.complete_multipart_upload(
-                Bucket=b.name, Key=self.key, UploadId=self.id, MultipartUpload={"Parts": parts}
-            ),
-        )
+        b, tries = self.bucket, [0]
+
+        def complete() -> None:
+            tries[0] += 1
+            try:
+                b.client.complete_multipart_upload(
+                    Bucket=b.name, Key=self.key, UploadId=self.id, MultipartUpload={"Parts": parts}
+                )
+            except Exception as e:
+                if tries[0] > 1 and _answer(e)[1] == "NoSuchUpload" and b.head(self.key) == size:
+                    return
+                raise
+
+        b.call("CompleteMultipartUpload", self.key, complete)
 
     def abort(self, *, cleanup: bool = False) -> None:
         self.bucket.abort_upload(self.key, self.id, cleanup=cleanup)

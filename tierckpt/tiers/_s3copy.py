@@ -15,9 +15,10 @@ import logging
 import threading
 from collections.abc import Sequence
 from concurrent.futures import Future
+from functools import partial
 from typing import Protocol, cast
 
-from tierckpt.errors import CheckpointEvictedError, CheckpointNotFoundError, CorruptCheckpointError
+from tierckpt.errors import CheckpointEvictedError, CheckpointNotFoundError, CorruptCheckpointError, TierFullError
 from tierckpt.format.manifest import BlobEntry
 from tierckpt.format.objecthead import BLOB_NAME_RE, ObjectHead, encode_head
 from tierckpt.io.buffers import ptr_mv
@@ -67,16 +68,22 @@ def check_blobs(tier: S3Tier, blobs: Sequence[BlobEntry]) -> None:
 
 
 class S3Writer(TierWriter):
-    """A copy being uploaded (see the module docstring)."""
+    """A copy being uploaded (see the module docstring).
+
+    After the first part that fails, every later one fails at once with its error (queued parts are not
+    sent, parts in retry give up), so that a copy to a server that is down fails within one request's
+    retries, not one per part."""
 
     def __init__(self, tier: S3Tier, key: CheckpointKey, blobs: Sequence[BlobEntry]) -> None:
         self.tier, self.key, self.blobs = tier, key, list(blobs)
-        self.version = new_version()
-        self.prefix = tier.keys.data(key, self.version)
+        self.version, self.spread = new_version(), tier.keys.spread(key)
+        self.prefix = tier.keys.data(key, self.version, self.spread)
         self._uploads: list[Upload | None] = [None] * len(self.blobs)
-        self._completed: list[str] = []  # objects made by commit, deleted by a later abort
+        self._completed: set[int] = set()  # blobs whose upload commit completed (objects now)
         self._parts: list[set[int]] = [set() for _ in self.blobs]
         self._futures: list[Future[int]] = []
+        self._failed: BaseException | None = None
+        self._head_sent = False  # the head's PUT was issued: it may be in place whatever came back
         self._lock = threading.Lock()
         self._starting = [threading.Lock() for _ in self.blobs]
         self._open = True
@@ -85,10 +92,18 @@ class S3Writer(TierWriter):
         with self._starting[blob]:  # one upload per blob, started by its first part
             up = self._uploads[blob]
             if up is None:
-                if not self._open:
-                    raise RuntimeError(f"tier {self.tier.name!r}: the writer of step {self.key.step} was aborted")
+                self._check_going()
                 up = self._uploads[blob] = self.tier.bucket.upload(self.prefix + self.blobs[blob].name)
             return up
+
+    def _check_going(self) -> None:
+        if self._failed is not None:
+            raise self._failed
+        if not self._open:
+            raise RuntimeError(f"tier {self.tier.name!r}: the writer of step {self.key.step} was aborted")
+
+    def _stopped(self) -> bool:
+        return self._failed is not None or not self._open
 
     def write(self, blob: int, offset: int, addr: int, nbytes: int) -> Future[int]:
         if not self._open:
@@ -103,7 +118,13 @@ class S3Writer(TierWriter):
         view = ptr_mv(addr, nbytes, writable=False)
 
         def send() -> int:
-            self._upload(blob).part(number, view)
+            try:
+                self._check_going()
+                self._upload(blob).part(number, view, give_up=self._stopped)
+            except BaseException as e:
+                with self._lock:
+                    self._failed = self._failed or e
+                raise
             with self._lock:
                 self._parts[blob].add(number)
             return nbytes
@@ -114,6 +135,8 @@ class S3Writer(TierWriter):
         return fut
 
     def commit(self, manifest: bytes) -> None:
+        """Complete the uploads, then put the head. A full bucket (``QuotaExceeded``) leaves the writer as
+        it was, to be committed again once room is made; any other failure aborts it."""
         if not self._open:
             raise RuntimeError("writer already finished")
         try:
@@ -124,17 +147,30 @@ class S3Writer(TierWriter):
                     raise ValueError(
                         f"tier {self.tier.name!r}: blob {b.name!r} has {len(self._parts[i])} of its {want} parts"
                     )
-            done = [(u, self.tier.bucket.submit(u.complete)) for u in self._uploads if u is not None]
-            for u, f in done:
-                f.result()
-                self._completed.append(u.key)
-            self._uploads = [None] * len(self.blobs)
-            head = encode_head(self.version, [(b.name, b.size) for b in self.blobs], manifest)
+            self._complete_uploads()
+            head = encode_head(self.version, self.spread, [(b.name, b.size) for b in self.blobs], manifest)
+            self._head_sent = True
             self.tier.publish(self.key, head, self.version)
+        except TierFullError:
+            self._head_sent = False  # refused whole: no head went in
+            raise
         except BaseException:
             self.abort()
             raise
         self._open = False
+
+    def _complete_uploads(self) -> None:
+        todo = [(i, u) for i, u in enumerate(self._uploads) if u is not None and i not in self._completed]
+        done = [(i, self.tier.bucket.submit(partial(u.complete, self.blobs[i].size))) for i, u in todo]
+        first: BaseException | None = None
+        for i, f in done:  # every one waited for: none still running when an abort follows
+            try:
+                f.result()
+                self._completed.add(i)
+            except BaseException as e:
+                first = first or e
+        if first is not None:
+            raise first
 
     def _wait_writes(self) -> None:
         with self._lock:
@@ -153,13 +189,31 @@ class S3Writer(TierWriter):
             with contextlib.suppress(BaseException):
                 f.exception()
         try:
-            for up in self._uploads:
-                if up is not None:
+            for i, up in enumerate(self._uploads):
+                if up is not None and i not in self._completed:
                     up.abort(cleanup=True)
-            if self._completed:
-                self.tier.bucket.delete(self._completed, cleanup=True)
+            if self._completed and self._data_unnamed():
+                keys = [self.prefix + self.blobs[i].name for i in sorted(self._completed)]
+                self.tier.bucket.delete(keys, cleanup=True)
         except Exception as e:  # the next open's sweep takes what is left
             log.warning("tier %r: cleaning up an aborted copy of step %d: %s", self.tier.name, self.key.step, e)
+
+    def _data_unnamed(self) -> bool:
+        """Whether no head names this copy's data: always before the head's PUT was sent; after it, the
+        PUT may have gone in though its answer was lost, and only a head read back says it did not."""
+        if not self._head_sent:
+            return True
+        try:
+            head = self.tier.read_head(self.key)
+        except Exception:  # unknown: keep the data (a head may name it); the sweep decides later
+            return False
+        if head is not None and head.version == self.version:
+            log.warning(
+                "tier %r: step %d rank %d was published though its commit failed: its copy stays",
+                self.tier.name, self.key.step, self.key.rank,
+            )  # fmt: skip
+            return False
+        return True
 
 
 class S3Copy(TierCopy):
@@ -172,7 +226,7 @@ class S3Copy(TierCopy):
         if head is None:
             raise CheckpointNotFoundError(f"tier {tier.name!r} holds no checkpoint for step {key.step} rank {key.rank}")
         self.head: ObjectHead = head
-        self.prefix = tier.keys.data(key, head.version)
+        self.prefix = tier.keys.data(key, head.version, head.spread)
 
     def gone(self, what: str) -> OSError:
         """An object of the copy is missing: damage while its head still names it, else evicted or replaced."""
@@ -203,13 +257,20 @@ class S3Copy(TierCopy):
 
 
 class _Reader(TierReader):
-    """Ranged GETs on the bucket's pool, straight into the caller's memory (any address)."""
+    """Ranged GETs on the bucket's pool, straight into the caller's memory (any address). After the first
+    that fails, or :meth:`close`, the queued ones fail at once and those in retry give up: a caller that
+    waits for every read it issued before freeing their memory waits one request's retries, not many."""
 
     def __init__(self, copy: S3Copy, blobs: list[BlobEntry]) -> None:
         self.copy, self.blobs = copy, blobs
+        self._failed: BaseException | None = None
+        self._closed = False
 
     def read_alignment(self, blob: int) -> tuple[int, int] | None:
         return (1, 1)
+
+    def _stopped(self) -> bool:
+        return self._failed is not None or self._closed
 
     def read(self, blob: int, offset: int, addr: int, nbytes: int) -> Future[int]:
         b, copy = self.blobs[blob], self.copy
@@ -219,19 +280,27 @@ class _Reader(TierReader):
             done.set_result(0)
             return done
         view = ptr_mv(addr, nbytes)
+        where = copy.s3.bucket.where(key)
 
         def get() -> int:
-            got = copy.s3.bucket.get_into(key, offset, view)
-            if got is None:
-                raise copy.gone(copy.s3.bucket.where(key))
-            n, total = got
-            if total is not None and total != b.size:
-                raise CorruptCheckpointError(
-                    f"{copy.s3.bucket.where(key)} holds {total} bytes, its manifest declares {b.size}",
-                    tier=copy.tier.name,
-                    step=copy.key.step,
-                    blob=b.name,
-                )
+            if self._failed is not None:
+                raise self._failed
+            if self._closed:
+                raise RuntimeError(f"{where}: read after the reader was closed")
+            try:
+                got = copy.s3.bucket.get_into(key, offset, view, give_up=self._stopped)
+                if got is None:
+                    raise copy.gone(where)
+                n, total = got
+                if total is not None and total != b.size:
+                    raise CorruptCheckpointError(f"{where} holds {total} bytes, its manifest declares {b.size}",
+                                                 tier=copy.tier.name, step=copy.key.step, blob=b.name)  # fmt: skip
+            except BaseException as e:
+                self._failed = self._failed or e
+                raise
             return n
 
         return copy.s3.bucket.submit(get)
+
+    def close(self) -> None:
+        self._closed = True

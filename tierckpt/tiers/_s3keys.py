@@ -54,12 +54,14 @@ class S3Keys:
     def head(self, key: CheckpointKey) -> str:
         return f"{self.heads}{_ckpt(key)}"
 
-    def data(self, key: CheckpointKey, version: str) -> str:
-        """The key prefix of one version of a copy's blobs (ends in "/")."""
-        spread = ""
-        if self.hashed:
-            spread = xxhash.xxh3_64_hexdigest(_ckpt(key).encode())[: self.hashed] + "/"
-        return f"{self.data_root}{spread}{_ckpt(key)}/{version}/"
+    def spread(self, key: CheckpointKey) -> str:
+        """The hashed prefix a new copy of ``key`` puts in front of its blobs ("" without ``hashed``)."""
+        return xxhash.xxh3_64_hexdigest(_ckpt(key).encode())[: self.hashed] if self.hashed else ""
+
+    def data(self, key: CheckpointKey, version: str, spread: str) -> str:
+        """The key prefix of one version of a copy's blobs (ends in "/"), under its hashed prefix
+        ``spread`` (the copy's head says which: the option may have changed since it was written)."""
+        return f"{self.data_root}{spread + '/' if spread else ''}{_ckpt(key)}/{version}/"
 
     def parse_record(self, k: str) -> int | None:
         m = _RECORD.fullmatch(k[len(self.records) :]) if k.startswith(self.records) else None

@@ -23,9 +23,9 @@ from typing import Any
 
 from tierckpt.config import TierConfig
 from tierckpt.configvalues import expand_path, process_rank
-from tierckpt.errors import ConfigError, CorruptCheckpointError
+from tierckpt.errors import ConfigError, CorruptCheckpointError, TierFullError
 from tierckpt.format.manifest import BlobEntry
-from tierckpt.format.objecthead import ObjectHead, decode_head
+from tierckpt.format.objecthead import MAX_HEAD_BYTES, ObjectHead, decode_head
 from tierckpt.tiers._s3client import Bucket, S3Error, S3Settings
 from tierckpt.tiers._s3copy import S3Copy, S3Writer, check_blobs
 from tierckpt.tiers._s3keys import S3Keys
@@ -36,6 +36,8 @@ __all__ = ["OPTIONS", "S3Tier", "parse_s3_url"]
 
 log = logging.getLogger("tierckpt.s3")
 
+#: the largest commit record a reader takes (8 bytes a rank, 2**24 ranks at most, and the framing)
+MAX_RECORD_BYTES = 1 << 28
 #: S3's smallest part (but a blob's last) and largest
 MIN_PART, MAX_PART = 5 << 20, 5 << 30
 
@@ -192,7 +194,7 @@ class S3Tier(Tier):
                 ) from e
             if e.code in _BAD_BUCKET or e.status == 404:
                 if create and not self.readonly:
-                    b.call("CreateBucket", None, lambda: b.client.create_bucket(Bucket=b.name))
+                    b.call("CreateBucket", None, self._create_bucket)
                     return b.check()
                 raise ConfigError(f"bucket {b.name!r} does not exist at {b.endpoint} (options.create_bucket)") from e
             if e.code in _BAD_AUTH or e.status == 403:
@@ -201,6 +203,13 @@ class S3Tier(Tier):
                     "AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, ~/.aws/credentials or options.profile"
                 ) from e
             raise
+
+    def _create_bucket(self) -> None:
+        try:
+            self.bucket.client.create_bucket(Bucket=self.bucket.name)
+        except Exception as e:  # another rank made it first
+            if getattr(e, "response", {}).get("Error", {}).get("Code") != "BucketAlreadyOwnedByYou":
+                raise
 
     def describe(self) -> str:
         budget = f", {self.budget.describe()} budget" if self.budget is not None else ""
@@ -229,7 +238,7 @@ class S3Tier(Tier):
         head = self.read_head(key)
         if head is None:
             return {}
-        return {"head": self.keys.head(key), "data": self.keys.data(key, head.version)}
+        return {"head": self.keys.head(key), "data": self.keys.data(key, head.version, head.spread)}
 
     # -- heads: what is committed ------------------------------------------------------------------------
     def read_head(self, key: CheckpointKey) -> ObjectHead | None:
@@ -239,7 +248,7 @@ class S3Tier(Tier):
             CorruptCheckpointError: it is not a head object.
         """
         k = self.keys.head(key)
-        data = self.bucket.get(k)
+        data = self.bucket.get(k, MAX_HEAD_BYTES)
         if data is None:
             return None
         try:
@@ -253,7 +262,16 @@ class S3Tier(Tier):
             old = self.read_head(key)
         except CorruptCheckpointError:
             old = None  # its data, unknown, is left to the sweep
-        self.bucket.put(self.keys.head(key), head)
+        try:
+            self.bucket.put(self.keys.head(key), head)
+        except S3Error as e:
+            if isinstance(e, TierFullError):
+                raise
+            # a PUT whose answer was lost may be in place all the same: the head read back says
+            now = self.read_head(key)
+            if now is None or now.version != version:
+                raise
+            log.info("tier %r: step %d: the head's PUT failed (%s), yet it is in place", self.name, key.step, e)
         if old is not None and old.version != version:
             try:
                 self.bucket.delete(self._data_keys(key, old))
@@ -261,7 +279,7 @@ class S3Tier(Tier):
                 log.warning("tier %r: deleting the replaced copy of step %d: %s", self.name, key.step, e)
 
     def _data_keys(self, key: CheckpointKey, head: ObjectHead) -> list[str]:
-        prefix = self.keys.data(key, head.version)
+        prefix = self.keys.data(key, head.version, head.spread)
         return [prefix + n for n, size in head.blobs if size > 0]
 
     def list_committed(self, rank: int | None = None) -> list[CheckpointKey]:
@@ -332,7 +350,7 @@ class S3Tier(Tier):
         self.bucket.put(self.keys.record(step), bytes(data))
 
     def read_record(self, step: int) -> bytes | None:
-        return self.bucket.get(self.keys.record(step))
+        return self.bucket.get(self.keys.record(step), MAX_RECORD_BYTES)
 
     def remove_record(self, step: int) -> None:
         self.bucket.delete([self.keys.record(step)])
@@ -355,10 +373,12 @@ class S3Tier(Tier):
             log.warning("tier %r: sweeping what earlier processes left: %s", self.name, e)
 
     def _orphans(self, before: datetime) -> list[str]:
+        # the data first, the heads after: a copy published between the two LISTs has its head seen
+        data = list(self.bucket.list(self.keys.data_root))
         heads = {k for o in self.bucket.list(self.keys.heads) if (k := self.keys.parse_head(o.key))}
         groups: dict[tuple[CheckpointKey, str], list[str]] = {}
         fresh: set[tuple[CheckpointKey, str]] = set()
-        for o in self.bucket.list(self.keys.data_root):
+        for o in data:
             got = self.keys.parse_data(o.key)
             if got is None:
                 continue
