@@ -14,6 +14,7 @@ import pytest
 import tierckpt
 from tierckpt import errors
 from tierckpt.datapath.manifests import UnnamedCopyError
+from tierckpt.tiers._s3client import S3Error, S3FullError
 
 #: one instance of every error class, each field set (a class missing here fails the coverage test)
 EXAMPLES: list[errors.TierckptError] = [
@@ -32,6 +33,12 @@ EXAMPLES: list[errors.TierckptError] = [
     ),
     errors.CoordinationError("rank 0 published no outcome", (0, 2), undecided=True),
     UnnamedCopyError("pfs", 3, 1, 2),
+    S3Error(
+        "S3 UploadPart of s3://b/k at http://h failed after 3 tries: SlowDown (HTTP 503)", "UploadPart", 503, "SlowDown"
+    ),
+    S3FullError(
+        "S3 PutObject of s3://b/k at http://h failed: QuotaExceeded (HTTP 403)", "PutObject", 403, "QuotaExceeded"
+    ),
 ]
 
 

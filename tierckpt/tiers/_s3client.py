@@ -92,7 +92,7 @@ class S3Error(TierIOError):
         self.op, self.status, self.code = op, status, code
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (type(self), (self.args[0] if self.args else "", self.op, self.status, self.code))
+        return (type(self), (str(self), self.op, self.status, self.code))
 
 
 class S3FullError(S3Error, TierFullError):
