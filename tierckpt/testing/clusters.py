@@ -225,7 +225,7 @@ class CephCluster(Cluster):
         self._daemons.kill(RGW)  # forget one that exited by itself: it would fail the wait below
         port = port or self.rgw_port or free_port()
         self.rgw_port = port
-        self._daemon(RGW, ["radosgw", "-n", RGW, f"--rgw_frontends=beast endpoint=127.0.0.1:{port}"])
+        self._daemon(RGW, ["radosgw", "-n", RGW, f"--rgw_frontends=beast endpoint=127.0.0.1:{port} tcp_nodelay=1"])
         self._wait(f"radosgw answering on 127.0.0.1:{port}", lambda: http_answers("127.0.0.1", port))
         if not self._s3_user:
             self._run(

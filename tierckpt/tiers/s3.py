@@ -53,6 +53,7 @@ OPTIONS = {
     "retry_deadline": Option(number(0, 86400), default=120.0, doc="seconds after which a request is not retried"),
     "connect_timeout": Option(number(0.1, 3600), default=10.0, doc="seconds to connect"),
     "read_timeout": Option(number(0.1, 3600), default=60.0, doc="seconds without a byte from the server"),
+    "sign_payload": Option(boolean(), default=False, doc="sign every payload's SHA-256, also over plain http"),
     "create_bucket": Option(boolean(), default=False, doc="create the bucket when it does not exist"),
     "sweep": Option(boolean(), default=True, doc="rank 0 removes interrupted uploads and unpublished data at open"),
     "sweep_grace": Option(number(0, 86400), default=60.0, doc="seconds before the open that the sweep leaves alone"),
@@ -171,6 +172,7 @@ class S3Tier(Tier):
             connect_timeout_s=opts["connect_timeout"],
             read_timeout_s=opts["read_timeout"],
             concurrency=opts["concurrency"],
+            sign_payload=opts["sign_payload"],
         )
         rank = cfg.rank if cfg.rank is not None else process_rank()
         try:
