@@ -55,7 +55,7 @@ HERE = Path(__file__).resolve().parent
 PHASES = ("sweep", "clients", "tier", "peers")
 PEERS = ("dcp-fsspec", "s3torch")
 #: the client variants that run at another's best settings (upload, download)
-BEST_OF = {"boto3-bytes": "boto3", "boto3-defaults": "boto3", "obstore-signed": "obstore"}
+BEST_OF = {"boto3-signed": "boto3", "boto3-bytes": "boto3", "boto3-defaults": "boto3", "obstore-signed": "obstore"}
 BEST_OF_GET = {"boto3-urllib3": "boto3", "s3transfer": "boto3"}
 OBSTORE_RANGES_CONC = 10  # obstore.get_ranges runs at most 10 requests at a time, whatever one asks
 
@@ -81,7 +81,7 @@ class Bench:
         spec = {"endpoint": self.server.ep.url, "bucket": self.server.ep.bucket, "nbytes": self.args.nbytes,
                 "seed": self.args.seed, "tensor_bytes": self.args.tensor_bytes, **spec}  # fmt: skip
         if spec["op"] != "get" and not spec["op"].endswith(("load", "restore")):
-            self.server.make_room(self.args.nbytes)
+            self.server.make_room(self.args.nbytes * (2 if spec["op"] == "tier-save" else 1))
         env = dict(os.environ)
         if peer and self.args.peer_path:
             env["PYTHONPATH"] = os.pathsep.join([self.args.peer_path, env.get("PYTHONPATH", "")])
@@ -98,9 +98,11 @@ class Bench:
         cpu1 = self.server.cpu_secs()
         out["server_cpu"] = None if cpu0 is None or cpu1 is None else cpu1 - cpu0
         if out.get("ok") and self.server.log is not None:
-            for part in (out, out.get("save"), out.get("open")):
+            first = out.get("first") or {}
+            for part in (out, out.get("save"), out.get("open"), first, first.get("save")):
                 if part:  # the requests in the measured window (and the whole save's, and the opening's)
-                    part["requests"] = dict(self.server.log.requests(part["t0"], part["t1"], self.server.ep.bucket))
+                    counts, lines = self.server.log.requests(part["t0"], part["t1"], self.server.ep.bucket)
+                    part["requests"], part["request_lines"] = dict(counts), lines
         return out
 
     def sample(self, phase: str, spec: dict[str, Any], rep: int, peer: bool = False) -> dict[str, Any]:
@@ -180,7 +182,8 @@ class Bench:
         prefix = f"{kind}/{name}/r{rep}"
         part, conc = self.best("put", "boto3")
         ops = ("tier-save", "tier-restore") if kind == "tier" else (f"{name}-save", f"{name}-load")
-        base = {"prefix": prefix, "client": name, "part": part, "conc": conc, "tier_options": self.args.tier_opts}
+        opts = {"part_size": part, "concurrency": conc, **self.args.tier_opts}  # the raw client's best unless set
+        base = {"prefix": prefix, "client": name, "part": part, "conc": conc, "tier_options": opts}
         try:
             saved = self.sample(kind, {**base, "op": ops[0]}, rep, peer=kind == "peer")
             if saved["ok"]:
@@ -212,7 +215,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--conc", type=int, default=8, help="concurrency where no sweep ran (8)")
     p.add_argument("--phases", default=",".join(PHASES), help="comma-separated subset of %(default)s")
     p.add_argument("--tensor-bytes", default="64MiB", help="size of each tensor of the tier's and peers' state")
-    p.add_argument("--tier-options", default="{}", help="JSON merged into the S3 tier's options: (part size ...)")
+    p.add_argument(
+        "--tier-options",
+        default="{}",
+        help="JSON merged into the S3 tier's options (default: part_size and\nconcurrency of the raw boto3 best)",
+    )
     p.add_argument("--tier-client", default="boto3", help="the client library the S3 tier uses (its raw limit)")
     p.add_argument(
         "--peer-path", default=None, help="a folder put first on the peers' PYTHONPATH (s3fs, s3torchconnector)"
@@ -220,7 +227,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--endpoint", default=None, help="an S3 endpoint to use instead of starting radosgw")
     p.add_argument("--bucket", default=BUCKET, help=f"its bucket (made if missing; default {BUCKET})")
     p.add_argument("--rgw-log", default=None, help="with --endpoint: radosgw's log, to count requests")
-    p.add_argument("--memstore", default=None, help="RAM of the own radosgw's OSD (default 2 × bytes + 1GiB)")
+    p.add_argument("--memstore", default=None, help="RAM of the own radosgw's OSD (default 3 × bytes + 1GiB)")
     p.add_argument("--child-timeout", type=float, default=None, help="seconds one measurement may take")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="bench-results", help="directory for the JSON lines and the markdown report")
@@ -238,7 +245,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if a.tensor_bytes % 4:
         p.error("--tensor-bytes: a multiple of 4 (the tensors are float32)")
     a.tier_opts = json.loads(a.tier_options)
-    a.memstore_bytes = parse_size(a.memstore, "--memstore") if a.memstore else 2 * a.nbytes + (1 << 30)
+    a.memstore_bytes = parse_size(a.memstore, "--memstore") if a.memstore else 3 * a.nbytes + (1 << 30)
     a.child_timeout = a.child_timeout or 120 + a.nbytes / 5e6  # 5 MB/s would be a broken server
     return a
 

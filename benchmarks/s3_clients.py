@@ -7,7 +7,8 @@ Uploads (one object of ``len(src)`` bytes, multipart, ``part`` bytes a part, ``c
   (``request_checksum_calculation="when_required"``; else it calls ``tell()`` on the body) and with
   ``parameter_validation=False``. Payload signing off (``s3.payload_signing_enabled=False``): over plain
   HTTP botocore otherwise hashes every byte with SHA-256 for the signature.
-* ``boto3-bytes``: the same, each part copied into ``bytes`` first (what most callers do).
+* ``boto3-signed``: the same with the payload signed (SHA-256 of every byte, botocore's default).
+* ``boto3-bytes``: the same as ``boto3``, each part copied into ``bytes`` first (what most callers do).
 * ``boto3-defaults``: ``bytes`` parts and botocore's default config (CRC32 of every part, SHA-256 payload
   signature over HTTP).
 * ``s3transfer``: ``upload_fileobj`` with a ``TransferConfig`` of the same part size and concurrency, on a
@@ -38,7 +39,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-UPLOADS = ("boto3", "boto3-bytes", "boto3-defaults", "s3transfer", "obstore", "obstore-signed")
+UPLOADS = ("boto3", "boto3-signed", "boto3-bytes", "boto3-defaults", "s3transfer", "obstore", "obstore-signed")
 DOWNLOADS = ("boto3", "boto3-urllib3", "obstore", "obstore-pool", "s3transfer")
 #: the clients whose part size and concurrency the sweep varies (the others run at the best of their library)
 SWEPT_UPLOADS = ("boto3", "s3transfer", "obstore")
@@ -71,9 +72,9 @@ def pattern(nbytes: int, seed: int) -> bytes:
 
 
 # -- boto3 ----------------------------------------------------------------------------------------------
-def boto3_client(ep: Endpoint, conc: int, tuned: bool = True) -> Any:
+def boto3_client(ep: Endpoint, conc: int, tuned: bool = True, signed: bool = False) -> Any:
     """A botocore S3 client with ``conc`` pooled connections; ``tuned``: no flexible checksums, no
-    parameter validation, no payload signature (see the module docstring)."""
+    parameter validation, and unless ``signed`` no payload signature (see the module docstring)."""
     import boto3
     from botocore.config import Config
 
@@ -81,7 +82,7 @@ def boto3_client(ep: Endpoint, conc: int, tuned: bool = True) -> Any:
     if tuned:
         opts |= {"parameter_validation": False, "request_checksum_calculation": "when_required",
                  "response_checksum_validation": "when_required"}  # fmt: skip
-        opts["s3"] = {**opts["s3"], "payload_signing_enabled": False}
+        opts["s3"] = {**opts["s3"], "payload_signing_enabled": signed}
     key, secret = ep.keys()
     return boto3.client("s3", endpoint_url=ep.url, region_name=ep.region, aws_access_key_id=key,
                         aws_secret_access_key=secret, config=Config(**opts))  # fmt: skip
@@ -219,11 +220,11 @@ def uploader(client: str, ep: Endpoint, conc: int) -> Callable[[str, bytes, int]
     if client.startswith("obstore"):
         store = obstore_store(ep, signed=client == "obstore-signed")
         return lambda key, src, part: obstore_upload(store, key, view_of(src), part, conc)
-    c = boto3_client(ep, conc, tuned=client != "boto3-defaults")
+    c = boto3_client(ep, conc, tuned=client != "boto3-defaults", signed=client == "boto3-signed")
     if client == "s3transfer":
         return lambda key, src, part: s3transfer_upload(c, ep, key, src, part, conc)
-    if client in ("boto3", "boto3-bytes", "boto3-defaults"):
-        copy = client != "boto3"
+    if client.startswith("boto3"):
+        copy = client in ("boto3-bytes", "boto3-defaults")
         return lambda key, src, part: boto3_upload(c, ep, key, view_of(src), part, conc, copy)
     raise ValueError(f"unknown upload client {client!r} (known: {', '.join(UPLOADS)})")
 

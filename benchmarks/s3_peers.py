@@ -5,9 +5,10 @@ tensors of ``tensor_bytes`` each (the last one shorter), so every path moves the
 
 Operations (``spec["op"]``):
 
-* ``tier-save``: a :class:`~tierckpt.Hierarchy` of a host tier over the S3 tier saves the state once; the
-  demotion host → s3 is timed from the host copy's commit to the S3 copy's (the two ``durable`` futures),
-  its CPU and extra RSS measured over the same interval.
+* ``tier-save``: a :class:`~tierckpt.Hierarchy` of a host tier over the S3 tier (each keeping one
+  checkpoint) saves the state ``saves`` times (default 2: the first after the open, then one in the steady
+  state, which evicts the first); each demotion host → s3 is timed from the host copy's commit to the S3
+  copy's (the two ``durable`` futures), its CPU and extra RSS measured over the same interval.
 * ``tier-restore``: a restart: a hierarchy of the S3 tier alone (no host copy), ``restore()`` into fresh
   tensors; opening the hierarchy is timed apart.
 * ``dcp-fsspec-save`` / ``dcp-fsspec-load``: ``torch.distributed.checkpoint`` through ``FsspecWriter`` /
@@ -22,12 +23,13 @@ A load reports whether the tensors hold the saved bytes (``intact``).
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import xxhash
-from s3_child import Mark, measured
+from s3_child import GAP_S, Mark, measured
 from s3_clients import pattern
 
 REGION = "us-east-1"
@@ -63,38 +65,64 @@ def url(spec: dict[str, Any]) -> str:
 # -- tierckpt -------------------------------------------------------------------------------------------
 def tier_config(spec: dict[str, Any], host: bool) -> dict[str, Any]:
     """The hierarchy: ``obj`` (the S3 tier, ``spec["tier_options"]`` added to its options), under a host
-    tier with room for two copies when ``host``."""
+    tier with room for two copies when ``host``; each keeps one checkpoint."""
     obj = {"name": "obj", "kind": "s3", "path": url(spec),
            "options": {"endpoint_url": spec["endpoint"], **spec.get("tier_options", {})}}  # fmt: skip
     tiers = [{"name": "host", "kind": "host", "capacity": 2 * spec["nbytes"] + (256 << 20)}] if host else []
-    return {"tiers": [*tiers, obj]}
+    return {"tiers": [*tiers, obj], "policy": {"keep": {t["name"]: 1 for t in [*tiers, obj]}}}
+
+
+class _Marks:
+    """A :class:`Mark` taken when each of some futures resolves (in the thread that resolves it, which
+    runs the callbacks after waking the waiters: :meth:`get` waits for the mark)."""
+
+    def __init__(self) -> None:
+        self.marks: dict[str, Mark] = {}
+        self.cond = threading.Condition()
+
+    def on(self, fut: Any, name: str, reset: bool = False) -> None:
+        def note(_: Any) -> None:
+            mark = Mark(reset=reset)
+            with self.cond:
+                self.marks[name] = mark
+                self.cond.notify_all()
+
+        fut.add_done_callback(note)
+
+    def get(self, name: str) -> Mark:
+        with self.cond:
+            if not self.cond.wait_for(lambda: name in self.marks, timeout=60):
+                raise TimeoutError(f"no mark {name!r} within 60 s of its future")
+            return self.marks[name]
+
+
+def _one_save(h: Any, state: Any, step: int) -> dict[str, Any]:
+    """Save ``step``; the demotion (the host copy's commit to the S3 copy's: time, CPU, extra RSS over
+    the host copy) with the whole save (the call to the end of every copy and eviction) under ``save``."""
+    time.sleep(GAP_S)
+    marks = _Marks()
+    start = Mark()
+    handle = h.save(state, step=step)
+    marks.on(handle.durable["host"], "host", reset=True)  # the demotion starts here
+    marks.on(handle.durable["obj"], "obj")
+    handle.wait()
+    h.wait()  # and the evictions the save caused
+    out = marks.get("host").until(marks.get("obj"))
+    out["save"] = start.until(Mark())
+    del out["save"]["extra_rss"]  # the peak mark was reset when the demotion began
+    return out
 
 
 def tier_save(spec: dict[str, Any]) -> dict[str, Any]:
+    """``spec["saves"]`` saves of the state in one hierarchy (the first after opening it, then the steady
+    state: each later one evicts its predecessor from both tiers); the last one's figures, the first's
+    under ``first``."""
     from tierckpt import Hierarchy
 
     state = make_state(spec["nbytes"], spec["seed"], spec["tensor_bytes"])
-    marks: dict[str, Mark] = {}
-    lock = threading.Lock()
-
-    def noted(name: str, reset: bool = False) -> Callable[[Any], None]:
-        def note(_: Any) -> None:
-            with lock:
-                marks[name] = Mark(reset=reset)
-
-        return note
-
     with Hierarchy.from_config(tier_config(spec, host=True)) as h:
-        start = Mark()
-        handle = h.save(state, step=1)
-        handle.durable["host"].add_done_callback(noted("host", reset=True))  # the demotion starts here
-        handle.durable["obj"].add_done_callback(noted("obj"))
-        handle.wait()
-        end = Mark()
-    out = marks["host"].until(marks["obj"])  # the demotion alone (extra RSS: its peak over the host copy)
-    out["save"] = start.until(end)
-    del out["save"]["extra_rss"]  # the peak mark was reset when the demotion began
-    return out
+        saves = [_one_save(h, state, step) for step in range(1, spec.get("saves", 2) + 1)]
+    return {**saves[-1], "first": saves[0]} if len(saves) > 1 else saves[0]
 
 
 def tier_restore(spec: dict[str, Any]) -> dict[str, Any]:
@@ -104,6 +132,7 @@ def tier_restore(spec: dict[str, Any]) -> dict[str, Any]:
     opened = Mark(reset=True)
     h = Hierarchy.from_config(tier_config(spec, host=False))
     out["open"] = opened.until(Mark())
+    time.sleep(GAP_S)
     try:
         with measured(out):
             state = h.restore()

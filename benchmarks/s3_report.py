@@ -44,8 +44,13 @@ class Group:
         xs = [r["extra_rss"] - (self.nbytes if op in LOADS else 0) for r in self.ok]
         return max(xs) / MIB if xs else None
 
-    def requests(self) -> Counter[str]:
-        return Counter(self.ok[0].get("requests", {})) if self.ok else Counter()
+    def requests(self, window: str = "") -> Counter[str]:
+        """The first sample's requests by operation in ``window``: the measured one (""), or a nested one
+        (``save``, ``open``, ``first.save``)."""
+        rec: dict[str, Any] = self.ok[0] if self.ok else {}
+        for k in filter(None, window.split(".")):
+            rec = rec.get(k) or {}
+        return Counter(rec.get("requests", {}))
 
 
 def groups(recs: list[dict[str, Any]], phase: str) -> dict[tuple[str, str, int, int], Group]:
@@ -124,18 +129,17 @@ def paths_table(recs: list[dict[str, Any]], a: argparse.Namespace) -> tuple[list
         return [], g
     lines = [f"## The tier and the peers (raw limit: `{a.tier_client}` at its best, same run)", "",
              "| path | MB/s median | min–max | % of raw limit | % of fastest raw | client CPU s/GB | "
-             "server CPU s/GB | extra RSS MiB | requests |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---|"]  # fmt: skip
+             "server CPU s/GB | extra RSS MiB |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
     for op, label in PATHS:
         if op not in g:
             continue
         grp, d = g[op], "get" if op in LOADS else "put"
         limit, fastest = raw_rate(recs, d, a.tier_client), fastest_raw(recs, d)
         r = grp.rate()
-        reqs = ", ".join(f"{n} {k}" for k, n in sorted(grp.requests().items())) or "-"
         lines.append(f"| {label} | {_fmt(r)} | {grp.spread()} | {_fmt(100 * r / limit if r and limit else None)} | "
                      f"{_fmt(100 * r / fastest if r and fastest else None)} | {grp.per_gb('cpu')} | "
-                     f"{grp.per_gb('server_cpu')} | {_fmt(grp.extra_rss_mib(op))} | {reqs} |")  # fmt: skip
+                     f"{grp.per_gb('server_cpu')} | {_fmt(grp.extra_rss_mib(op))} |")  # fmt: skip
     if "tier-save" in g and g["tier-save"].ok:
         saves = [r["save"]["secs"] for r in g["tier-save"].ok]
         lines += ["", f"The whole save (host copy, then the demotion): median {statistics.median(saves):.2f} s."]
@@ -167,26 +171,33 @@ def targets(recs: list[dict[str, Any]], g: dict[str, Group], a: argparse.Namespa
                 lines.append(
                     f"  * ahead of {pop}: no comparison, it {why if why == 'did not run' else 'failed: ' + why}"
                 )
+    if "tier-save" in g and g["tier-save"].ok:
+        lists = sum(n for k, n in g["tier-save"].requests("save").items() if k.startswith("List"))
+        lines.append(f"* no LIST in a save after the first: {'PASS' if not lists else 'MISS'} ({lists} LIST requests)")
     return [*lines, ""]
 
 
-def requests_table(g: dict[str, Group]) -> list[str]:
-    cols = [(op, label) for op, label in PATHS if op in g and g[op].ok and g[op].requests()]
+REQUEST_COLUMNS = (  # (op, window, label) of the requests table
+    ("tier-save", "first.save", "tierckpt: first save after opening"),
+    ("tier-save", "save", "tierckpt: a later save (evicts the one before)"),
+    ("tier-restore", "open", "tierckpt: opening for a restart"),
+    ("tier-restore", "", "tierckpt: restore"),
+    ("dcp-fsspec-save", "", "dcp.save, fsspec + s3fs"),
+    ("dcp-fsspec-load", "", "dcp.load, fsspec + s3fs"),
+    ("s3torch-save", "", "s3torchconnector save"),
+    ("s3torch-load", "", "s3torchconnector load"),
+)
+
+
+def requests_table(g: dict[str, Group], a: argparse.Namespace) -> list[str]:
+    cols = [(op, w, label) for op, w, label in REQUEST_COLUMNS if op in g and g[op].requests(w)]
     if not cols:
         return []
-    ops = sorted({k for op, _ in cols for k in g[op].requests()})
-    lines = ["## Requests per checkpoint (from radosgw's log)", "",
-             "| operation | " + " | ".join(label for _, label in cols) + " |", "|---|" + "---:|" * len(cols)]  # fmt: skip
+    ops = sorted({k for op, w, _ in cols for k in g[op].requests(w)})
+    lines = [f"## Requests per checkpoint ({a.nbytes / MIB:.0f} MiB in one rank's copy; radosgw's log)", "",
+             "| operation | " + " | ".join(label for *_, label in cols) + " |", "|---|" + "---:|" * len(cols)]  # fmt: skip
     for name in ops:
-        lines.append(f"| {name} | " + " | ".join(str(g[op].requests().get(name, 0)) for op, _ in cols) + " |")
-    if "tier-restore" in g and g["tier-restore"].ok:
-        opened = g["tier-restore"].ok[0]["open"].get("requests", {})
-        lines += [
-            "",
-            "Opening the S3 tier for the restart: "
-            + (", ".join(f"{n} {k}" for k, n in sorted(opened.items())) or "no requests")
-            + ".",
-        ]
+        lines.append(f"| {name} | " + " | ".join(str(g[op].requests(w).get(name, 0)) for op, w, _ in cols) + " |")
     return [*lines, ""]
 
 
@@ -209,5 +220,5 @@ def report(recs: list[dict[str, Any]], a: argparse.Namespace) -> str:
              f"state: {a.tensor_bytes / MIB:.0f} MiB float32 tensors.", ""]  # fmt: skip
     lines += sweep_tables(recs) + clients_table(recs)
     paths, g = paths_table(recs, a)
-    lines += paths + targets(recs, g, a) + requests_table(g) + failures(recs)
+    lines += paths + targets(recs, g, a) + requests_table(g, a) + failures(recs)
     return "\n".join(lines) + "\n"

@@ -28,6 +28,7 @@ from tierckpt.testing.clusters import CephCluster, free_port, why_ceph_cannot_ru
 BUCKET = "tierckpt-bench"
 _BEAST = re.compile(r'beast: \S+: \S+ - \S* \[([^\]]+)\] "(\w+) (\S+) HTTP/[\d.]+" (\d{3}) (\d+)')
 _TICK = os.sysconf("SC_CLK_TCK")
+TICK_S = 0.0045  #: how much earlier than it started radosgw may stamp a request (its coarse clock's tick)
 
 
 def operation(method: str, url: str) -> str:
@@ -64,22 +65,30 @@ class RequestLog:
     def __init__(self, path: Path) -> None:
         self.path = path
 
-    def requests(self, t0: float, t1: float, bucket: str) -> Counter[str]:
-        """Requests on ``bucket`` that started in ``[t0, t1]`` (Unix times), by operation (``GetObject``;
-        a failed one as ``GetObject 404``). Waits until radosgw has logged every request it started."""
+    def requests(self, t0: float, t1: float, bucket: str) -> tuple[Counter[str], list[str]]:
+        """Requests on ``bucket`` that started in ``[t0, t1]`` (Unix times; windows ``s3_child.GAP_S`` apart are
+        told apart, and the warm-up objects ``*.warm`` are left out): their count by operation
+        (``GetObject``; a failed one as ``GetObject 404``), and the method and URL of each one other than
+        the data's (``UploadPart``, ``GetObject``). Waits until radosgw has logged every request it started."""
         self._settle()
         out: Counter[str] = Counter()
+        lines: list[str] = []
         with self.path.open(errors="replace") as f:
             for line in f:
                 m = _BEAST.search(line)
                 if m is None:
                     continue
                 when = datetime.strptime(m.group(1), "%d/%b/%Y:%H:%M:%S.%f %z").timestamp()
-                if not t0 - 0.001 <= when <= t1 + 0.001 or _bucket_of(m.group(3)) != bucket:
+                # radosgw stamps a request's start with a coarse clock (4 ms ticks here), rounded down
+                if not t0 - TICK_S < when <= t1 + 0.0005 or _bucket_of(m.group(3)) != bucket:
+                    continue
+                if m.group(3).partition("?")[0].endswith(".warm"):  # the children's warm-ups
                     continue
                 op, status = operation(m.group(2), m.group(3)), int(m.group(4))
                 out[op if status < 300 else f"{op} {status}"] += 1
-        return out
+                if op not in ("UploadPart", "GetObject") or status >= 300:
+                    lines.append(f"{m.group(2)} {re.sub(r'uploadId=[^&]+', 'uploadId=…', m.group(3))} {status}")
+        return out, lines
 
     def _settle(self, timeout_s: float = 10.0) -> None:
         deadline = time.monotonic() + timeout_s
