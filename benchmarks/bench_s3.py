@@ -32,6 +32,7 @@ Results: JSON lines and a markdown report in ``--out``. See docs/benchmarks.md, 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import shutil
@@ -65,6 +66,8 @@ class Bench:
 
     def __init__(self, args: argparse.Namespace, server: Server, out: Path) -> None:
         self.args, self.server = args, server
+        self.server_pids = server.pids()
+        self.unavailable = unavailable_clients()
         self.recs: list[dict[str, Any]] = []
         out.mkdir(parents=True, exist_ok=True)
         self.stamp = time.strftime("%Y%m%d-%H%M%S")
@@ -77,15 +80,15 @@ class Bench:
 
     # -- one measurement ------------------------------------------------------------------------------
     def child(self, spec: dict[str, Any], peer: bool = False) -> dict[str, Any]:
-        """Run one operation in a fresh process; its result with the server's CPU and requests added."""
+        """Run one operation in a fresh process; its result with the server's requests added."""
         spec = {"endpoint": self.server.ep.url, "bucket": self.server.ep.bucket, "nbytes": self.args.nbytes,
-                "seed": self.args.seed, "tensor_bytes": self.args.tensor_bytes, **spec}  # fmt: skip
+                "seed": self.args.seed, "tensor_bytes": self.args.tensor_bytes, "server_pids": self.server_pids,
+                **spec}  # fmt: skip
         if spec["op"] != "get" and not spec["op"].endswith(("load", "restore")):
             self.server.make_room(self.args.nbytes * (2 if spec["op"] == "tier-save" else 1))
         env = dict(os.environ)
         if peer and self.args.peer_path:
             env["PYTHONPATH"] = os.pathsep.join([self.args.peer_path, env.get("PYTHONPATH", "")])
-        cpu0 = self.server.cpu_secs()
         try:
             p = subprocess.run([sys.executable, str(HERE / "s3_child.py"), json.dumps(spec)], env=env,
                                capture_output=True, text=True, timeout=self.args.child_timeout)  # fmt: skip
@@ -95,8 +98,6 @@ class Bench:
                 out["stderr_tail"] = p.stderr[-3000:]
         except subprocess.TimeoutExpired:
             out = {"ok": False, "error": f"no answer in {self.args.child_timeout:.0f} s"}
-        cpu1 = self.server.cpu_secs()
-        out["server_cpu"] = None if cpu0 is None or cpu1 is None else cpu1 - cpu0
         if out.get("ok") and self.server.log is not None:
             first = out.get("first") or {}
             for part in (out, out.get("save"), out.get("open"), first, first.get("save")):
@@ -138,9 +139,9 @@ class Bench:
                 nparts = -(-a.nbytes // part)
                 concs = [c for c in a.conc_list if c <= nparts] or a.conc_list[:1]
                 for conc in concs:
-                    for client in SWEPT_UPLOADS:
+                    for client in self.available(SWEPT_UPLOADS):
                         self.put("sweep", client, part, conc, rep)
-                    for client in SWEPT_DOWNLOADS:
+                    for client in self.available(SWEPT_DOWNLOADS):
                         if client != "obstore" or conc == concs[0]:  # get_ranges: its own concurrency
                             self.get("sweep", client, part, OBSTORE_RANGES_CONC if client == "obstore" else conc, rep)
 
@@ -154,10 +155,13 @@ class Bench:
             return self.args.part_bytes, self.args.conc
         return min(rows, key=lambda k: statistics.median(rows[k]))
 
+    def available(self, clients: tuple[str, ...]) -> list[str]:
+        return [c for c in clients if c not in self.unavailable]
+
     def items(self) -> list[tuple[str, str]]:
         out: list[tuple[str, str]] = []
         if "clients" in self.args.phase_list:
-            out += [("put", c) for c in UPLOADS] + [("get", c) for c in DOWNLOADS]
+            out += [("put", c) for c in self.available(UPLOADS)] + [("get", c) for c in self.available(DOWNLOADS)]
         if "tier" in self.args.phase_list:
             out.append(("tier", "tierckpt"))
         if "peers" in self.args.phase_list:
@@ -190,6 +194,14 @@ class Bench:
                 self.sample(kind, {**base, "op": ops[1]}, rep, peer=kind == "peer")
         finally:
             self.server.clean(f"{kind}/")
+
+
+def unavailable_clients() -> dict[str, str]:
+    """The client variants whose library is not installed here, and why (they are left out)."""
+    if importlib.util.find_spec("obstore") is None:
+        why = "obstore is not installed (pip install obstore)"
+        return {c: why for c in (*UPLOADS, *DOWNLOADS) if c.startswith("obstore")}
+    return {}
 
 
 def tier_available() -> str | None:
@@ -271,6 +283,8 @@ def main(argv: list[str] | None = None) -> int:
         why_tier = tier_available()
         bench.emit({"kind": "machine", "argv": sys.argv if argv is None else argv, **machine_info(base),
                     **server.describe(), "nbytes": a.nbytes, "tier": why_tier or "kind s3"})  # fmt: skip
+        for client, why in sorted(bench.unavailable.items()):
+            bench.emit({"kind": "skip", "what": f"client {client}", "why": why})
         if why_tier and "tier" in a.phase_list:
             a.phase_list.remove("tier")
             bench.emit({"kind": "skip", "what": "tier", "why": why_tier})

@@ -2,13 +2,15 @@
 
 Run as ``python s3_child.py '<json spec>'``; prints one JSON line (the last line of stdout): the wall time
 of the operation, this process's CPU seconds during it (``getrusage``: every thread, Rust's included), its
-peak extra RSS (the kernel's VmHWM, reset just before, minus VmRSS then), the wall-clock start and end (the
-parent counts the server's requests between them), and for a download whether the bytes are the source's.
+peak extra RSS (the kernel's VmHWM, reset just before, minus VmRSS then), the server's CPU seconds during it
+(where the parent passed the server's process ids), the wall-clock start and end (the parent counts the
+server's requests between them), and for a download whether the bytes are the source's.
 A fresh process per measurement: freed memory of an earlier one cannot hide this one's peak, and every
 client opens its connections anew.
 
 Spec keys: ``op`` (``put``, ``get``, or an operation of ``s3_peers.py``), ``client``, ``endpoint``,
-``bucket``, ``key``, ``nbytes``, ``part``, ``conc``, ``seed``, and what ``s3_peers.py`` reads.
+``bucket``, ``key``, ``nbytes``, ``part``, ``conc``, ``seed``, ``server_pids``, and what ``s3_peers.py``
+reads.
 """
 
 from __future__ import annotations
@@ -43,6 +45,24 @@ def cpu_secs() -> float:
     return ru.ru_utime + ru.ru_stime
 
 
+SERVER_PIDS: list[int] = []  # radosgw's and the OSD's, where the parent runs them (spec["server_pids"])
+_TICK = os.sysconf("SC_CLK_TCK")
+
+
+def server_cpu_secs() -> float | None:
+    """CPU seconds so far of the server's processes (None when they are not known or gone)."""
+    if not SERVER_PIDS:
+        return None
+    total = 0.0
+    for pid in SERVER_PIDS:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            return None
+        total += (int(fields[11]) + int(fields[12])) / _TICK  # utime, stime
+    return total
+
+
 class Mark:
     """A point in time: wall clock, monotonic clock, process CPU, RSS; with ``reset`` the peak-RSS mark
     (VmHWM) is set to the RSS now."""
@@ -57,11 +77,13 @@ class Mark:
             cpu_secs(),
             _status_kib("VmRSS"),
         )
+        self.server_cpu = server_cpu_secs()
 
     def until(self, end: Mark) -> dict[str, Any]:
         """The interval from this mark to ``end`` as the parent reads it."""
+        srv = None if self.server_cpu is None or end.server_cpu is None else end.server_cpu - self.server_cpu
         return {"secs": end.mono - self.mono, "cpu": end.cpu - self.cpu, "t0": self.wall, "t1": end.wall,
-                "extra_rss": max(0, _status_kib("VmHWM") - self.rss_kib) * 1024}  # fmt: skip
+                "extra_rss": max(0, _status_kib("VmHWM") - self.rss_kib) * 1024, "server_cpu": srv}  # fmt: skip
 
 
 @contextlib.contextmanager
@@ -111,6 +133,7 @@ def get(spec: dict[str, Any]) -> dict[str, Any]:
 
 def main(argv: list[str]) -> int:
     spec = json.loads(argv[1])
+    SERVER_PIDS[:] = spec.get("server_pids", [])
     try:
         if spec["op"] in ("put", "get"):
             out = put(spec) if spec["op"] == "put" else get(spec)

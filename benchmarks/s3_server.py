@@ -27,7 +27,6 @@ from tierckpt.testing.clusters import CephCluster, free_port, why_ceph_cannot_ru
 
 BUCKET = "tierckpt-bench"
 _BEAST = re.compile(r'beast: \S+: \S+ - \S* \[([^\]]+)\] "(\w+) (\S+) HTTP/[\d.]+" (\d{3}) (\d+)')
-_TICK = os.sysconf("SC_CLK_TCK")
 TICK_S = 0.0045  #: how much earlier than it started radosgw may stamp a request (its coarse clock's tick)
 
 
@@ -172,18 +171,18 @@ class Server:
             time.sleep(2)
 
     # -- what the server spent ------------------------------------------------------------------------
-    def cpu_secs(self) -> float | None:
-        """CPU seconds so far of radosgw and the OSD (None unless this process runs them)."""
+    def pids(self) -> list[int]:
+        """radosgw's and the OSD's process ids (none unless this process runs them): the children read
+        their CPU time at each mark (``s3_child.Mark``)."""
         if self.cluster is None:
-            return None
-        conf, total = str(self.cluster.conf), 0.0
+            return []
+        conf, out = str(self.cluster.conf).encode(), []
         for proc in Path("/proc").glob("[0-9]*"):
-            with contextlib.suppress(OSError, ValueError, IndexError):
+            with contextlib.suppress(OSError, IndexError):
                 argv = (proc / "cmdline").read_bytes().split(b"\0")
-                if Path(argv[0].decode()).name in ("radosgw", "ceph-osd") and conf.encode() in argv:
-                    fields = (proc / "stat").read_text().rsplit(")", 1)[1].split()
-                    total += (int(fields[11]) + int(fields[12])) / _TICK  # utime, stime
-        return total
+                if Path(argv[0].decode()).name in ("radosgw", "ceph-osd") and conf in argv:
+                    out.append(int(proc.name))
+        return out
 
     def describe(self) -> dict[str, Any]:
         info: dict[str, Any] = {"endpoint": self.ep.url, "bucket": self.ep.bucket}

@@ -23,7 +23,6 @@ def _needs_radosgw() -> None:
     if why is not None:
         pytest.skip(f"radosgw: {why}")
     pytest.importorskip("boto3")
-    pytest.importorskip("obstore")
 
 
 def test_bench_s3_tiny(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -40,13 +39,17 @@ def test_bench_s3_tiny(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     recs = [json.loads(line) for line in jsonl.read_text().splitlines()]
     assert recs[0]["kind"] == "machine" and recs[-1]["kind"] == "end"
     samples = [r for r in recs if r["kind"] == "sample"]
+    gone = {r["what"].split()[1] for r in recs if r["kind"] == "skip" and r["what"].startswith("client ")}
+    assert gone <= {c for c in UPLOADS + DOWNLOADS if c.startswith("obstore")}  # where obstore is missing
     sweep = {(r["op"], r["client"]): r for r in samples if r["phase"] == "sweep"}
-    assert set(sweep) == {("put", c) for c in SWEPT_UPLOADS} | {("get", c) for c in SWEPT_DOWNLOADS}
+    assert set(sweep) == {("put", c) for c in SWEPT_UPLOADS if c not in gone} | {
+        ("get", c) for c in SWEPT_DOWNLOADS if c not in gone
+    }
     raw = {(r["op"], r["client"]): r for r in samples if r["phase"] == "clients"}
-    assert set(raw) == {("put", c) for c in UPLOADS} | {("get", c) for c in DOWNLOADS}
+    assert set(raw) == {("put", c) for c in UPLOADS if c not in gone} | {("get", c) for c in DOWNLOADS if c not in gone}
     for r in [*sweep.values(), *raw.values()]:
         assert r["ok"], r
-        assert r["secs"] > 0 and r["cpu"] > 0 and r["server_cpu"] >= 0 and r["extra_rss"] >= 0
+        assert r["secs"] > 0 and r["cpu"] > 0 and r["server_cpu"] > 0 and r["extra_rss"] >= 0
         assert r["op"] == "put" or r["intact"]  # every download read back the pattern
     # the requests of one upload, counted in radosgw's log: two 8 MiB parts
     assert raw["put", "boto3"]["requests"] == {
