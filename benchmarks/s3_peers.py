@@ -29,8 +29,8 @@ from typing import Any
 
 import torch
 import xxhash
-from s3_child import GAP_S, Mark, measured
 from s3_clients import pattern
+from s3_marks import GAP_S, Mark, measured
 
 REGION = "us-east-1"
 

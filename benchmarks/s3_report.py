@@ -172,7 +172,7 @@ def targets(recs: list[dict[str, Any]], g: dict[str, Group], a: argparse.Namespa
                     f"  * ahead of {pop}: no comparison, it {why if why == 'did not run' else 'failed: ' + why}"
                 )
     if "tier-save" in g and g["tier-save"].ok:
-        lists = sum(n for k, n in g["tier-save"].requests("save").items() if k.startswith("List"))
+        lists = sum(n for k, n in g["tier-save"].requests("save").items() if k.startswith("ListObjects"))
         lines.append(f"* no LIST in a save after the first: {'PASS' if not lists else 'MISS'} ({lists} LIST requests)")
     return [*lines, ""]
 
