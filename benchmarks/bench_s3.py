@@ -36,6 +36,7 @@ import importlib.util
 import json
 import os
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -272,6 +273,10 @@ def open_server(a: argparse.Namespace, base: Path) -> Server:
     return server
 
 
+def _stop_on_sigterm(signum: int, frame: Any) -> None:
+    raise SystemExit(128 + signum)  # unwinds through main's finally: the own radosgw is stopped
+
+
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
     from tierckpt.bench.system import machine_info
@@ -306,4 +311,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    signal.signal(signal.SIGTERM, _stop_on_sigterm)
     sys.exit(main())

@@ -218,6 +218,11 @@ def report(recs: list[dict[str, Any]], a: argparse.Namespace) -> str:
              f"{m.get('cpu')}, {m.get('cores')} cores (shared by the client and the server), {m.get('mem_gib')} GiB; "
              f"{m.get('ceph_version', '')}; load average at the start {m.get('loadavg_start')}; "
              f"state: {a.tensor_bytes / MIB:.0f} MiB float32 tensors.", ""]  # fmt: skip
+    if (ms := m.get("small_get_ms")) is not None:
+        lines += [f"A GET of 1 KiB took {ms:.0f} ms (median)" + (
+            ": the server delays small responses (radosgw's beast without `tcp_nodelay=1`: Nagle's algorithm "
+            "against the client's delayed ACKs, about 40 ms a request with a body), which every table below "
+            "includes." if ms > 20 else "."), ""]  # fmt: skip
     lines += sweep_tables(recs) + clients_table(recs)
     paths, g = paths_table(recs, a)
     lines += paths + targets(recs, g, a) + requests_table(g, a) + failures(recs)

@@ -191,8 +191,24 @@ class Server:
                     out.append(int(proc.name))
         return out
 
+    def small_request_ms(self, n: int = 7) -> float:
+        """Median milliseconds of a GET of a 1 KiB object, read whole, on a kept-alive connection: a few
+        without delays; about 40 where the server writes a response's head and body apart with Nagle's
+        algorithm on (radosgw's beast without ``tcp_nodelay=1``) and the client delays its ACKs."""
+        c, key = self.client(), "probe/small"
+        c.put_object(Bucket=self.ep.bucket, Key=key, Body=b"x" * 1024)
+        c.get_object(Bucket=self.ep.bucket, Key=key)["Body"].read()
+        times = []
+        for _ in range(n):
+            t0 = time.perf_counter()
+            c.get_object(Bucket=self.ep.bucket, Key=key)["Body"].read()
+            times.append(time.perf_counter() - t0)
+        c.delete_object(Bucket=self.ep.bucket, Key=key)
+        return 1000 * sorted(times)[n // 2]
+
     def describe(self) -> dict[str, Any]:
-        info: dict[str, Any] = {"endpoint": self.ep.url, "bucket": self.ep.bucket}
+        info: dict[str, Any] = {"endpoint": self.ep.url, "bucket": self.ep.bucket,
+                                "small_get_ms": round(self.small_request_ms(), 1)}  # fmt: skip
         if self.cluster is not None:
             info |= {"server": "radosgw (own loopback Ceph, memstore OSD)",
                      "memstore_bytes": self.cluster.memstore_bytes,
