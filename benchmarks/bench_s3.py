@@ -15,8 +15,10 @@ every path moves the same bytes. Phases (``--phases``, in this order):
    (highest median rate) is what the later phases compare against.
 2. ``clients``: every client variant at its library's best settings (memoryview vs bytes bodies, default
    configs, s3transfer, obstore's ``get_ranges`` and a thread pool of ``get_range``);
-3. ``tier``: tierckpt's S3 tier (``kind: s3``): the demotion host → s3 of one save, timed from the host
-   copy's commit to the S3 copy's, and a restart's restore s3 → memory in a new process with no host copy;
+3. ``tier``: tierckpt's S3 tier (``kind: s3``, its ``part_size`` and ``concurrency`` the raw boto3 best
+   unless ``--tier-options`` sets them): the demotions host → s3 of two saves (the first after opening the
+   hierarchy, then one that evicts it: the figures are the second's), each timed from the host copy's
+   commit to the S3 copy's, and a restart's restore s3 → memory in a new process with no host copy;
 4. ``peers``: ``dcp.save``/``dcp.load`` through fsspec + s3fs, and s3torchconnector's DCP writer/reader.
 
 Phases 2–4 run ``--repeats`` rounds, the order of the items rotating each round, so that a slow spell of a
@@ -25,6 +27,9 @@ process's CPU seconds per GB (``getrusage``: every thread), its peak extra RSS d
 reset just before), and, where this script runs radosgw, the server's CPU seconds per GB (radosgw + OSD)
 and its requests by operation (from radosgw's log). Peers import from ``--peer-path`` (a ``pip install
 --target`` folder) when given, so that s3fs's pinned botocore need not replace the environment's.
+
+First the server's latency for a small GET is measured and reported: radosgw's beast frontend without
+``tcp_nodelay=1`` adds about 40 ms to every response with a body (Nagle against delayed ACKs).
 
 Results: JSON lines and a markdown report in ``--out``. See docs/benchmarks.md, "S3".
 """
