@@ -167,7 +167,7 @@ def targets(recs: list[dict[str, Any]], g: dict[str, Group], a: argparse.Namespa
             if pr is not None:
                 lines.append(f"  * ahead of {pop}: {'PASS' if r > pr else 'MISS'} ({r:.0f} vs {pr:.0f} MB/s)")
             else:
-                why = g[pop].failed[0]["error"] if pop in g and g[pop].failed else "did not run"
+                why = short(g[pop].failed[0]["error"]) if pop in g and g[pop].failed else "did not run"
                 lines.append(
                     f"  * ahead of {pop}: no comparison, it {why if why == 'did not run' else 'failed: ' + why}"
                 )
@@ -201,11 +201,18 @@ def requests_table(g: dict[str, Group], a: argparse.Namespace) -> list[str]:
     return [*lines, ""]
 
 
+def short(error: str) -> str:
+    """An error on one line: a multi-line one (DCP's CheckpointException carries tracebacks) as its first
+    line and its last."""
+    lines = [ln.strip() for ln in error.splitlines() if ln.strip()]
+    return lines[0] if len(lines) < 2 else f"{lines[0]} … {lines[-1]}"
+
+
 def failures(recs: list[dict[str, Any]]) -> list[str]:
     seen: dict[str, str] = {}
     for r in recs:
         if r["kind"] == "sample" and not r.get("ok"):
-            seen.setdefault(f"{r['op']} {r.get('client', '')}".strip(), r["error"])
+            seen.setdefault(f"{r['op']} {r.get('client', '')}".strip(), short(r["error"]))
         elif r["kind"] == "skip":
             seen.setdefault(r["what"], r["why"])
     return ["## Did not run or failed", "", *[f"* {k}: {v}" for k, v in seen.items()], ""] if seen else []
