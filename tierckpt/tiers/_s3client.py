@@ -314,9 +314,10 @@ class Bucket:
                 raise RangeError(f"asked bytes {offset}-{offset + n - 1}, got {resp.get('ContentRange')!r}")
             else:
                 total = int(m.group(3)) if m.group(3) != "*" else None
-            length, got = int(resp.get("ContentLength") or 0), 0
+            declared = resp.get("ContentLength")  # none: a chunked answer, read up to what was asked
+            length, got = (int(declared) if declared is not None else None), 0
             try:
-                got = _read_into(body, view, min(n, length))
+                got = _read_into(body, view, n if length is None else min(n, length))
             finally:
                 _finish(body, whole=got == length)
             return got, total
