@@ -24,41 +24,11 @@ from typing import Any
 from s3_clients import Endpoint, boto3_client
 
 from tierckpt.testing.clusters import CephCluster, free_port, why_ceph_cannot_run
+from tierckpt.testing.s3requests import classify as operation
 
 BUCKET = "tierckpt-bench"
 _BEAST = re.compile(r'beast: \S+: \S+ - \S* \[([^\]]+)\] "(\w+) (\S+) HTTP/[\d.]+" (\d{3}) (\d+)')
 TICK_S = 0.0045  #: how much earlier than it started radosgw may stamp a request (its coarse clock's tick)
-
-
-def _operation(method: str, url: str) -> str:
-    """The S3 operation of a request line (``PUT /b/k?partNumber=1&uploadId=x`` → ``UploadPart``), as the
-    test proxy's ``classify`` names them; used where this tree does not have it yet."""
-    path, _, query = url.partition("?")
-    q = {kv.split("=", 1)[0] for kv in query.split("&") if kv}
-    table = {
-        ("POST", "uploads"): "CreateMultipartUpload",
-        ("PUT", "partNumber"): "UploadPart",
-        ("POST", "uploadId"): "CompleteMultipartUpload",
-        ("DELETE", "uploadId"): "AbortMultipartUpload",
-        ("GET", "uploadId"): "ListParts",
-        ("POST", "delete"): "DeleteObjects",
-        ("GET", "uploads"): "ListMultipartUploads",
-    }
-    for (m, key), name in table.items():
-        if method == m and key in q:
-            return name
-    if "/" not in path.strip("/"):
-        listing = "ListObjectsV2" if "list-type" in q else "ListObjects"
-        return {"GET": listing, "HEAD": "HeadBucket", "PUT": "CreateBucket"}.get(method, f"{method} bucket")
-    return {"GET": "GetObject", "PUT": "PutObject", "HEAD": "HeadObject", "DELETE": "DeleteObject"}.get(
-        method, f"{method} object"
-    )
-
-
-try:  # the test proxy's names for requests (tierckpt/testing/s3requests.py), where the tree has them
-    from tierckpt.testing.s3requests import classify as operation
-except ImportError:
-    operation = _operation
 
 
 def _bucket_of(url: str) -> str:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import re
 import threading
+from collections import Counter
 from collections.abc import Sequence
 from datetime import datetime, timedelta
 from typing import Any
@@ -387,14 +388,14 @@ class S3Tier(Tier):
             groups.setdefault(got, []).append(o.key)
             if o.modified >= before:
                 fresh.add(got)
-        live: dict[CheckpointKey, str | None] = {}
-        for key, _ in groups:
-            if key in heads and key not in live and sum(1 for k, _ in groups if k == key) > 1:
-                try:
-                    head = self.read_head(key)
-                except CorruptCheckpointError:
-                    head = None
-                live[key] = head.version if head else None
+        versions = Counter(key for key, _ in groups)
+        live: dict[CheckpointKey, str | None] = {}  # the head's version, where a copy has several
+        for key in (k for k, n in versions.items() if n > 1 and k in heads):
+            try:
+                head = self.read_head(key)
+            except CorruptCheckpointError:
+                head = None
+            live[key] = head.version if head else None
         out = []
         for (key, version), objs in groups.items():
             if (key, version) in fresh:
