@@ -47,6 +47,7 @@ from tierckpt.configvalues import (
 from tierckpt.configvalues import short as _short
 from tierckpt.errors import ConfigError
 from tierckpt.ioconfig import ENGINES, THROTTLES, IOConfig, default_io, parse_io
+from tierckpt.policies.compression import CompressConfig, parse_compress
 from tierckpt.yamlfile import YAMLFileError, load_yaml
 
 __all__ = [
@@ -54,6 +55,7 @@ __all__ = [
     "LEASE_STALE_SECS",
     "ON_FULL",
     "THROTTLES",
+    "CompressConfig",
     "DemoteConfig",
     "DistributedConfig",
     "HierarchyConfig",
@@ -123,6 +125,8 @@ class TierConfig:
             :func:`~tierckpt.configvalues.process_rank`); set by ``Hierarchy.from_config``.
         node: what ``{node}`` stands for (None: this process's node,
             :func:`~tierckpt.configvalues.node_identity`); set by ``Hierarchy.from_config``.
+        compress: the entry's ``compress:`` (None: the kind's default,
+            :func:`tierckpt.policies.compression.tier_compress`).
     """
 
     name: str
@@ -139,6 +143,7 @@ class TierConfig:
     lease_stale_secs: float = LEASE_STALE_SECS
     rank: int | None = None
     node: int | None = None
+    compress: CompressConfig | None = None
 
 
 @dataclass(frozen=True)
@@ -261,7 +266,7 @@ def _parse_distributed(value: Any) -> DistributedConfig:
     )
 
 
-_TIER_KEYS = {"name", "kind", "path", "capacity", "blob_size", "io", "on_full", "options"}
+_TIER_KEYS = {"name", "kind", "path", "capacity", "blob_size", "io", "on_full", "options", "compress"}
 
 
 def _parse_tier(t: Any, key: str, before: list[TierConfig], base: Path, io: IOConfig, stale_secs: float) -> TierConfig:
@@ -302,6 +307,7 @@ def _parse_tier(t: Any, key: str, before: list[TierConfig], base: Path, io: IOCo
         io=parse_io(t["io"], f"{key}.io", io, tier=True) if "io" in t else io,
         key=key,
         lease_stale_secs=stale_secs,
+        compress=parse_compress(t["compress"], f"{key}.compress") if "compress" in t else None,
     )
 
 

@@ -1,0 +1,466 @@
+"""Compression per tier: the ``compress:`` setting, tensor kinds, and the adaptive decision. Pure: no I/O,
+no threads (one lock: an :class:`Adaptive` is shared by every copy written to its tier).
+
+What a frame is and how it is stored (raw, one zstd stream, or byte planes each zstd or raw) is the
+format's (docs/format.md, :mod:`tierckpt.format.codec`); this module only decides, for each frame a
+writer is about to encode, a :class:`FramePlan`: the width to split it by and the planes to try.
+
+**Kinds.** A frame's kind is that of the tensor holding most of its bytes (:func:`frame_kinds`): the
+dtype and the role its key path names (Adam's ``exp_avg`` and ``exp_avg_sq``, SGD's
+``momentum_buffer``, else ``weight``). Floating-point tensors of 2, 4 or 8 bytes are split into that
+many byte planes (complex ones by their component's size); everything else (integers, bools, fp8) is
+one stream. Statistics are kept per kind, and per plane within a kind, so a plane that does not gain
+(the low mantissa bytes) is left raw while the exponent plane is compressed.
+
+**The decision** (``auto``). With ``T`` compressor threads, a kind's measured per-thread speed ``s``
+(raw bytes a second, with the planes it compresses) and ratio ``r`` (raw / stored bytes), and the
+tier's write throughput ``bw`` (stored bytes a second: the smaller of the measured busy-time
+throughput and the tier's bandwidth budget), a raw byte costs ``1/bw`` stored as it is, and
+``max(1/(T*s), 1/(r*bw))`` compressed (compressing and writing overlap, so the slower of the two
+sets the pace). The kind is compressed iff that is below ``(1 - margin)/bw`` (``margin`` 5 %): the
+transfer must get shorter by more than the measurements' noise. So a kind that gains nothing
+(``r`` ≈ 1) is never compressed, and neither is anything on a tier faster than ``T*s``.
+
+**Measurements.** Speeds and ratios are exponentially weighted averages over the frames the writer
+reports back (:meth:`Adaptive.observe_frame`); the tier's throughput likewise
+(:meth:`Adaptive.observe_tier`). To keep them fresh whatever was decided, the first
+:data:`PROBE_FIRST` frames of each kind are *probes*, and then one in :data:`PROBE_EVERY`: a probe
+compresses the frame trying every plane. Until a kind has been measured (and, under ``auto``, until
+the tier's throughput is known from a measurement or a budget) its frames are probes too.
+
+``zstd`` compresses every frame, leaving raw the planes that never gain (except on probes, which try
+them again); ``none`` stores every frame raw.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
+
+from tierckpt.configvalues import check_int, check_keys, short
+from tierckpt.errors import ConfigError
+
+if TYPE_CHECKING:
+    from tierckpt.format.table import TensorTable
+
+__all__ = [
+    "EWMA_WEIGHT",
+    "GAIN",
+    "LEVELS",
+    "MARGIN",
+    "MODES",
+    "NONE",
+    "OTHER",
+    "PROBE_EVERY",
+    "PROBE_FIRST",
+    "RAW",
+    "Adaptive",
+    "CompressConfig",
+    "FramePlan",
+    "FrameStats",
+    "Kind",
+    "default_compress",
+    "frame_kinds",
+    "kind_of",
+    "parse_compress",
+    "pays",
+    "tier_compress",
+]
+
+MODES = ("none", "zstd", "auto")
+LEVELS = range(-7, 20)
+#: the transfer must get shorter by this fraction for ``auto`` to compress
+MARGIN = 0.05
+#: a plane is worth compressing when its stream is below this fraction of its raw bytes (the codec's rule)
+GAIN = 0.97
+#: the first frames of each kind that are probes, and then one in this many
+PROBE_FIRST = 4
+PROBE_EVERY = 32
+#: weight of the newest measurement in the running averages
+EWMA_WEIGHT = 0.25
+_MAX_THREADS = 256
+
+
+# -- the setting ----------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class CompressConfig:
+    """A tier's ``compress:`` setting.
+
+    Attributes:
+        mode: ``none`` (raw), ``zstd`` (every frame) or ``auto`` (where it makes the transfer shorter).
+        level: the zstd level, -7 (fastest) to 19.
+        threads: compressor threads (None: the writer's default).
+    """
+
+    mode: str
+    level: int = 1
+    threads: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"mode: expected one of {', '.join(MODES)}, got {self.mode!r}")
+        if isinstance(self.level, bool) or self.level not in LEVELS:
+            raise ValueError(f"level: expected an integer from -7 to 19, got {self.level!r}")
+        if self.threads is not None and not 1 <= self.threads <= _MAX_THREADS:
+            raise ValueError(f"threads: expected 1 to {_MAX_THREADS}, got {self.threads!r}")
+
+
+NONE = CompressConfig("none")
+_FORMS = "none, zstd, auto, 'zstd:LEVEL' or a mapping {mode, level, threads}"
+_LEVEL_RE = re.compile(r"(zstd|auto):(-?[0-9]{1,3})", re.ASCII)
+
+
+def parse_compress(value: object, where: str) -> CompressConfig | None:
+    """Parse a tier entry's ``compress:``.
+
+    Accepts ``none``, ``zstd``, ``auto``, ``zstd:LEVEL`` (also ``auto:LEVEL``), ``false`` (what YAML
+    makes of ``off``: none), or a mapping ``{mode, level, threads}`` (``mode`` required). None (the key
+    given no value) is the tier kind's default, returned as None.
+
+    Args:
+        value: the parsed YAML value.
+        where: the key, for errors (``tiers[2].compress``).
+
+    Raises:
+        ConfigError: naming ``where`` (or the mapping's bad key) and what is accepted.
+    """
+    if value is None:
+        return None
+    if value is False:
+        return NONE
+    if isinstance(value, str):
+        if value in MODES:
+            return CompressConfig(value)
+        m = _LEVEL_RE.fullmatch(value)
+        if m is None:
+            raise ConfigError(f"{where}: expected {_FORMS}, got {short(value)}")
+        return CompressConfig(m.group(1), _level(int(m.group(2)), where))
+    if isinstance(value, Mapping):
+        d = check_keys(value, where, {"mode", "level", "threads"}, {"mode"})
+        mode = d["mode"]
+        if mode is False:
+            mode = "none"
+        if mode not in MODES:
+            raise ConfigError(f"{where}.mode: expected one of {', '.join(MODES)}, got {short(mode)}")
+        if mode == "none" and len(d) > 1:
+            extra = next(k for k in d if k != "mode")
+            raise ConfigError(f"{where}.{extra}: mode none compresses nothing (remove {extra}, or pick zstd or auto)")
+        level = _level(d["level"], f"{where}.level") if "level" in d else 1
+        threads = check_int(d["threads"], f"{where}.threads", 1, _MAX_THREADS) if "threads" in d else None
+        return CompressConfig(mode, level, threads)
+    hint = " (true is ambiguous: say zstd or auto)" if value is True else ""
+    raise ConfigError(f"{where}: expected {_FORMS}, got {short(value)}{hint}")
+
+
+def _level(v: Any, key: str) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or v not in LEVELS:
+        raise ConfigError(f"{key}: expected a zstd level from -7 (fastest) to 19, got {short(v)}")
+    return v
+
+
+def default_compress(kind_device: str, shared: bool, persistent: bool) -> CompressConfig:
+    """The ``compress:`` of a tier whose entry names none: ``auto`` on shared persistent file tiers (a
+    parallel file system) and object stores, ``none`` on memory tiers and node-local disks."""
+    if kind_device == "object" or (kind_device == "file" and shared and persistent):
+        return CompressConfig("auto")
+    return NONE
+
+
+def tier_compress(
+    cfg: CompressConfig | None, kind_device: str, shared: bool, persistent: bool, where: str
+) -> CompressConfig:
+    """A tier's effective setting: ``cfg``, or the default for its capabilities.
+
+    Raises:
+        ConfigError: naming ``where``, for compression asked of a ``cuda`` tier (device memory is
+            written by copies on the device, where no compressor runs).
+    """
+    if cfg is None:
+        return default_compress(kind_device, shared, persistent)
+    if kind_device == "cuda" and cfg.mode != "none":
+        raise ConfigError(f"{where}: a gpu tier stores device memory as it is and compresses nothing, got {cfg.mode}")
+    return cfg
+
+
+# -- kinds ----------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Kind:
+    """What a frame holds, for statistics: ``float32/exp_avg_sq``, ``bfloat16/weight``, ``int64``.
+
+    Attributes:
+        name: dtype, and for floating-point data the role (``weight``, ``exp_avg``, ``exp_avg_sq``,
+            ``momentum_buffer``).
+        width: bytes per element to split the frame by (2, 4, 8), or 1: one stream.
+    """
+
+    name: str
+    width: int
+
+
+OTHER = Kind("other", 1)
+_ROLE_RE = re.compile(r"(?:^|[.\[/'])(exp_avg_sq|exp_avg|momentum_buffer)'?\]?$")
+
+
+def kind_of(dtype: str, path: str) -> Kind:
+    """The kind of a tensor of manifest dtype ``dtype`` at key path ``path`` (``state['optim']…['exp_avg']``,
+    or a dotted DCP key); an unknown dtype is :data:`OTHER`."""
+    from tierckpt.format.table import DTYPES  # torch: not imported with the config
+
+    dt = DTYPES.get(dtype)
+    if dt is None:
+        return OTHER
+    if not (dt.is_floating_point or dt.is_complex):
+        return Kind(dtype, 1)
+    m = _ROLE_RE.search(path)
+    item = dt.itemsize // 2 if dt.is_complex else dt.itemsize  # a complex number: two floats
+    return Kind(f"{dtype}/{m.group(1) if m else 'weight'}", item if item in (2, 4, 8) else 1)
+
+
+def frame_kinds(blob_sizes: Sequence[int], table: TensorTable, frame_bytes: int) -> list[list[Kind]]:
+    """Each frame's kind, per blob: the kind of the tensor holding most of the frame's bytes (ties: the
+    first), :data:`OTHER` where bytes of no tensor (padding, gaps) are the most.
+
+    Args:
+        blob_sizes: raw size of each blob.
+        table: the manifest's tensor table (its extents lie inside the blobs).
+        frame_bytes: F; frame ``k`` of a blob is raw bytes ``[k*F, (k+1)*F)``.
+    """
+    if frame_bytes <= 0:
+        raise ValueError(f"frame_bytes: expected a positive size, got {frame_bytes}")
+    cover: list[list[dict[Kind, int]]] = [[{} for _ in range(-(-n // frame_bytes))] for n in blob_sizes]
+    cache: dict[tuple[str, str], Kind] = {}
+    for i in table.order():
+        blob, lo, n = table.blobs[i], table.offsets[i], table.lengths[i]
+        frames = cover[blob]
+        kind = cache.get((table.dtypes[i], table.paths[i]))
+        if kind is None:
+            kind = cache[table.dtypes[i], table.paths[i]] = kind_of(table.dtypes[i], table.paths[i])
+        hi = lo + n
+        for k in range(lo // frame_bytes, -(-hi // frame_bytes)):
+            part = min(hi, (k + 1) * frame_bytes) - max(lo, k * frame_bytes)
+            frames[k][kind] = frames[k].get(kind, 0) + part
+    out: list[list[Kind]] = []
+    for size, frames in zip(blob_sizes, cover):
+        kinds = []
+        for k, held in enumerate(frames):
+            gap = min(size, (k + 1) * frame_bytes) - k * frame_bytes - sum(held.values())
+            best = max(held.items(), key=lambda kv: kv[1], default=(OTHER, 0))
+            kinds.append(best[0] if best[1] >= gap else OTHER)
+        out.append(kinds)
+    return out
+
+
+# -- the decision ---------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class FramePlan:
+    """How to encode one frame.
+
+    Attributes:
+        width: 0 (store raw), 1 (one zstd stream) or the plane width (2, 4, 8).
+        try_planes: bit ``p`` set: try compressing plane ``p`` (width 1: bit 0).
+        probe: every plane is tried to measure them (report the result to :meth:`Adaptive.observe_frame`).
+    """
+
+    width: int
+    try_planes: int
+    probe: bool = False
+
+
+RAW = FramePlan(0, 0)
+
+
+class FrameStats(Protocol):
+    """What :meth:`Adaptive.observe_frame` reads of an encoded frame (:class:`tierckpt.format.codec.Encoded`)."""
+
+    @property
+    def width(self) -> int: ...
+    @property
+    def seconds(self) -> float: ...
+    @property
+    def plane_raw(self) -> tuple[int, ...]: ...
+    @property
+    def plane_stored(self) -> tuple[int, ...]: ...
+
+
+def pays(speed: float, ratio: float, threads: int, bw: float, margin: float = MARGIN) -> bool:
+    """Whether compressing at ``speed`` raw B/s a thread, ``ratio`` raw/stored, on ``threads`` threads,
+    makes writing to a tier of ``bw`` stored B/s shorter by more than ``margin``:
+    ``max(1/(threads*speed), 1/(ratio*bw)) < (1 - margin)/bw``."""
+    return max(1.0 / (threads * speed), 1.0 / (ratio * bw)) < (1.0 - margin) / bw
+
+
+def _ewma(old: float | None, new: float) -> float:
+    return new if old is None else old + EWMA_WEIGHT * (new - old)
+
+
+@dataclass
+class _KindStats:
+    planes: int
+    frames: int = 0  # plans handed out
+    probes: int = 0
+    observed: int = 0
+    cost: float | None = None  # seconds per raw byte of the planes tried
+    fraction: list[float | None] = field(default_factory=list)  # per plane: stored / raw when compressed
+
+    def __post_init__(self) -> None:
+        self.fraction = [None] * self.planes
+
+    def measured(self) -> bool:
+        return self.cost is not None and None not in self.fraction
+
+    def gaining(self) -> int:
+        """The planes whose streams were smaller than ``GAIN`` of their raw bytes."""
+        return sum(1 << p for p, f in enumerate(self.fraction) if f is not None and f < GAIN)
+
+    def model(self, mask: int) -> tuple[float, float]:
+        """``(speed, ratio)`` of a frame compressed with the planes of ``mask``: raw B/s a thread, raw/stored."""
+        share = 1.0 / self.planes
+        tried = sum(share for p in range(self.planes) if mask >> p & 1)
+        stored = sum(share * (f if mask >> p & 1 and f is not None else 1.0) for p, f in enumerate(self.fraction))
+        cost = (self.cost or 0.0) * tried
+        return (1.0 / cost if cost > 0 else float("inf")), 1.0 / stored
+
+
+class Adaptive:
+    """The compression decisions for one tier, kept up to date from what its writers measure.
+
+    One per tier and process, shared by every copy written to that tier; thread-safe. The writer asks
+    :meth:`plan` for each frame, encodes it as planned (in its compressor pool), reports the result to
+    :meth:`observe_frame`, and reports what the tier took to :meth:`observe_tier`.
+
+    Args:
+        cfg: the tier's setting.
+        threads: the compressor threads the writer runs (``T`` of the model).
+    """
+
+    def __init__(self, cfg: CompressConfig, threads: int) -> None:
+        if threads < 1:
+            raise ValueError(f"threads: expected at least 1, got {threads}")
+        self.cfg, self.threads = cfg, threads
+        self._lock = threading.Lock()
+        self._kinds: dict[Kind, _KindStats] = {}
+        self._tier_bytes: float | None = None  # running averages of what observe_tier reports
+        self._tier_secs: float | None = None
+        self._budget: float | None = None
+
+    @property
+    def level(self) -> int:
+        """The zstd level to encode with."""
+        return self.cfg.level
+
+    def plan(self, kind: Kind) -> FramePlan:
+        """How to encode the next frame of ``kind``."""
+        if self.cfg.mode == "none":
+            return RAW
+        with self._lock:
+            st = self._stats(kind)
+            st.frames += 1
+            everything = (1 << st.planes) - 1
+            bw = self._bandwidth()
+            probe = st.frames <= PROBE_FIRST or st.frames % PROBE_EVERY == 0 or not st.measured()
+            if probe or (self.cfg.mode == "auto" and bw is None):
+                st.probes += 1
+                return FramePlan(kind.width, everything, True)
+            mask = self._decide(st, bw)
+            return FramePlan(kind.width, mask) if mask else RAW
+
+    def _decide(self, st: _KindStats, bw: float | None) -> int:
+        """The planes to compress in a frame that is no probe (0: store it raw)."""
+        mask = st.gaining()
+        if mask and self.cfg.mode == "auto" and (bw is None or not pays(*st.model(mask), self.threads, bw)):
+            return 0
+        return mask
+
+    def observe_frame(self, kind: Kind, enc: FrameStats, plan: FramePlan | None = None) -> None:
+        """Learn from an encoded frame of ``kind``: the compressor's time, and each tried plane's ratio.
+
+        Args:
+            kind: the frame's kind, as given to :meth:`plan`.
+            enc: the encoded frame (its width, seconds and per-plane raw and stored bytes).
+            plan: the plan it was encoded with: which planes were tried. Without it every plane
+                counts as tried (a plane left raw as not gaining).
+        """
+        if self.cfg.mode == "none" or (plan is not None and not (plan.width and plan.try_planes)):
+            return  # nothing was tried
+        with self._lock:
+            st = self._stats(kind)
+            tried = (1 << st.planes) - 1 if plan is None else plan.try_planes
+            raw, stored = enc.plane_raw, enc.plane_stored
+            if len(raw) == st.planes and len(stored) == st.planes:
+                for p in range(st.planes):
+                    if tried >> p & 1 and raw[p] > 0:
+                        st.fraction[p] = _ewma(st.fraction[p], min(1.0, stored[p] / raw[p]))
+                nbytes = sum(raw[p] for p in range(st.planes) if tried >> p & 1)
+            elif enc.width == 0 and len(raw) == 1 and raw[0] > 0:  # no tried plane gained
+                for p in range(st.planes):
+                    if tried >> p & 1:
+                        st.fraction[p] = _ewma(st.fraction[p], 1.0)
+                nbytes = raw[0] * bin(tried).count("1") // st.planes
+            else:  # the frame was encoded otherwise (a length not a multiple of the width): its time only
+                nbytes = sum(raw)
+            if nbytes > 0 and enc.seconds > 0:
+                st.cost = _ewma(st.cost, enc.seconds / nbytes)
+            st.observed += 1
+
+    def observe_tier(self, stored_bytes: int, busy_seconds: float) -> None:
+        """Learn the tier's write throughput: ``stored_bytes`` written in ``busy_seconds`` of the tier
+        being busy (writes in flight), its budget's waits included."""
+        if stored_bytes <= 0 or not busy_seconds > 0:
+            return
+        with self._lock:
+            self._tier_bytes = _ewma(self._tier_bytes, float(stored_bytes))
+            self._tier_secs = _ewma(self._tier_secs, float(busy_seconds))
+
+    def set_budget(self, rate: float | None) -> None:
+        """The tier's bandwidth budget in bytes a second (None: none): the throughput is at most that."""
+        if rate is not None and not rate > 0:
+            raise ValueError(f"rate: expected a positive number of bytes a second or None, got {rate!r}")
+        with self._lock:
+            self._budget = None if rate is None else float(rate)
+
+    def bandwidth(self) -> float | None:
+        """The tier's write throughput the decisions use (stored B/s), or None while unknown."""
+        with self._lock:
+            return self._bandwidth()
+
+    def _bandwidth(self) -> float | None:
+        measured = self._tier_bytes / self._tier_secs if self._tier_bytes and self._tier_secs else None
+        if measured is None or self._budget is None:
+            return measured if measured is not None else self._budget
+        return min(measured, self._budget)
+
+    def _stats(self, kind: Kind) -> _KindStats:
+        st = self._kinds.get(kind)
+        if st is None:
+            st = self._kinds[kind] = _KindStats(max(1, kind.width))
+        return st
+
+    def snapshot(self) -> dict[str, Any]:
+        """What the decisions rest on, for ``tierckpt inspect``, benchmarks and logs (plain values)."""
+        with self._lock:
+            bw = self._bandwidth()
+            kinds = {}
+            for kind, st in self._kinds.items():
+                mask = self._decide(st, bw) if st.measured() and self.cfg.mode != "none" else 0
+                speed, ratio = st.model(st.gaining()) if st.measured() else (None, None)
+                kinds[kind.name] = {
+                    "width": kind.width,
+                    "frames": st.frames,
+                    "probes": st.probes,
+                    "observed": st.observed,
+                    "speed_bytes_per_sec": speed,
+                    "ratio": ratio,
+                    "plane_fraction": list(st.fraction),
+                    "planes": mask,  # compressed in frames that are no probes (0: stored raw)
+                }
+            return {
+                "mode": self.cfg.mode,
+                "level": self.cfg.level,
+                "threads": self.threads,
+                "bandwidth_bytes_per_sec": bw,
+                "budget_bytes_per_sec": self._budget,
+                "kinds": kinds,
+            }
