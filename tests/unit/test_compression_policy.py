@@ -61,11 +61,11 @@ class Compressor:
             return Encoded(0, 0, 0.0, (raw_len,), (raw_len,))
         plane = raw_len // n
         stored, mask, tried = [], 0, 0
-        for p, f in enumerate(self.fractions):
-            keep = plan.try_planes >> p & 1 and f < GAIN
-            stored.append(int(plane * f) if keep else plane)
-            mask |= keep << p
-            tried += plane if plan.try_planes >> p & 1 else 0
+        for p, f in enumerate(self.fractions):  # as the codec reports: a tried plane's zstd length, kept or not
+            on = plan.try_planes >> p & 1
+            stored.append(int(plane * f) if on else plane)
+            mask |= (on and f < GAIN) << p
+            tried += plane if on else 0
         return Encoded(plan.width if mask else 0, mask, tried / self.speed, (plane,) * n, tuple(stored))
 
 
@@ -228,9 +228,13 @@ def test_an_observation_without_its_plan_counts_every_plane_as_tried() -> None:
     for _ in range(PROBE_FIRST):
         a.observe_frame(FP32, comp.encode(a.plan(FP32)))
     assert a.plan(FP32) == FramePlan(4, 0b1100)
-    # a frame no plane of which gained, reported as one raw stream
-    a.observe_frame(Kind("int32", 1), Encoded(0, 0, 0.01, (F,), (F,)))
+    # a frame that did not gain: its zstd stream was longer than the frame
+    a.observe_frame(Kind("int32", 1), Encoded(0, 0, 0.01, (F,), (F + 100,)))
     assert a.snapshot()["kinds"]["int32"]["plane_fraction"] == [1.0]
+    # a frame whose length is no multiple of the width was tried whole: its time counts, not its planes
+    a.observe_frame(Kind("float16/weight", 2), Encoded(1, 1, 0.5, (1001,), (10,)))
+    snap = a.snapshot()["kinds"]["float16/weight"]
+    assert snap["plane_fraction"] == [None, None] and snap["observed"] == 1
 
 
 # -- probes ---------------------------------------------------------------------------------------------

@@ -273,10 +273,10 @@ RAW = FramePlan(0, 0)
 
 
 class FrameStats(Protocol):
-    """What :meth:`Adaptive.observe_frame` reads of an encoded frame (:class:`tierckpt.format.codec.Encoded`)."""
+    """What :meth:`Adaptive.observe_frame` reads of an encoded frame (:class:`tierckpt.format.codec.Encoded`):
+    its encoding time, and per plane tried (one entry where the frame was tried whole) the raw bytes and
+    the zstd stream's length, kept or not (a plane not tried: its raw bytes)."""
 
-    @property
-    def width(self) -> int: ...
     @property
     def seconds(self) -> float: ...
     @property
@@ -379,7 +379,7 @@ class Adaptive:
 
         Args:
             kind: the frame's kind, as given to :meth:`plan`.
-            enc: the encoded frame (its width, seconds and per-plane raw and stored bytes).
+            enc: the encoded frame (its seconds and per-plane raw and stored bytes).
             plan: the plan it was encoded with: which planes were tried. Without it every plane
                 counts as tried (a plane left raw as not gaining).
         """
@@ -394,12 +394,7 @@ class Adaptive:
                     if tried >> p & 1 and raw[p] > 0:
                         st.fraction[p] = _ewma(st.fraction[p], min(1.0, stored[p] / raw[p]))
                 nbytes = sum(raw[p] for p in range(st.planes) if tried >> p & 1)
-            elif enc.width == 0 and len(raw) == 1 and raw[0] > 0:  # no tried plane gained
-                for p in range(st.planes):
-                    if tried >> p & 1:
-                        st.fraction[p] = _ewma(st.fraction[p], 1.0)
-                nbytes = raw[0] * bin(tried).count("1") // st.planes
-            else:  # the frame was encoded otherwise (a length not a multiple of the width): its time only
+            else:  # tried otherwise (a frame whose length is no multiple of the width): its time only
                 nbytes = sum(raw)
             if nbytes > 0 and enc.seconds > 0:
                 st.cost = _ewma(st.cost, enc.seconds / nbytes)
