@@ -347,3 +347,13 @@ def test_native_planes_refuse_what_does_not_fit() -> None:
         native.unshuffle([bytes(4), bytes(3)], bytearray(8))
     with pytest.raises(TypeError):
         native.unshuffle([bytes(4), bytes(4)], bytes(8))  # not writable
+
+
+def test_views_of_any_item_format_count_bytes() -> None:
+    """A memoryview of floats (len counts elements) is taken as its bytes."""
+    t = torch.arange(4096, dtype=torch.float32)
+    raw = memoryview(t.numpy())
+    e = encode_frame(raw, 4, 0xF, 1)
+    out = torch.empty(4096, dtype=torch.float32)
+    decode_frame(memoryview(stored_of(e)), frame_of(e, 4 * 4096), memoryview(out.numpy()))
+    assert torch.equal(out, t)

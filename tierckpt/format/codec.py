@@ -137,6 +137,12 @@ def unshuffle(planes: Sequence[bytes | memoryview], out: memoryview) -> None:
         _native.unshuffle(planes, out)
 
 
+def _as_bytes(view: memoryview) -> memoryview:
+    """``view`` as unsigned bytes (``len`` counts bytes), whatever its item format."""
+    view = memoryview(view)
+    return view if view.format == "B" and view.ndim == 1 else view.cast("B")
+
+
 def encode_frame(raw: memoryview, width: int, try_planes: int, level: int) -> Encoded:
     """Encode one frame's raw bytes.
 
@@ -154,6 +160,7 @@ def encode_frame(raw: memoryview, width: int, try_planes: int, level: int) -> En
     if level not in LEVELS:
         raise ValueError(f"encode_frame: zstd level {level} is not in {LEVELS.start} to {LEVELS.stop - 1}")
     start = time.perf_counter()
+    raw = _as_bytes(raw)
     n = len(raw)
     if width >= 2 and n % width:
         width, try_planes = 1, 1
@@ -214,6 +221,7 @@ def decode_frame(stored: memoryview, frame: Frame, out: memoryview) -> None:
             caller adds tier, step and blob.
     """
     name = f"frame at raw offset {frame.raw_offset}"
+    stored, out = _as_bytes(stored), _as_bytes(out)
     if len(out) != frame.raw_len:
         raise ValueError(f"decode_frame: {name}: out is {len(out)} bytes, the frame {frame.raw_len}")
     if len(stored) != frame.stored_len:
