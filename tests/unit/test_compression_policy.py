@@ -433,3 +433,11 @@ def test_the_config_reads_each_tiers_compress() -> None:
     assert [t.compress for t in cfg.tiers] == [None, CompressConfig("zstd", 3), CompressConfig("auto", 1, 4)]
     with pytest.raises(ConfigError, match=r"^tiers\[1\]\.compress: expected none"):
         parse_config({"tiers": [{"name": "a", "kind": "host"}, {"name": "b", "kind": "pfs", "compress": "fast"}]})
+
+
+def test_the_policy_and_the_codec_agree_on_gain_and_levels() -> None:
+    from tierckpt.format import codec
+    from tierckpt.policies import compression
+
+    assert compression.GAIN == codec.PLANE_GAIN  # a plane the policy calls gaining is one the codec keeps
+    assert compression.LEVELS == codec.LEVELS

@@ -35,6 +35,7 @@ them again); ``none`` stores every frame raw.
 
 from __future__ import annotations
 
+import math
 import re
 import threading
 from collections.abc import Mapping, Sequence
@@ -75,7 +76,8 @@ MODES = ("none", "zstd", "auto")
 LEVELS = range(-7, 20)
 #: the transfer must get shorter by this fraction for ``auto`` to compress
 MARGIN = 0.05
-#: a plane is worth compressing when its stream is below this fraction of its raw bytes (the codec's rule)
+#: a plane is worth compressing when its stream is below this fraction of its raw bytes: the codec's
+#: ``PLANE_GAIN``, not imported so that the config does not import numpy and zstd (a test checks they agree)
 GAIN = 0.97
 #: the first frames of each kind that are probes, and then one in this many
 PROBE_FIRST = 4
@@ -323,7 +325,7 @@ class _KindStats:
         tried = sum(share for p in range(self.planes) if mask >> p & 1)
         stored = sum(share * (f if mask >> p & 1 and f is not None else 1.0) for p, f in enumerate(self.fraction))
         cost = (self.cost or 0.0) * tried
-        return (1.0 / cost if cost > 0 else float("inf")), 1.0 / stored
+        return (1.0 / cost if cost > 0 else math.inf), (1.0 / stored if stored > 0 else math.inf)
 
 
 class Adaptive:
