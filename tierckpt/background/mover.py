@@ -27,7 +27,8 @@ from tierckpt.background.reclaim import Reclaimer
 from tierckpt.background.worker import Worker
 from tierckpt.datapath.blobcopy import copy_blobs, staging_for, writer_for
 from tierckpt.datapath.manifests import load_manifest
-from tierckpt.datapath.throttle import throttled_reader, throttled_writer
+from tierckpt.datapath.openblobs import open_source
+from tierckpt.datapath.throttle import throttled_writer
 from tierckpt.errors import DeviceFullError, TierckptError, TierFullError
 from tierckpt.format.manifest import BlobEntry
 from tierckpt.io.buffers import StagingPool
@@ -326,7 +327,8 @@ class Mover:
             manifest = copy.read_manifest()
             if blobs is None:
                 blobs = load_manifest(src, key, copy=copy).blobs
-            reader = throttled_reader(src, copy.reader(blobs), background=background)
+            # a compressed copy is read decoded, and its inner manifest committed (the destination encodes its own)
+            reader, manifest, blobs = open_source(src, copy, manifest, blobs, background=background)
         try:
             writer = room.reserve(key, blobs, alone=alone)
         except BaseException:

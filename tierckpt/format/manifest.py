@@ -102,10 +102,24 @@ def dtype_from_name(name: str) -> torch.dtype:
 
 
 class BlobEntry(NamedTuple):
-    """One blob file of this rank: its file name inside the checkpoint directory and its size."""
+    """One blob file of this rank: its file name inside the checkpoint directory and its size.
+
+    ``held`` is not part of the manifest (its ``blobs`` are ``[name, size]`` pairs): it is what one tier
+    copy holds of the blob where that differs from ``size``, set by the data path for a copy whose blobs
+    are stored encoded (docs/format.md): the blob's stored stream and its zero
+    padding, ``round_up(held_i, align)`` bytes. A tier reader then checks the blob's file or object
+    against it instead of ``size``; layouts (``data.bin``, a node file's region) still place each blob
+    after the ``size`` of the blobs before it. None: the copy holds all ``size`` bytes.
+    """
 
     name: str
     size: int
+    held: int | None = None
+
+    @property
+    def stored(self) -> int:
+        """The bytes a tier copy holds of the blob: ``held`` where set, else ``size``."""
+        return self.size if self.held is None else self.held
 
 
 @dataclass(frozen=True)
