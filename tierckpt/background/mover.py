@@ -25,11 +25,12 @@ from tierckpt.background.held import HeldCopies
 from tierckpt.background.listing import Listing
 from tierckpt.background.reclaim import Reclaimer
 from tierckpt.background.worker import Worker
-from tierckpt.datapath.blobcopy import copy_blobs, staging_for, writer_for
+from tierckpt.datapath.blobcopy import copy_blobs, ordered_writer, staging_for, writer_for
+from tierckpt.datapath.codecwrite import codec_writer, compresses
 from tierckpt.datapath.manifests import load_manifest
 from tierckpt.datapath.throttle import throttled_reader, throttled_writer
 from tierckpt.errors import DeviceFullError, TierckptError, TierFullError
-from tierckpt.format.manifest import BlobEntry
+from tierckpt.format.manifest import BlobEntry, Manifest, ManifestHead
 from tierckpt.io.buffers import StagingPool
 from tierckpt.io.geometry import IOGeometry
 from tierckpt.policies.placement import Copy, CopyPlan, MakeRoom, Policy, Retain, place
@@ -75,12 +76,25 @@ class Room:
         #: whether the job took part in that exchange (or failed in it): if not, its failure is told there
         self.placed = False
 
-    def reserve(self, key: CheckpointKey, blobs: Sequence[BlobEntry], *, alone: bool = False) -> TierWriter:
+    @property
+    def compresses(self) -> bool:
+        """Whether the tier stores its copies encoded (:meth:`reserve` then wants the copy's manifest)."""
+        return compresses(self.tier)
+
+    def reserve(
+        self,
+        key: CheckpointKey,
+        blobs: Sequence[BlobEntry],
+        *,
+        alone: bool = False,
+        codec: Manifest | ManifestHead | None = None,
+    ) -> TierWriter:
         """A writer for ``key`` on the tier (see :meth:`Mover.reserve`); ``alone``: a copy no other rank
-        makes (a promotion), which shares no node file."""
+        makes (a promotion), which shares no node file; ``codec``: the copy's manifest (or its plan),
+        for a tier that :attr:`compresses`."""
         place = None if alone else self.place_key
         self.placed = self.placed or place is not None
-        return self._mover.reserve(self.tier, key, blobs, background=self.background, place_key=place)
+        return self._mover.reserve(self.tier, key, blobs, background=self.background, place_key=place, codec=codec)
 
     def staging(self) -> StagingPool:
         """The tier's worker's staging buffers (only that worker's thread uses them)."""
@@ -324,11 +338,14 @@ class Mover:
         dst, background = room.tier, room.background
         with src.open_copy(key) as copy:  # manifest and blobs of one copy; blob sizes checked at open
             manifest = copy.read_manifest()
+            # a destination that compresses plans its frames from the tensor table
+            plan = load_manifest(src, key, copy=copy) if blobs is None or room.compresses else None
             if blobs is None:
-                blobs = load_manifest(src, key, copy=copy).blobs
+                assert plan is not None
+                blobs = plan.blobs
             reader = throttled_reader(src, copy.reader(blobs), background=background)
         try:
-            writer = room.reserve(key, blobs, alone=alone)
+            writer = room.reserve(key, blobs, alone=alone, codec=plan)
         except BaseException:
             reader.close()
             raise
@@ -353,12 +370,15 @@ class Mover:
         *,
         background: bool = True,
         place_key: str | None = None,
+        codec: Manifest | ManifestHead | None = None,
     ) -> TierWriter:
         """Reserve room on ``tier`` (a writer that honours the tier's declared write order, its writes
         charged to the tier's budget as ``background`` says), making room as :meth:`with_room` says; the
         writer's commit makes room too when the device is full as the manifest is written. On a
         ``node_files`` tier the copy's place comes first, from its node's exchange under ``place_key``
-        (None: a node file of this rank's own; :mod:`tierckpt.ranks.nodeplace`)."""
+        (None: a node file of this rank's own; :mod:`tierckpt.ranks.nodeplace`). With ``codec`` (the
+        copy's manifest, or its plan) and a tier that compresses, the writer takes raw blob bytes and
+        stores them encoded (:mod:`tierckpt.datapath.codecwrite`)."""
         if tier.node_files:
             place = self.ranks.place(tier, key, blobs, place_key)
 
@@ -369,8 +389,20 @@ class Mover:
             def made() -> TierWriter:
                 return tier.reserve(key, blobs)
 
+        chunk = self.geometries[tier.name].chunk_bytes
+        encode = codec is not None and compresses(tier) and chunk % codec.align == 0
+
         def reserve() -> TierWriter:
-            return writer_for(tier, throttled_writer(tier, made(), background=background), blobs)
+            writer = throttled_writer(tier, made(), background=background)
+            if not encode:
+                return writer_for(tier, writer, blobs)
+            assert codec is not None and tier.adaptive is not None
+            ordered, end = ordered_writer(tier, writer, blobs)
+            try:
+                return codec_writer(tier, ordered, end, codec, tier.adaptive, chunk_bytes=chunk, background=background)
+            except BaseException:
+                ordered.abort()
+                raise
 
         writer = self.with_room(tier, key.step, reserve)
         return _CommitsWithRoom(writer, lambda commit: self.with_room(tier, key.step, commit))
