@@ -32,6 +32,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
+from typing import Any
 
 import torch
 
@@ -92,7 +93,8 @@ def compresses(tier: Tier) -> bool:
     """Whether copies written to ``tier`` go through a codec writer: its setting is not ``none`` (a gpu
     tier never compresses: its copies are device copies)."""
     cfg = tier.compress
-    return cfg is not None and cfg.mode != "none" and tier.adaptive is not None and tier.capabilities.device != "cuda"
+    device_copies = tier.capabilities.device == "cuda" or tier.kind == "gpu"  # (a gpu tier on cpu, in tests)
+    return cfg is not None and cfg.mode != "none" and tier.adaptive is not None and not device_copies
 
 
 class _Write:
@@ -121,12 +123,15 @@ class _Frame:
     """One frame on its way: its raw bytes (``src``: the caller's memory, whose write is ``owner``, or
     ``buf``), then its encoding."""
 
-    __slots__ = ("blob", "buf", "copied", "enc", "filled", "k", "owner", "plan", "raw_len", "src", "state", "t", "task")
+    __slots__ = (
+        "blob", "buf", "copied", "enc", "k", "owner", "parts", "plan", "raw_len", "src", "state", "t", "task",
+    )  # fmt: skip
 
     def __init__(self, t: int, blob: int, k: int, raw_len: int) -> None:
         self.t, self.blob, self.k, self.raw_len = t, blob, k, raw_len
         self.state = _MISSING
-        self.filled = self.copied = 0  # raw bytes claimed by writes, and copied in
+        self.copied = 0  # raw bytes in
+        self.parts: list[tuple[int, int]] = []  # the frame's ranges claimed by writes of parts of it
         self.buf: torch.Tensor | None = None
         self.src: memoryview | None = None
         self.owner: _Write | None = None
@@ -257,21 +262,20 @@ class CodecWriter(TierWriter):
             self._check_going()
             spans = [(k, k * F, min(size, (k + 1) * F)) for k in range(offset // F, -(-(offset + nbytes) // F))]
             for k, lo, hi in spans:  # checked first: a refused write leaves nothing behind
-                whole = offset <= lo and hi <= offset + nbytes
-                self._check_fresh(blob, k, not whole, min(hi, offset + nbytes) - max(lo, offset))
+                self._check_fresh(blob, k, max(lo, offset) - lo, min(hi, offset + nbytes) - lo)
             self._start_emitter()
             for k, lo, hi in spans:
                 a, z = max(lo, offset), min(hi, offset + nbytes)
                 fr = self._frames.get(base + k) or self._frames.setdefault(base + k, _Frame(base + k, blob, k, hi - lo))
                 if a == lo and z == hi:  # the whole frame: read where it is
-                    fr.filled = fr.copied = hi - lo
+                    fr.copied = hi - lo
                     fr.owner, fr.src = w, ptr_mv(addr + lo - offset, hi - lo, writable=False)
                     w.holds += 1
                     self._arrived(fr)
                     continue
                 if fr.buf is None:
                     fr.buf = torch.empty(fr.raw_len, dtype=torch.uint8)
-                fr.filled += z - a  # claimed now, counted in once copied
+                fr.parts.append((a - lo, z - lo))  # claimed now, counted in once copied
                 parts.append((fr, a - lo, addr + a - offset, z - a))
         for fr, at, src, n in parts:  # outside the lock: each part is this write's own bytes of the frame
             assert fr.buf is not None
@@ -284,14 +288,11 @@ class CodecWriter(TierWriter):
             w.release()  # the write's own hold: it is in
         return w.future
 
-    def _check_fresh(self, blob: int, k: int, partial: bool, n: int) -> None:
-        """Refuse a write of ``n`` bytes of frame ``k`` (``partial``: part of it) that were written before."""
+    def _check_fresh(self, blob: int, k: int, lo: int, hi: int) -> None:
+        """Refuse a write of bytes ``[lo, hi)`` of frame ``k`` of which some were written before."""
         t = self._first[blob] + k
         fr = self._frames.get(t)
-        again = self._state[t] != _MISSING or (
-            fr is not None and (fr.src is not None or (not partial and fr.filled) or fr.filled + n > fr.raw_len)
-        )
-        if again:
+        if self._state[t] != _MISSING or (fr is not None and any(a < hi and lo < z for a, z in fr.parts)):
             raise ValueError(f"codec writer: bytes of blob {blob} frame {k} are written twice")
 
     def _check_going(self) -> None:
@@ -306,17 +307,10 @@ class CodecWriter(TierWriter):
             self._emitter.start()
 
     def _arrived(self, fr: _Frame) -> None:
-        """Under the lock: the frame's raw bytes are all in: plan it, and encode it (or queue it)."""
+        """Under the lock: the frame's raw bytes are all in: queue it for encoding."""
         if fr.src is None:
             assert fr.buf is not None
             fr.src = ptr_mv(fr.buf.data_ptr(), fr.raw_len, writable=False)
-        kind = self._kinds[fr.blob][fr.k]
-        fr.plan = self._adaptive.plan(kind)
-        if fr.plan.width == 0:  # stored raw: no encoding, the emitter copies it out
-            fr.enc = encode_frame(fr.src, 0, 0, self._adaptive.level)
-            self._state[fr.t] = fr.state = _ENCODED
-            self._cv.notify_all()
-            return
         self._state[fr.t] = fr.state = _READY
         heapq.heappush(self._ready, fr.t)
         self._schedule()
@@ -336,20 +330,22 @@ class CodecWriter(TierWriter):
 
     # -- the codec threads -----------------------------------------------------------------------------------
     def _encode(self, fr: _Frame) -> None:
-        """On a codec thread: encode the frame as planned; its caller's memory is given back once the
+        """On a codec thread: plan the frame and encode it; its caller's memory is given back once the
         stored bytes are the encoder's own (a frame that stays raw is copied out by the emitter first)."""
         with self._cv:
             if self._error is not None:  # stopped while this task was starting
                 fr.drop_source(self._error)
                 return
             self._running += 1
-        plan, kind = fr.plan, self._kinds[fr.blob][fr.k]
-        assert plan is not None and fr.src is not None
+        kind = self._kinds[fr.blob][fr.k]
+        assert fr.src is not None
         enc: Encoded | None = None
         error: BaseException | None = None
-        try:
+        try:  # planned now, not as it arrived: the frames before it were measured meanwhile
+            plan = fr.plan = self._adaptive.plan(kind)
             enc = encode_frame(fr.src, plan.width, plan.try_planes, self._adaptive.level)
-            self._adaptive.observe_frame(kind, enc, plan)
+            if plan.width:
+                self._adaptive.observe_frame(kind, enc, plan)
         except BaseException as e:
             error = e
         with self._cv:
@@ -404,8 +400,7 @@ class CodecWriter(TierWriter):
                 fr.enc = None
                 del self._frames[t]
                 self._state[t] = fr.state = _EMITTED
-                if fr.plan is not None and fr.plan.width:
-                    self._pending -= 1
+                self._pending -= 1
                 self._cursor = t + 1
                 self._schedule()
 
@@ -544,14 +539,9 @@ class CodecWriter(TierWriter):
 
 
 def codec_writer(
-    tier: Tier,
-    inner: TierWriter,
-    end_blob: Callable[[int, int], None],
-    manifest: Manifest | ManifestHead,
-    adaptive: Adaptive,
-    *,
-    chunk_bytes: int,
-    background: bool = True,
-) -> CodecWriter:
-    """``inner`` (of ``tier``) taking raw blob bytes and storing them encoded (see :class:`CodecWriter`)."""
-    return CodecWriter(tier, inner, end_blob, manifest, adaptive, chunk_bytes=chunk_bytes, background=background)
+    tier: Tier, inner: TierWriter, end_blob: Callable[[int, int], None], manifest: Manifest | ManifestHead,
+    adaptive: Adaptive, **options: Any,
+) -> CodecWriter:  # fmt: skip
+    """``inner`` (of ``tier``) taking raw blob bytes and storing them encoded: a :class:`CodecWriter`
+    (``options``: its keyword arguments, ``chunk_bytes`` among them)."""
+    return CodecWriter(tier, inner, end_blob, manifest, adaptive, **options)
