@@ -80,18 +80,19 @@ def _cmd_ls(args: argparse.Namespace) -> int:
 
 
 def _cmd_inspect(args: argparse.Namespace) -> int:
-    from tierckpt.facade.describe import describe, describe_io, io_lines, text_lines
+    from tierckpt.facade.describe import describe, describe_io, describe_stored, io_lines, stored_lines, text_lines
     from tierckpt.tiers.base import CheckpointKey
 
     with _open(args) as h:
         tier, m = h.inspect(args.step)
         info = describe(m, tier)
         info["files"] = h.tier(tier).copy_files(CheckpointKey(m.step, m.rank))  # the copy's data files
+        info["stored"] = describe_stored(h.tiers, CheckpointKey(m.step, m.rank))  # each tier's bytes and ratio
         info["io"] = describe_io(h.tiers, h.geometry)  # each tier's geometry and file-system facts
     if args.json:
         print(json.dumps(info))
     else:
-        print("\n".join(text_lines(info) + io_lines(info["io"])))
+        print("\n".join(text_lines(info) + stored_lines(info["stored"]) + io_lines(info["io"])))
     return 0
 
 

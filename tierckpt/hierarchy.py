@@ -35,9 +35,9 @@ from tierckpt.config import (
     load_config,
     parse_policy,
 )
-from tierckpt.datapath.codecwrite import set_compression
 from tierckpt.datapath.manifests import load_manifest
 from tierckpt.datapath.restore_into import RestoreStaging
+from tierckpt.datapath.storing import set_compression
 from tierckpt.errors import CheckpointNotFoundError, TierckptError
 from tierckpt.facade.checks import (
     check_connected,

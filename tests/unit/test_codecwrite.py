@@ -19,10 +19,12 @@ import pytest
 import torch
 
 from tierckpt.datapath.blobcopy import ordered_writer
-from tierckpt.datapath.codecwrite import CodecWriter, codec_writer, compresses, frame_bytes_for, set_compression
+from tierckpt.datapath.codecwrite import CodecWriter, codec_writer, frame_bytes_for
+from tierckpt.datapath.storing import compresses, set_compression
 from tierckpt.errors import ConfigError
 from tierckpt.format.codec import Encoded, decode_frame
-from tierckpt.format.frames import MIN_FRAME_BYTES, held_sizes, unwrap_manifest
+from tierckpt.format.frameindex import MIN_FRAME_BYTES
+from tierckpt.format.frames import held_sizes, unwrap_manifest
 from tierckpt.format.layout import round_up
 from tierckpt.format.manifest import BlobEntry, Manifest, TensorTable, encode_manifest
 from tierckpt.io.budget import Budget

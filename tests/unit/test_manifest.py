@@ -341,7 +341,8 @@ def test_v4_checksums_the_header_and_tells_newer_from_damaged() -> None:
     p = payload_of(data)
     assert decode_manifest(reframe_v4(p, version=5)) == sample()
     with pytest.raises(
-        UnsupportedFormatError, match="format version 7 by a newer tierckpt; this reader knows versions 1, 2, 3, 4, 5"
+        UnsupportedFormatError,
+        match="format version 7 by a newer tierckpt; this reader knows versions 1, 2, 3, 4, 5, 6",
     ):
         decode_manifest(reframe_v4(p, version=7))
     damaged = bytearray(reframe_v4(p, version=7))

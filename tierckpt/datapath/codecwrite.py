@@ -30,7 +30,7 @@ import heapq
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
@@ -38,21 +38,15 @@ import torch
 
 from tierckpt.datapath import codecpool
 from tierckpt.format.codec import Encoded, encode_frame
-from tierckpt.format.frames import (
-    DEFAULT_FRAME_BYTES,
-    MAX_FRAME_BYTES,
-    MIN_FRAME_BYTES,
-    FrameIndex,
-    IndexBuilder,
-    wrap_manifest,
-)
+from tierckpt.format.frameindex import DEFAULT_FRAME_BYTES, MAX_FRAME_BYTES, MIN_FRAME_BYTES
+from tierckpt.format.frames import FrameIndex, IndexBuilder, wrap_manifest
 from tierckpt.format.layout import round_up
 from tierckpt.format.manifest import Manifest, ManifestHead
 from tierckpt.io.buffers import StagingPool, memmove, ptr_mv
-from tierckpt.policies.compression import Adaptive, CompressConfig, FramePlan, Kind, frame_kinds, tier_compress
+from tierckpt.policies.compression import Adaptive, FramePlan, Kind, frame_kinds
 from tierckpt.tiers.base import Tier, TierWriter
 
-__all__ = ["CodecWriter", "codec_writer", "compresses", "frame_bytes_for", "set_compression"]
+__all__ = ["CodecWriter", "codec_writer", "frame_bytes_for"]
 
 #: output chunks of one writer in flight to its tier at most
 OUT_SLOTS = 4
@@ -68,33 +62,6 @@ def frame_bytes_for(manifest: Manifest | ManifestHead) -> int:
     if f <= 0 or f & (f - 1):
         return DEFAULT_FRAME_BYTES
     return min(max(f, MIN_FRAME_BYTES), MAX_FRAME_BYTES)
-
-
-def set_compression(tier: Tier, cfg: CompressConfig | None = None, where: str | None = None) -> CompressConfig:
-    """Give ``tier`` its compression setting and its :class:`~tierckpt.policies.compression.Adaptive`
-    (kept where the setting is unchanged: one per tier object): ``cfg`` (an entry's ``compress:``), else
-    what the tier has already, else the default for its capabilities.
-
-    Raises:
-        ConfigError: naming ``where`` (default: the tier), for compression asked of a gpu tier.
-    """
-    caps = tier.capabilities
-    got = tier_compress(
-        cfg if cfg is not None else tier.compress, caps.device, caps.shared, caps.persistent,
-        where or f"tier {tier.name!r}: compress",
-    )  # fmt: skip
-    tier.compress = got
-    if tier.adaptive is None or tier.adaptive.cfg != got:
-        tier.adaptive = Adaptive(got, got.threads or codecpool.default_threads())
-    return got
-
-
-def compresses(tier: Tier) -> bool:
-    """Whether copies written to ``tier`` go through a codec writer: its setting is not ``none`` (a gpu
-    tier never compresses: its copies are device copies)."""
-    cfg = tier.compress
-    device_copies = tier.capabilities.device == "cuda" or tier.kind == "gpu"  # (a gpu tier on cpu, in tests)
-    return cfg is not None and cfg.mode != "none" and tier.adaptive is not None and not device_copies
 
 
 class _Write:
@@ -531,11 +498,6 @@ class CodecWriter(TierWriter):
             self._stop(RuntimeError(f"tier {self._tier.name!r}: the codec writer was aborted"))
         self._wait_quiet()
         self._inner.abort()
-
-    @property
-    def held(self) -> Sequence[int]:
-        """Each blob's stored stream length (once committed)."""
-        return tuple(self._held)
 
 
 def codec_writer(

@@ -18,8 +18,8 @@ from typing import Any
 import torch
 
 from tierckpt.datapath.manifests import absent, load_manifest, load_tree, located
+from tierckpt.datapath.openblobs import open_blobs
 from tierckpt.datapath.reshard import read_sharded
-from tierckpt.datapath.throttle import throttled_reader
 from tierckpt.datapath.verifier import BlobVerifier, Where
 from tierckpt.errors import CheckpointNotFoundError, CorruptCheckpointError
 from tierckpt.format.manifest import Manifest, dtype_from_name
@@ -66,7 +66,6 @@ def _read_blobs(
     (:meth:`~tierckpt.io.geometry.IOGeometry.first_read`), so the disk starts once a quarter chunk is populated.
     """
     chunk, first = tier.geometry.read_chunk(m.align), tier.geometry.first_read(m.align)  # in the copy's alignment
-    reader = throttled_reader(tier, reader, background=False)  # paced only by a budget that paces everything
     try:
         bufs = _fresh_buffers(tier, key, m)  # page-aligned: fine for O_DIRECT
     except BaseException:
@@ -118,12 +117,14 @@ def verify_checkpoint(tier: Tier, key: CheckpointKey, *, name_rank: bool = False
             resolve_tree(value, ref, _no_tensor, len(m.tensors))
         except CorruptCheckpointError as e:
             raise located(e, tier, key) from None
-        verifier = BlobVerifier(Where(tier.name, key.step, key.rank if name_rank else None), m.tensors, m.blobs)
+        where = Where(tier.name, key.step, key.rank if name_rank else None)
+        verifier = BlobVerifier(where, m.tensors, m.blobs)
 
         def on_data(bi: int, buf: MappedBuffer, off: int, n: int) -> None:
             verifier.feed(bi, off, n, buf.addr + off)
 
-        _read_blobs(tier, key, m, copy.reader(m.blobs), on_data)  # every blob open, its size checked first
+        # every blob open, its size checked first; a compressed copy's every frame decoded
+        _read_blobs(tier, key, m, open_blobs(tier, copy, m, background=False, where=where), on_data)
         verifier.finish()
     return m
 
@@ -168,7 +169,7 @@ def read_checkpoint(
 
         # every blob is opened, and its size checked against its file, before anything is allocated;
         # every non-empty tensor is in the cache once this returns
-        _read_blobs(tier, key, m, copy.reader(m.blobs), on_data)
+        _read_blobs(tier, key, m, open_blobs(tier, copy, m, background=False), on_data)
         verifier.finish()
 
     def tensor_at(i: int) -> torch.Tensor:

@@ -32,8 +32,8 @@ import torch
 
 from tierckpt.datapath.manifests import absent, load_head, load_rest
 from tierckpt.datapath.matching import Match, holds_dtensor, match_target
+from tierckpt.datapath.openblobs import open_blobs
 from tierckpt.datapath.reshard import restore_sharded
-from tierckpt.datapath.throttle import throttled_reader
 from tierckpt.datapath.verifier import BlobVerifier, Where
 from tierckpt.errors import CheckpointNotFoundError
 from tierckpt.format.layout import round_up
@@ -158,7 +158,7 @@ def restore_into(
             return restore_sharded(
                 tier, key, target, allow_pickle=allow_pickle, strict=strict, others=others, replicas=replicas
             )
-        reader = throttled_reader(tier, copy.reader(head.blobs), background=False)
+        reader = open_blobs(tier, copy, head, background=False)
     try:
         stream = _Stream(tier, key, head, reader, lambda: pool(head.align))
         try:

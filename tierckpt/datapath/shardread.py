@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tierckpt.datapath.manifests import UnnamedCopyError, absent, load_manifest
-from tierckpt.datapath.throttle import throttled_reader
+from tierckpt.datapath.openblobs import open_blobs
 from tierckpt.datapath.verifier import Where, verify_range
 from tierckpt.errors import CheckpointNotFoundError, CorruptCheckpointError
 from tierckpt.format.layout import round_up
@@ -91,9 +91,8 @@ class Copies:
             key = CheckpointKey(self.step, rank)
             with tier.open_copy(key) as copy:
                 m = load_manifest(tier, key, allow_pickle=self.allow_pickle, copy=copy)
-                got = self.opened[rank] = _Copy(
-                    rank, m, throttled_reader(tier, copy.reader(m.blobs), background=False), tier
-                )
+                where = Where(tier.name, self.step, rank)
+                got = self.opened[rank] = _Copy(rank, m, open_blobs(tier, copy, m, background=False, where=where), tier)
         return got
 
     def base(self, rank: int) -> _Copy:

@@ -1,6 +1,7 @@
 """What ``tierckpt inspect`` shows of a manifest: its tensors, its plain values (bounded reprs) and
-which keys share one tensor (tied weights); and of the hierarchy that reads it: every tier's I/O
-geometry and what it knows of its storage (:func:`describe_io`).
+which keys share one tensor (tied weights); of each tier's copy, the bytes it stores and its compression
+ratio (:func:`describe_stored`); and of the hierarchy that reads it: every tier's I/O geometry and what it
+knows of its storage (:func:`describe_io`).
 
 The tree is decoded without unpickling anything (a pickled value shows as its size) and walked
 iteratively, so a deep or wide tree costs memory in proportion to its own size and no recursion.
@@ -15,13 +16,14 @@ from collections.abc import Sequence
 from typing import Any
 
 from tierckpt.config import format_size
-from tierckpt.format.manifest import Manifest
+from tierckpt.errors import TierckptError
+from tierckpt.format.manifest import Manifest, decode_head
 from tierckpt.format.sharding import REPLICATE, SHARD, ShardRow
 from tierckpt.format.tree import Int, Opaque, check_ref, decode_tree
 from tierckpt.io.geometry import CheckpointGeometry
-from tierckpt.tiers.base import Tier
+from tierckpt.tiers.base import CheckpointKey, Tier
 
-__all__ = ["describe", "describe_io", "io_lines", "text_lines", "value_repr"]
+__all__ = ["describe", "describe_io", "describe_stored", "io_lines", "stored_lines", "text_lines", "value_repr"]
 
 _CONTAINERS = (dict, list, tuple, OrderedDict)
 
@@ -206,4 +208,43 @@ def io_lines(io: dict[str, Any]) -> list[str]:
             f"pieces of {format_size(g['piece_bytes'])}, queue depth {g['queue_depth']}, {g['staging_slots']} "
             f"staging slots, {'O_DIRECT' if g['direct'] else 'buffered'}"
         )
+    return out
+
+
+def describe_stored(tiers: Sequence[Tier], key: CheckpointKey) -> list[dict[str, Any]]:
+    """Per tier holding ``key``'s copy: its raw blob bytes, the bytes its blobs store (a compressed copy's
+    stored streams, else the raw bytes) and their ratio (raw / stored), from the copy's manifest head; a
+    copy whose manifest does not read says why (``error``)."""
+    out: list[dict[str, Any]] = []
+    for t in tiers:
+        try:
+            if not t.holds(key):
+                continue
+            head = decode_head(t.read_manifest(key))
+        except (TierckptError, OSError) as e:
+            out.append({"tier": t.name, "error": str(e)})
+            continue
+        raw = sum(b.size for b in head.blobs)
+        frames = head.frames
+        stored = raw if frames is None else frames.stored_bytes()
+        out.append({
+            "tier": t.name, "codec": None if frames is None else frames.name, "raw_bytes": raw,
+            "stored_bytes": stored, "ratio": round(raw / stored, 3) if stored else 1.0,
+        })  # fmt: skip
+    return out
+
+
+def stored_lines(stored: list[dict[str, Any]]) -> list[str]:
+    """The human-readable form of :func:`describe_stored`'s result."""
+    out = ["stored:" if stored else "stored: on no tier"]
+    for s in stored:
+        if "error" in s:
+            out.append(f"  {s['tier']}: cannot read its manifest ({s['error']})")
+        elif s["codec"] is None:
+            out.append(f"  {s['tier']}: {format_size(s['stored_bytes'])} (not compressed)")
+        else:
+            out.append(
+                f"  {s['tier']}: {format_size(s['stored_bytes'])} of {format_size(s['raw_bytes'])} "
+                f"({s['codec']}, ratio {s['ratio']:.2f})"
+            )
     return out

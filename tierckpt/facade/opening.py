@@ -11,7 +11,7 @@ from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
 from tierckpt.config import HierarchyConfig, TierConfig, parse_config
-from tierckpt.datapath.codecwrite import set_compression
+from tierckpt.datapath.storing import set_compression
 from tierckpt.errors import ConfigError
 from tierckpt.facade.checks import MEMORY_DEVICES, memory_budget
 from tierckpt.facade.engines import Engines

@@ -6,6 +6,7 @@ types, bounds, overlaps, blob names) before any blob byte is read.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 import struct
@@ -18,6 +19,7 @@ import xxhash
 import zstandard
 
 from tierckpt.errors import CorruptCheckpointError, UnsupportedFormatError
+from tierckpt.format.frameindex import FORMAT_V6, FrameIndex, check_index, index_from_codec, split_envelope
 from tierckpt.format.sharding import (
     DEFAULT_CHUNK_BYTES,
     MAX_CHUNK_BYTES,
@@ -33,6 +35,7 @@ from tierckpt.format.sharding import (
 from tierckpt.format.table import DTYPES, MAX_DIMS, TensorEntry, TensorTable, check_extents, decode_table, encode_table
 
 __all__ = [
+    "ENVELOPE_VERSION",
     "FORMAT_VERSION",
     "MAGIC",
     "MAX_TREE_FLOOR",
@@ -48,12 +51,18 @@ __all__ = [
     "dtype_from_name",
     "dtype_name",
     "encode_manifest",
+    "inner_head",
     "manifest_version",
+    "unframe",
 ]
 
 MAGIC = b"TIERCKPT"
 FORMAT_VERSION = 5
 READ_VERSIONS = (1, 2, 3, 4, 5)
+#: A tier copy stored compressed: an envelope around a manifest of READ_VERSIONS and its frame index
+#: (docs/format.md, "Compressed copies (version 6)"; tierckpt.format.frames).
+ENVELOPE_VERSION = FORMAT_V6
+_KNOWN = (*READ_VERSIONS, ENVELOPE_VERSION)
 #: The first version with sharded rows, meshes and chunk checksums (docs/format.md, "Sharding").
 SHARDED = 5
 #: The first version whose trailer checksums the header too. From it on the framing is fixed for every
@@ -93,10 +102,24 @@ def dtype_from_name(name: str) -> torch.dtype:
 
 
 class BlobEntry(NamedTuple):
-    """One blob file of this rank: its file name inside the checkpoint directory and its size."""
+    """One blob file of this rank: its file name inside the checkpoint directory and its size.
+
+    ``held`` is not part of the manifest (its ``blobs`` are ``[name, size]`` pairs): it is what one tier
+    copy holds of the blob where that differs from ``size``, set by the data path for a copy whose blobs
+    are stored encoded (docs/format.md): the blob's stored stream and its zero
+    padding, ``round_up(held_i, align)`` bytes. A tier reader then checks the blob's file or object
+    against it instead of ``size``; layouts (``data.bin``, a node file's region) still place each blob
+    after the ``size`` of the blobs before it. None: the copy holds all ``size`` bytes.
+    """
 
     name: str
     size: int
+    held: int | None = None
+
+    @property
+    def stored(self) -> int:
+        """The bytes a tier copy holds of the blob: ``held`` where set, else ``size``."""
+        return self.size if self.held is None else self.held
 
 
 @dataclass(frozen=True)
@@ -121,6 +144,8 @@ class Manifest:
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
     meshes: tuple[Mesh, ...] = ()
     sharding: dict[int, ShardRow] = field(default_factory=dict)
+    #: How a compressed tier copy stores the blobs (version-6 files); not part of the manifest's bytes.
+    frames: FrameIndex | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.tensors, TensorTable):
@@ -200,7 +225,8 @@ def _is_int(v: Any, lo: int = 0, hi: int = (1 << 63) - 1) -> bool:
 
 
 def decode_manifest(data: bytes) -> Manifest:
-    """Parse and validate a manifest file's bytes (format version 1 to 5).
+    """Parse and validate a manifest file's bytes (format version 1 to 6: a version-6 file gives its inner
+    manifest, ``frames`` set).
 
     Checks magic, version, payload length and checksum, every field's type, dtypes, that each extent's
     length matches dtype × shape and lies inside its blob, that extents do not overlap, and that blob
@@ -231,6 +257,8 @@ class ManifestHead:
     meshes: tuple[Mesh, ...]
     _payload: dict[str, Any] = field(repr=False, compare=False)
     _spans: dict[str, memoryview] = field(repr=False, compare=False)
+    #: How a compressed tier copy stores the blobs (version-6 files, checked against ``blobs``); None else.
+    frames: FrameIndex | None = field(default=None, compare=False, repr=False)
 
     def manifest(self) -> Manifest:
         """Validate the tensor table and the tree, and return the whole manifest.
@@ -267,13 +295,15 @@ class ManifestHead:
             chunk_bytes=self.chunk_bytes,
             meshes=self.meshes,
             sharding=sharding,
+            frames=self.frames,
         )
 
 
 def manifest_version(head: bytes) -> int | None:
     """The format version a manifest file's header says (``head``: its first :data:`HEADER` ``.size``
     bytes at least); None when they are not a manifest's header (too short, another magic). Nothing
-    else is checked: enough to tell a copy written before commit records existed (docs/format.md)."""
+    else is checked: enough to tell a copy written before commit records existed (docs/format.md). A
+    compressed copy's file (an envelope) says :data:`ENVELOPE_VERSION`."""
     if len(head) < _HEADER.size:
         return None
     magic, version = _HEADER.unpack_from(head)[:2]
@@ -283,13 +313,20 @@ def manifest_version(head: bytes) -> int | None:
 def decode_head(data: bytes) -> ManifestHead:
     """Check a manifest file's framing (magic, version, length, checksum) and its header fields
     (step, rank, world size, alignment, blob names and sizes); the tensor table and the tree are
-    validated by :meth:`ManifestHead.manifest`.
+    validated by :meth:`ManifestHead.manifest`. A version-6 file (a compressed copy) gives its inner
+    manifest's head, ``frames`` set and checked against the blobs.
 
     Raises:
         CorruptCheckpointError: saying what is wrong.
         UnsupportedFormatError: the file is intact but written in a newer format version.
     """
-    version, payload = _unframe(data)
+    version, payload = unframe(data)
+    if version == ENVELOPE_VERSION:
+        inner, codec = split_envelope(payload)
+        head = inner_head(inner)
+        index = index_from_codec(codec, tuple(b.size for b in head.blobs))
+        check_index(index, index.sizes)
+        return dataclasses.replace(head, frames=index)
     d, spans = _unpack_head(payload, version)
     _want(_is_int(d["step"]), f"step {d['step']!r} is not a non-negative integer")
     _want(_is_int(d["world_size"], 1, 1 << 24), f"world_size {d['world_size']!r} is invalid")
@@ -338,7 +375,19 @@ def decode_head(data: bytes) -> ManifestHead:
     )
 
 
-def _unframe(data: bytes) -> tuple[int, memoryview]:
+def inner_head(inner: bytes) -> ManifestHead:
+    """The head of a version-6 file's inner manifest: a manifest of versions 1-5 (never another envelope).
+
+    Raises:
+        CorruptCheckpointError: saying what is wrong.
+    """
+    version = manifest_version(inner[: _HEADER.size])
+    if version not in READ_VERSIONS:
+        raise _bad(f"envelope.manifest is {'not a manifest' if version is None else f'of version {version}'}")
+    return decode_head(inner)
+
+
+def unframe(data: bytes) -> tuple[int, memoryview]:
     """The version and the payload of a manifest file, once its framing and checksum hold.
 
     Every version keeps magic, version and payload length where version 1 put them, and from version 4
@@ -353,9 +402,9 @@ def _unframe(data: bytes) -> tuple[int, memoryview]:
     end = _HEADER.size + n
     (digest,) = _TRAILER.unpack_from(data, end)
     whole = xxhash.xxh3_64_intdigest(memoryview(data)[:end]) == digest
-    known = ", ".join(map(str, READ_VERSIONS))
-    if version not in READ_VERSIONS:
-        if version > READ_VERSIONS[-1] and whole:
+    known = ", ".join(map(str, _KNOWN))
+    if version not in _KNOWN:
+        if version > _KNOWN[-1] and whole:
             raise UnsupportedFormatError(
                 f"manifest: written in format version {version} by a newer tierckpt; this reader knows "
                 f"versions {known} (upgrade tierckpt to read it)"

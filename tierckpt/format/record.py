@@ -19,6 +19,8 @@ import msgpack
 import xxhash
 
 from tierckpt.errors import CorruptCheckpointError, UnsupportedFormatError
+from tierckpt.format.frameindex import envelope_inner
+from tierckpt.format.manifest import ENVELOPE_VERSION, HEADER, manifest_version
 
 __all__ = ["RECORDS_SINCE", "RECORD_MAGIC", "CommitRecord", "decode_record", "encode_record", "manifest_tag"]
 
@@ -54,10 +56,12 @@ class CommitRecord:
 
 
 def manifest_tag(manifest: bytes) -> int:
-    """A manifest file's identity: its trailing xxh3-64 (of header and payload; docs/format.md)."""
-    if len(manifest) < _TRAILER.size:
-        raise CorruptCheckpointError(f"manifest: {len(manifest)} bytes, too short to have a checksum trailer")
-    return int(_TRAILER.unpack_from(manifest, len(manifest) - _TRAILER.size)[0])
+    """A manifest file's identity: its trailing xxh3-64 (of header and payload; docs/format.md). A
+    compressed copy's file (version 6) has its inner manifest's, the same on every tier."""
+    data = envelope_inner(manifest) if manifest_version(manifest[: HEADER.size]) == ENVELOPE_VERSION else manifest
+    if len(data) < _TRAILER.size:
+        raise CorruptCheckpointError(f"manifest: {len(data)} bytes, too short to have a checksum trailer")
+    return int(_TRAILER.unpack_from(data, len(data) - _TRAILER.size)[0])
 
 
 def encode_record(record: CommitRecord) -> bytes:

@@ -234,7 +234,7 @@ class FileCopy(TierCopy):
             return self._node_reader(blobs, self.location, flags)
         if blobs and all(b.name != DATA_NAME for b in blobs) and self._present(DATA_NAME):
             fd, size = self._open_file(DATA_NAME, "data file", flags, DATA_NAME)
-            need = sum(b.size for b in blobs)
+            need = _region_bytes(blobs)
             if size < need:
                 os.close(fd)
                 raise self._bad(
@@ -248,10 +248,9 @@ class FileCopy(TierCopy):
             for b in blobs:
                 fd, size = self._open_file(b.name, "blob file", flags, b.name)
                 fds.append(fd)
-                if size < b.size:
+                if size < b.stored:
                     raise self._bad(
-                        f"blob file {self.path / b.name} is truncated: {size} bytes, its manifest declares {b.size}",
-                        b.name,
+                        f"blob file {self.path / b.name} is truncated: {size} bytes, {_declares(b)}", b.name
                     )
         except BaseException:
             for fd in fds:
@@ -263,7 +262,7 @@ class FileCopy(TierCopy):
         """A per-node copy's reader: its region of the node file ``loc`` names, which must lie inside the
         file (a missing node file, while the copy is still the committed one, is damage)."""
         fd, size = self._open_file(loc.name, "node file", flags, loc.name, in_step=True)
-        need = sum(b.size for b in blobs)
+        need = _region_bytes(blobs)
         if loc.offset + need > size:
             os.close(fd)
             raise self._bad(
@@ -291,6 +290,19 @@ class FileCopy(TierCopy):
             os.close(self.fd)
             os.close(self.step_fd)
             self.fd = self.step_fd = -1
+
+
+def _region_bytes(blobs: Sequence[BlobEntry]) -> int:
+    """The bytes a copy's region of a data or node file must hold: every blob at its place (after the
+    sizes of the blobs before it), the last one as far as the copy holds it (its ``held``, where set)."""
+    return sum(b.size for b in blobs[:-1]) + blobs[-1].stored if blobs else 0
+
+
+def _declares(b: BlobEntry) -> str:
+    """What a copy's manifest says blob ``b``'s file holds, for errors."""
+    if b.held is None:
+        return f"its manifest declares {b.size}"
+    return f"the copy's frame index declares {b.held} (its stored stream, padded; {b.size} bytes raw)"
 
 
 def read_regular(tier: str, path: Path, step: int, what: str, limit: int) -> bytes | None:

@@ -258,7 +258,7 @@ class S3Copy(TierCopy):
     def reader(self, blobs: Sequence[BlobEntry]) -> TierReader:
         sizes = dict(self.head.blobs)
         for b in blobs:
-            if sizes.get(b.name) != b.size:
+            if sizes.get(b.name) not in (b.size, b.stored):  # an encoded blob's head may name its stored size
                 held = "no such blob" if b.name not in sizes else f"{sizes[b.name]} bytes"
                 raise CorruptCheckpointError(
                     f"{self.s3.bucket.where(self.prefix + b.name)}: the manifest declares {b.size} bytes, "
@@ -268,6 +268,13 @@ class S3Copy(TierCopy):
                     blob=b.name,
                 )
         return _Reader(self, list(blobs))
+
+
+def _declares(b: BlobEntry) -> str:
+    """What a copy says blob ``b``'s object holds, for errors."""
+    if b.held is None:
+        return f"its manifest declares {b.size}"
+    return f"the copy's frame index declares {b.held} (its stored stream, padded) to {b.size} (its raw size)"
 
 
 class _Reader(TierReader):
@@ -306,8 +313,8 @@ class _Reader(TierReader):
                 if got is None:
                     raise copy.gone(where)
                 n, total = got
-                if total is not None and total != b.size:
-                    raise CorruptCheckpointError(f"{where} holds {total} bytes, its manifest declares {b.size}",
+                if total is not None and total != b.size and not b.stored <= total <= b.size:
+                    raise CorruptCheckpointError(f"{where} holds {total} bytes, {_declares(b)}",
                                                  tier=copy.tier.name, step=copy.key.step, blob=b.name)  # fmt: skip
             except BaseException as e:
                 self._failed = self._failed or e

@@ -256,9 +256,10 @@ class _HostCopy(TierCopy):
         bufs = self._held.blobs
         for i, b in enumerate(blobs):
             have = bufs[i].numel() if i < len(bufs) else None
-            if have is None or have < b.size:
+            if have is None or have < b.stored:
+                declares = "its manifest declares" if b.held is None else "the copy's frame index declares"
                 raise CorruptCheckpointError(
-                    f"blob {b.name} holds {have or 0} bytes, its manifest declares {b.size}",
+                    f"blob {b.name} holds {have or 0} bytes, {declares} {b.stored}",
                     tier=self._tier.name,
                     step=self.key.step,
                     blob=b.name,
