@@ -13,7 +13,17 @@ import torch
 import zstandard
 
 from tierckpt.errors import CorruptCheckpointError
-from tierckpt.format.codec import LEVELS, Encoded, decode_frame, encode_frame, shuffle, unshuffle
+from tierckpt.format import codec
+from tierckpt.format.codec import (
+    LEVELS,
+    Encoded,
+    decode_frame,
+    encode_frame,
+    shuffle,
+    shuffle_numpy,
+    unshuffle,
+    unshuffle_numpy,
+)
 from tierckpt.format.frameindex import WIDTHS, Frame
 
 DTYPES = [
@@ -300,3 +310,50 @@ def test_decoding_stays_within_the_frame() -> None:
     buf = bytearray(b"\xee" * (len(raw) + 64))
     decode_frame(memoryview(stored_of(e)), frame_of(e, len(raw)), memoryview(buf)[32 : 32 + len(raw)])
     assert buf[:32] == b"\xee" * 32 and buf[-32:] == b"\xee" * 32 and bytes(buf[32:-32]) == raw
+
+
+needs_planes = pytest.mark.skipif(
+    codec._native is None, reason="the C extension with the plane loops is not built here"
+)
+
+
+@needs_planes
+@pytest.mark.parametrize("width", [2, 4, 8])
+@pytest.mark.parametrize("elements", [1, 2, 7, 4097, 65_536])
+@pytest.mark.parametrize("skew", [0, 1, 3])
+def test_native_planes_agree_with_numpy(width: int, elements: int, skew: int) -> None:
+    """The C loops against numpy's, on buffers that start off any word boundary."""
+    raw = memoryview(os.urandom(width * elements + skew))[skew:]
+    planes = shuffle(raw, width)
+    assert planes.tobytes() == shuffle_numpy(raw, width).tobytes()
+    rows = [memoryview(bytearray(planes[p].tobytes()))[0:] for p in range(width)]
+    a, b = bytearray(len(raw) + skew), bytearray(len(raw))
+    unshuffle(rows, memoryview(a)[skew:])
+    unshuffle_numpy(rows, memoryview(b))
+    assert bytes(a[skew:]) == bytes(b) == bytes(raw)
+
+
+@needs_planes
+def test_native_planes_refuse_what_does_not_fit() -> None:
+    native = codec._native
+    assert native is not None
+    with pytest.raises(ValueError, match="width 3"):
+        native.shuffle(bytes(12), bytearray(12), 3)
+    with pytest.raises(ValueError, match="shuffle: 10 bytes into 12"):
+        native.shuffle(bytes(10), bytearray(12), 2)
+    with pytest.raises(ValueError, match="width 1 is not"):
+        native.unshuffle([bytes(4)], bytearray(4))
+    with pytest.raises(ValueError, match="plane 1 is 3 bytes"):
+        native.unshuffle([bytes(4), bytes(3)], bytearray(8))
+    with pytest.raises(TypeError):
+        native.unshuffle([bytes(4), bytes(4)], bytes(8))  # not writable
+
+
+def test_views_of_any_item_format_count_bytes() -> None:
+    """A memoryview of floats (len counts elements) is taken as its bytes."""
+    t = torch.arange(4096, dtype=torch.float32)
+    raw = memoryview(t.numpy())
+    e = encode_frame(raw, 4, 0xF, 1)
+    out = torch.empty(4096, dtype=torch.float32)
+    decode_frame(memoryview(stored_of(e)), frame_of(e, 4 * 4096), memoryview(out.numpy()))
+    assert torch.equal(out, t)

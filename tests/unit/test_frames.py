@@ -468,3 +468,20 @@ def test_frames_is_no_part_of_manifest_equality() -> None:
     index, _, _ = encode_blobs()
     m = decode_manifest(inner())
     assert dataclasses.replace(m, frames=index) == m
+
+
+def test_the_example_of_docs_format_md() -> None:
+    """docs/format.md, "Compressed copies (version 6)": the example's columns and offsets."""
+    mib = 1 << 20
+    b = IndexBuilder((9 * mib, 64 << 10), 4 * mib)
+    b.add(0, 2, 0, 0, ())
+    b.add(1, 0, 1, 1, (1234,))
+    b.add(0, 1, 2, 0b10, (2 * mib, 771_234))
+    b.add(0, 0, 2, 0b10, (2 * mib, 770_000))
+    index = b.build()
+    assert (index.width, index.planes) == (b"\x02\x02\x00\x01", b"\x02\x02\x00\x01")
+    assert index.lengths.tolist() == [2_097_152, 770_000, 2_097_152, 771_234, 1_234]
+    assert index.held == (6_784_114, 1_234)
+    assert [index.frame(0, k).stored_offset for k in range(3)] == [0, 2_867_152, 5_735_538]
+    plain = inner(sizes=(9 * mib, 64 << 10))
+    assert held_sizes(wrap_manifest(plain, index)) == [6_787_072, 4096]

@@ -339,6 +339,177 @@ static PyObject *hash_into(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* Byte planes of a compressed frame (tierckpt/format/codec.py, docs/format.md "Compressed copies"):
+ * plane p of m elements of w bytes holds byte p of every element, at d + p * m. With SSE2, 16
+ * elements at a time: splitting two vectors into their even and odd bytes (split2) once per factor of
+ * 2 in w separates the planes, and interleaving (join2) undoes it; the rest one byte at a time.
+ * On 4 MiB frames (best of 50, a shared 2-core machine): numpy's strided copies 2.1-2.9 GB/s, these
+ * 6.5-8 GB/s splitting and 3.6-7.5 GB/s joining. */
+static void shuffle_tail(const unsigned char *s, unsigned char *d, size_t i, size_t m, int w) {
+    for (; i < m; i++)
+        for (int p = 0; p < w; p++) d[(size_t)p * m + i] = s[i * w + p];
+}
+
+static void unshuffle_tail(const unsigned char *const *pl, unsigned char *d, size_t i, size_t m, int w) {
+    for (; i < m; i++)
+        for (int p = 0; p < w; p++) d[i * w + p] = pl[p][i];
+}
+
+#if defined(__SSE2__)
+static inline void split2(__m128i x, __m128i y, __m128i *even, __m128i *odd) {
+    const __m128i low = _mm_set1_epi16(0x00FF);
+    *even = _mm_packus_epi16(_mm_and_si128(x, low), _mm_and_si128(y, low));
+    *odd = _mm_packus_epi16(_mm_srli_epi16(x, 8), _mm_srli_epi16(y, 8));
+}
+
+static inline void join2(__m128i even, __m128i odd, __m128i *x, __m128i *y) {
+    *x = _mm_unpacklo_epi8(even, odd);
+    *y = _mm_unpackhi_epi8(even, odd);
+}
+
+/* 16 elements of 4 bytes in v[0..3] -> their 4 planes of 16 bytes (and back). */
+static inline void split4(const __m128i *v, __m128i *pl) {
+    __m128i e01, o01, e23, o23;
+    split2(v[0], v[1], &e01, &o01);
+    split2(v[2], v[3], &e23, &o23);
+    split2(e01, e23, &pl[0], &pl[2]);
+    split2(o01, o23, &pl[1], &pl[3]);
+}
+
+static inline void join4(const __m128i *pl, __m128i *v) {
+    __m128i e01, o01, e23, o23;
+    join2(pl[0], pl[2], &e01, &e23);
+    join2(pl[1], pl[3], &o01, &o23);
+    join2(e01, o01, &v[0], &v[1]);
+    join2(e23, o23, &v[2], &v[3]);
+}
+
+static size_t shuffle_sse2(const unsigned char *s, unsigned char *d, size_t m, int w) {
+    size_t i = 0;
+    for (; i + 16 <= m; i += 16) {
+        __m128i v[8], pl[8];
+        for (int k = 0; k < w; k++) v[k] = _mm_loadu_si128((const __m128i *)(s + i * w + 16 * k));
+        if (w == 2) {
+            split2(v[0], v[1], &pl[0], &pl[1]);
+        } else if (w == 4) {
+            split4(v, pl);
+        } else { /* 8: the even bytes are elements of 4 (bytes 0, 2, 4, 6), the odd ones too */
+            __m128i e[4], o[4], pe[4], po[4];
+            for (int k = 0; k < 4; k++) split2(v[2 * k], v[2 * k + 1], &e[k], &o[k]);
+            split4(e, pe);
+            split4(o, po);
+            for (int q = 0; q < 4; q++) pl[2 * q] = pe[q], pl[2 * q + 1] = po[q];
+        }
+        for (int p = 0; p < w; p++) _mm_storeu_si128((__m128i *)(d + (size_t)p * m + i), pl[p]);
+    }
+    return i;
+}
+
+static size_t unshuffle_sse2(const unsigned char *const *in, unsigned char *d, size_t m, int w) {
+    size_t i = 0;
+    for (; i + 16 <= m; i += 16) {
+        __m128i v[8], pl[8];
+        for (int p = 0; p < w; p++) pl[p] = _mm_loadu_si128((const __m128i *)(in[p] + i));
+        if (w == 2) {
+            join2(pl[0], pl[1], &v[0], &v[1]);
+        } else if (w == 4) {
+            join4(pl, v);
+        } else {
+            __m128i e[4], o[4], pe[4], po[4];
+            for (int q = 0; q < 4; q++) pe[q] = pl[2 * q], po[q] = pl[2 * q + 1];
+            join4(pe, e);
+            join4(po, o);
+            for (int k = 0; k < 4; k++) join2(e[k], o[k], &v[2 * k], &v[2 * k + 1]);
+        }
+        for (int k = 0; k < w; k++) _mm_storeu_si128((__m128i *)(d + i * w + 16 * k), v[k]);
+    }
+    return i;
+}
+#endif
+
+static void shuffle_bytes(const unsigned char *s, unsigned char *d, size_t m, int w) {
+    size_t i = 0;
+#if defined(__SSE2__)
+    i = shuffle_sse2(s, d, m, w);
+#endif
+    shuffle_tail(s, d, i, m, w);
+}
+
+static void unshuffle_bytes(const unsigned char *const *pl, unsigned char *d, size_t m, int w) {
+    size_t i = 0;
+#if defined(__SSE2__)
+    i = unshuffle_sse2(pl, d, m, w);
+#endif
+    unshuffle_tail(pl, d, i, m, w);
+}
+
+PyDoc_STRVAR(shuffle_doc,
+             "shuffle(src, dst, width, /)\n--\n\n"
+             "Write the byte planes of ``src`` (bytes of ``width``-byte elements, ``width`` 2, 4 or 8) to\n"
+             "``dst`` (writable, as long): plane p, byte p of every element, at ``p * len(src) / width``.\n"
+             "The GIL is released.");
+
+static int plane_width(int w) {
+    if (w == 2 || w == 4 || w == 8) return 1;
+    PyErr_Format(PyExc_ValueError, "width %d is not 2, 4 or 8", w);
+    return 0;
+}
+
+static PyObject *shuffle(PyObject *self, PyObject *args) {
+    Py_buffer src, dst;
+    int w;
+    if (!PyArg_ParseTuple(args, "y*w*i", &src, &dst, &w)) return NULL;
+    PyObject *ret = NULL;
+    if (!plane_width(w)) goto done;
+    if (src.len != dst.len || src.len % w) {
+        PyErr_Format(PyExc_ValueError, "shuffle: %zd bytes into %zd, width %d", src.len, dst.len, w);
+        goto done;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    shuffle_bytes((const unsigned char *)src.buf, (unsigned char *)dst.buf, (size_t)(src.len / w), w);
+    Py_END_ALLOW_THREADS
+    ret = Py_None;
+    Py_INCREF(ret);
+done:
+    PyBuffer_Release(&src);
+    PyBuffer_Release(&dst);
+    return ret;
+}
+
+PyDoc_STRVAR(unshuffle_doc,
+             "unshuffle(planes, dst, /)\n--\n\n"
+             "Interleave ``planes`` (a sequence of 2, 4 or 8 buffers of equal length) into ``dst`` (writable,\n"
+             "their total length): the inverse of ``shuffle`` (the GIL is released).");
+
+static PyObject *unshuffle(PyObject *self, PyObject *args) {
+    PyObject *seq;
+    Py_buffer dst, pb[8];
+    const unsigned char *pl[8];
+    if (!PyArg_ParseTuple(args, "Ow*", &seq, &dst)) return NULL;
+    PyObject *ret = NULL, *fast = PySequence_Fast(seq, "unshuffle: planes must be a sequence");
+    Py_ssize_t w = fast ? PySequence_Fast_GET_SIZE(fast) : 0, got = 0;
+    if (!fast || !plane_width((int)(w > 8 ? 0 : w))) goto done;
+    for (; got < w; got++) {
+        if (PyObject_GetBuffer(PySequence_Fast_GET_ITEM(fast, got), &pb[got], PyBUF_SIMPLE) < 0) goto done;
+        pl[got] = (const unsigned char *)pb[got].buf;
+        if (pb[got].len * w != dst.len) {
+            PyErr_Format(PyExc_ValueError, "unshuffle: plane %zd is %zd bytes, dst %zd", got, pb[got].len, dst.len);
+            got++;
+            goto done;
+        }
+    }
+    Py_BEGIN_ALLOW_THREADS
+    unshuffle_bytes(pl, (unsigned char *)dst.buf, (size_t)(dst.len / w), (int)w);
+    Py_END_ALLOW_THREADS
+    ret = Py_None;
+    Py_INCREF(ret);
+done:
+    while (got > 0) PyBuffer_Release(&pb[--got]);
+    Py_XDECREF(fast);
+    PyBuffer_Release(&dst);
+    return ret;
+}
+
 static PyMethodDef methods[] = {
     {"set_hash", set_hash, METH_O, set_hash_doc},
     {"digest", digest, METH_VARARGS, digest_doc},
@@ -346,6 +517,8 @@ static PyMethodDef methods[] = {
     {"scatter", scatter, METH_VARARGS, scatter_doc},
     {"gather", gather, METH_VARARGS, gather_doc},
     {"hash_into", hash_into, METH_VARARGS, hash_into_doc},
+    {"shuffle", shuffle, METH_VARARGS, shuffle_doc},
+    {"unshuffle", unshuffle, METH_VARARGS, unshuffle_doc},
     {NULL, NULL, 0, NULL},
 };
 

@@ -12,17 +12,32 @@ is a :class:`~tierckpt.errors.CorruptCheckpointError` naming the frame and plane
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from types import ModuleType
 
 import numpy as np
+import numpy.typing as npt
 import zstandard
 
 from tierckpt.errors import CorruptCheckpointError
 from tierckpt.format.frameindex import WIDTHS, Frame
+from tierckpt.format.native import native
 
-__all__ = ["LEVELS", "PLANE_GAIN", "Encoded", "decode_frame", "encode_frame", "shuffle", "unshuffle"]
+__all__ = [
+    "LEVELS",
+    "PLANE_GAIN",
+    "Encoded",
+    "decode_frame",
+    "encode_frame",
+    "shuffle",
+    "shuffle_numpy",
+    "unshuffle",
+    "unshuffle_numpy",
+]
 
 LEVELS = range(-7, 20)
 #: A plane is stored compressed only when its zstd stream is below this fraction of its raw bytes: a
@@ -83,16 +98,49 @@ def _compressor(level: int) -> zstandard.ZstdCompressor:
     return c
 
 
-def shuffle(raw: memoryview | bytes, width: int) -> np.ndarray:
-    """The ``(width, len(raw) // width)`` byte planes of ``raw`` (a copy; ``len(raw)`` a multiple of ``width``)."""
+def _native_planes() -> ModuleType | None:
+    """The C extension where it has the plane loops (it loads bytes as little-endian words)."""
+    has = native is not None and hasattr(native, "shuffle") and hasattr(native, "unshuffle")
+    return native if has and sys.byteorder == "little" else None
+
+
+_native = _native_planes()
+
+
+def shuffle_numpy(raw: memoryview | bytes, width: int) -> npt.NDArray[np.uint8]:
+    """:func:`shuffle` with numpy: a transposed copy."""
     return np.ascontiguousarray(np.frombuffer(raw, np.uint8).reshape(-1, width).T)
 
 
-def unshuffle(planes: list[bytes | memoryview], out: memoryview) -> None:
-    """Interleave ``planes`` (equal lengths) back into ``out``: the inverse of :func:`shuffle`."""
+def unshuffle_numpy(planes: Sequence[bytes | memoryview], out: memoryview) -> None:
+    """:func:`unshuffle` with numpy: one strided assignment a plane."""
     o = np.frombuffer(out, np.uint8).reshape(-1, len(planes))
     for p, plane in enumerate(planes):
         o[:, p] = np.frombuffer(plane, np.uint8)
+
+
+def shuffle(raw: memoryview | bytes, width: int) -> npt.NDArray[np.uint8]:
+    """The ``(width, len(raw) // width)`` byte planes of ``raw`` (a copy; ``len(raw)`` a multiple of
+    ``width``): in the C extension where it is built (without the GIL), else with numpy."""
+    if _native is None:
+        return shuffle_numpy(raw, width)
+    planes = np.empty((width, len(raw) // width), np.uint8)
+    _native.shuffle(raw, planes, width)
+    return planes
+
+
+def unshuffle(planes: Sequence[bytes | memoryview], out: memoryview) -> None:
+    """Interleave ``planes`` (equal lengths) back into ``out``: the inverse of :func:`shuffle`."""
+    if _native is None:
+        unshuffle_numpy(planes, out)
+    else:
+        _native.unshuffle(planes, out)
+
+
+def _as_bytes(view: memoryview) -> memoryview:
+    """``view`` as unsigned bytes (``len`` counts bytes), whatever its item format."""
+    view = memoryview(view)
+    return view if view.format == "B" and view.ndim == 1 else view.cast("B")
 
 
 def encode_frame(raw: memoryview, width: int, try_planes: int, level: int) -> Encoded:
@@ -112,6 +160,7 @@ def encode_frame(raw: memoryview, width: int, try_planes: int, level: int) -> En
     if level not in LEVELS:
         raise ValueError(f"encode_frame: zstd level {level} is not in {LEVELS.start} to {LEVELS.stop - 1}")
     start = time.perf_counter()
+    raw = _as_bytes(raw)
     n = len(raw)
     if width >= 2 and n % width:
         width, try_planes = 1, 1
@@ -172,6 +221,7 @@ def decode_frame(stored: memoryview, frame: Frame, out: memoryview) -> None:
             caller adds tier, step and blob.
     """
     name = f"frame at raw offset {frame.raw_offset}"
+    stored, out = _as_bytes(stored), _as_bytes(out)
     if len(out) != frame.raw_len:
         raise ValueError(f"decode_frame: {name}: out is {len(out)} bytes, the frame {frame.raw_len}")
     if len(stored) != frame.stored_len:

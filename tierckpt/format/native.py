@@ -4,7 +4,8 @@ On 20,000 tensors of 1-64 KiB the restoring thread spent ~10 us per tensor in th
 hash and a copy of ~3 us, and so ran at half the disk's speed (docs/io.md, "Copying bytes"). ``_native.scatter``
 runs that loop (gap check, xxh3, copy out) over a table of records in C, without the GIL;
 ``_native.gather`` is the save side (copy in, zero the gaps, xxh3), and ``_native.hash_into`` hashes
-a memory tier's packed blob.
+a memory tier's packed blob. ``_native.shuffle`` / ``unshuffle`` split a compressed frame into its byte
+planes and join them back (:mod:`tierckpt.format.codec`; numpy does it where the extension is missing).
 
 The checksum stays xxhash's: the extension calls ``XXH3_64bits`` through an address taken from the
 python-xxhash extension already loaded (it exports the symbol, with xxhash's CPU dispatch), else from
