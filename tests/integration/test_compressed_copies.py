@@ -201,3 +201,28 @@ def test_an_object_store_tier_compresses_by_default(monkeypatch: pytest.MonkeyPa
             assert _manifest(below, 9) == at_s3  # passed through
             assert same(h.restore(9, tier="s3"), s)
             assert same(h.restore(9, tier="below"), s)
+
+
+@pytest.mark.parametrize("where", ["start", "middle", "last-byte"])
+def test_a_flipped_stored_byte_is_damage_and_the_other_tier_is_read(tmp_path: Path, where: str) -> None:
+    from tierckpt.errors import CorruptCheckpointError
+
+    pfs = _with(PfsTier("pfs", tmp_path / "pfs"), ZSTD)
+    s = state(8)
+    with Hierarchy([LocalTier("ssd", tmp_path / "ssd"), pfs]) as h:
+        h.save(s, step=10).durable["pfs"].result()
+        manifest = _manifest(pfs, 10)
+        _, index = unwrap_manifest(manifest)
+        assert index is not None
+        pos = {"start": 0, "middle": index.held[0] // 2, "last-byte": index.held[0] - 1}[where]
+        path = tmp_path / "pfs" / "step-000000000010" / "rank-00000" / "data.bin"
+        with path.open("r+b") as f:
+            f.seek(pos)
+            byte = f.read(1)[0]
+            f.seek(pos)
+            f.write(bytes([byte ^ 0x10]))
+        with pytest.raises(CorruptCheckpointError):
+            h.restore(10, tier="pfs")
+        report = {t: e for _, t, e in h.verify(10)}
+        assert report["ssd"] is None and isinstance(report["pfs"], CorruptCheckpointError)
+        assert same(h.restore(10), s)  # from the other tier
