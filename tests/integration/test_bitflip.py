@@ -2,12 +2,14 @@
 bit of a small checkpoint's manifest (header, payload, checksum) and a sample of its blob bits are flipped
 one at a time, in place, and ``restore()``, ``restore(into=)`` and ``verify()`` must each return exactly
 the saved state or raise CorruptCheckpointError; with a second tier holding a good copy, ``restore()``
-falls back and returns exactly the state.
+falls back and returns exactly the state. The same holds for a compressed copy (its version-6 manifest
+file: envelope, inner manifest and frame index, and its stored bytes: zstd streams, raw byte planes and the
+zero padding after each blob's stored stream).
 
-``TIERCKPT_BITFLIP_BLOB_BITS`` sets how many blob bits each tier kind flips: 2,500 by default, the
-10,000-bit sample over the four kinds (each flip costs three reads of the blobs: the whole file took 51 s
-on a quiet two-core machine, several minutes on a loaded one; set it lower there). The manifest is
-always flipped exhaustively.
+``TIERCKPT_BITFLIP_BLOB_BITS`` sets how many blob bits each tier kind flips, plain and compressed: 2,500
+by default, the 10,000-bit sample over the four kinds (each flip costs three reads of the blobs: the plain
+copies took 51 s on a quiet two-core machine; plain and compressed, 228 s on a loaded one; set it lower
+there). The manifest is always flipped exhaustively.
 """
 
 from __future__ import annotations
@@ -24,7 +26,10 @@ import pytest
 import torch
 
 from tierckpt import CorruptCheckpointError, Hierarchy, Tier
+from tierckpt.format.layout import round_up
+from tierckpt.format.manifest import decode_head
 from tierckpt.io.engine import make_engine
+from tierckpt.testing.compressed import recompress
 from tierckpt.tiers.base import CheckpointKey
 from tierckpt.tiers.gpu import GpuTier
 from tierckpt.tiers.host import HostTier
@@ -135,18 +140,30 @@ KINDS: dict[str, Callable[[Path, str], Tier]] = {
 }
 
 
-@pytest.fixture(params=sorted(KINDS))
+@pytest.fixture(
+    params=[(k, c) for k in sorted(KINDS) for c in (False, True)], ids=lambda p: f"{p[0]}-{'zstd' if p[1] else 'plain'}"
+)
 def hierarchies(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[tuple[Hierarchy, Hierarchy, Flipper]]:
     """``(alone, paired, flipper)``: the tier under test alone, and the same tier object above a tier
-    that holds a good copy (a host tier), both holding step 1; ``flipper`` flips the tested tier's copy."""
-    tier = KINDS[request.param](tmp_path, "x")
+    that holds a good copy (a host tier), both holding step 1; ``flipper`` flips the tested tier's copy.
+    Compressed (``-zstd``): the tested tier's copy stored again in 4 byte planes, two in zstd streams
+    and two raw; the flipper's blob bits are then those of the stored stream and its padding."""
+    kind, compressed = request.param
+    tier = KINDS[kind](tmp_path, "x")
     paired = Hierarchy([tier, HostTier("good", 64 * MiB)])
     paired.save(tiny_state(), step=1).wait()
     assert [c.tiers for c in paired.checkpoints()] == [("x", "good")]
+    index = recompress(tier, KEY, plan=lambda b, k: (4, 0b0101)) if compressed else None
     alone = Hierarchy([tier], readonly=True)
+    flipper = Flipper(tier)
+    if index is not None:
+        head = decode_head(tier.read_manifest(KEY))
+        assert head.frames == index and index.compressed_frames() and index.frame(0, 0).planes == 0b0101
+        assert len(flipper.blob_lens) == len(index.held) == 1  # one blob, at the start of its file or buffer
+        flipper.blob_lens = [round_up(h, head.align) for h in index.held]  # bytes past them are never read
     logging.disable(logging.WARNING)  # thousands of "unusable copy" warnings
     try:
-        yield alone, paired, Flipper(tier)
+        yield alone, paired, flipper
     finally:
         logging.disable(logging.NOTSET)
         alone.close()
@@ -197,7 +214,8 @@ def flip_each(
 def test_every_manifest_bit(hierarchies: tuple[Hierarchy, Hierarchy, Flipper]) -> None:
     flipper = hierarchies[2]
     n = flipper.manifest_len * 8
-    # The manifest is checksummed whole (format version 4): no flipped bit goes unnoticed by any reader.
+    # The manifest is checksummed whole (format version 4), as is a compressed copy's envelope (version 6)
+    # around it: no flipped bit goes unnoticed by any reader.
     assert flip_each(hierarchies, flipper.manifest, list(range(n))) == {"corrupt,corrupt,corrupt": n}
 
 
@@ -205,5 +223,7 @@ def test_sampled_blob_bits(hierarchies: tuple[Hierarchy, Hierarchy, Flipper]) ->
     flipper = hierarchies[2]
     total = sum(flipper.blob_lens) * 8
     bits = random.Random(19).sample(range(total), min(BLOB_BITS, total))
-    # Tensor bytes are checksummed and gaps and padding must be zero: every flip is found.
+    # Tensor bytes are checksummed and gaps and padding must be zero: every flip is found. In a compressed
+    # copy a zstd stream's content checksum, the tensor checksums (a raw plane) or the zero padding after
+    # the stored stream find it.
     assert flip_each(hierarchies, flipper.blob, bits) == {"corrupt,corrupt,corrupt": len(bits)}

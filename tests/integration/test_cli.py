@@ -11,8 +11,10 @@ import torch
 import tierckpt
 from tierckpt import Hierarchy, TierckptError
 from tierckpt.cli import main
+from tierckpt.testing.compressed import recompress
 from tierckpt.testing.tamper import blob_file
 from tierckpt.tiers._lease import LEASE_DIR
+from tierckpt.tiers.base import CheckpointKey
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -50,6 +52,22 @@ def test_ls_inspect_verify(config: Path, capsys: pytest.CaptureFixture[str]) -> 
     assert rc == 0 and out["ok"] and len(out["copies"]) == 4
     assert main(["ls", str(config)]) == 0
     assert "step" in capsys.readouterr().out
+
+
+def test_inspect_shows_each_tiers_stored_bytes(config: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Step 1's copy on pfs stored compressed: inspect says, per tier, the bytes its blobs store and the ratio."""
+    with Hierarchy.from_yaml(config) as h:
+        index = recompress(h.tier("pfs"), CheckpointKey(1))
+    rc, out = run_json(capsys, "inspect", str(config), "--step", "1")
+    raw = sum(b["bytes"] for b in out["blobs"])
+    assert rc == 0 and out["stored"] == [
+        {"tier": "ssd", "codec": None, "raw_bytes": raw, "stored_bytes": raw, "ratio": 1.0},
+        {"tier": "pfs", "codec": "zstd", "raw_bytes": raw, "stored_bytes": index.stored_bytes(),
+         "ratio": round(raw / index.stored_bytes(), 3)},
+    ]  # fmt: skip
+    assert main(["inspect", str(config), "--step", "1"]) == 0
+    text = capsys.readouterr().out
+    assert "  ssd: 4KiB (not compressed)" in text and f"zstd, ratio {raw / index.stored_bytes():.2f})" in text
 
 
 def test_verify_json_is_complete_and_in_a_stable_order(config: Path, capsys: pytest.CaptureFixture[str]) -> None:

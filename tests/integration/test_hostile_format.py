@@ -13,6 +13,7 @@ import subprocess
 import sys
 import textwrap
 from collections import OrderedDict
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -23,10 +24,13 @@ import xxhash
 import zstandard
 
 from tierckpt import CorruptCheckpointError, Hierarchy, UnsupportedFormatError
+from tierckpt.format.frames import wrap_manifest
 from tierckpt.format.manifest import FORMAT_VERSION, decode_manifest, encode_manifest
 from tierckpt.format.tree import MAX_NESTING
 from tierckpt.io.engine import make_engine
+from tierckpt.testing.compressed import Stored, encode_frames, index_of, read_plain, write_encoded
 from tierckpt.testing.tamper import rewrite_manifest
+from tierckpt.tiers.base import CheckpointKey
 from tierckpt.tiers.host import HostTier
 from tierckpt.tiers.local import LocalTier
 
@@ -124,8 +128,8 @@ def test_a_newer_intact_version_is_named_not_called_corrupt(tmp_path: Path) -> N
     with Hierarchy(tiers) as h:
         h.save({"w": torch.arange(6.0)}, step=1).wait()
         mpath = manifest_path(tmp_path)
-        rewrite_manifest(mpath, frame(mpath.read_bytes()[24:-8], 6))  # intact, as a newer writer would frame it
-        with pytest.raises(UnsupportedFormatError, match=r"format version 6 by a newer tierckpt.*1, 2, 3, 4, 5"):
+        rewrite_manifest(mpath, frame(mpath.read_bytes()[24:-8], 7))  # intact, as a newer writer would frame it
+        with pytest.raises(UnsupportedFormatError, match=r"format version 7 by a newer tierckpt.*1, 2, 3, 4, 5, 6"):
             h.restore(tier="ssd")
         assert torch.equal(h.restore()["w"], torch.arange(6.0)) and h.last_restore == (1, "host")
         errs = {tier: err for _, tier, err in h.verify(1)}
@@ -134,7 +138,7 @@ def test_a_newer_intact_version_is_named_not_called_corrupt(tmp_path: Path) -> N
         damaged = bytearray(mpath.read_bytes())
         damaged[40] ^= 4  # the same newer file with one payload bit flipped: damage, not a newer format
         rewrite_manifest(mpath, damaged)
-        with pytest.raises(CorruptCheckpointError, match="version 6 is unknown .* checksum does not match"):
+        with pytest.raises(CorruptCheckpointError, match="version 7 is unknown .* checksum does not match"):
             h.restore(tier="ssd")
 
 
@@ -292,3 +296,145 @@ def test_deeper_than_save_allows_is_refused_by_save(tmp_path: Path) -> None:
 
     with local(tmp_path) as h, pytest.raises(StateError, match="nested too deep"):
         h.save(deep_state("tuple", MAX_NESTING + 1), step=1)
+
+
+# -- compressed copies: what their frame index says, and their stored streams -------------------------------------
+FRAME = 64 << 10
+
+
+def hostile_copy(tmp_path: Path, edit: Callable[[list[list[Stored]]], None] | None) -> None:
+    """Step 1 of :func:`frames_state` saved on the local tier, then stored again compressed (one zstd frame a
+    frame, the second in two byte planes), as a writer would (``edit`` None), or ``edit``-ed and its frame
+    index made by hand to say what the edited streams are (no rule of the format checked)."""
+    with local(tmp_path) as h:
+        h.save(frames_state(), step=1).wait()
+        tier = h.tier("ssd")
+        manifest, blobs = read_plain(tier, CheckpointKey(1))
+        frames = encode_frames(blobs, FRAME, lambda b, k: (2, 0b11) if k == 1 else (1, 1))
+        if edit is None:
+            index, streams = index_of(frames, [b.numel() for b in blobs], FRAME)
+            write_encoded(tier, CheckpointKey(1), manifest, streams, wrap_manifest(manifest, index))
+            return
+        edit(frames)
+        streams = [b"".join(x for f in blob for x in f.streams) for blob in frames]
+        write_encoded(tier, CheckpointKey(1), manifest, streams, envelope(manifest, frames))
+
+
+def envelope(manifest: bytes, frames: list[list[Stored]]) -> bytes:
+    """The version-6 file a writer would make of ``frames``, by hand: whatever they say, no rule checked."""
+    every = [f for blob in frames for f in blob]
+    codec = {
+        "name": "zstd",
+        "frame_bytes": FRAME,
+        "held": b"".join(struct.pack("<Q", sum(len(x) for f in blob for x in f.streams)) for blob in frames),
+        "width": bytes(f.width for f in every),
+        "planes": bytes(f.planes for f in every),
+        "lengths": b"".join(struct.pack("<I", len(x)) for f in every if f.width for x in f.streams),
+    }
+    return frame(msgpack.packb({"manifest": manifest, "codec": codec}, use_bin_type=True), 6)
+
+
+def frames_state() -> dict[str, Any]:
+    return {"w": torch.arange(60_000, dtype=torch.float32), "b": torch.ones(3000, dtype=torch.bfloat16)}
+
+
+def compressed_readers_refuse(tmp_path: Path, match: str) -> list[str]:
+    """restore(), restore(into=) and verify() of the compressed copy each raise CorruptCheckpointError
+    matching ``match``; their messages."""
+    errors = []
+    with local(tmp_path) as h:
+        for into in (None, {k: torch.zeros_like(v) for k, v in frames_state().items()}):
+            with pytest.raises(CorruptCheckpointError, match=match) as e:
+                h.restore(into=into)
+            errors.append(str(e.value))
+        [(_, _, err)] = h.verify(1)
+        assert isinstance(err, CorruptCheckpointError) and err.tier == "ssd", err
+        errors.append(str(err))
+    return errors
+
+
+def test_a_sound_compressed_copy_reads(tmp_path: Path) -> None:
+    hostile_copy(tmp_path, None)
+    with local(tmp_path) as h:
+        got = h.restore()
+        assert all(torch.equal(got[k], v) for k, v in frames_state().items()) and h.verify(1) == [(1, "ssd", None)]
+
+
+def _rle_bomb(declared: int, blocks: int = 1) -> bytes:
+    """A zstd frame declaring ``declared`` bytes: ``blocks`` RLE blocks of 128 KiB each (4 bytes a block)."""
+    block = ((128 << 10) << 3) | (1 << 1)  # RLE, 128 KiB
+    body = b"".join(((block | (i == blocks - 1)).to_bytes(3, "little") + b"\x07") for i in range(blocks))
+    return b"\x28\xb5\x2f\xfd" + bytes([0b1110_0000]) + struct.pack("<Q", declared) + body
+
+
+@pytest.mark.parametrize(("declared", "blocks"), [(1 << 40, 1), (4000 << 17, 4000)], ids=["1TiB", "500MiB-real"])
+def test_a_bomb_in_a_stored_stream_is_refused_before_it_expands(tmp_path: Path, declared: int, blocks: int) -> None:
+    """A frame's zstd stream declaring 1 TiB, and one of 16 KB that really expands to 500 MiB: the index is
+    sound (the stream is shorter than its frame); the readers refuse it from its declared size, in bounded
+    time and memory."""
+
+    def bomb(frames: list[list[Stored]]) -> None:
+        frames[0][0] = Stored(1, 1, [_rle_bomb(declared, blocks)])
+
+    hostile_copy(tmp_path, bomb)
+    out = run_child(
+        f"""
+        import torch
+        from tierckpt import Hierarchy, CorruptCheckpointError
+        from tierckpt.tiers.local import LocalTier
+        from tierckpt.io.engine import make_engine
+        h = Hierarchy([LocalTier("ssd", {str(tmp_path / "ssd")!r}, make_engine("threads", 2))], readonly=True)
+        out["errors"] = []
+        for into in (None, {{"w": torch.zeros(60_000), "b": torch.zeros(3000, dtype=torch.bfloat16)}}):
+            try:
+                h.restore(into=into)
+            except CorruptCheckpointError as e:
+                out["errors"].append(str(e))
+        out["errors"] += [str(err) for _, _, err in h.verify(1)]
+        """
+    )
+    assert len(out["errors"]) == 3, out
+    assert all(f"declares {declared} bytes" in e and "frame 0 of" in e and "blob=" in e for e in out["errors"]), out
+    assert out["secs"] < 10 and out["rss_mib"] < 64, out
+
+
+def test_a_stream_with_bytes_after_its_frame_is_refused(tmp_path: Path) -> None:
+    def tail(frames: list[list[Stored]]) -> None:
+        f = frames[0][0]
+        f.streams = [f.streams[0] + b"\0" * 8]
+
+    hostile_copy(tmp_path, tail)
+    for e in compressed_readers_refuse(tmp_path, "frame 0 of"):
+        assert "tier=ssd" in e and "blob=" in e
+
+
+def test_two_planes_swapped_are_a_checksum_mismatch(tmp_path: Path) -> None:
+    """Every stream sound and of the size its index says, in the wrong order: the bytes decode, wrong; the
+    checksums over the raw bytes find them."""
+
+    def swap(frames: list[list[Stored]]) -> None:
+        f = frames[0][1]
+        assert f.width == 2 and f.planes == 0b11, f.width
+        f.streams.reverse()
+
+    hostile_copy(tmp_path, swap)
+    compressed_readers_refuse(tmp_path, "checksum mismatch")
+
+
+@pytest.mark.parametrize("lie", ["zstd-too-long", "zstd-as-raw", "lengths", "held"])
+def test_an_index_that_breaks_the_rules_is_refused_before_a_blob_is_read(tmp_path: Path, lie: str) -> None:
+    def edit(frames: list[list[Stored]]) -> None:
+        f = frames[0][1]
+        assert f.width == 2 and f.planes == 0b11
+        if lie == "zstd-too-long":  # a zstd stream as long as the plane it stands for
+            f.streams[1] = bytes(FRAME // 2)
+        elif lie == "zstd-as-raw":  # plane 1, a zstd stream, said to be raw: not the plane's length
+            f.planes = 0b01
+        elif lie == "lengths":  # a width that calls for more lengths than there are
+            f.width, f.planes = 4, 0b1111
+        else:  # a frame stored raw (width 0) whose stored bytes are a zstd stream: held is not its sum
+            f.width, f.planes = 0, 0
+
+    hostile_copy(tmp_path, edit)
+    for e in compressed_readers_refuse(tmp_path, "codec"):
+        assert "tier=ssd" in e

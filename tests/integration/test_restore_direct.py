@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 import torch
 
+import tierckpt.datapath.codecread as codecread
 import tierckpt.datapath.restore_into as ri
 import tierckpt.tiers._fileread as fileread
 from tierckpt import CorruptCheckpointError, Hierarchy
@@ -19,6 +20,7 @@ from tierckpt.io import geometry
 from tierckpt.io.buffers import aligned_empty
 from tierckpt.io.engine import make_engine
 from tierckpt.testing import FaultyTier
+from tierckpt.testing.compressed import recompress
 from tierckpt.tiers.local import LocalTier
 from tierckpt.tiers.pfs import PfsTier
 
@@ -31,18 +33,23 @@ def _small_direct_threshold(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(geometry, "DIRECT_READ_MIN", 128 << 10)
 
 
-@pytest.fixture
-def reads(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int]]:
-    """(address, length) of every read a file tier makes."""
+def spy_reads(monkeypatch: pytest.MonkeyPatch, cls: Any) -> list[tuple[int, int]]:
+    """(address, length) of every read a reader of class ``cls`` makes from now on."""
     seen: list[tuple[int, int]] = []
-    inner = fileread.FileReader.read
+    inner = cls.read
 
     def read(self: Any, blob: int, offset: int, addr: int, nbytes: int) -> Any:
         seen.append((addr, nbytes))
         return inner(self, blob, offset, addr, nbytes)
 
-    monkeypatch.setattr(fileread.FileReader, "read", read)
+    monkeypatch.setattr(cls, "read", read)
     return seen
+
+
+@pytest.fixture
+def reads(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int]]:
+    """(address, length) of every read a file tier makes."""
+    return spy_reads(monkeypatch, fileread.FileReader)
 
 
 def make_state() -> dict[str, Any]:
@@ -135,6 +142,24 @@ def test_unaligned_targets_are_staged(tmp_path: Path, reads: list) -> None:
         assert_same(state, target)
         assert into(reads, target["bytes"]) == 0
         assert into(reads, target["w"]) > 0
+
+
+def test_a_compressed_copy_is_decoded_into_any_target(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A compressed copy's reader takes reads of any alignment: the bodies of large tensors are decoded
+    straight into the target's memory, even one byte past a page."""
+    state = make_state()
+    seen = spy_reads(monkeypatch, codecread._CodecReader)
+    with open_h(config(tmp_path, "ssd")) as h:
+        h.save(state, step=1).wait()
+        for key in h.tier("ssd").list_committed():
+            recompress(h.tier("ssd"), key, plan=lambda b, k: (2, 0b11) if k % 2 else (1, 1))
+        target = target_for(state, shift=1)
+        h.restore(into=target)
+        assert_same(state, target)
+        for k in ("w", "h", "bytes"):
+            t = target[k]
+            assert into(seen, t) >= t.numel() * t.element_size() - 3 * SLOT, k
+        assert into(seen, target["small"]) == 0
 
 
 def test_buffered_tiers_read_into_any_target(tmp_path: Path, reads: list) -> None:

@@ -25,8 +25,11 @@ from tierckpt import Hierarchy  # noqa: E402
 from tierckpt.dcp import HierarchyReader, HierarchyWriter, Location  # noqa: E402
 from tierckpt.dcp._record import decode_metadata, encode_metadata  # noqa: E402
 from tierckpt.errors import CorruptCheckpointError, TierckptError  # noqa: E402
+from tierckpt.format.manifest import decode_head  # noqa: E402
 from tierckpt.ranks.coordinator import SoloCoordinator  # noqa: E402
 from tierckpt.testing import FaultyTier  # noqa: E402
+from tierckpt.testing.compressed import recompress  # noqa: E402
+from tierckpt.tiers.base import CheckpointKey  # noqa: E402
 from tierckpt.tiers.host import HostTier  # noqa: E402
 from tierckpt.tiers.local import LocalTier  # noqa: E402
 from tierckpt.tiers.pfs import PfsTier  # noqa: E402
@@ -124,6 +127,21 @@ def test_save_then_load_round_trips_every_value(h: Hierarchy) -> None:
     assert all(isinstance(v, Location) and v.rank == 0 for v in md.storage_data.values())
     got = _blank(sd)
     dcp.load(got, storage_reader=HierarchyReader(h, step=5))
+    _assert_same(got, sd)
+
+
+def test_a_compressed_copy_loads(h: Hierarchy) -> None:
+    """Every tier's copy of the step stored compressed (the host tier's too): the metadata and each item
+    read through the decoder."""
+    sd = _state(3)
+    dcp.save(sd, storage_writer=HierarchyWriter(h, step=4, durable="all"))
+    key = CheckpointKey(4, 0)
+    assert [t.name for t in h.tiers if t.holds(key)] == ["host", "ssd", "pfs"]
+    for t in h.tiers:
+        recompress(t, key, plan=lambda b, k: (2, 0b11))
+        assert decode_head(t.read_manifest(key)).frames is not None
+    got = _blank(sd)
+    dcp.load(got, storage_reader=HierarchyReader(h, step=4))
     _assert_same(got, sd)
 
 

@@ -5,6 +5,7 @@ frames and planes), through the tier's own writer, its manifest wrapped in a ver
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -15,7 +16,7 @@ from tierckpt.format.manifest import BlobEntry, decode_head
 from tierckpt.io.buffers import aligned_empty, ptr_mv
 from tierckpt.tiers.base import CheckpointKey, Tier
 
-__all__ = ["Plan", "encode_blobs", "read_plain", "recompress", "write_encoded"]
+__all__ = ["Plan", "Stored", "encode_blobs", "encode_frames", "index_of", "read_plain", "recompress", "write_encoded"]
 
 #: how to store frame ``k`` of blob ``b``: ``(width, try_planes)`` for
 #: :func:`~tierckpt.format.codec.encode_frame` (width 0: raw)
@@ -46,26 +47,51 @@ def read_plain(tier: Tier, key: CheckpointKey) -> tuple[bytes, list[torch.Tensor
     return manifest, blobs
 
 
-def encode_blobs(blobs: list[torch.Tensor], frame_bytes: int, plan: Plan, level: int) -> tuple[FrameIndex, list[bytes]]:
-    """Each blob's stored stream, and the frame index, encoding frame ``k`` of blob ``b`` as ``plan(b, k)``."""
-    builder = IndexBuilder([b.numel() for b in blobs], frame_bytes)
-    streams = []
+@dataclass
+class Stored:
+    """One frame as a copy stores it (what :func:`~tierckpt.format.codec.encode_frame` made of it, or what a
+    test puts in its place)."""
+
+    width: int
+    planes: int
+    streams: list[bytes]
+
+
+def encode_frames(blobs: list[torch.Tensor], frame_bytes: int, plan: Plan, level: int = 1) -> list[list[Stored]]:
+    """Each blob's frames, frame ``k`` of blob ``b`` encoded as ``plan(b, k)`` says."""
+    out: list[list[Stored]] = []
     for bi, b in enumerate(blobs):
-        parts: list[bytes] = []
+        frames = []
         for k, lo in enumerate(range(0, b.numel(), frame_bytes)):
             n = min(frame_bytes, b.numel() - lo)
             width, planes = plan(bi, k)
             enc = encode_frame(ptr_mv(b.data_ptr() + lo, n, writable=False), width, planes, level)
-            builder.add(bi, k, enc.width, enc.planes, enc.lengths)
-            parts += [bytes(s) for s in enc.streams]
-        streams.append(b"".join(parts))
-    return builder.build(), streams
+            frames.append(Stored(enc.width, enc.planes, [bytes(x) for x in enc.streams]))
+        out.append(frames)
+    return out
 
 
-def write_encoded(tier: Tier, key: CheckpointKey, manifest: bytes, streams: list[bytes], index: FrameIndex) -> None:
+def index_of(frames: list[list[Stored]], sizes: list[int], frame_bytes: int) -> tuple[FrameIndex, list[bytes]]:
+    """The frame index of ``frames`` (of blobs of raw ``sizes``) and each blob's stored stream."""
+    builder = IndexBuilder(sizes, frame_bytes)
+    for bi, blob in enumerate(frames):
+        for k, f in enumerate(blob):
+            builder.add(bi, k, f.width, f.planes, [len(x) for x in f.streams] if f.width else [])
+    return builder.build(), [b"".join(x for f in blob for x in f.streams) for blob in frames]
+
+
+def encode_blobs(
+    blobs: list[torch.Tensor], frame_bytes: int, plan: Plan, level: int = 1
+) -> tuple[FrameIndex, list[bytes]]:
+    """Each blob's stored stream, and the frame index, encoding frame ``k`` of blob ``b`` as ``plan(b, k)``."""
+    return index_of(encode_frames(blobs, frame_bytes, plan, level), [b.numel() for b in blobs], frame_bytes)
+
+
+def write_encoded(tier: Tier, key: CheckpointKey, manifest: bytes, streams: list[bytes], envelope: bytes) -> None:
     """Write a copy of ``key`` to ``tier``: blob ``i``'s bytes are ``streams[i]`` then zeros up to the
-    copy's alignment; its manifest file ``wrap_manifest(manifest, index)``. An object store's blobs are
-    only that long; other tiers' are reserved at their raw sizes (files keep their place)."""
+    copy's alignment; its manifest file ``envelope`` (``wrap_manifest(manifest, index)``, or what a test
+    makes instead); ``manifest`` is the inner manifest. An object store's blobs are only that long; other
+    tiers' are reserved at their raw sizes (files keep their place)."""
     head = decode_head(manifest)
     align = head.align
     padded = [round_up(len(s), align) for s in streams]
@@ -85,7 +111,7 @@ def write_encoded(tier: Tier, key: CheckpointKey, manifest: bytes, streams: list
             futs += [w.write(i, o, buf.data_ptr() + o, min(step, p - o)) for o in range(0, p, step)]
         for f in futs:
             f.result()
-        w.commit(wrap_manifest(manifest, index))
+        w.commit(envelope)
     except BaseException:
         w.abort()
         raise
@@ -99,5 +125,5 @@ def recompress(
     manifest, and so the step's commit record, stay valid (a version-6 file's tag is its inner manifest's)."""
     manifest, blobs = read_plain(tier, key)
     index, streams = encode_blobs(blobs, frame_bytes, plan, level)
-    write_encoded(tier, key, manifest, streams, index)
+    write_encoded(tier, key, manifest, streams, wrap_manifest(manifest, index))
     return index
