@@ -182,11 +182,11 @@ def test_a_kind_that_does_not_compress_is_stored_raw_even_on_a_slow_tier() -> No
 def test_kinds_are_decided_separately() -> None:
     a = Adaptive(CompressConfig("auto"), threads=2)
     slow_tier(a, 100 * MB)
-    noise, ints = Kind("bfloat16/exp_avg", 2), Kind("int64", 1)
+    noise, flags = Kind("bfloat16/exp_avg", 2), Kind("bool", 1)
     assert steady(run(a, noise, Compressor((1.0, 1.0)), 40)) == {RAW}
-    assert steady(run(a, ints, Compressor((0.2,)), 40)) == {FramePlan(1, 1)}
+    assert steady(run(a, flags, Compressor((0.2,)), 40)) == {FramePlan(1, 1)}
     assert steady(run(a, FP32, Compressor(FP32_PLANES), 40)) == {FramePlan(4, 0b1100)}
-    assert set(a.snapshot()["kinds"]) == {"bfloat16/exp_avg", "int64", "float32/weight"}
+    assert set(a.snapshot()["kinds"]) == {"bfloat16/exp_avg", "bool", "float32/weight"}
 
 
 # -- planes ---------------------------------------------------------------------------------------------
@@ -229,8 +229,8 @@ def test_an_observation_without_its_plan_counts_every_plane_as_tried() -> None:
         a.observe_frame(FP32, comp.encode(a.plan(FP32)))
     assert a.plan(FP32) == FramePlan(4, 0b1100)
     # a frame that did not gain: its zstd stream was longer than the frame
-    a.observe_frame(Kind("int32", 1), Encoded(0, 0, 0.01, (F,), (F + 100,)))
-    assert a.snapshot()["kinds"]["int32"]["plane_fraction"] == [1.0]
+    a.observe_frame(Kind("uint8", 1), Encoded(0, 0, 0.01, (F,), (F + 100,)))
+    assert a.snapshot()["kinds"]["uint8"]["plane_fraction"] == [1.0]
     # a frame whose length is no multiple of the width was tried whole: its time counts, not its planes
     a.observe_frame(Kind("float16/weight", 2), Encoded(1, 1, 0.5, (1001,), (10,)))
     snap = a.snapshot()["kinds"]["float16/weight"]
@@ -300,7 +300,9 @@ def test_adaptive_needs_a_thread() -> None:
         ("float64", "state['x']", Kind("float64/weight", 8)),
         ("float8_e4m3fn", "state['w']", Kind("float8_e4m3fn/weight", 1)),
         ("complex64", "state['z']", Kind("complex64/weight", 4)),
-        ("int64", "state['optim']['state'][0]['exp_avg']", Kind("int64", 1)),
+        ("int64", "state['optim']['state'][0]['exp_avg']", Kind("int64", 8)),
+        ("int16", "state['ids']", Kind("int16", 2)),
+        ("int8", "state['q']", Kind("int8", 1)),
         ("bool", "state['mask']", Kind("bool", 1)),
         ("uint8", "state['rng']", Kind("uint8", 1)),
         ("no_such_dtype", "state['x']", OTHER),
@@ -332,12 +334,12 @@ def test_frame_kinds_take_the_tensor_holding_most_of_each_frame() -> None:
     kinds = frame_kinds([16 * k, 13 * k], t, 4 * k)
     bf16 = Kind("bfloat16/weight", 2)
     assert kinds == [
-        [bf16, bf16, Kind("int64", 1), OTHER],  # frame 3: 1 KiB of int64, 3 KiB of nothing
+        [bf16, bf16, Kind("int64", 8), OTHER],  # frame 3: 1 KiB of int64, 3 KiB of nothing
         [OTHER, OTHER, Kind("float32/exp_avg_sq", 4), OTHER],  # the last frame is 1 KiB, of nothing
     ]
     # a tie goes to the first tensor of the frame
     assert frame_kinds([8 * k], table([("a", "int32", 0, 0, 2 * k), ("b", "float16", 0, 2 * k, 2 * k)]), 4 * k) == [
-        [Kind("int32", 1), OTHER]
+        [Kind("int32", 4), OTHER]
     ]
     assert frame_kinds([0], table([]), 4 * k) == [[]]
     with pytest.raises(ValueError, match="frame_bytes"):
@@ -431,3 +433,11 @@ def test_the_config_reads_each_tiers_compress() -> None:
     assert [t.compress for t in cfg.tiers] == [None, CompressConfig("zstd", 3), CompressConfig("auto", 1, 4)]
     with pytest.raises(ConfigError, match=r"^tiers\[1\]\.compress: expected none"):
         parse_config({"tiers": [{"name": "a", "kind": "host"}, {"name": "b", "kind": "pfs", "compress": "fast"}]})
+
+
+def test_the_policy_and_the_codec_agree_on_gain_and_levels() -> None:
+    from tierckpt.format import codec
+    from tierckpt.policies import compression
+
+    assert compression.GAIN == codec.PLANE_GAIN  # a plane the policy calls gaining is one the codec keeps
+    assert compression.LEVELS == codec.LEVELS

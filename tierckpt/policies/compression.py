@@ -7,9 +7,10 @@ writer is about to encode, a :class:`FramePlan`: the width to split it by and th
 
 **Kinds.** A frame's kind is that of the tensor holding most of its bytes (:func:`frame_kinds`): the
 dtype and the role its key path names (Adam's ``exp_avg`` and ``exp_avg_sq``, SGD's
-``momentum_buffer``, else ``weight``). Floating-point tensors of 2, 4 or 8 bytes are split into that
-many byte planes (complex ones by their component's size); everything else (integers, bools, fp8) is
-one stream. Statistics are kept per kind, and per plane within a kind, so a plane that does not gain
+``momentum_buffer``, else ``weight``). Elements of 2, 4 or 8 bytes, floating-point or integer, are split
+into that many byte planes (complex numbers by their component's size); one-byte elements (bool,
+uint8, int8, fp8) are one stream. Integers are grouped too because it pays: a buffer of int64 token
+ids compressed 30× grouped against 10× as one zstd stream (docs/benchmarks.md). Statistics are kept per kind, and per plane within a kind, so a plane that does not gain
 (the low mantissa bytes) is left raw while the exponent plane is compressed.
 
 **The decision** (``auto``). With ``T`` compressor threads, a kind's measured per-thread speed ``s``
@@ -34,6 +35,7 @@ them again); ``none`` stores every frame raw.
 
 from __future__ import annotations
 
+import math
 import re
 import threading
 from collections.abc import Mapping, Sequence
@@ -74,7 +76,8 @@ MODES = ("none", "zstd", "auto")
 LEVELS = range(-7, 20)
 #: the transfer must get shorter by this fraction for ``auto`` to compress
 MARGIN = 0.05
-#: a plane is worth compressing when its stream is below this fraction of its raw bytes (the codec's rule)
+#: a plane is worth compressing when its stream is below this fraction of its raw bytes: the codec's
+#: ``PLANE_GAIN``, not imported so that the config does not import numpy and zstd (a test checks they agree)
 GAIN = 0.97
 #: the first frames of each kind that are probes, and then one in this many
 PROBE_FIRST = 4
@@ -212,11 +215,12 @@ def kind_of(dtype: str, path: str) -> Kind:
     dt = DTYPES.get(dtype)
     if dt is None:
         return OTHER
-    if not (dt.is_floating_point or dt.is_complex):
-        return Kind(dtype, 1)
-    m = _ROLE_RE.search(path)
     item = dt.itemsize // 2 if dt.is_complex else dt.itemsize  # a complex number: two floats
-    return Kind(f"{dtype}/{m.group(1) if m else 'weight'}", item if item in (2, 4, 8) else 1)
+    width = item if item in (2, 4, 8) else 1
+    if not (dt.is_floating_point or dt.is_complex):
+        return Kind(dtype, width)
+    m = _ROLE_RE.search(path)
+    return Kind(f"{dtype}/{m.group(1) if m else 'weight'}", width)
 
 
 def frame_kinds(blob_sizes: Sequence[int], table: TensorTable, frame_bytes: int) -> list[list[Kind]]:
@@ -321,7 +325,7 @@ class _KindStats:
         tried = sum(share for p in range(self.planes) if mask >> p & 1)
         stored = sum(share * (f if mask >> p & 1 and f is not None else 1.0) for p, f in enumerate(self.fraction))
         cost = (self.cost or 0.0) * tried
-        return (1.0 / cost if cost > 0 else float("inf")), 1.0 / stored
+        return (1.0 / cost if cost > 0 else math.inf), (1.0 / stored if stored > 0 else math.inf)
 
 
 class Adaptive:
