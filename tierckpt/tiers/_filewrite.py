@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from pathlib import Path
 
-from tierckpt.errors import DeviceFullError
+from tierckpt.errors import CorruptCheckpointError, DeviceFullError
 from tierckpt.format.frames import held_sizes
 from tierckpt.format.layout import data_offsets
 from tierckpt.format.manifest import BlobEntry
@@ -235,7 +235,10 @@ class FileWriter(TierWriter):
         """A copy stored encoded (a version-6 manifest: docs/format.md) holds less of each blob than its
         size: a blob's own file is cut to what it holds; a blob in a shared file (``data.bin``, a node
         file) keeps its place, the rest of its region punched out where the file system can."""
-        held = held_sizes(manifest)
+        try:
+            held = held_sizes(manifest)
+        except CorruptCheckpointError:  # stored as it is given (its readers refuse it): every blob whole
+            return
         if held is None:
             return
         for i, (b, h) in enumerate(zip(self.blobs, held, strict=True)):
