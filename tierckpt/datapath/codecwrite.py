@@ -34,6 +34,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
+import numpy as np
 import torch
 
 from tierckpt.datapath import codecpool
@@ -42,7 +43,7 @@ from tierckpt.format.frameindex import DEFAULT_FRAME_BYTES, MAX_FRAME_BYTES, MIN
 from tierckpt.format.frames import FrameIndex, IndexBuilder, wrap_manifest
 from tierckpt.format.layout import round_up
 from tierckpt.format.manifest import Manifest, ManifestHead
-from tierckpt.io.buffers import StagingPool, memmove, ptr_mv
+from tierckpt.io.buffers import aligned_empty, memmove, ptr_mv
 from tierckpt.policies.compression import Adaptive, FramePlan, Kind, frame_kinds
 from tierckpt.tiers.base import Tier, TierWriter
 
@@ -50,6 +51,33 @@ __all__ = ["CodecWriter", "codec_writer", "frame_bytes_for"]
 
 #: output chunks of one writer in flight to its tier at most
 OUT_SLOTS = 4
+_spare_lock = threading.Lock()
+#: output chunks of finished writers, by (bytes, alignment), for the next writers (at most OUT_SLOTS each):
+#: fresh memory costs a page fault a page, as much as the copy into it
+_spare: dict[tuple[int, int], list[torch.Tensor]] = {}
+
+
+def _take_chunk(nbytes: int, align: int) -> torch.Tensor:
+    with _spare_lock:
+        free = _spare.get((nbytes, align))
+        if free:
+            return free.pop()
+    return aligned_empty(nbytes, align, pin=False)
+
+
+def _give_chunk(buf: torch.Tensor, align: int) -> None:
+    with _spare_lock:
+        free = _spare.setdefault((buf.numel(), align), [])
+        if len(free) < OUT_SLOTS:
+            free.append(buf)
+
+
+def _address(stream: bytes | memoryview) -> int:
+    """The address of a stream's bytes (a zstd frame's, a plane's, the raw frame's): copied from there
+    with ``memmove``, which releases the GIL."""
+    return int(np.frombuffer(stream, np.uint8).ctypes.data)
+
+
 # a frame's states: bytes missing, ready to encode, handed to the pool, encoded, being emitted, emitted
 _MISSING, _READY, _QUEUED, _ENCODED, _EMITTING, _EMITTED = range(6)
 
@@ -210,7 +238,8 @@ class CodecWriter(TierWriter):
         self._emitter: threading.Thread | None = None
         self._index: FrameIndex | None = None
         # the emitter's own
-        self._out = StagingPool(out_slots, chunk_bytes, table.align)
+        self._out_slots = out_slots
+        self._free: list[torch.Tensor] = []  # output chunks not in use
         self._inflight: deque[tuple[torch.Tensor, Future[int]]] = deque()
         self._slot: torch.Tensor | None = None
         self._start, self._fill = 0, 0
@@ -347,7 +376,13 @@ class CodecWriter(TierWriter):
                 slot, f = self._inflight.popleft()
                 with contextlib.suppress(BaseException):
                     f.exception()
-                self._out.release(slot)
+                self._free.append(slot)
+            if self._slot is not None:
+                self._free.append(self._slot)
+                self._slot = None
+            for buf in self._free:  # for the next writer
+                _give_chunk(buf, self._align)
+            self._free.clear()
             with self._cv:
                 self._cv.notify_all()
 
@@ -389,13 +424,13 @@ class CodecWriter(TierWriter):
         if fr.k == 0:
             self._start, self._fill = 0, 0
         for stream in enc.streams:
-            src = memoryview(stream).cast("B")
-            pos = 0
-            while pos < len(src):
+            length, pos = len(stream), 0
+            addr = _address(stream) if length else 0
+            while pos < length:
                 if self._slot is None:
                     self._slot = self._acquire()
-                n = min(len(src) - pos, chunk - self._fill)
-                ptr_mv(self._slot.data_ptr() + self._fill, n)[:] = src[pos : pos + n]
+                n = min(length - pos, chunk - self._fill)
+                memmove(self._slot.data_ptr() + self._fill, addr + pos, n)
                 self._fill += n
                 pos += n
                 if self._fill == chunk:
@@ -412,9 +447,9 @@ class CodecWriter(TierWriter):
             self._end(b, round_up(held, self._align))
 
     def _acquire(self) -> torch.Tensor:
-        if len(self._inflight) >= self._out.slots:
+        if len(self._inflight) >= self._out_slots:
             self._retire()
-        return self._out.acquire()
+        return self._free.pop() if self._free else _take_chunk(self._chunk, self._align)
 
     def _flush(self, blob: int, nbytes: int) -> None:
         """Write the output chunk (``nbytes`` of it) at the stream's current chunk."""
@@ -425,7 +460,7 @@ class CodecWriter(TierWriter):
             fut = self._inner.write(blob, self._start, slot.data_ptr(), nbytes)
         except BaseException:
             self._busy.end(0)
-            self._out.release(slot)
+            self._free.append(slot)
             raise
         self._inflight.append((slot, fut))
         fut.add_done_callback(lambda f: self._written(f, nbytes))
@@ -445,7 +480,7 @@ class CodecWriter(TierWriter):
         try:
             f.result()
         finally:
-            self._out.release(slot)
+            self._free.append(slot)
 
     # -- stopping --------------------------------------------------------------------------------------------
     def _stop(self, error: BaseException) -> None:
