@@ -59,7 +59,14 @@ def storing_writer(
     writes (:func:`~tierckpt.datapath.blobcopy.writer_for`); encoding raw bytes where ``codec`` (the
     copy's manifest, or its plan) is given and the tier :func:`compresses`; or taking a compressed
     copy's stored streams as they are, blob ``i`` ending at ``held[i]``."""
-    encode = codec is not None and compresses(tier) and chunk_bytes % codec.align == 0
+    # blobs and chunks in whole multiples of the copy's alignment (as layouts make them): a stored stream
+    # padded to it ends inside its blob
+    encode = (
+        codec is not None
+        and compresses(tier)
+        and chunk_bytes % codec.align == 0
+        and all(b.size % codec.align == 0 for b in codec.blobs)
+    )
     if not encode and held is None:
         return writer_for(tier, writer, blobs)
     ordered, end = ordered_writer(tier, writer, blobs)
