@@ -513,3 +513,16 @@ def test_one_data_file_keeps_each_blob_in_place_and_frees_the_tails(tmp_path: Pa
             assert allocated < sum(held) + 3 * 65536  # the tails are holes (a block or so each, at most)
     finally:
         tier.close()
+
+
+def test_the_codec_pool_grows_and_its_executor_outlives_the_old_pool() -> None:
+    from tierckpt.datapath import codecpool
+
+    assert 1 <= codecpool.default_threads() <= codecpool.DEFAULT_MAX_THREADS
+    executor = codecpool.get_pool()
+    before = codecpool.ensure()
+    assert codecpool.ensure(before + 1) == before + 1 == codecpool.size()
+    assert codecpool.ensure(1) == before + 1  # never smaller
+    assert executor.submit(lambda x, y=0: x + y, 2, y=3).result() == 5  # the same executor, the new pool
+    executor.shutdown()  # one user cannot shut the process's pool down
+    assert codecpool.submit(len, b"abc").result() == 3

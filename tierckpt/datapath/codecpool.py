@@ -12,8 +12,9 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TypeVar
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
+from functools import partial
+from typing import Any, TypeVar
 
 __all__ = ["DEFAULT_MAX_THREADS", "default_threads", "ensure", "get_pool", "size", "submit"]
 
@@ -64,11 +65,23 @@ def submit(fn: Callable[..., T], *args: object) -> Future[T]:
         return _pool.submit(fn, *args)
 
 
-def get_pool() -> ThreadPoolExecutor:
-    """The pool as it is now (made with the default size if it is not yet), for a caller that submits
-    many tasks at once; a later, larger :func:`ensure` replaces it (what was queued on it still runs)."""
-    if _pool is None:
-        ensure()
-    with _lock:
-        assert _pool is not None
-        return _pool
+class _Pool(Executor):
+    """The pool as an :class:`~concurrent.futures.Executor` that outlives its replacement by a larger one:
+    each task goes to the pool of the moment."""
+
+    def submit(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> Future[T]:
+        if kwargs:
+            return submit(partial(fn, *args, **kwargs))
+        return submit(fn, *args)
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        """The process's pool is never shut down by one of its users."""
+
+
+_executor = _Pool()
+
+
+def get_pool() -> Executor:
+    """The pool, as an executor for a caller that submits many tasks (a codec reader): stays valid when a
+    later, larger :func:`ensure` replaces the pool (what was queued on the old one still runs)."""
+    return _executor
