@@ -37,6 +37,7 @@ from tierckpt.config import (
 )
 from tierckpt.datapath.manifests import load_manifest
 from tierckpt.datapath.restore_into import RestoreStaging
+from tierckpt.datapath.storing import set_compression
 from tierckpt.errors import CheckpointNotFoundError, TierckptError
 from tierckpt.facade.checks import (
     check_connected,
@@ -152,6 +153,7 @@ class Hierarchy:
         self._engines = _engines or Engines()
         for t in self._tiers:  # tiers built from Python without an engine or io settings take this io's
             t.use_io(self._engines, self.io)
+            set_compression(t)  # its compress: setting (a tier built from Python: the default for its kind)
         # every size: each tier's geometry for this io (fixed here, whatever an override of use_io did),
         # the checkpoint's alignment (the largest of the layout's and the tiers'), blob size, and each
         # tier's chunks and staging in that alignment (docs/tiers.md, "I/O geometry")

@@ -34,6 +34,7 @@ from tierckpt.errors import (
     CorruptCheckpointError,
     TierFullError,
 )
+from tierckpt.format.frames import held_sizes
 from tierckpt.format.manifest import BlobEntry
 from tierckpt.io.buffers import ptr_mv
 from tierckpt.tiers.base import CheckpointKey, EngineSource, Tier, TierCapabilities, TierCopy, TierReader, TierWriter
@@ -313,39 +314,41 @@ class _Writer(TierWriter):
         self.version = f"{time.time_ns():020d}-{secrets.token_hex(4)}"  # newer versions sort later
         self.data = f"data/{_ckpt(key)}/{self.version}/"
         self.uploads: list[Upload] = []  # one per blob started; the last one is in progress
+        self.short = False  # the last part was under min_part_bytes: the blob's last
         self.open = True
 
     def write(self, blob: int, offset: int, addr: int, nbytes: int) -> Future[int]:
         caps = self.tier.capabilities
         if not self.open:
             raise RuntimeError("writer already finished")
-        while len(self.uploads) <= blob:  # a later blob: the one before must be whole
-            self._check_whole(len(self.uploads) - 1)
+        while len(self.uploads) <= blob:  # a later blob: the one before is done (commit checks its length)
             self.uploads.append(Upload(self.tier.bucket))
+            self.short = False
         up, size = self.uploads[blob], self.blobs[blob].size
-        if blob != len(self.uploads) - 1 or offset != up.nbytes or offset + nbytes > size:
+        if blob != len(self.uploads) - 1 or offset != up.nbytes or offset + nbytes > size or self.short:
             raise ValueError(f"tier {self.tier.name!r}: sequential_writes: blob {blob} [{offset}, +{nbytes}) "
                              f"is not the next part (blob {len(self.uploads) - 1} at {up.nbytes} of {size})")  # fmt: skip
-        if nbytes < caps.min_part_bytes and offset + nbytes != size:
-            raise ValueError(
-                f"tier {self.tier.name!r}: a part of {nbytes} bytes, under min_part_bytes, not the blob's last"
-            )
+        # a part under min_part_bytes is the blob's last: it may end short of its size where the copy is
+        # stored compressed (the manifest given to commit says what each blob holds)
+        self.short = nbytes < caps.min_part_bytes and offset + nbytes != size
         up.part(ptr_mv(addr, nbytes, writable=False))
         return _done(nbytes)
 
-    def _check_whole(self, blob: int) -> None:
-        if blob >= 0 and self.uploads[blob].nbytes != self.blobs[blob].size:
-            raise ValueError(f"tier {self.tier.name!r}: blob {blob} holds {self.uploads[blob].nbytes} of "
-                             f"{self.blobs[blob].size} bytes (sequential_writes: every blob whole, in order)")  # fmt: skip
+    def _check_whole(self, blob: int, held: int) -> None:
+        if self.uploads[blob].nbytes != held:
+            raise ValueError(f"tier {self.tier.name!r}: blob {blob} holds {self.uploads[blob].nbytes} of its "
+                             f"{held} bytes (sequential_writes: every blob whole, in order)")  # fmt: skip
 
     def commit(self, manifest: bytes) -> None:
         if not self.open:
             raise RuntimeError("writer already finished")
         try:
             while len(self.uploads) < len(self.blobs):  # blobs of 0 bytes are never written
-                self._check_whole(len(self.uploads) - 1)
                 self.uploads.append(Upload(self.tier.bucket))
-            self._check_whole(len(self.uploads) - 1)
+            # a copy stored compressed holds each blob's stored stream, shorter than its size
+            held = held_sizes(manifest) or [b.size for b in self.blobs]
+            for i, n in enumerate(held):
+                self._check_whole(i, n)
             for up, b in zip(self.uploads, self.blobs):
                 up.complete(self.data + b.name)
             self.tier.bucket.put(self.data + "manifest", manifest)
@@ -394,8 +397,8 @@ class _Copy(TierCopy):
             n = self.otier.bucket.head(self.data + b.name)
             if n is None:
                 raise self.gone(self.data + b.name)
-            if n < b.size:
-                raise CorruptCheckpointError(f"{self.data}{b.name} holds {n} bytes, its manifest declares {b.size}",
+            if n < b.stored:  # its size, or what a copy stored compressed holds of it
+                raise CorruptCheckpointError(f"{self.data}{b.name} holds {n} bytes, the copy declares {b.stored}",
                                              tier=self.tier.name, step=self.key.step, blob=b.name)  # fmt: skip
         return _Reader(self, [self.data + b.name for b in blobs])
 

@@ -52,7 +52,8 @@ TIER_DIRS = {"dist": ("node0/ssd", "node1/ssd", "pfs"), "dcp": ("pfs",), PERNODE
 def config(root: Path, kind: str, node: int, timeout: float = 30.0) -> dict[str, Any]:
     """The hierarchy of a fixture rooted at ``root`` (its writer's, and its readers'), for a rank on ``node``
     (``timeout``: of the ranks' coordination)."""
-    pfs: dict[str, Any] = {"name": "pfs", "kind": "pfs", "path": str(root / "pfs")}
+    # plain copies: the version-5 fixtures hold raw blobs (a pfs tier compresses by default)
+    pfs: dict[str, Any] = {"name": "pfs", "kind": "pfs", "path": str(root / "pfs"), "compress": "none"}
     ssd = {"name": "ssd", "kind": "local", "path": str(root / "node{node}" / "ssd")}
     tiers = [ssd, pfs] if kind == "dist" else [pfs]
     if kind == PERNODE:  # the ranks of one node share one data file a step

@@ -31,7 +31,7 @@ def config(tmp_path: Path, ssd: Path, host: bool) -> dict[str, Any]:
     tiers += [
         # the shared fixture mounts its tmpfs at tmp_path/pfs: here it is the ssd (messages name that path)
         {"name": "ssd", "kind": "local", "path": str(ssd)},  # no capacity: only the device limits it
-        {"name": "pfs", "kind": "pfs", "path": str(tmp_path / "shared")},
+        {"name": "pfs", "kind": "pfs", "path": str(tmp_path / "shared"), "compress": "none"},
     ]
     return {"tiers": tiers, "io": {"engine": "threads", "chunk": "1MiB"}, "layout": {"blob_size": "16MiB"}}
 
@@ -108,7 +108,7 @@ def test_a_full_bottom_tier_with_nothing_to_evict_fails_clearly_at_commit(
         cfg = {
             "tiers": [
                 {"name": "host", "kind": "host", "capacity": "512MiB"},
-                {"name": "pfs", "kind": "pfs", "path": str(pfs)},
+                {"name": "pfs", "kind": "pfs", "path": str(pfs), "compress": "none"},  # its blobs fill the device
             ],
             "io": {"engine": "threads", "chunk": "1MiB"},
             "layout": {"blob_size": "16MiB"},

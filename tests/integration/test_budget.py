@@ -111,6 +111,7 @@ def test_a_kind_of_ones_own_takes_a_budget_from_its_entry(tmp_path: Path) -> Non
         "kind": "objdir-budgeted",
         "path": f"objdir://{tmp_path}/bucket",
         "io": {"bandwidth": "32MB/s"},
+        "compress": "none",  # the budget charges the bytes stored: all of them here
     }
     d = {"tiers": [{"name": "host", "kind": "host", "capacity": "64MiB"}, obj], "io": {"chunk": "1MiB"}}
     with Hierarchy.from_config(d) as h:
@@ -126,7 +127,13 @@ def test_two_ranks_commit_on_a_budgeted_shared_tier(tmp_path: Path, coordinators
     d = {
         "tiers": [
             {"name": "host", "kind": "host", "capacity": "64MiB"},
-            {"name": "pfs", "kind": "pfs", "path": str(tmp_path / "pfs"), "io": {"bandwidth": "32MB/s"}},
+            {
+                "name": "pfs",
+                "kind": "pfs",
+                "path": str(tmp_path / "pfs"),
+                "io": {"bandwidth": "32MB/s"},
+                "compress": "none",
+            },
         ],
         "io": {"chunk": "1MiB"},
     }

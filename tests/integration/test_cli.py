@@ -22,7 +22,9 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.fixture
 def config(tmp_path: Path) -> Path:
     yml = tmp_path / "h.yaml"
-    yml.write_text("tiers:\n  - {name: ssd, kind: local, path: ssd}\n  - {name: pfs, kind: pfs, path: pfs}\n")
+    yml.write_text(
+        "tiers:\n  - {name: ssd, kind: local, path: ssd}\n  - {name: pfs, kind: pfs, path: pfs, compress: none}\n"
+    )
     with Hierarchy.from_yaml(yml) as h:
         for step in (1, 2):
             h.save({"w": torch.arange(10.0) * step, "opt": {"lr": 0.1, "m": torch.zeros(2, 3, dtype=torch.bfloat16)}},
@@ -149,7 +151,7 @@ def test_commands_only_look(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
     not copied there when they close, and a missing directory is an error, not a new directory."""
     yml = tmp_path / "h.yaml"
     yml.write_text(
-        "tiers:\n  - {name: ssd, kind: local, path: ssd}\n  - {name: pfs, kind: pfs, path: pfs}\n"
+        "tiers:\n  - {name: ssd, kind: local, path: ssd}\n  - {name: pfs, kind: pfs, path: pfs, compress: none}\n"
         "policy: {demote: {pfs: {every: 1000, on_close: true}}}\n"
     )
     h = Hierarchy.from_yaml(yml)

@@ -41,7 +41,9 @@ SCRATCH_PREFIXES = (".tmp-", ".old-", ".evict-")
 # -- helpers ---------------------------------------------------------------------------------------------
 def config(tmp_path: Path, tiers: tuple[str, ...] = ("ssd", "pfs"), **extra: Any) -> dict[str, Any]:
     kinds = {"ssd": "local", "pfs": "pfs"}
-    cfg: dict[str, Any] = {"tiers": [{"name": n, "kind": kinds[n], "path": str(tmp_path / n)} for n in tiers]}
+    # plain copies (compress: none): the faults are put at the raw blobs' offsets and sizes
+    entries = [{"name": n, "kind": kinds[n], "path": str(tmp_path / n), "compress": "none"} for n in tiers]
+    cfg: dict[str, Any] = {"tiers": entries}
     cfg.update(extra)
     return cfg
 

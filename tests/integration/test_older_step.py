@@ -20,7 +20,7 @@ def cfg(tmp_path: Path) -> dict[str, Any]:
     return {
         "tiers": [
             {"name": "ssd", "kind": "local", "path": str(tmp_path / "ssd")},
-            {"name": "pfs", "kind": "pfs", "path": str(tmp_path / "pfs")},
+            {"name": "pfs", "kind": "pfs", "path": str(tmp_path / "pfs"), "compress": "none"},  # plain bytes flipped
         ],
         "io": {"engine": "threads"},
     }

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from tierckpt import CorruptCheckpointError, Hierarchy, SoloCoordinator, StoreCoordinator, TierIOError
 from tierckpt.cli import main
 from tierckpt.io import make_engine
+from tierckpt.policies.compression import CompressConfig
 from tierckpt.testing.tamper import blob_file
 from tierckpt.tiers.local import LocalTier
 from tierckpt.tiers.pfs import PfsTier
@@ -44,6 +45,7 @@ def job(tmp_path: Path, run_ranks: Any) -> Path:
             LocalTier("ssd", tmp_path / f"node{c.node}" / "ssd", engine, job="j"),
             PfsTier("pfs", tmp_path / "pfs", engine, job="j"),
         ]
+        tiers[1].compress = CompressConfig("none")  # plain copies: a flipped byte is a checksum mismatch
         with Hierarchy(tiers, coordinator=c, job="j") as h:
             for step in (1, 2):
                 h.save({"w": torch.full((1000,), float(100 * step + r)), "step": step}, step=step).wait()

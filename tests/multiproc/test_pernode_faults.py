@@ -28,7 +28,14 @@ def config(tmp: str, pfs: str, timeout: float) -> dict[str, Any]:
     return {
         "tiers": [
             {"name": "host", "kind": "host"},
-            {"name": "pfs", "kind": "pfs", "path": pfs, "options": {"files": "per_node"}, "io": {"direct": False}},
+            {
+                "name": "pfs",
+                "kind": "pfs",
+                "path": pfs,
+                "options": {"files": "per_node"},
+                "io": {"direct": False},
+                "compress": "none",
+            },  # raw blobs: the device is sized for them
             {"name": "ssd", "kind": "local", "path": tmp + "/ssd"},
         ],
         "policy": {"keep": {"pfs": 5, "ssd": 5}},

@@ -17,6 +17,7 @@ from tests.multiproc.harness import spawn
 from tierckpt import Hierarchy
 from tierckpt.format.manifest import decode_manifest
 from tierckpt.io import make_engine
+from tierckpt.policies.compression import CompressConfig
 from tierckpt.tiers.pfs import PfsTier
 
 CHUNK = 4096  # small checksum chunks (and pieces): small tensors span many
@@ -63,7 +64,9 @@ def _save(rank: int, world: int, d: str) -> None:
 
     packing.CHUNK_BYTES = CHUNK
     eng = make_engine("threads", 2)
-    with Hierarchy([PfsTier("pfs", Path(d), eng, job="replicas")], job="replicas") as h:
+    tier = PfsTier("pfs", Path(d), eng, job="replicas")
+    tier.compress = CompressConfig("none")  # plain copies: the tests flip their raw bytes
+    with Hierarchy([tier], job="replicas") as h:
         for step in (1, 2):
             h.save(_state(rank, saving=step), step=step, blocking=True)
 

@@ -19,6 +19,7 @@ from tierckpt import Hierarchy
 from tierckpt.datapath import packing
 from tierckpt.format.manifest import decode_manifest
 from tierckpt.io import make_engine
+from tierckpt.policies.compression import CompressConfig
 from tierckpt.testing.tamper import blob_file
 from tierckpt.tiers.base import CheckpointKey
 from tierckpt.tiers.pfs import PfsTier
@@ -77,7 +78,9 @@ def dstate(world: int, layout: dict[str, tuple[int, str]], fill: Callable[[str],
 
 def hierarchy(d: Path, rank: int, world: int) -> Hierarchy:
     eng = make_engine("threads", 2)
-    return Hierarchy([PfsTier("pfs", d, eng, job="sharded-test")], rank=rank, world_size=world, job="sharded-test")
+    tier = PfsTier("pfs", d, eng, job="sharded-test")
+    tier.compress = CompressConfig("none")  # plain copies: the tests flip and count their raw bytes
+    return Hierarchy([tier], rank=rank, world_size=world, job="sharded-test")
 
 
 # -- the ranks' bodies (module level: spawned processes import them) -------------------------------------

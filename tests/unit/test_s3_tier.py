@@ -253,11 +253,11 @@ def test_writes_must_be_whole_parts(s3: Any) -> None:
     w = t.reserve(CheckpointKey(1), [BlobEntry("blob-00000.bin", b.numel())])
     try:
         with pytest.raises(ValueError, match="not one of its parts"):
-            w.write(0, 0, b.data_ptr(), 4096)
+            w.write(0, 0, b.data_ptr(), PART + 4096)
         with pytest.raises(ValueError, match="not one of its parts"):
             w.write(0, 4096, b.data_ptr(), PART)
         w.write(0, 0, b.data_ptr(), PART).result()
-        with pytest.raises(ValueError, match="1 of its 2 parts"):
+        with pytest.raises(ValueError, match=r"has parts \[1\] of \[5242880\] bytes, not its 2 parts"):
             w.commit(b"m")  # the commit fails and aborts: nothing listed, no upload left
         assert t.list_committed() == [] and _uploads(s3) == []
     finally:
@@ -493,5 +493,44 @@ def test_oversized_heads_and_ignored_ranges_are_refused(s3: Any, monkeypatch: py
             buf = aligned_empty(100)
             with pytest.raises(S3Error, match="RangeError"):
                 r.read(0, PART, buf.data_ptr(), 100).result()
+    finally:
+        t.close()
+
+
+def test_a_compressed_copy_holds_its_stored_streams_and_its_head_says_so(s3: Any) -> None:
+    """A copy written through a codec writer: each object is its blob's stored stream (padded to the
+    alignment, its last part short), and the head records those lengths (docs/format.md)."""
+    from tierckpt.datapath.blobcopy import ordered_writer
+    from tierckpt.datapath.codecwrite import codec_writer
+    from tierckpt.format.frames import held_sizes
+    from tierckpt.format.manifest import Manifest, TensorTable, encode_manifest
+    from tierckpt.policies.compression import Adaptive, CompressConfig
+
+    t = _tier()
+    sizes = [3 * PART, 3 * 4096]
+    table = TensorTable(
+        ["w", "n"], ["float32", "uint8"], [(sizes[0] // 4,), (sizes[1],)], [0, 1], [0, 0], sizes, [0, 0]
+    )
+    blobs = tuple(BlobEntry(f"blob-{i:05d}.bin", s) for i, s in enumerate(sizes))
+    m = Manifest(step=4, rank=0, world_size=1, align=4096, blobs=blobs, tensors=table, tree=b"\x80",
+                 has_pickle=False, chunk_bytes=1 << 20)  # fmt: skip
+    data = [aligned_empty(sizes[0]).zero_(), _blob(sizes[1], 7)]
+    key = CheckpointKey(4)
+    try:
+        ordered, end = ordered_writer(t, t.reserve(key, blobs), blobs)
+        w = codec_writer(t, ordered, end, m, Adaptive(CompressConfig("zstd"), 2), chunk_bytes=PART)
+        futs = [w.write(i, o, d.data_ptr() + o, min(PART, d.numel() - o)) for i, d in enumerate(data)
+                for o in range(0, d.numel(), PART)]  # fmt: skip
+        for f in futs:
+            f.result()
+        w.commit(encode_manifest(m))
+        head = t.read_head(key)
+        assert head is not None
+        held = held_sizes(head.manifest)
+        assert held is not None and held[0] < PART and held[1] == sizes[1]  # zeros shrink, noise does not
+        assert [s for _, s in head.blobs] == held
+        prefix = t.keys.data(key, head.version, head.spread)
+        lengths = [s3.head_object(Bucket=BUCKET, Key=prefix + b.name)["ContentLength"] for b in blobs]
+        assert lengths == held and _uploads(s3) == []
     finally:
         t.close()

@@ -25,12 +25,12 @@ from tierckpt.background.held import HeldCopies
 from tierckpt.background.listing import Listing
 from tierckpt.background.reclaim import Reclaimer
 from tierckpt.background.worker import Worker
-from tierckpt.datapath.blobcopy import copy_blobs, staging_for, writer_for
-from tierckpt.datapath.manifests import load_manifest
-from tierckpt.datapath.openblobs import open_source
+from tierckpt.datapath.blobcopy import copy_blobs, staging_for
+from tierckpt.datapath.copysource import open_copy_source
+from tierckpt.datapath.storing import compresses, storing_writer
 from tierckpt.datapath.throttle import throttled_writer
 from tierckpt.errors import DeviceFullError, TierckptError, TierFullError
-from tierckpt.format.manifest import BlobEntry
+from tierckpt.format.manifest import BlobEntry, Manifest, ManifestHead
 from tierckpt.io.buffers import StagingPool
 from tierckpt.io.geometry import IOGeometry
 from tierckpt.policies.placement import Copy, CopyPlan, MakeRoom, Policy, Retain, place
@@ -76,12 +76,29 @@ class Room:
         #: whether the job took part in that exchange (or failed in it): if not, its failure is told there
         self.placed = False
 
-    def reserve(self, key: CheckpointKey, blobs: Sequence[BlobEntry], *, alone: bool = False) -> TierWriter:
+    @property
+    def compresses(self) -> bool:
+        """Whether the tier stores its copies encoded (:meth:`reserve` then wants the copy's manifest)."""
+        return compresses(self.tier)
+
+    def reserve(
+        self,
+        key: CheckpointKey,
+        blobs: Sequence[BlobEntry],
+        *,
+        alone: bool = False,
+        codec: Manifest | ManifestHead | None = None,
+        held: Sequence[int] | None = None,
+    ) -> TierWriter:
         """A writer for ``key`` on the tier (see :meth:`Mover.reserve`); ``alone``: a copy no other rank
-        makes (a promotion), which shares no node file."""
+        makes (a promotion), which shares no node file; ``codec``: the copy's manifest (or its plan),
+        for a tier that :attr:`compresses`; ``held``: each blob's bytes where a compressed copy's
+        stored streams are copied as they are."""
         place = None if alone else self.place_key
         self.placed = self.placed or place is not None
-        return self._mover.reserve(self.tier, key, blobs, background=self.background, place_key=place)
+        return self._mover.reserve(
+            self.tier, key, blobs, background=self.background, place_key=place, codec=codec, held=held
+        )
 
     def staging(self) -> StagingPool:
         """The tier's worker's staging buffers (only that worker's thread uses them)."""
@@ -320,31 +337,30 @@ class Mover:
 
     def _copy(self, key: CheckpointKey, src: Tier, room: Room, blobs: Sequence[BlobEntry] | None, alone: bool) -> bytes:
         """Copy ``key`` from ``src`` to the room's tier blob by blob and commit it there; the manifest
-        committed. Each chunk is charged to the budgets of both tiers (a read of one, a write of the
-        other). ``alone``: a copy no other rank makes (see :meth:`Room.reserve`)."""
+        committed (a compressed copy's inner manifest: what records name). Each chunk is charged to the
+        budgets of both tiers (a read of one, a write of the other). A compressed source is read
+        decoded, or its frames pass through to a tier that compresses too; a tier that compresses
+        encodes a plain source (:mod:`tierckpt.datapath.copysource`). ``alone``: a copy no other rank
+        makes (see :meth:`Room.reserve`)."""
         dst, background = room.tier, room.background
         with src.open_copy(key) as copy:  # manifest and blobs of one copy; blob sizes checked at open
-            manifest = copy.read_manifest()
-            if blobs is None:
-                blobs = load_manifest(src, key, copy=copy).blobs
-            # a compressed copy is read decoded, and its inner manifest committed (the destination encodes its own)
-            reader, manifest, blobs = open_source(src, copy, manifest, blobs, background=background)
+            source = open_copy_source(src, key, copy, blobs, encodes=room.compresses, background=background)
         try:
-            writer = room.reserve(key, blobs, alone=alone)
+            writer = room.reserve(key, source.blobs, alone=alone, codec=source.plan, held=source.held)
         except BaseException:
-            reader.close()
+            source.reader.close()
             raise
         chunk = self.geometries[dst.name].chunk_bytes
         try:
             try:
-                copy_blobs(src, reader, dst, writer, key, blobs, chunk, self.workers[dst.name].pool)
+                copy_blobs(src, source.reader, dst, writer, key, source.copied, chunk, self.workers[dst.name].pool)
             finally:
-                reader.close()
-            writer.commit(manifest)
+                source.reader.close()
+            writer.commit(source.manifest)
         except BaseException:
             writer.abort()
             raise
-        return manifest
+        return source.inner
 
     # -- room -------------------------------------------------------------------------------------------
     def reserve(
@@ -355,12 +371,17 @@ class Mover:
         *,
         background: bool = True,
         place_key: str | None = None,
+        codec: Manifest | ManifestHead | None = None,
+        held: Sequence[int] | None = None,
     ) -> TierWriter:
         """Reserve room on ``tier`` (a writer that honours the tier's declared write order, its writes
         charged to the tier's budget as ``background`` says), making room as :meth:`with_room` says; the
         writer's commit makes room too when the device is full as the manifest is written. On a
         ``node_files`` tier the copy's place comes first, from its node's exchange under ``place_key``
-        (None: a node file of this rank's own; :mod:`tierckpt.ranks.nodeplace`)."""
+        (None: a node file of this rank's own; :mod:`tierckpt.ranks.nodeplace`). With ``codec`` (the
+        copy's manifest, or its plan) and a tier that compresses, the writer takes raw blob bytes and
+        stores them encoded (:mod:`tierckpt.datapath.codecwrite`); with ``held``, it takes a compressed
+        copy's stored streams, blob ``i`` ending at ``held[i]``."""
         if tier.node_files:
             place = self.ranks.place(tier, key, blobs, place_key)
 
@@ -371,8 +392,11 @@ class Mover:
             def made() -> TierWriter:
                 return tier.reserve(key, blobs)
 
+        chunk = self.geometries[tier.name].chunk_bytes
+
         def reserve() -> TierWriter:
-            return writer_for(tier, throttled_writer(tier, made(), background=background), blobs)
+            writer = throttled_writer(tier, made(), background=background)
+            return storing_writer(tier, writer, blobs, chunk_bytes=chunk, background=background, codec=codec, held=held)
 
         writer = self.with_room(tier, key.step, reserve)
         return _CommitsWithRoom(writer, lambda commit: self.with_room(tier, key.step, commit))

@@ -19,10 +19,10 @@ from __future__ import annotations
 from tierckpt.background.handles import SaveHandle
 from tierckpt.background.mover import Mover, Room
 from tierckpt.background.process import gc_paused
-from tierckpt.datapath.packing import build_manifest, pack_and_write, shard_chunk_sums
+from tierckpt.datapath.packing import build_manifest, pack_and_write, planned_manifest, shard_chunk_sums
 from tierckpt.errors import TierckptError
 from tierckpt.format.layout import Layout, plan
-from tierckpt.format.manifest import BlobEntry
+from tierckpt.format.manifest import BlobEntry, Manifest
 from tierckpt.format.tree import FlatState
 from tierckpt.io.geometry import CheckpointGeometry
 from tierckpt.policies.placement import SavePlan
@@ -105,7 +105,7 @@ class SaveJob:
                     "the caller may have changed it since, so it is not packed again"
                 )
             with gc_paused():
-                writer = room.reserve(self.key, self.blobs)
+                writer = room.reserve(self.key, self.blobs, codec=self._planned() if room.compresses else None)
                 manifest = self._pack(room, writer)
                 writer.commit(manifest)
                 return manifest
@@ -115,6 +115,13 @@ class SaveJob:
             if tier.name == self.plan.tiers[-1] and not handle.staged.done():
                 handle.staged.set_exception(e)
             raise
+
+    def _planned(self) -> Manifest:
+        """The save's manifest but for its checksums and tree: what a tier that compresses plans from."""
+        return planned_manifest(
+            self.flat, self.layout, self.blobs, step=self.key.step, rank=self.key.rank,
+            world_size=self.world_size, align=self.align,
+        )  # fmt: skip
 
     def _pack(self, room: Room, writer: TierWriter) -> bytes:
         """Pack the state into ``writer``; return the manifest (encoded while the last chunks are still

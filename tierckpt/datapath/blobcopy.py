@@ -24,7 +24,7 @@ from tierckpt.io.buffers import StagingPool, memmove
 from tierckpt.io.geometry import IOGeometry
 from tierckpt.tiers.base import CheckpointKey, Tier, TierReader, TierWriter
 
-__all__ = ["copy_blobs", "staging_for", "writer_for"]
+__all__ = ["copy_blobs", "ordered_writer", "staging_for", "writer_for"]
 
 
 def _check_count(got: int, want: int, src: Tier, key: CheckpointKey, blob: BlobEntry, off: int) -> None:
@@ -164,6 +164,22 @@ def writer_for(tier: Tier, writer: TierWriter, blobs: Sequence[BlobEntry]) -> Ti
     return _InOrder(tier, writer, [b.size for b in blobs]) if tier.capabilities.sequential_writes else writer
 
 
+def _no_end(blob: int, nbytes: int) -> None:
+    """A tier that takes writes in any order need not know where a blob's bytes end."""
+
+
+def ordered_writer(
+    tier: Tier, writer: TierWriter, blobs: Sequence[BlobEntry]
+) -> tuple[TierWriter, Callable[[int, int], None]]:
+    """:func:`writer_for`'s writer, and ``end(blob, nbytes)``, which tells it that a blob's bytes end at
+    ``nbytes``, short of its size (a codec writer's stored stream; :mod:`tierckpt.datapath.codecwrite`):
+    its next write may then start the next blob. A tier that takes writes in any order needs no telling."""
+    if not tier.capabilities.sequential_writes:
+        return writer, _no_end
+    ordered = _InOrder(tier, writer, [b.size for b in blobs])
+    return ordered, ordered.end
+
+
 class _InOrder(TierWriter):
     """Each blob's writes in increasing offset order, contiguous, one blob after another (empty blobs
     skipped), one write at a time. After a failed write every later one fails with the same error."""
@@ -175,6 +191,13 @@ class _InOrder(TierWriter):
 
     def buffer(self, blob: int) -> torch.Tensor | None:
         return self._inner.buffer(blob)
+
+    def end(self, blob: int, nbytes: int) -> None:
+        """Blob ``blob``'s bytes end at ``nbytes`` (at most its size): once written up to there, the next
+        blob may start."""
+        if not 0 <= nbytes <= self._sizes[blob]:
+            raise ValueError(f"blob {blob} of {self._sizes[blob]} bytes cannot end at {nbytes}")
+        self._sizes[blob] = nbytes
 
     def _next(self, blob: int, offset: int) -> bool:
         """Whether a write at (blob, offset) comes next: where the last one ended, or at the start of

@@ -27,7 +27,7 @@ from tierckpt.format.tree import FlatState, TensorRef
 from tierckpt.io.buffers import StagingPool, memmove, ptr_mv
 from tierckpt.tiers.base import TierWriter
 
-__all__ = ["CHUNK_BYTES", "build_manifest", "contiguous_cpu", "pack_and_write", "shard_chunk_sums"]
+__all__ = ["CHUNK_BYTES", "build_manifest", "contiguous_cpu", "pack_and_write", "planned_manifest", "shard_chunk_sums"]
 
 log = logging.getLogger(__name__)
 _EMPTY_DIGEST = xxhash.xxh3_64_intdigest(b"")
@@ -395,6 +395,26 @@ def shard_chunk_sums(flat: FlatState) -> tuple[int, dict[int, tuple[int, ...]]]:
     return size, out
 
 
+def _table(flat: FlatState, srcs: list[torch.Tensor], layout: Layout, checksums: list[int]) -> TensorTable:
+    return TensorTable(
+        [r.path for r in flat.tensors], [dtype_name(t.dtype) for t in srcs], [tuple(t.shape) for t in srcs],
+        layout.blobs, layout.offsets, layout.lengths, checksums,
+    )  # fmt: skip
+
+
+def planned_manifest(
+    flat: FlatState, layout: Layout, blobs: tuple[BlobEntry, ...], *, step: int, rank: int, world_size: int, align: int
+) -> Manifest:
+    """The manifest a save of ``flat`` will have, but for its checksums (zeros) and tree (empty): what a
+    tier that compresses plans its frames from (blob sizes, alignment, each tensor's dtype and extent)."""
+    srcs = [r.tensor for r in flat.tensors]
+    return Manifest(
+        step=step, rank=rank, world_size=world_size, align=align, blobs=blobs,
+        tensors=_table(flat, srcs, layout, [0] * len(srcs)), tree=b"", has_pickle=flat.has_pickle,
+        chunk_bytes=CHUNK_BYTES,
+    )  # fmt: skip
+
+
 def build_manifest(
     flat: FlatState,
     srcs: list[torch.Tensor],
@@ -411,10 +431,7 @@ def build_manifest(
 ) -> bytes:
     """The encoded manifest of a packed checkpoint (``srcs[i]`` is the tensor of ``flat.tensors[i]``;
     ``chunks``: :func:`shard_chunk_sums` of the state, taken with ``chunk_bytes``)."""
-    table = TensorTable(
-        [r.path for r in flat.tensors], [dtype_name(t.dtype) for t in srcs], [tuple(t.shape) for t in srcs],
-        layout.blobs, layout.offsets, layout.lengths, checksums,
-    )  # fmt: skip
+    table = _table(flat, srcs, layout, checksums)
     meshes: dict[Mesh, int] = {}
     sharding = {}
     for i, spec in flat.shards.items():

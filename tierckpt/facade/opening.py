@@ -11,6 +11,7 @@ from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
 from tierckpt.config import HierarchyConfig, TierConfig, parse_config
+from tierckpt.datapath.storing import set_compression
 from tierckpt.errors import ConfigError
 from tierckpt.facade.checks import MEMORY_DEVICES, memory_budget
 from tierckpt.facade.engines import Engines
@@ -94,6 +95,7 @@ def open_parts(
         for t in cfg.tiers:
             parts.tiers.append(get_tier_class(t.kind, f"{t.key}.kind").from_config(t, parts.engines))
             _give_budget(parts.tiers[-1], t)
+            set_compression(parts.tiers[-1], t.compress, f"{t.key}.compress")
     except BaseException:
         parts.close()
         raise

@@ -14,13 +14,15 @@ import contextlib
 import ctypes
 import ctypes.util
 import errno
+import logging
 import os
 import shutil
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from pathlib import Path
 
-from tierckpt.errors import DeviceFullError
+from tierckpt.errors import CorruptCheckpointError, DeviceFullError
+from tierckpt.format.frames import held_sizes
 from tierckpt.format.layout import data_offsets
 from tierckpt.format.manifest import BlobEntry
 from tierckpt.io.fslayout import FileLayout, set_layout
@@ -31,7 +33,24 @@ from tierckpt.tiers.base import CheckpointKey, TierWriter
 __all__ = ["FileWriter", "device_full", "make_scratch", "set_file_layout", "write_file"]
 
 _RENAME_EXCHANGE = 2
+_FALLOC_FL_KEEP_SIZE, _FALLOC_FL_PUNCH_HOLE = 0x01, 0x02
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+log = logging.getLogger(__name__)
+
+
+def punch_hole(fd: int, offset: int, nbytes: int) -> bool:
+    """Free ``[offset, offset + nbytes)`` of the file ``fd`` (it reads as zeros), its size kept; False
+    where the file system cannot (EOPNOTSUPP and the like: the bytes then stay allocated)."""
+    fn = getattr(_libc, "fallocate", None)
+    if fn is None or nbytes <= 0:
+        return False
+    fn.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+    if fn(fd, _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE, offset, nbytes) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+        return False
+    raise OSError(err, os.strerror(err))
 
 
 def _exchange(a: Path, b: Path) -> bool:
@@ -128,6 +147,9 @@ class FileWriter(TierWriter):
             the tier, the file and the layout.
     """
 
+    #: whether each blob has a file of its own (else they share one: ``data.bin``, a node file)
+    blob_files = False
+
     def __init__(
         self,
         tier: FileSpace,
@@ -148,6 +170,7 @@ class FileWriter(TierWriter):
         self.step_dir, self.tmp, self.final, self._old = step_dir, tmp, final, old
         self.fds: list[int] = []  # one per file
         self._open = True
+        self.blob_files = not one_file
         names = [DATA_NAME] if one_file and self.blobs else [b.name for b in self.blobs]
         sizes = [sum(b.size for b in self.blobs)] if one_file else [b.size for b in self.blobs]
         self._bytes = sum(sizes)
@@ -183,6 +206,8 @@ class FileWriter(TierWriter):
         if not self._open:
             raise RuntimeError("writer already finished")
         try:
+            if self.fds:  # not yet closed by a commit that found the device full
+                self._free_tails(manifest)
             syncs = [self.tier.engine.fsync(fd, path=p) for fd, p in zip(self.fds, self._files)]
             for f in syncs:
                 f.result()
@@ -205,6 +230,27 @@ class FileWriter(TierWriter):
             raise io_error(self.tier.name, f"cannot commit step {self.key.step}", e) from e
         self._open = False
         self._give_back()
+
+    def _free_tails(self, manifest: bytes) -> None:
+        """A copy stored encoded (a version-6 manifest: docs/format.md) holds less of each blob than its
+        size: a blob's own file is cut to what it holds; a blob in a shared file (``data.bin``, a node
+        file) keeps its place, the rest of its region punched out where the file system can."""
+        try:
+            held = held_sizes(manifest)
+        except CorruptCheckpointError:  # stored as it is given (its readers refuse it): every blob whole
+            return
+        if held is None:
+            return
+        for i, (b, h) in enumerate(zip(self.blobs, held, strict=True)):
+            f, base = self._where[i]
+            if self.blob_files:
+                os.ftruncate(self.fds[f], h)
+                continue
+            try:
+                punch_hole(self.fds[f], base + h, b.size - h)
+            except OSError as e:  # space only: the copy is whole either way
+                log.warning("tier %r: freeing the unused end of %s's region in %s: %s", self.tier.name, b.name,
+                            self._files[f], e)  # fmt: skip
 
     def _seal(self, manifest: bytes) -> bytes:
         """The manifest file's bytes, once the data files are durable (their descriptors still open): the

@@ -19,6 +19,7 @@ from functools import partial
 from typing import Protocol, cast
 
 from tierckpt.errors import CheckpointEvictedError, CheckpointNotFoundError, CorruptCheckpointError, TierFullError
+from tierckpt.format.frames import held_sizes
 from tierckpt.format.manifest import BlobEntry
 from tierckpt.format.objecthead import BLOB_NAME_RE, ObjectHead, encode_head
 from tierckpt.io.buffers import ptr_mv
@@ -80,7 +81,7 @@ class S3Writer(TierWriter):
         self.prefix = tier.keys.data(key, self.version, self.spread)
         self._uploads: list[Upload | None] = [None] * len(self.blobs)
         self._completed: set[int] = set()  # blobs whose upload commit completed (objects now)
-        self._parts: list[set[int]] = [set() for _ in self.blobs]
+        self._parts: list[dict[int, int]] = [{} for _ in self.blobs]  # per blob: part number -> bytes
         self._futures: list[Future[int]] = []
         self._failed: BaseException | None = None
         self._head_sent = False  # the head's PUT was issued: it may be in place whatever came back
@@ -109,7 +110,7 @@ class S3Writer(TierWriter):
         if not self._open:
             raise RuntimeError("writer already finished")
         part, size = self.tier.part_bytes, self.blobs[blob].size
-        if offset % part or nbytes != min(part, size - offset) or nbytes <= 0:
+        if offset % part or nbytes > min(part, size - offset) or nbytes <= 0:  # shorter: the blob's last part
             raise ValueError(
                 f"tier {self.tier.name!r}: a write of blob {blob} at [{offset}, +{nbytes}) is not one of its "
                 f"parts of {part} bytes (each write is one whole part: capabilities min/max_part_bytes)"
@@ -126,7 +127,7 @@ class S3Writer(TierWriter):
                     self._failed = self._failed or e
                 raise
             with self._lock:
-                self._parts[blob].add(number)
+                self._parts[blob][number] = nbytes
             return nbytes
 
         fut = self.tier.bucket.submit(send)
@@ -141,14 +142,9 @@ class S3Writer(TierWriter):
             raise RuntimeError("writer already finished")
         try:
             self._wait_writes()
-            for i, b in enumerate(self.blobs):
-                want = -(-b.size // self.tier.part_bytes)
-                if len(self._parts[i]) != want:
-                    raise ValueError(
-                        f"tier {self.tier.name!r}: blob {b.name!r} has {len(self._parts[i])} of its {want} parts"
-                    )
-            self._complete_uploads()
-            head = encode_head(self.version, self.spread, [(b.name, b.size) for b in self.blobs], manifest)
+            held = self._check_parts(manifest)
+            self._complete_uploads(held)
+            head = encode_head(self.version, self.spread, [(b.name, h) for b, h in zip(self.blobs, held)], manifest)
             self._head_sent = True
             self.tier.publish(self.key, head, self.version)
         except TierFullError:
@@ -159,9 +155,30 @@ class S3Writer(TierWriter):
             raise
         self._open = False
 
-    def _complete_uploads(self) -> None:
+    def _check_parts(self, manifest: bytes) -> list[int]:
+        """Each blob's object length, once every part of it is in: its size, or for a copy stored encoded
+        (a version-6 manifest) what it holds (its stored stream, padded: the head records that).
+
+        Raises:
+            ValueError: a blob whose parts are not all in, or not of their lengths.
+        """
+        part = self.tier.part_bytes
+        try:
+            held = held_sizes(manifest) or [b.size for b in self.blobs]
+        except CorruptCheckpointError:  # stored as it is given (its readers refuse it): every blob whole
+            held = [b.size for b in self.blobs]
+        for b, h, got in zip(self.blobs, held, self._parts, strict=True):
+            want = {n + 1: min(part, h - n * part) for n in range(-(-h // part))}
+            if got != want:
+                raise ValueError(
+                    f"tier {self.tier.name!r}: blob {b.name!r} has parts {sorted(got)} of {sorted(got.values())} "
+                    f"bytes, not its {len(want)} parts of its {h} bytes"
+                )
+        return held
+
+    def _complete_uploads(self, held: Sequence[int]) -> None:
         todo = [(i, u) for i, u in enumerate(self._uploads) if u is not None and i not in self._completed]
-        done = [(i, self.tier.bucket.submit(partial(u.complete, self.blobs[i].size))) for i, u in todo]
+        done = [(i, self.tier.bucket.submit(partial(u.complete, held[i]))) for i, u in todo]
         first: BaseException | None = None
         for i, f in done:  # every one waited for: none still running when an abort follows
             try:

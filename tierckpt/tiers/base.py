@@ -86,6 +86,7 @@ if TYPE_CHECKING:
     from tierckpt.format.tree import FlatState
     from tierckpt.io.buffers import StagingPool
     from tierckpt.io.engine import IOEngine
+    from tierckpt.policies.compression import Adaptive, CompressConfig
 
 __all__ = [
     "DEVICES",
@@ -289,6 +290,13 @@ class Tier(ABC):
             tier makes it from its ``bandwidth_bytes_per_sec``; a tier of any other kind that moves its
             bytes through :meth:`TierWriter.write` and :meth:`TierReader.read` takes one from its YAML
             entry's ``io.bandwidth`` (or have one assigned); a memory tier takes none.
+        compress: how the tier stores its copies (docs/tiers.md, "Compression"): set by the hierarchy it
+            joins, from its entry's ``compress:``, else the default for its capabilities
+            (:func:`~tierckpt.policies.compression.tier_compress`: ``auto`` on shared persistent file
+            tiers and object stores, ``none`` elsewhere); assign one before to choose it from Python.
+        adaptive: the compression decisions for the tier's copies, kept up to date from what its
+            writers measure: one per tier object, shared by every copy written to it (set with
+            ``compress``).
 
     What a full tier does (wait for room or fail) is policy, not the tier's: ``policy.on_full``.
     """
@@ -301,6 +309,8 @@ class Tier(ABC):
     _geometry: IOGeometry | None = None
     _geometry_io: IOConfig | None = None  # the io settings it was fixed for
     budget: Budget | None = None
+    compress: CompressConfig | None = None
+    adaptive: Adaptive | None = None
 
     def __init__(self, name: str) -> None:
         self.name = name

@@ -1,0 +1,528 @@
+"""The codec writer (tierckpt.datapath.codecwrite): raw writes in every order and size, each blob's stored
+stream out in frame order in the tier's chunks, decodable to the raw blob; errors, abort, the plain
+manifest when nothing gained, and what it tells the tier's Adaptive."""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import os
+import random
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tierckpt.datapath.blobcopy import ordered_writer
+from tierckpt.datapath.codecwrite import CodecWriter, codec_writer, frame_bytes_for
+from tierckpt.datapath.storing import compresses, set_compression
+from tierckpt.errors import ConfigError
+from tierckpt.format.codec import Encoded, decode_frame
+from tierckpt.format.frameindex import MIN_FRAME_BYTES
+from tierckpt.format.frames import held_sizes, unwrap_manifest
+from tierckpt.format.layout import round_up
+from tierckpt.format.manifest import BlobEntry, Manifest, TensorTable, encode_manifest
+from tierckpt.io.budget import Budget
+from tierckpt.io.buffers import aligned_empty
+from tierckpt.policies.compression import RAW, Adaptive, CompressConfig, FramePlan, Kind
+from tierckpt.testing.faulty import FaultyTier
+from tierckpt.tiers.base import CheckpointKey, Tier, TierWriter
+from tierckpt.tiers.host import HostTier
+from tierckpt.tiers.local import LocalTier
+
+F = MIN_FRAME_BYTES  # 64 KiB frames: a few MiB of data make many
+ALIGN = 4096
+CHUNK = 4 * F
+
+
+class Recorder(TierWriter):
+    """A tier's writer that keeps what it is given, checks each write against the tier's rules (aligned,
+    whole chunks but a blob's last, each blob front to back when ``ordered``), and completes writes on a
+    thread after ``delay`` (or fails the ``fail_at``-th with ``error``)."""
+
+    def __init__(self, sizes: Sequence[int], *, delay: float = 0.0, fail_at: int | None = None) -> None:
+        self.data = [bytearray(n) for n in sizes]
+        self.ends = [0] * len(sizes)  # per blob: where its writes reached
+        self.writes: list[tuple[int, int, int]] = []
+        self.manifest: bytes | None = None
+        self.aborted = False
+        self.delay, self.fail_at = delay, fail_at
+        self.error = OSError(5, "injected write failure")
+        self._pool = ThreadPoolExecutor(4)
+        self._lock = threading.Lock()
+
+    def write(self, blob: int, offset: int, addr: int, nbytes: int) -> Future[int]:
+        assert offset % ALIGN == 0 and nbytes % ALIGN == 0 and addr % ALIGN == 0, (blob, offset, nbytes)
+        assert nbytes <= CHUNK and offset % CHUNK == 0
+        with self._lock:
+            assert offset == self.ends[blob], f"blob {blob}: a write at {offset}, expected {self.ends[blob]}"
+            self.ends[blob] = offset + nbytes
+            self.writes.append((blob, offset, nbytes))
+            n = len(self.writes)
+        data = ctypes.string_at(addr, nbytes)  # as a tier would send it: read before the future resolves
+
+        def land() -> int:
+            time.sleep(self.delay)
+            if self.fail_at is not None and n >= self.fail_at:
+                raise self.error
+            self.data[blob][offset : offset + nbytes] = data
+            return nbytes
+
+        return self._pool.submit(land)
+
+    def commit(self, manifest: bytes) -> None:
+        self.manifest = manifest
+
+    def abort(self) -> None:
+        self.aborted = True
+
+
+class _Tier:
+    """What the codec writer reads of its tier: a name and a budget."""
+
+    def __init__(self, budget: Budget | None = None) -> None:
+        self.name, self.budget = "t", budget
+
+
+def _manifest(tensors: Sequence[tuple[str, str, int]], blob_sizes: Sequence[int] | None = None) -> Manifest:
+    """One blob per tensor ``(path, dtype, nbytes)``, each holding it from offset 0 (sizes rounded up to
+    the alignment unless ``blob_sizes`` says otherwise)."""
+    sizes = list(blob_sizes or [round_up(n, ALIGN) for _, _, n in tensors])
+    table = TensorTable(
+        [p for p, _, _ in tensors], [d for _, d, _ in tensors], [(n,) for _, _, n in tensors],
+        list(range(len(tensors))), [0] * len(tensors), [n for _, _, n in tensors], [0] * len(tensors),
+    )  # fmt: skip
+    blobs = tuple(BlobEntry(f"blob-{i:05d}.bin", s) for i, s in enumerate(sizes))
+    return Manifest(step=3, rank=0, world_size=1, align=ALIGN, blobs=blobs, tensors=table, tree=b"\x80",
+                    has_pickle=False, chunk_bytes=F)  # fmt: skip
+
+
+def _floats(n: int, seed: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """``n`` bytes of normally distributed floats (their exponent bytes compress), in aligned memory."""
+    g = torch.Generator().manual_seed(seed)
+    vals = torch.randn(n // torch.tensor([], dtype=dtype).element_size(), generator=g).to(dtype)
+    out = aligned_empty(n, ALIGN, pin=False)
+    out.copy_(vals.view(torch.uint8))
+    return out
+
+
+def _noise(n: int, seed: int) -> torch.Tensor:
+    out = aligned_empty(n, ALIGN, pin=False)
+    out.copy_(torch.randint(0, 256, (n,), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed)))
+    return out
+
+
+def _write_all(w: TierWriter, blobs: Sequence[torch.Tensor], size: int, order: str, seed: int = 0) -> None:
+    """Write every blob in writes of ``size`` bytes, in ``order``, all at once; wait for them."""
+    ops = [(b, o, min(size, t.numel() - o)) for b, t in enumerate(blobs) for o in range(0, t.numel(), size)]
+    if order == "backward":
+        ops.reverse()
+    elif order == "shuffled":
+        random.Random(seed).shuffle(ops)
+    futs = [w.write(b, o, blobs[b].data_ptr() + o, n) for b, o, n in ops]
+    for f in futs:
+        assert f.result() > 0
+
+
+def _decoded(manifest: bytes, stored: Sequence[bytes | bytearray]) -> list[bytes]:
+    """Each blob's raw bytes, decoded from its stored stream as the copy's index says."""
+    _, index = unwrap_manifest(manifest)
+    assert index is not None
+    out = []
+    for b, data in enumerate(stored):
+        raw = bytearray(index.sizes[b])
+        assert len(data) >= round_up(index.held[b], ALIGN) and not any(data[index.held[b] :])  # zero padding
+        for k in range(index.count(b)):
+            fr = index.frame(b, k)
+            view = memoryview(bytes(data))[fr.stored_offset : fr.stored_offset + fr.stored_len]
+            decode_frame(view, fr, memoryview(raw)[fr.raw_offset : fr.raw_offset + fr.raw_len])
+        out.append(bytes(raw))
+    return out
+
+
+ZSTD = CompressConfig("zstd")
+
+
+def _writer(inner: TierWriter, m: Manifest, cfg: CompressConfig = ZSTD, **kw: Any) -> CodecWriter:
+    adaptive = kw.pop("adaptive", None) or Adaptive(cfg, 2)
+    end = kw.pop("end", lambda b, n: None)
+    tier = kw.pop("tier", _Tier())
+    return codec_writer(tier, inner, end, m, adaptive, chunk_bytes=kw.pop("chunk", CHUNK), **kw)
+
+
+# -- every order and size ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("order", ["forward", "backward", "shuffled"])
+@pytest.mark.parametrize("size", [F // 4 + ALIGN, F, 3 * F, 5 * F + ALIGN, 1 << 30])
+def test_any_order_and_chunk_decodes_to_the_raw_blobs(order: str, size: int) -> None:
+    lens = [9 * F + 3 * ALIGN, 2 * F, ALIGN, 4 * F - 6]  # last frames of every length, one frame, one short one
+    m = _manifest([("s['w']", "bfloat16", lens[0]), ("s['exp_avg']", "float32", lens[1]),
+                   ("s['step']", "int64", lens[2]), ("s['x']", "float16", lens[3])])  # fmt: skip
+    blobs = [_floats(b.size, i) for i, b in enumerate(m.blobs)]
+    blobs[2] = _noise(m.blobs[2].size, 9)
+    inner = Recorder([b.size for b in m.blobs])
+    w = _writer(inner, m)
+    _write_all(w, blobs, min(size, max(b.size for b in m.blobs)), order)
+    w.commit(encode_manifest(m))
+    assert inner.manifest is not None
+    inner_manifest, index = unwrap_manifest(inner.manifest)
+    assert inner_manifest == encode_manifest(m) and index is not None and index.frame_bytes == F
+    assert _decoded(inner.manifest, inner.data) == [bytes(t.numpy()) for t in blobs]
+    assert index.compressed_frames() > 0 and index.held[2] == m.blobs[2].size  # noise stays raw
+    assert held_sizes(inner.manifest) == [round_up(h, ALIGN) for h in index.held] == inner.ends
+    assert index.held[0] < m.blobs[0].size
+
+
+def test_partial_frames_from_reused_staging_slots() -> None:
+    """A caller that reuses its staging slot once a write's future resolves (a file→file copy) and
+    scribbles over it: the writer never reads it after that."""
+    m = _manifest([("s['w']", "float32", 7 * F + ALIGN), ("s['v']", "bfloat16", 3 * F)])
+    blobs = [_floats(b.size, i, torch.float32) for i, b in enumerate(m.blobs)]
+    inner = Recorder([b.size for b in m.blobs], delay=0.002)
+    w = _writer(inner, m)
+    slots = [aligned_empty(F // 2 + ALIGN, ALIGN, pin=False) for _ in range(2)]
+    inflight: list[tuple[torch.Tensor, Future[int]]] = []
+    for b, t in enumerate(blobs):
+        for o in range(0, t.numel(), slots[0].numel()):
+            if len(inflight) == len(slots):
+                slot, f = inflight.pop(0)
+                f.result()
+                slot.fill_(0xAA)  # the caller's next bytes
+                slots.append(slot)
+            slot = slots.pop()
+            n = min(slot.numel(), t.numel() - o)
+            slot[:n].copy_(t[o : o + n])
+            inflight.append((slot, w.write(b, o, slot.data_ptr(), n)))
+    for slot, f in inflight:
+        f.result()
+        slot.fill_(0xAA)
+    w.commit(encode_manifest(m))
+    assert inner.manifest is not None
+    assert _decoded(inner.manifest, inner.data) == [bytes(t.numpy()) for t in blobs]
+
+
+def test_whole_frames_raw_are_released_only_once_copied_out() -> None:
+    """Frames stored raw are read where the caller wrote them until they are copied into the output: a
+    caller reusing its memory once the future resolves finds its bytes stored as they were."""
+    m = _manifest([("s['n']", "uint8", 6 * F)])
+    blob = _noise(m.blobs[0].size, 3)
+    inner = Recorder([blob.numel()], delay=0.005)
+    w = _writer(inner, m)
+    slot = aligned_empty(2 * F, ALIGN, pin=False)
+    for o in range(0, blob.numel(), slot.numel()):
+        slot.copy_(blob[o : o + slot.numel()])
+        w.write(0, o, slot.data_ptr(), slot.numel()).result()
+        slot.fill_(0)
+    w.commit(encode_manifest(m))
+    assert inner.manifest == encode_manifest(m)  # nothing gained: the plain manifest
+    assert bytes(inner.data[0]) == bytes(blob.numpy())
+
+
+def test_writes_twice_outside_or_missing_are_refused() -> None:
+    m = _manifest([("s['w']", "bfloat16", 3 * F)])
+    blob = _floats(m.blobs[0].size, 1)
+    inner = Recorder([blob.numel()])
+    w = _writer(inner, m)
+    with pytest.raises(ValueError, match="outside blob 0"):
+        w.write(0, 2 * F, blob.data_ptr(), 2 * F)
+    w.write(0, 0, blob.data_ptr(), F + ALIGN).result()
+    with pytest.raises(ValueError, match="written twice"):
+        w.write(0, F, blob.data_ptr(), ALIGN)
+    with pytest.raises(ValueError, match="blob 0 frame 1 was not written"):
+        w.commit(encode_manifest(m))
+    w.write(0, F + ALIGN, blob.data_ptr() + F + ALIGN, 2 * F - ALIGN).result()
+    w.commit(encode_manifest(m))  # the writer was left as it was: completed now
+    assert inner.manifest is not None
+    assert _decoded(inner.manifest, inner.data) == [bytes(blob.numpy())]
+
+
+# -- a tier that takes its writes in order ----------------------------------------------------------------
+def test_a_sequential_tier_gets_each_blob_front_to_back(tmp_path: Path) -> None:
+    local = LocalTier("ssd", tmp_path)
+    tier = FaultyTier(local, capabilities={"sequential_writes": True})
+    m = _manifest([("s['w']", "bfloat16", 6 * F), ("s['b']", "bool", 2 * F), ("s['v']", "float32", 5 * F)])
+    blobs = [_floats(b.size, i) for i, b in enumerate(m.blobs)]
+    blobs[1] = torch.zeros_like(blobs[1])
+    key = CheckpointKey(3)
+    try:
+        ordered, end = ordered_writer(tier, tier.reserve(key, m.blobs), m.blobs)
+        w = _writer(ordered, m, end=end, tier=tier, chunk=2 * F)
+        futs = [w.write(b, o, t.data_ptr() + o, min(F, t.numel() - o)) for b, t in enumerate(blobs)
+                for o in range(0, t.numel(), F)]  # fmt: skip
+        for f in futs:
+            f.result()
+        w.commit(encode_manifest(m))
+        manifest = (tmp_path / "step-000000000003" / "rank-00000" / "manifest").read_bytes()
+        held = held_sizes(manifest)
+        assert held is not None and held[1] < m.blobs[1].size
+        files = [(tmp_path / "step-000000000003" / "rank-00000" / b.name).read_bytes() for b in m.blobs]
+        assert [len(f) for f in files] == held  # each blob file cut to what it holds
+        assert _decoded(manifest, files) == [bytes(t.numpy()) for t in blobs]
+    finally:
+        local.close()
+
+
+# -- errors and abort -------------------------------------------------------------------------------------
+def test_an_inner_write_error_surfaces_at_commit_and_abort_cleans_up() -> None:
+    m = _manifest([("s['w']", "bfloat16", 12 * F), ("s['v']", "float32", 6 * F)])
+    blobs = [_floats(b.size, i) for i, b in enumerate(m.blobs)]
+    inner = Recorder([b.size for b in m.blobs], fail_at=2)
+    w = _writer(inner, m)
+    futs = [w.write(b, o, t.data_ptr() + o, F) for b, t in enumerate(blobs) for o in range(0, t.numel(), F)]
+    for f in futs:  # every write resolves, in error or not (the caller's memory is free either way)
+        f.exception(timeout=30)
+    with pytest.raises(OSError, match="injected write failure"):
+        w.commit(encode_manifest(m))
+    assert inner.manifest is None and not inner.aborted
+    w.abort()
+    w.abort()  # idempotent
+    assert inner.aborted
+    with pytest.raises(OSError, match="injected write failure"):
+        w.write(0, 0, blobs[0].data_ptr(), F)
+
+
+def test_abort_mid_copy_leaves_nothing_on_a_local_tier(tmp_path: Path) -> None:
+    tier = LocalTier("ssd", tmp_path)
+    m = _manifest([("s['w']", "bfloat16", 16 * F)])
+    blob = _floats(m.blobs[0].size, 2)
+    try:
+        w = _writer(tier.reserve(CheckpointKey(3), m.blobs), m, tier=tier)
+        futs = [w.write(0, o, blob.data_ptr() + o, F) for o in range(0, 8 * F, F)]  # half of it
+        w.abort()
+        for f in futs:
+            f.exception(timeout=30)
+        assert tier.list_committed() == [] and not list(tmp_path.glob("step-*/*"))
+    finally:
+        tier.close()
+
+
+def test_an_encoder_error_surfaces_at_commit(monkeypatch: pytest.MonkeyPatch) -> None:
+    import tierckpt.datapath.codecwrite as cw
+
+    def broken(*a: object) -> Encoded:
+        raise MemoryError("no room to encode")
+
+    monkeypatch.setattr(cw, "encode_frame", broken)
+    m = _manifest([("s['w']", "bfloat16", 4 * F)])
+    blob = _floats(m.blobs[0].size, 2)
+    inner = Recorder([blob.numel()])
+    w = _writer(inner, m)
+    with pytest.raises(MemoryError, match="no room to encode"):  # a write once it stopped: its error
+        for o in range(0, blob.numel(), F):
+            w.write(0, o, blob.data_ptr() + o, F).exception(timeout=30)
+            time.sleep(0.05)
+    with pytest.raises(MemoryError, match="no room to encode"):
+        w.commit(encode_manifest(m))
+    w.abort()
+    assert inner.aborted and inner.manifest is None
+
+
+# -- what is decided, and with what --------------------------------------------------------------------
+class FakeAdaptive(Adaptive):
+    """An Adaptive whose plans are given, recording what the writer tells it."""
+
+    def __init__(self, plan: Callable[[Kind], FramePlan]) -> None:
+        super().__init__(CompressConfig("auto"), 2)
+        self._plan = plan
+        self.tier: list[tuple[int, float]] = []
+        self.frames: list[tuple[Kind, int]] = []
+        self.budgets: list[float | None] = []
+
+    def plan(self, kind: Kind) -> FramePlan:
+        return self._plan(kind)
+
+    def observe_frame(self, kind: Kind, enc: Any, plan: FramePlan | None = None) -> None:
+        self.frames.append((kind, enc.width))
+
+    def observe_tier(self, stored_bytes: int, busy_seconds: float) -> None:
+        self.tier.append((stored_bytes, busy_seconds))
+
+    def set_budget(self, rate: float | None) -> None:
+        self.budgets.append(rate)
+
+
+def test_no_frame_compressed_commits_the_plain_manifest() -> None:
+    m = _manifest([("s['w']", "bfloat16", 5 * F), ("s['v']", "float32", 3 * F - ALIGN)])
+    blobs = [_floats(b.size, i) for i, b in enumerate(m.blobs)]
+    fake = FakeAdaptive(lambda kind: RAW)
+    inner = Recorder([b.size for b in m.blobs])
+    w = _writer(inner, m, adaptive=fake)
+    _write_all(w, blobs, 2 * F + ALIGN, "shuffled")
+    w.commit(encode_manifest(m))
+    assert inner.manifest == encode_manifest(m) and fake.frames == []  # nothing encoded, nothing observed
+    assert [bytes(d) for d in inner.data] == [bytes(t.numpy()) for t in blobs]
+
+
+def test_plans_are_followed_per_kind_and_the_tier_is_measured() -> None:
+    m = _manifest([("s['w']", "bfloat16", 4 * F), ("s['exp_avg']", "float32", 4 * F)])
+    blobs = [_floats(m.blobs[0].size, 1), _floats(m.blobs[1].size, 2, torch.float32)]
+    fake = FakeAdaptive(lambda kind: FramePlan(kind.width, 0b10) if kind.width == 2 else RAW)
+    inner = Recorder([b.size for b in m.blobs], delay=0.001)
+    w = _writer(inner, m, adaptive=fake, tier=_Tier(Budget(50e6)))
+    _write_all(w, blobs, F, "forward")
+    w.commit(encode_manifest(m))
+    assert inner.manifest is not None
+    _, index = unwrap_manifest(inner.manifest)
+    assert index is not None
+    assert [index.frame(0, k).width for k in range(4)] == [2] * 4 and [index.frame(0, k).planes for k in range(4)] == [
+        2
+    ] * 4
+    assert [index.frame(1, k).width for k in range(4)] == [0] * 4
+    assert [k.name for k, _ in fake.frames] == ["bfloat16/weight"] * 4
+    assert fake.budgets == [50e6]  # the budget paces background work: the throughput is at most it
+    assert sum(n for n, _ in fake.tier) == sum(inner.ends) and all(s > 0 for _, s in fake.tier)
+
+
+def test_a_foreground_copy_is_not_bounded_by_the_budget() -> None:
+    m = _manifest([("s['w']", "bfloat16", F)])
+    fake = FakeAdaptive(lambda kind: RAW)
+    _writer(Recorder([F]), m, adaptive=fake, tier=_Tier(Budget(50e6)), background=False).abort()
+    assert fake.budgets == [None]
+
+
+class _Measured(Adaptive):
+    """An Adaptive that keeps the tier's throughput it was given (not the test's recorder's)."""
+
+    def observe_tier(self, stored_bytes: int, busy_seconds: float) -> None:
+        pass
+
+
+def _copy_with(adaptive: Adaptive, tier: _Tier, frames: int = 64) -> tuple[int, int]:
+    """(compressed frames, frames) of a copy of bf16 weights written with ``adaptive`` to ``tier``."""
+    m = _manifest([("s['w']", "bfloat16", frames * F)])
+    blob = _floats(m.blobs[0].size, 5)
+    inner = Recorder([blob.numel()])
+    w = _writer(inner, m, adaptive=adaptive, tier=tier)
+    _write_all(w, [blob], 4 * F, "forward")
+    w.commit(encode_manifest(m))
+    assert inner.manifest is not None
+    _, index = unwrap_manifest(inner.manifest)
+    return (0 if index is None else index.compressed_frames()), frames
+
+
+def test_auto_compresses_on_a_slow_budgeted_tier_and_not_on_a_fast_one() -> None:
+    """``auto`` with the figures a slow tier gives (a budget of 2 MB/s: any compressor is faster) and a
+    fast one (10 GB/s measured: none is): after the probes, the slow tier's frames are compressed and
+    the fast tier's raw."""
+    slow = Adaptive(CompressConfig("auto"), 2)
+    got, total = _copy_with(slow, _Tier(Budget(2e6)))  # the writer gives it the tier's budget
+    assert got == total  # probes and decisions alike
+    fast = _Measured(CompressConfig("auto"), 2)
+    Adaptive.observe_tier(fast, 10 << 30, 1.0)  # what a fast tier's writes would report
+    got, total = _copy_with(fast, _Tier())
+    assert got <= 4 + total // 32  # the probes only
+
+
+# -- the setting on tiers ---------------------------------------------------------------------------------
+def test_set_compression_defaults_and_keeps_one_adaptive_per_tier(tmp_path: Path) -> None:
+    host, local = HostTier("host"), LocalTier("ssd", tmp_path)
+    try:
+        assert set_compression(host).mode == "none" and not compresses(host)
+        assert set_compression(local).mode == "none"  # a node's own disk
+        local.compress = CompressConfig("zstd", 3)
+        assert set_compression(local) == CompressConfig("zstd", 3) and compresses(local)
+        adaptive = local.adaptive
+        set_compression(local)
+        assert local.adaptive is adaptive
+        set_compression(local, CompressConfig("auto"))
+        assert local.adaptive is not adaptive and local.adaptive is not None and local.adaptive.cfg.mode == "auto"
+    finally:
+        local.close()
+
+
+class _Cuda(HostTier):
+    """A tier whose bytes live in device memory, as far as its capabilities say."""
+
+    def __init__(self) -> None:
+        super().__init__("dev")
+        self.capabilities = dataclasses.replace(self.capabilities, device="cuda")
+
+
+def test_a_gpu_tier_refuses_compression() -> None:
+    from tierckpt.tiers.gpu import GpuTier
+
+    gpu: Tier = GpuTier("gpu", device="cpu")
+    assert set_compression(gpu).mode == "none" and not compresses(gpu)
+    gpu.compress = CompressConfig("zstd")  # its copies are device copies whatever it is told
+    set_compression(gpu)
+    assert not compresses(gpu)
+    with pytest.raises(ConfigError, match="tiers\\[0\\].compress: a gpu tier"):
+        set_compression(_Cuda(), CompressConfig("zstd"), "tiers[0].compress")
+
+
+def test_frame_bytes_follow_the_checksum_chunk() -> None:
+    m = _manifest([("s['w']", "bfloat16", F)])
+    assert frame_bytes_for(m) == F
+    assert frame_bytes_for(dataclasses.replace(m, chunk_bytes=4096)) == F  # at least 64 KiB
+    assert frame_bytes_for(dataclasses.replace(m, chunk_bytes=3 << 20)) == 4 << 20  # no power of two
+    assert frame_bytes_for(dataclasses.replace(m, chunk_bytes=1 << 30)) == 64 << 20
+    assert frame_bytes_for(dataclasses.replace(m, version=4)) == 4 << 20
+
+
+@pytest.mark.parametrize("order", ["forward", "shuffled"])
+def test_a_window_of_one_frame_and_one_output_chunk_still_gets_through(order: str) -> None:
+    """The tightest bounds: one frame in the pool (the one the emitter waits for always goes) and one
+    output chunk in flight, on a slow tier, with writes arriving out of order."""
+    m = _manifest([("s['w']", "bfloat16", 10 * F + ALIGN), ("s['v']", "float32", 7 * F)])
+    blobs = [_floats(b.size, i) for i, b in enumerate(m.blobs)]
+    inner = Recorder([b.size for b in m.blobs], delay=0.001)
+    w = CodecWriter(_Tier(), inner, lambda b, n: None, m, Adaptive(ZSTD, 2), chunk_bytes=CHUNK, window=1, out_slots=1)
+    _write_all(w, blobs, F // 2 + ALIGN, order, seed=4)
+    w.commit(encode_manifest(m))
+    assert inner.manifest is not None
+    assert _decoded(inner.manifest, inner.data) == [bytes(t.numpy()) for t in blobs]
+
+
+def _punches(where: Path) -> bool:
+    """Whether the file system at ``where`` punches holes."""
+    from tierckpt.tiers._filewrite import punch_hole
+
+    probe = where / "punch-probe"
+    with probe.open("wb") as f:
+        os.posix_fallocate(f.fileno(), 0, 1 << 20)
+        return punch_hole(f.fileno(), 0, 1 << 20)
+
+
+def test_one_data_file_keeps_each_blob_in_place_and_frees_the_tails(tmp_path: Path) -> None:
+    """A tier with one data.bin a copy: blob i stays at the sum of the sizes before it; what a blob does
+    not hold of its region is punched out where the file system can (ext4, xfs, tmpfs)."""
+    from tierckpt.format.layout import data_offsets
+    from tierckpt.tiers.pfs import PfsTier
+
+    (tmp_path / "t").mkdir()
+    tier = PfsTier("pfs", tmp_path / "t", direct=False)
+    m = _manifest([("s['z']", "float32", 32 * F), ("s['n']", "uint8", 3 * F), ("s['w']", "bfloat16", 16 * F)])
+    blobs = [torch.zeros(m.blobs[0].size, dtype=torch.uint8), _noise(m.blobs[1].size, 1), _floats(m.blobs[2].size, 2)]
+    try:
+        w = _writer(tier.reserve(CheckpointKey(3), m.blobs), m, tier=tier)
+        _write_all(w, blobs, 2 * F, "shuffled")
+        w.commit(encode_manifest(m))
+        rank_dir = tmp_path / "t" / "step-000000000003" / "rank-00000"
+        manifest = (rank_dir / "manifest").read_bytes()
+        held = held_sizes(manifest)
+        data = (rank_dir / "data.bin").read_bytes()
+        assert held is not None and len(data) == sum(b.size for b in m.blobs)
+        starts = data_offsets(m.blobs)
+        assert _decoded(manifest, [data[o : o + h] for o, h in zip(starts, held)]) == [bytes(t.numpy()) for t in blobs]
+        if _punches(tmp_path):
+            allocated = (rank_dir / "data.bin").stat().st_blocks * 512
+            assert allocated < sum(held) + 3 * 65536  # the tails are holes (a block or so each, at most)
+    finally:
+        tier.close()
+
+
+def test_the_codec_pool_grows_and_its_executor_outlives_the_old_pool() -> None:
+    from tierckpt.datapath import codecpool
+
+    assert 1 <= codecpool.default_threads() <= codecpool.DEFAULT_MAX_THREADS
+    executor = codecpool.get_pool()
+    before = codecpool.ensure()
+    assert codecpool.ensure(before + 1) == before + 1 == codecpool.size()
+    assert codecpool.ensure(1) == before + 1  # never smaller
+    assert executor.submit(lambda x, y=0: x + y, 2, y=3).result() == 5  # the same executor, the new pool
+    executor.shutdown()  # one user cannot shut the process's pool down
+    assert codecpool.submit(len, b"abc").result() == 3

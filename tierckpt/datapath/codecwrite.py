@@ -1,0 +1,544 @@
+"""Writing a tier's copy compressed: raw blob bytes in, each blob's stored stream out (docs/format.md,
+"Compressed copies (version 6)").
+
+:func:`codec_writer` wraps a tier's :class:`~tierckpt.tiers.base.TierWriter` as the data path wraps it
+in a bandwidth throttle: its callers (the packer, :func:`~tierckpt.datapath.blobcopy.copy_blobs`) write
+*raw* blob offsets, in the chunks and order they always do. Each blob is cut into frames of ``F`` raw
+bytes (the manifest's checksum chunk); a frame whose bytes arrived is planned by the tier's
+:class:`~tierckpt.policies.compression.Adaptive` and, unless stored raw, encoded on the process's codec
+threads (:mod:`~tierckpt.datapath.codecpool`). One emitter thread per writer then lays each blob's frames
+out back to back, in frame order, into aligned chunks of the tier's geometry and hands them to the tier:
+front to back, one blob after another, so a tier that takes writes in order only (an S3 multipart
+upload, :func:`~tierckpt.datapath.blobcopy.ordered_writer`) works as well as any.
+
+Memory: a frame that a single write covers is read where the caller's write put it (the write's future
+resolves once it is encoded, or for a frame stored raw once it is copied out); a frame that writes cover
+in parts is gathered into a frame buffer of its own first (those writes resolve at once). At most
+``window`` frames are being encoded or wait encoded (the one the emitter waits for always gets in),
+and at most ``out_slots`` output chunks are in flight: beyond that the writes' futures wait, which is
+the caller's backpressure.
+
+The tier's write throughput is measured as stored bytes over its *busy* time (while at least one of
+its writes is in flight or waiting for the budget), so a writer starved by its compressor does not make
+the tier look slow; it feeds the tier's ``Adaptive``, with the tier's budget, which decides what pays.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import heapq
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any
+
+import numpy as np
+import torch
+
+from tierckpt.datapath import codecpool
+from tierckpt.format.codec import Encoded, encode_frame
+from tierckpt.format.frameindex import DEFAULT_FRAME_BYTES, MAX_FRAME_BYTES, MIN_FRAME_BYTES
+from tierckpt.format.frames import FrameIndex, IndexBuilder, wrap_manifest
+from tierckpt.format.layout import round_up
+from tierckpt.format.manifest import Manifest, ManifestHead
+from tierckpt.io.buffers import aligned_empty, memmove, ptr_mv
+from tierckpt.policies.compression import Adaptive, FramePlan, Kind, frame_kinds
+from tierckpt.tiers.base import Tier, TierWriter
+
+__all__ = ["CodecWriter", "codec_writer", "frame_bytes_for"]
+
+#: output chunks of one writer in flight to its tier at most
+OUT_SLOTS = 4
+_spare_lock = threading.Lock()
+#: output chunks of finished writers, by (bytes, alignment), for the next writers (at most OUT_SLOTS each):
+#: fresh memory costs a page fault a page, as much as the copy into it
+_spare: dict[tuple[int, int], list[torch.Tensor]] = {}
+
+
+def _take_chunk(nbytes: int, align: int) -> torch.Tensor:
+    with _spare_lock:
+        free = _spare.get((nbytes, align))
+        if free:
+            return free.pop()
+    return aligned_empty(nbytes, align, pin=False)
+
+
+def _give_chunk(buf: torch.Tensor, align: int) -> None:
+    with _spare_lock:
+        free = _spare.setdefault((buf.numel(), align), [])
+        if len(free) < OUT_SLOTS:
+            free.append(buf)
+
+
+def _address(stream: bytes | memoryview) -> int:
+    """The address of a stream's bytes (a zstd frame's, a plane's, the raw frame's): copied from there
+    with ``memmove``, which releases the GIL."""
+    return int(np.frombuffer(stream, np.uint8).ctypes.data)
+
+
+# a frame's states: bytes missing, ready to encode, handed to the pool, encoded, being emitted, emitted
+_MISSING, _READY, _QUEUED, _ENCODED, _EMITTING, _EMITTED = range(6)
+
+
+def frame_bytes_for(manifest: Manifest | ManifestHead) -> int:
+    """``F`` for a copy of ``manifest``: its checksum chunk (version 5 on), so that a verified range read
+    decodes the frames of the chunks it reads; within the format's 64 KiB to 64 MiB (4 MiB where the
+    chunk is no power of two, or for a manifest before version 5)."""
+    f = manifest.chunk_bytes if manifest.version >= 5 else DEFAULT_FRAME_BYTES
+    if f <= 0 or f & (f - 1):
+        return DEFAULT_FRAME_BYTES
+    return min(max(f, MIN_FRAME_BYTES), MAX_FRAME_BYTES)
+
+
+class _Write:
+    """One raw write of the caller: its future resolves once no frame needs its memory (and the write
+    has been taken in: its own hold)."""
+
+    __slots__ = ("error", "future", "holds", "nbytes")
+
+    def __init__(self, nbytes: int) -> None:
+        self.future: Future[int] = Future()
+        self.nbytes, self.holds = nbytes, 1
+        self.error: BaseException | None = None
+
+    def release(self, error: BaseException | None = None) -> None:
+        """One frame no longer needs the memory (``error``: the writer stopped before it was used)."""
+        self.holds -= 1
+        self.error = self.error or error
+        if self.holds == 0:
+            if self.error is not None:
+                self.future.set_exception(self.error)
+            else:
+                self.future.set_result(self.nbytes)
+
+
+class _Frame:
+    """One frame on its way: its raw bytes (``src``: the caller's memory, whose write is ``owner``, or
+    ``buf``), then its encoding."""
+
+    __slots__ = (
+        "blob", "buf", "copied", "enc", "k", "owner", "parts", "plan", "raw_len", "src", "state", "t", "task",
+    )  # fmt: skip
+
+    def __init__(self, t: int, blob: int, k: int, raw_len: int) -> None:
+        self.t, self.blob, self.k, self.raw_len = t, blob, k, raw_len
+        self.state = _MISSING
+        self.copied = 0  # raw bytes in
+        self.parts: list[tuple[int, int]] = []  # the frame's ranges claimed by writes of parts of it
+        self.buf: torch.Tensor | None = None
+        self.src: memoryview | None = None
+        self.owner: _Write | None = None
+        self.plan: FramePlan | None = None
+        self.enc: Encoded | None = None
+        self.task: Future[None] | None = None
+
+    def drop_source(self, error: BaseException | None = None) -> None:
+        """The raw bytes are no longer needed: give the caller's memory back (or the frame buffer)."""
+        owner, self.owner, self.src, self.buf = self.owner, None, None, None
+        if owner is not None:
+            owner.release(error)
+
+
+class _Stopped(Exception):
+    """The writer stopped (an error, or abort): the emitter leaves."""
+
+
+class _Busy:
+    """The tier's busy time: while at least one write is in flight (or waits for the budget in
+    ``write``); each completed write reports its bytes and the busy time since the report before."""
+
+    def __init__(self, adaptive: Adaptive) -> None:
+        self._adaptive = adaptive
+        self._lock = threading.Lock()
+        self._inflight, self._mark, self._busy = 0, 0.0, 0.0
+
+    def _tick(self, now: float) -> None:
+        if self._inflight:
+            self._busy += now - self._mark
+        self._mark = now
+
+    def start(self) -> None:
+        with self._lock:
+            self._tick(time.perf_counter())
+            self._inflight += 1
+
+    def end(self, nbytes: int) -> None:
+        with self._lock:
+            self._tick(time.perf_counter())
+            self._inflight -= 1
+            busy, self._busy = self._busy, 0.0
+        if nbytes > 0:
+            self._adaptive.observe_tier(nbytes, busy)
+
+
+class CodecWriter(TierWriter):
+    """A tier's writer that stores each blob's frames encoded (see the module docstring).
+
+    Args:
+        tier: the tier (its name, for errors; its budget, for the decisions).
+        inner: the tier's writer, taking stored bytes (an in-order one for a sequential tier).
+        end_blob: tells ``inner`` that a blob's stored stream ends at a length (its last write's end),
+            shorter than the blob: :func:`~tierckpt.datapath.blobcopy.ordered_writer`'s.
+        manifest: the copy's manifest (or the plan of it: raw blob sizes, ``align``, tensor table).
+        adaptive: the tier's decisions.
+        chunk_bytes: bytes of each write to ``inner`` (the tier's geometry's chunk, a multiple of
+            ``manifest.align``).
+        background: whether the writes are paced by the tier's budget (its rate then bounds the
+            throughput the decisions assume).
+        window: frames being encoded or waiting encoded at most (default: twice the codec threads, plus 2).
+        out_slots: output chunks in flight to ``inner`` at most.
+    """
+
+    def __init__(
+        self,
+        tier: Tier,
+        inner: TierWriter,
+        end_blob: Callable[[int, int], None],
+        manifest: Manifest | ManifestHead,
+        adaptive: Adaptive,
+        *,
+        chunk_bytes: int,
+        background: bool = True,
+        window: int | None = None,
+        out_slots: int = OUT_SLOTS,
+    ) -> None:
+        table = manifest.manifest() if isinstance(manifest, ManifestHead) else manifest
+        self._tier, self._inner, self._end, self._adaptive = tier, inner, end_blob, adaptive
+        self._sizes = [b.size for b in table.blobs]
+        self._align, self._chunk = table.align, chunk_bytes
+        if chunk_bytes <= 0 or chunk_bytes % table.align:
+            raise ValueError(
+                f"codec writer: chunk of {chunk_bytes} bytes is no multiple of the alignment {table.align}"
+            )
+        self._F = frame_bytes_for(table)
+        self._kinds: list[list[Kind]] = frame_kinds(self._sizes, table.tensors, self._F)
+        self._first = [0]
+        for s in self._sizes:
+            self._first.append(self._first[-1] + -(-s // self._F))
+        self._total = self._first[-1]
+        self._blob_of = [b for b, s in enumerate(self._sizes) for _ in range(-(-s // self._F))]
+        self._builder = IndexBuilder(self._sizes, self._F)
+        self._held = [0] * len(self._sizes)
+        threads = codecpool.ensure(adaptive.cfg.threads)
+        self._window = window if window is not None else 2 * threads + 2
+        budget = tier.budget
+        adaptive.set_budget(budget.bytes_per_sec if budget is not None and budget.paces(background) else None)
+        self._busy = _Busy(adaptive)
+        # shared state, under _cv
+        self._cv = threading.Condition()
+        self._state = bytearray(self._total)  # per frame (blob-major)
+        self._frames: dict[int, _Frame] = {}  # the frames on their way
+        self._ready: list[int] = []  # heap of frames whose bytes are in, not yet handed to the pool
+        self._pending = 0  # frames queued, being encoded, or encoded and not yet emitted
+        self._running = 0  # encode tasks of this writer that started and have not finished
+        self._cursor = 0  # the next frame the emitter takes
+        self._error: BaseException | None = None
+        self._emitter: threading.Thread | None = None
+        self._index: FrameIndex | None = None
+        # the emitter's own
+        self._out_slots = out_slots
+        self._free: list[torch.Tensor] = []  # output chunks not in use
+        self._inflight: deque[tuple[torch.Tensor, Future[int]]] = deque()
+        self._slot: torch.Tensor | None = None
+        self._start, self._fill = 0, 0
+
+    # -- the caller's side ----------------------------------------------------------------------------------
+    def write(self, blob: int, offset: int, addr: int, nbytes: int) -> Future[int]:
+        """Take raw bytes ``[offset, offset + nbytes)`` of blob ``blob`` from ``addr``; the future resolves
+        once the memory is no longer read (the bytes are encoded, or copied out)."""
+        size = self._sizes[blob]
+        if offset < 0 or nbytes <= 0 or offset + nbytes > size:
+            raise ValueError(f"codec writer: a write of [{offset}, +{nbytes}) is outside blob {blob} of {size} bytes")
+        w = _Write(nbytes)
+        F, base = self._F, self._first[blob]
+        parts: list[tuple[_Frame, int, int, int]] = []  # (frame, frame offset, from addr, bytes) copied in
+        with self._cv:
+            self._check_going()
+            spans = [(k, k * F, min(size, (k + 1) * F)) for k in range(offset // F, -(-(offset + nbytes) // F))]
+            for k, lo, hi in spans:  # checked first: a refused write leaves nothing behind
+                self._check_fresh(blob, k, max(lo, offset) - lo, min(hi, offset + nbytes) - lo)
+            self._start_emitter()
+            for k, lo, hi in spans:
+                a, z = max(lo, offset), min(hi, offset + nbytes)
+                fr = self._frames.get(base + k) or self._frames.setdefault(base + k, _Frame(base + k, blob, k, hi - lo))
+                if a == lo and z == hi:  # the whole frame: read where it is
+                    fr.copied = hi - lo
+                    fr.owner, fr.src = w, ptr_mv(addr + lo - offset, hi - lo, writable=False)
+                    w.holds += 1
+                    self._arrived(fr)
+                    continue
+                if fr.buf is None:
+                    fr.buf = torch.empty(fr.raw_len, dtype=torch.uint8)
+                fr.parts.append((a - lo, z - lo))  # claimed now, counted in once copied
+                parts.append((fr, a - lo, addr + a - offset, z - a))
+        for fr, at, src, n in parts:  # outside the lock: each part is this write's own bytes of the frame
+            assert fr.buf is not None
+            memmove(fr.buf.data_ptr() + at, src, n)
+        with self._cv:
+            for fr, _, _, n in parts:
+                fr.copied += n
+                if fr.copied == fr.raw_len and self._error is None:
+                    self._arrived(fr)
+            w.release()  # the write's own hold: it is in
+        return w.future
+
+    def _check_fresh(self, blob: int, k: int, lo: int, hi: int) -> None:
+        """Refuse a write of bytes ``[lo, hi)`` of frame ``k`` of which some were written before."""
+        t = self._first[blob] + k
+        fr = self._frames.get(t)
+        if self._state[t] != _MISSING or (fr is not None and any(a < hi and lo < z for a, z in fr.parts)):
+            raise ValueError(f"codec writer: bytes of blob {blob} frame {k} are written twice")
+
+    def _check_going(self) -> None:
+        if self._error is not None:
+            raise self._error
+
+    def _start_emitter(self) -> None:
+        if self._emitter is None:
+            self._emitter = threading.Thread(
+                target=self._emit_all, name=f"tierckpt-codec-{self._tier.name}", daemon=True
+            )
+            self._emitter.start()
+
+    def _arrived(self, fr: _Frame) -> None:
+        """Under the lock: the frame's raw bytes are all in: queue it for encoding."""
+        if fr.src is None:
+            assert fr.buf is not None
+            fr.src = ptr_mv(fr.buf.data_ptr(), fr.raw_len, writable=False)
+        self._state[fr.t] = fr.state = _READY
+        heapq.heappush(self._ready, fr.t)
+        self._schedule()
+
+    def _schedule(self) -> None:
+        """Under the lock: hand ready frames to the pool, lowest first, while the window allows (the one
+        the emitter waits for always)."""
+        while self._ready and self._error is None:
+            t = self._ready[0]
+            if self._pending >= self._window and t != self._cursor:
+                return
+            heapq.heappop(self._ready)
+            fr = self._frames[t]
+            self._state[t] = fr.state = _QUEUED
+            self._pending += 1
+            fr.task = codecpool.submit(self._encode, fr)
+
+    # -- the codec threads -----------------------------------------------------------------------------------
+    def _encode(self, fr: _Frame) -> None:
+        """On a codec thread: plan the frame and encode it; its caller's memory is given back once the
+        stored bytes are the encoder's own (a frame that stays raw is copied out by the emitter first)."""
+        with self._cv:
+            if self._error is not None:  # stopped while this task was starting
+                fr.drop_source(self._error)
+                return
+            self._running += 1
+        kind = self._kinds[fr.blob][fr.k]
+        assert fr.src is not None
+        enc: Encoded | None = None
+        error: BaseException | None = None
+        try:  # planned now, not as it arrived: the frames before it were measured meanwhile
+            plan = fr.plan = self._adaptive.plan(kind)
+            enc = encode_frame(fr.src, plan.width, plan.try_planes, self._adaptive.level)
+            if plan.width:
+                self._adaptive.observe_frame(kind, enc, plan)
+        except BaseException as e:
+            error = e
+        with self._cv:
+            self._running -= 1
+            if error is not None:
+                self._stop(error)
+            if self._error is not None:
+                fr.drop_source(self._error)
+            else:
+                assert enc is not None
+                fr.enc = enc
+                self._state[fr.t] = fr.state = _ENCODED
+                if enc.width != 0:
+                    fr.drop_source()
+            self._cv.notify_all()
+
+    # -- the emitter -----------------------------------------------------------------------------------------
+    def _emit_all(self) -> None:
+        """The emitter thread: every frame in order, into output chunks written to the tier."""
+        try:
+            for t in range(self._total):
+                self._emit_next(t)
+            while self._inflight:
+                self._retire()
+        except _Stopped:
+            pass
+        except BaseException as e:
+            with self._cv:
+                self._stop(e)
+        finally:
+            while self._inflight:  # after an error: the tier's writes still read the output chunks
+                slot, f = self._inflight.popleft()
+                with contextlib.suppress(BaseException):
+                    f.exception()
+                self._free.append(slot)
+            if self._slot is not None:
+                self._free.append(self._slot)
+                self._slot = None
+            for buf in self._free:  # for the next writer
+                _give_chunk(buf, self._align)
+            self._free.clear()
+            with self._cv:
+                self._cv.notify_all()
+
+    def _emit_next(self, t: int) -> None:
+        """Emit frame ``t`` once it is encoded; then give back its source and let the next ones in."""
+        fr = self._next_encoded(t)
+        assert fr.enc is not None
+        try:
+            self._emit(fr, fr.enc)
+        except BaseException as e:
+            with self._cv:
+                self._stop(e)
+            raise
+        finally:
+            with self._cv:
+                fr.drop_source(self._error)
+                fr.enc = None
+                del self._frames[t]
+                self._state[t] = fr.state = _EMITTED
+                self._pending -= 1
+                self._cursor = t + 1
+                self._schedule()
+
+    def _next_encoded(self, t: int) -> _Frame:
+        with self._cv:
+            while True:
+                if self._error is not None:
+                    raise _Stopped
+                fr = self._frames.get(t)
+                if fr is not None and fr.state == _ENCODED:
+                    fr.state = _EMITTING  # its source is the emitter's to give back now
+                    return fr
+                self._cv.wait()
+
+    def _emit(self, fr: _Frame, enc: Encoded) -> None:
+        """Append the frame's stored bytes to its blob's stream; at the blob's last frame, write its
+        last chunk (zero-padded to the alignment) and tell the tier where the stream ended."""
+        b, chunk = fr.blob, self._chunk
+        if fr.k == 0:
+            self._start, self._fill = 0, 0
+        for stream in enc.streams:
+            length, pos = len(stream), 0
+            addr = _address(stream) if length else 0
+            while pos < length:
+                if self._slot is None:
+                    self._slot = self._acquire()
+                n = min(length - pos, chunk - self._fill)
+                memmove(self._slot.data_ptr() + self._fill, addr + pos, n)
+                self._fill += n
+                pos += n
+                if self._fill == chunk:
+                    self._flush(b, chunk)
+        self._builder.add(b, fr.k, enc.width, enc.planes, enc.lengths if enc.width else ())
+        if fr.k == self._first[b + 1] - self._first[b] - 1:
+            held = self._start + self._fill
+            if self._fill:
+                end = round_up(self._fill, self._align)
+                assert self._slot is not None
+                ptr_mv(self._slot.data_ptr() + self._fill, end - self._fill)[:] = bytes(end - self._fill)
+                self._flush(b, end)
+            self._held[b] = held
+            self._end(b, round_up(held, self._align))
+
+    def _acquire(self) -> torch.Tensor:
+        if len(self._inflight) >= self._out_slots:
+            self._retire()
+        return self._free.pop() if self._free else _take_chunk(self._chunk, self._align)
+
+    def _flush(self, blob: int, nbytes: int) -> None:
+        """Write the output chunk (``nbytes`` of it) at the stream's current chunk."""
+        slot, self._slot = self._slot, None
+        assert slot is not None
+        self._busy.start()
+        try:
+            fut = self._inner.write(blob, self._start, slot.data_ptr(), nbytes)
+        except BaseException:
+            self._busy.end(0)
+            self._free.append(slot)
+            raise
+        self._inflight.append((slot, fut))
+        fut.add_done_callback(lambda f: self._written(f, nbytes))
+        self._start += nbytes
+        self._fill = 0
+
+    def _written(self, f: Future[int], nbytes: int) -> None:
+        error = f.exception()
+        self._busy.end(0 if error is not None else nbytes)
+        if error is not None:
+            with self._cv:
+                self._stop(error)
+
+    def _retire(self) -> None:
+        """Wait for the oldest write to the tier and take its chunk back."""
+        slot, f = self._inflight.popleft()
+        try:
+            f.result()
+        finally:
+            self._free.append(slot)
+
+    # -- stopping --------------------------------------------------------------------------------------------
+    def _stop(self, error: BaseException) -> None:
+        """Under the lock: stop on the first error; give back the caller's memory no codec thread reads."""
+        if self._error is None:
+            self._error = error
+        for fr in self._frames.values():
+            if fr.state == _QUEUED:
+                if fr.task is not None and fr.task.cancel():  # never ran; one that runs gives it back itself
+                    fr.drop_source(self._error)
+            elif fr.state in (_READY, _ENCODED):
+                fr.drop_source(self._error)
+        self._ready.clear()
+        self._cv.notify_all()
+
+    def _wait_quiet(self) -> None:
+        """Wait until no codec thread works for this writer and the emitter has left."""
+        with self._cv:
+            while self._running:
+                self._cv.wait()
+        if self._emitter is not None:
+            self._emitter.join()
+
+    # -- commit, abort ---------------------------------------------------------------------------------------
+    def commit(self, manifest: bytes) -> None:
+        """Wait for every frame to be stored, then commit ``manifest`` wrapped with the frame index (or
+        ``manifest`` itself when no frame was compressed). The first error of the writer is raised (it
+        stays abortable); a :class:`~tierckpt.errors.TierFullError` of the tier's commit leaves it as
+        it was, so that committing again retries only that."""
+        if self._index is None:
+            with self._cv:
+                self._check_going()
+                missing = next((t for t in range(self._total) if self._state[t] == _MISSING), None)
+                if missing is not None:
+                    b = self._blob_of[missing]
+                    raise ValueError(
+                        f"codec writer: blob {b} frame {missing - self._first[b]} was not written before the commit"
+                    )
+                self._start_emitter()  # a copy of empty blobs only
+            self._wait_quiet()
+            self._check_going()
+            self._index = self._builder.build()
+        index = self._index
+        self._inner.commit(wrap_manifest(manifest, index) if index.compressed_frames() else manifest)
+
+    def abort(self) -> None:
+        """Stop: frames not yet encoded are dropped, encodings running are waited for, and the tier's
+        writer is aborted (after its writes in flight)."""
+        with self._cv:
+            self._stop(RuntimeError(f"tier {self._tier.name!r}: the codec writer was aborted"))
+        self._wait_quiet()
+        self._inner.abort()
+
+
+def codec_writer(
+    tier: Tier, inner: TierWriter, end_blob: Callable[[int, int], None], manifest: Manifest | ManifestHead,
+    adaptive: Adaptive, **options: Any,
+) -> CodecWriter:  # fmt: skip
+    """``inner`` (of ``tier``) taking raw blob bytes and storing them encoded: a :class:`CodecWriter`
+    (``options``: its keyword arguments, ``chunk_bytes`` among them)."""
+    return CodecWriter(tier, inner, end_blob, manifest, adaptive, **options)

@@ -1,0 +1,82 @@
+"""Which tiers store their copies compressed, and the writer a copy to a tier writes through (docs/tiers.md,
+"Compression"): a tier's ``compress:`` setting and its :class:`~tierckpt.policies.compression.Adaptive`
+(one per tier object), and :func:`storing_writer`, which puts a codec writer
+(:mod:`~tierckpt.datapath.codecwrite`) in front of the tier's writer where the tier compresses.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from tierckpt.datapath import codecpool
+from tierckpt.datapath.blobcopy import ordered_writer, writer_for
+from tierckpt.datapath.codecwrite import CodecWriter
+from tierckpt.format.manifest import BlobEntry, Manifest, ManifestHead
+from tierckpt.policies.compression import Adaptive, CompressConfig, tier_compress
+from tierckpt.tiers.base import Tier, TierWriter
+
+__all__ = ["compresses", "set_compression", "storing_writer"]
+
+
+def set_compression(tier: Tier, cfg: CompressConfig | None = None, where: str | None = None) -> CompressConfig:
+    """Give ``tier`` its compression setting and its :class:`~tierckpt.policies.compression.Adaptive`
+    (kept where the setting is unchanged: one per tier object): ``cfg`` (an entry's ``compress:``), else
+    what the tier has already, else the default for its capabilities.
+
+    Raises:
+        ConfigError: naming ``where`` (default: the tier), for compression asked of a gpu tier.
+    """
+    caps = tier.capabilities
+    got = tier_compress(
+        cfg if cfg is not None else tier.compress, caps.device, caps.shared, caps.persistent,
+        where or f"tier {tier.name!r}: compress",
+    )  # fmt: skip
+    tier.compress = got
+    if tier.adaptive is None or tier.adaptive.cfg != got:
+        tier.adaptive = Adaptive(got, got.threads or codecpool.default_threads())
+    return got
+
+
+def compresses(tier: Tier) -> bool:
+    """Whether copies written to ``tier`` go through a codec writer: its setting is not ``none`` (a gpu
+    tier never compresses: its copies are device copies)."""
+    cfg = tier.compress
+    device_copies = tier.capabilities.device == "cuda" or tier.kind == "gpu"  # (a gpu tier on cpu, in tests)
+    return cfg is not None and cfg.mode != "none" and tier.adaptive is not None and not device_copies
+
+
+def storing_writer(
+    tier: Tier,
+    writer: TierWriter,
+    blobs: Sequence[BlobEntry],
+    *,
+    chunk_bytes: int,
+    background: bool,
+    codec: Manifest | ManifestHead | None = None,
+    held: Sequence[int] | None = None,
+) -> TierWriter:
+    """``writer`` (of ``tier``, for ``blobs``) as a copy writes through it: in the order the tier takes
+    writes (:func:`~tierckpt.datapath.blobcopy.writer_for`); encoding raw bytes where ``codec`` (the
+    copy's manifest, or its plan) is given and the tier :func:`compresses`; or taking a compressed
+    copy's stored streams as they are, blob ``i`` ending at ``held[i]``."""
+    # blobs and chunks in whole multiples of the copy's alignment (as layouts make them): a stored stream
+    # padded to it ends inside its blob
+    encode = (
+        codec is not None
+        and compresses(tier)
+        and chunk_bytes % codec.align == 0
+        and all(b.size % codec.align == 0 for b in codec.blobs)
+    )
+    if not encode and held is None:
+        return writer_for(tier, writer, blobs)
+    ordered, end = ordered_writer(tier, writer, blobs)
+    if held is not None:
+        for b, n in enumerate(held):
+            end(b, n)
+        return ordered
+    assert codec is not None and tier.adaptive is not None
+    try:
+        return CodecWriter(tier, ordered, end, codec, tier.adaptive, chunk_bytes=chunk_bytes, background=background)
+    except BaseException:
+        ordered.abort()
+        raise
