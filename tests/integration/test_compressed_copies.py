@@ -15,7 +15,7 @@ from tierckpt import Hierarchy
 from tierckpt.format.frames import held_sizes, unwrap_manifest
 from tierckpt.format.manifest import decode_head
 from tierckpt.format.record import decode_record, manifest_tag
-from tierckpt.policies.compression import CompressConfig
+from tierckpt.policies.compression import Adaptive, CompressConfig
 from tierckpt.testing.faulty import FaultyTier
 from tierckpt.tiers.base import CheckpointKey, Tier
 from tierckpt.tiers.host import HostTier
@@ -154,11 +154,12 @@ def test_compress_from_the_config(tmp_path: Path) -> None:
 
 
 def test_auto_compresses_on_a_budgeted_tier(tmp_path: Path) -> None:
-    """``auto`` on a tier whose budget (20 MB/s) is far below what the compressor does: every frame of
-    floating-point data (tried as probes first, then decided) is stored compressed."""
+    """``auto`` on a tier whose budget (20 MB/s) is far below what the compressor does: once the kind is
+    measured (the first save's samples), every frame of floating-point data is stored compressed."""
     slow = _with(PfsTier("pfs", tmp_path / "pfs", bandwidth_bytes_per_sec=20_000_000), CompressConfig("auto"))
     s = {"w": torch.randn(2 * MiB).to(torch.bfloat16)}
     with Hierarchy([HostTier("host", 256 * MiB), slow]) as h:
+        h.save(s, step=6).durable["pfs"].result()
         h.save(s, step=7).durable["pfs"].result()
         _, index = unwrap_manifest(_manifest(slow, 7))
         assert index is not None and index.compressed_frames() == index.total
@@ -192,15 +193,24 @@ def test_an_object_store_tier_compresses_by_default(monkeypatch: pytest.MonkeyPa
         s3 = S3Tier("s3", "codec-copies", "run/", S3Settings(attempts=2, deadline_s=5), part_size=5 * MiB)
         below = _with(LocalTier("below", tmp_path / "below"), ZSTD)
         s = state(7)
-        with Hierarchy([HostTier("host", 256 * MiB), s3, below]) as h:
+        with Hierarchy([HostTier("host", 256 * MiB), s3, below], policy={"keep": {"s3": 3, "below": 3}}) as h:
             assert s3.compress == CompressConfig("auto")
+            s3.adaptive = _SlowTier(CompressConfig("auto"), 2)  # moto is in-process: it looks fast
+            h.save(s, step=8).durable["below"].result()  # the kinds measured on samples
             d = h.save(s, step=9).durable
             d["below"].result()
             at_s3 = _manifest(s3, 9)
-            assert unwrap_manifest(at_s3)[1] is not None  # the probes at least
+            assert unwrap_manifest(at_s3)[1] is not None
             assert _manifest(below, 9) == at_s3  # passed through
             assert same(h.restore(9, tier="s3"), s)
             assert same(h.restore(9, tier="below"), s)
+
+
+class _SlowTier(Adaptive):
+    """An Adaptive that sees its tier's writes as taking at least 1 s per 5 MB."""
+
+    def observe_tier(self, stored_bytes: int, busy_seconds: float) -> None:
+        super().observe_tier(stored_bytes, max(busy_seconds, stored_bytes / 5e6))
 
 
 @pytest.mark.parametrize("where", ["start", "middle", "last-byte"])

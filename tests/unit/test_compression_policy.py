@@ -18,6 +18,7 @@ from tierckpt.policies.compression import (
     PROBE_EVERY,
     PROBE_FIRST,
     RAW,
+    SAMPLE_BYTES,
     Adaptive,
     CompressConfig,
     FramePlan,
@@ -69,14 +70,28 @@ class Compressor:
         return Encoded(plan.width if mask else 0, mask, tried / self.speed, (plane,) * n, tuple(stored))
 
 
+def report(a: Adaptive, kind: Kind, comp: Compressor, plan: FramePlan) -> None:
+    """Encode a frame as planned and report it, as the writer does: a sampled frame reports its sample
+    (encoded as ``plan.measure`` says), a compressed one itself."""
+    if plan.sample and plan.measure is not None:
+        a.observe_frame(kind, comp.encode(plan.measure, plan.sample), plan.measure)
+    if plan.width:
+        a.observe_frame(kind, comp.encode(plan), plan)
+
+
 def run(a: Adaptive, kind: Kind, comp: Compressor, frames: int) -> list[FramePlan]:
     """Plan, encode and report ``frames`` frames one after another."""
     plans = []
     for _ in range(frames):
         plan = a.plan(kind)
-        a.observe_frame(kind, comp.encode(plan), plan)
+        report(a, kind, comp, plan)
         plans.append(plan)
     return plans
+
+
+def tried(plan: FramePlan) -> int:
+    """The planes a plan tries (a sampled frame: its sample's)."""
+    return (plan.measure or plan).try_planes
 
 
 def steady(plans: list[FramePlan]) -> set[FramePlan]:
@@ -168,7 +183,8 @@ def test_a_budget_alone_is_enough_to_decide() -> None:
 def test_without_a_tier_measurement_auto_probes() -> None:
     a = Adaptive(CompressConfig("auto"), threads=2)
     plans = run(a, FP32, Compressor(FP32_PLANES), 50)
-    assert all(p == FramePlan(4, 0b1111, probe=True) for p in plans)
+    assert steady(plans) == {RAW}  # stored raw until the tier is measured
+    assert all(p.sample == SAMPLE_BYTES and tried(p) == 0b1111 and p.width == 0 for p in plans if p.probe)
     assert a.bandwidth() is None
 
 
@@ -246,7 +262,7 @@ def test_probes_happen_at_the_stated_rate(mode: str) -> None:
     plans = run(a, FP32, Compressor(FP32_PLANES), n)
     probes = [i + 1 for i, p in enumerate(plans) if p.probe]
     assert probes == [*range(1, PROBE_FIRST + 1), *range(PROBE_EVERY, n + 1, PROBE_EVERY)]
-    assert all(plans[i - 1].try_planes == 0b1111 for i in probes)
+    assert all(tried(plans[i - 1]) == 0b1111 for i in probes)
     snap = a.snapshot()["kinds"]["float32/weight"]
     assert (snap["frames"], snap["probes"], snap["observed"]) == (n, len(probes), len(probes) + (n - len(probes)) * (mode == "zstd"))  # fmt: skip
 
@@ -255,10 +271,10 @@ def test_frames_planned_before_any_result_returns_are_probes() -> None:
     a = Adaptive(CompressConfig("auto"), threads=4)
     a.set_budget(100 * MB)
     first = [a.plan(FP32) for _ in range(10)]  # all in flight at once in the writer's pool
-    assert all(p.probe and p.try_planes == 0b1111 for p in first)
+    assert all(p.probe and tried(p) == 0b1111 and p.sample for p in first)  # sampled: not measured yet
     comp = Compressor(FP32_PLANES)
     for p in first:
-        a.observe_frame(FP32, comp.encode(p), p)
+        report(a, FP32, comp, p)
     assert a.plan(FP32) == FramePlan(4, 0b1100)
 
 

@@ -339,6 +339,12 @@ class CodecWriter(TierWriter):
         error: BaseException | None = None
         try:  # planned now, not as it arrived: the frames before it were measured meanwhile
             plan = fr.plan = self._adaptive.plan(kind)
+            if plan.sample and plan.measure is not None:  # stored raw; a sample compressed only to measure it
+                m = plan.measure
+                n = min(len(fr.src), plan.sample) // max(1, m.width) * max(1, m.width)
+                if n:
+                    sample = encode_frame(fr.src[:n], m.width, m.try_planes, self._adaptive.level)
+                    self._adaptive.observe_frame(kind, sample, m)
             enc = encode_frame(fr.src, plan.width, plan.try_planes, self._adaptive.level)
             if plan.width:
                 self._adaptive.observe_frame(kind, enc, plan)

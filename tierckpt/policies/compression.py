@@ -26,8 +26,12 @@ transfer must get shorter by more than the measurements' noise. So a kind that g
 reports back (:meth:`Adaptive.observe_frame`); the tier's throughput likewise
 (:meth:`Adaptive.observe_tier`). To keep them fresh whatever was decided, the first
 :data:`PROBE_FIRST` frames of each kind are *probes*, and then one in :data:`PROBE_EVERY`: a probe
-compresses the frame trying every plane. Until a kind has been measured (and, under ``auto``, until
-the tier's throughput is known from a measurement or a budget) its frames are probes too.
+tries every plane. Until a kind has been measured its frames are probes too. Under ``auto``, a probe of
+a kind that is not compressed (not measured yet, or not paying) compresses only the first
+:data:`SAMPLE_BYTES` of the frame, to measure them, and the frame is stored raw: so a fast tier pays a
+sixteenth of a frame's compression per probe, and a copy ``auto`` decides not to compress stays a plain
+copy. Until the tier's throughput is known (measured by the writer after its first writes, or set by a
+budget) ``auto`` stores frames raw.
 
 ``zstd`` compresses every frame, leaving raw the planes that never gain (except on probes, which try
 them again); ``none`` stores every frame raw.
@@ -59,6 +63,7 @@ __all__ = [
     "PROBE_EVERY",
     "PROBE_FIRST",
     "RAW",
+    "SAMPLE_BYTES",
     "Adaptive",
     "CompressConfig",
     "FramePlan",
@@ -81,6 +86,8 @@ MARGIN = 0.05
 GAIN = 0.97
 #: the first frames of each kind that are probes, and then one in this many
 PROBE_FIRST = 4
+#: the bytes of a frame ``auto`` compresses only to measure them, while the frame itself is stored raw
+SAMPLE_BYTES = 256 << 10
 PROBE_EVERY = 32
 #: weight of the newest measurement in the running averages
 EWMA_WEIGHT = 0.25
@@ -266,11 +273,17 @@ class FramePlan:
         width: 0 (store raw), 1 (one zstd stream) or the plane width (2, 4, 8).
         try_planes: bit ``p`` set: try compressing plane ``p`` (width 1: bit 0).
         probe: every plane is tried to measure them (report the result to :meth:`Adaptive.observe_frame`).
+        sample: a frame stored raw (``width`` 0) whose first ``sample`` bytes are compressed as ``measure``
+            says only to measure them (the result is reported, then dropped): how ``auto`` keeps a kind it
+            does not compress measured at a fraction of a frame's cost. 0: no sample.
+        measure: the plan the sample is encoded with (every plane of the kind tried).
     """
 
     width: int
     try_planes: int
     probe: bool = False
+    sample: int = 0
+    measure: FramePlan | None = None
 
 
 RAW = FramePlan(0, 0)
@@ -365,10 +378,13 @@ class Adaptive:
             everything = (1 << st.planes) - 1
             bw = self._bandwidth()
             probe = st.frames <= PROBE_FIRST or st.frames % PROBE_EVERY == 0 or not st.measured()
-            if probe or (self.cfg.mode == "auto" and bw is None):
+            mask = self._decide(st, bw) if st.measured() else 0
+            if probe:
                 st.probes += 1
-                return FramePlan(kind.width, everything, True)
-            mask = self._decide(st, bw)
+                full = FramePlan(kind.width, everything, True)
+                if self.cfg.mode == "auto" and not mask:  # not compressed (yet): measured on a sample
+                    return FramePlan(0, 0, True, SAMPLE_BYTES, full)
+                return full
             return FramePlan(kind.width, mask) if mask else RAW
 
     def _decide(self, st: _KindStats, bw: float | None) -> int:

@@ -9,8 +9,9 @@ from dataclasses import dataclass
 
 import torch
 
+from tierckpt.datapath.openblobs import open_blobs
 from tierckpt.format.codec import encode_frame
-from tierckpt.format.frames import FrameIndex, IndexBuilder, wrap_manifest
+from tierckpt.format.frames import FrameIndex, IndexBuilder, envelope_inner, wrap_manifest
 from tierckpt.format.layout import round_up
 from tierckpt.format.manifest import BlobEntry, decode_head
 from tierckpt.io.buffers import aligned_empty, ptr_mv
@@ -28,13 +29,14 @@ def _all_planes(blob: int, k: int) -> tuple[int, int]:
 
 
 def read_plain(tier: Tier, key: CheckpointKey) -> tuple[bytes, list[torch.Tensor]]:
-    """``key``'s plain copy on ``tier``: its manifest file and every blob's bytes."""
+    """``key``'s copy on ``tier`` as a plain copy: its (inner) manifest file and every blob's raw bytes
+    (a compressed copy's frames decoded)."""
     with tier.open_copy(key) as copy:
         manifest = copy.read_manifest()
         head = decode_head(manifest)
         if head.frames is not None:
-            raise ValueError(f"step {key.step} rank {key.rank} on tier {tier.name!r} is compressed already")
-        r = copy.reader(head.blobs)
+            manifest = bytes(envelope_inner(manifest))
+        r = open_blobs(tier, copy, head, background=False)
         try:
             blobs = []
             for i, b in enumerate(head.blobs):
