@@ -44,13 +44,19 @@ def _local_tier(path: Path) -> LocalTier:
     return LocalTier("ssd", path)
 
 
-def save_states(tier_dir: Path) -> int:
-    """Save every golden step into a local tier at ``tier_dir``; the format version written."""
+def save_states(tier_dir: Path, compress: str | None = None) -> int:
+    """Save every golden step into a local tier at ``tier_dir`` (its ``compress:`` setting ``compress``
+    where given: format version 6 on); the format version written."""
     torch.manual_seed(0)  # nothing here is random; in case a writer ever consults the generator
-    with Hierarchy([_local_tier(tier_dir)], layout=LayoutConfig(align_bytes=ALIGN, blob_bytes=BLOB_BYTES)) as h:
+    tier = _local_tier(tier_dir)
+    if compress is not None:
+        from tierckpt.policies.compression import parse_compress
+
+        tier.compress = parse_compress(compress, "--compress")
+    with Hierarchy([tier], layout=LayoutConfig(align_bytes=ALIGN, blob_bytes=BLOB_BYTES)) as h:
         for step, golden in golden_states().items():
             h.save(golden.state, step=step, allow_pickle=golden.allow_pickle, blocking=True)
-    return FORMAT_VERSION
+    return FORMAT_VERSION if compress is None else 6
 
 
 def copy_committed(tier_dir: Path, dest: Path) -> list[Path]:
@@ -81,11 +87,12 @@ def main() -> int:
     """Write the fixture into the directory given on the command line."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("dest", type=Path, help="fixture directory to create, e.g. tests/golden/v5")
+    p.add_argument("--compress", default=None, help="the tier's compress: setting (zstd: a version-6 fixture)")
     args = p.parse_args()
     if args.dest.exists():
         p.error(f"{args.dest} exists: a fixture is never rewritten (tests/golden/README.md)")
     with tempfile.TemporaryDirectory() as tmp:
-        version = save_states(Path(tmp) / "tier")
+        version = save_states(Path(tmp) / "tier", args.compress)
         files = copy_committed(Path(tmp) / "tier", args.dest)
     total = sum(f.stat().st_size for f in files)
     print(f"format version {version}: {len(files)} files, {total} bytes in {args.dest}")

@@ -23,7 +23,16 @@ import torch
 
 from tierckpt import CorruptCheckpointError, Hierarchy
 from tierckpt.cli import main as cli_main
-from tierckpt.format.manifest import FORMAT_VERSION, HEADER, READ_VERSIONS, TRAILER_BYTES, decode_manifest
+from tierckpt.format.frames import envelope_inner
+from tierckpt.format.manifest import (
+    ENVELOPE_VERSION,
+    FORMAT_VERSION,
+    HEADER,
+    READ_VERSIONS,
+    TRAILER_BYTES,
+    decode_head,
+    decode_manifest,
+)
 
 GOLDEN = Path(__file__).resolve().parents[1] / "golden"
 sys.path.insert(0, str(GOLDEN))
@@ -31,7 +40,9 @@ import make_fixture  # noqa: E402  (tests/golden is not a package)
 from fixture_states import GOLDEN_STEPS, RAW_DTYPES, golden_states  # noqa: E402
 
 RAW_STEP = 2  # the step that holds RAW_DTYPES
-versions = pytest.mark.parametrize("version", READ_VERSIONS, ids=lambda v: f"v{v}")
+#: the fixtures: one per manifest version, and a copy stored compressed (version 6, an envelope)
+FIXTURES = (*READ_VERSIONS, ENVELOPE_VERSION)
+versions = pytest.mark.parametrize("version", FIXTURES, ids=lambda v: f"v{v}")
 
 
 def _tier(tmp_path: Path, version: int) -> Path:
@@ -105,8 +116,8 @@ def _manifest_bytes(tier: Path, step: int) -> bytes:
 
 def test_every_readable_version_has_a_fixture_and_no_other() -> None:
     held = sorted(int(p.name[1:]) for p in GOLDEN.glob("v*") if p.is_dir())
-    assert held == list(READ_VERSIONS), (
-        f"tests/golden holds fixtures of versions {held}, the reader accepts {list(READ_VERSIONS)}: every "
+    assert held == list(FIXTURES), (
+        f"tests/golden holds fixtures of versions {held}, the reader accepts {list(FIXTURES)}: every "
         "readable version needs a fixture (tests/golden/README.md)"
     )
 
@@ -120,6 +131,11 @@ def test_fixture_is_what_it_claims(version: int) -> None:
     for step in steps:
         data = _manifest_bytes(tier, step)
         assert int.from_bytes(data[8:10], "little") == version
+        if version == ENVELOPE_VERSION:  # a compressed copy: every blob's frames compressed, the inner a v5 file
+            frames = decode_head(data).frames
+            assert frames is not None and frames.compressed_frames() == frames.total
+            data = bytes(envelope_inner(data))
+            assert int.from_bytes(data[8:10], "little") == FORMAT_VERSION
         payload = msgpack.unpackb(data[HEADER.size : -TRAILER_BYTES], raw=False, strict_map_key=False)
         assert (payload["tree_codec"] == "zstd") == (step == 3), f"step {step}: tree codec {payload['tree_codec']}"
         assert len(payload["blobs"]) == (3 if step == 3 else 1)
@@ -170,17 +186,22 @@ def test_verify_finds_every_copy_good(tmp_path: Path, version: int) -> None:
 @versions
 def test_inspect_reports_the_format_version(tmp_path: Path, version: int, capsys: pytest.CaptureFixture[str]) -> None:
     tier = _tier(tmp_path, version)
+    saved = FORMAT_VERSION if version == ENVELOPE_VERSION else version  # a compressed copy: its manifest's
     with _open(tier) as h:
         name, m = h.inspect(1)
-    assert (name, m.version, m.step) == ("ssd", version, 1)
+    assert (name, m.version, m.step) == ("ssd", saved, 1)
+    assert (m.frames is not None) == (version == ENVELOPE_VERSION)
     config = tmp_path / "tiers.yaml"
     config.write_text(json.dumps({"tiers": [{"name": "ssd", "kind": "local", "path": str(tier)}]}))
     capsys.readouterr()
     assert cli_main(["inspect", str(config), "--step", "1", "--json"]) == 0
     info = json.loads(capsys.readouterr().out)
-    assert (info["format_version"], info["step"]) == (version, 1)
+    assert (info["format_version"], info["step"]) == (saved, 1)
+    if version == ENVELOPE_VERSION:
+        (stored,) = info["stored"].values() if isinstance(info["stored"], dict) else info["stored"]
+        assert "zstd" in json.dumps(stored)
     assert cli_main(["inspect", str(config), "--step", "1"]) == 0
-    assert f"format v{version}" in capsys.readouterr().out
+    assert f"format v{saved}" in capsys.readouterr().out
 
 
 def _flip(path: Path, offset: int) -> None:
@@ -195,7 +216,11 @@ def test_a_flipped_byte_is_caught(tmp_path: Path, version: int, where: str) -> N
     tier = _tier(tmp_path, version)
     rank = tier / "step-000000000001" / "rank-00000"
     m = decode_manifest((rank / "manifest").read_bytes())
-    if where == "tensor byte":
+    if version == ENVELOPE_VERSION and where != "manifest payload":  # raw offsets do not apply: stored bytes
+        assert m.frames is not None
+        held = m.frames.held[0]
+        _flip(rank / "blob-00000.bin", held // 2 if where == "tensor byte" else held - 1)
+    elif where == "tensor byte":
         w = next(t for t in m.tensors if t.path == "state['model']['w']")
         _flip(rank / "blob-00000.bin", w.offset + w.length // 2)
     elif where == "padding byte":
@@ -248,3 +273,24 @@ def test_fixture_states_are_deterministic() -> None:
         assert_same(a[step].state, b[step].state)
     assert isinstance(a[1].state["model"], OrderedDict)
     assert not a[1].state["strided"].is_contiguous() and a[1].state["conj"].is_conj()
+
+
+def test_a_compressed_copy_holds_the_plain_manifest_and_commit_record(tmp_path: Path) -> None:
+    """Written again with ``compress: zstd``, every copy's inner manifest and every commit record are the
+    plain (version-5) fixture's bytes, and the frames decode to its blobs. (The compressed streams
+    themselves are not compared byte for byte: they are the zstd library's, which may change.)"""
+    assert make_fixture.save_states(tmp_path / "tier", "zstd") == ENVELOPE_VERSION
+    now = tmp_path / "tier"
+    plain = GOLDEN / f"v{FORMAT_VERSION}"
+    for step, g in golden_states().items():
+        if g.allow_pickle:
+            continue  # a pickled tensor's bytes name a memory address (above)
+        d = f"step-{step:012d}"
+        data = (now / d / "rank-00000" / "manifest").read_bytes()
+        assert decode_head(data).frames is not None
+        assert bytes(envelope_inner(data)) == (plain / d / "rank-00000" / "manifest").read_bytes()
+        assert (now / d / "commit").read_bytes() == (plain / d / "commit").read_bytes()
+    with _open(now) as h:
+        for step, g in golden_states().items():
+            if step != RAW_STEP:
+                assert_same(h.restore(step, allow_pickle=g.allow_pickle), g.state)
