@@ -26,9 +26,13 @@ def same(a: dict[str, Any], b: dict[str, Any]) -> bool:
     )
 
 
-def config(pfs: Path, host: bool = True) -> dict[str, Any]:
+def config(pfs: Path, host: bool = True, compress: str | None = "none") -> dict[str, Any]:
+    """The hierarchy; the pfs tier stores its copies raw unless ``compress`` says otherwise (the tests of
+    full devices and quotas count raw bytes; None: the kind's default, ``auto``)."""
     tiers: list[dict[str, Any]] = (
         [{"name": "host", "kind": "host", "capacity": f"{2 * STEP_MIB + 4}MiB"}] if host else []
     )
     tiers.append({"name": "pfs", "kind": "pfs", "path": str(pfs)})
+    if compress is not None:
+        tiers[-1]["compress"] = compress
     return {"tiers": tiers, "io": {"chunk": "1MiB"}, "layout": {"blob_size": "4MiB"}}

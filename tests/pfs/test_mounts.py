@@ -20,15 +20,17 @@ from tierckpt.testing.clusters import GlusterVolume, why_gluster_cannot_run
 pytestmark = [pytest.mark.pfs, pytest.mark.remote]
 
 
-def test_host_to_pfs_round_trip(pfs_dir: Path) -> None:
-    """Steps demoted from host to the mount; a new hierarchy (as a restarted job) lists them there,
-    prefetches one back to host and restores it from there, and restores another into given tensors."""
-    with Hierarchy.from_config(config(pfs_dir)) as h:
+@pytest.mark.parametrize("compress", ["none", "zstd"])
+def test_host_to_pfs_round_trip(pfs_dir: Path, compress: str) -> None:
+    """Steps demoted from host to the mount (stored raw, or compressed); a new hierarchy (as a restarted
+    job) lists them there, prefetches one back to host and restores it from there, and restores another
+    into given tensors."""
+    with Hierarchy.from_config(config(pfs_dir, compress=compress)) as h:
         for step in (1, 2, 3):
             h.save(state(step), step=step).wait()
         assert h.flush(timeout=60)
         assert {c.step: c.tiers for c in h.checkpoints()}[3] == ("host", "pfs")
-    with Hierarchy.from_config(config(pfs_dir)) as h:
+    with Hierarchy.from_config(config(pfs_dir, compress=compress)) as h:
         assert {c.step: c.tiers for c in h.checkpoints()} == {s: ("pfs",) for s in (1, 2, 3)}
         assert h.prefetch(2).result(timeout=60) == "host"
         assert same(h.restore(2), state(2)) and h.last_restore == (2, "host")

@@ -1,0 +1,269 @@
+"""Compression on the slow tiers (issue 30): a demotion and a restart's restore, with and without ``compress``.
+
+Usage::
+
+    python benchmarks/bench_codec_tiers.py --dir /var/tmp/bct                       # throttled + plain local disk
+    python benchmarks/bench_codec_tiers.py --dir /var/tmp/bct --targets cephfs,s3   # a loopback Ceph (root)
+    python benchmarks/bench_codec_tiers.py --quick                                  # 128 MiB, one repeat
+
+For each target tier and each ``--modes`` setting of its ``compress:`` (``none``, ``auto``, ``zstd``), in
+rotated order per repeat: a host → target hierarchy saves the ``llm`` state (tierckpt/bench/workloads.py)
+into host memory (waited for: not timed), then the **demotion** is timed from the host copy's commit to
+the target's. The hierarchy is closed, the page cache dropped (root; else the figure says so), and a new
+process opens the target alone and times ``restore(step)`` (the **restore as a restart**: a fresh process,
+cold cache, memory not yet faulted in). Targets:
+
+* ``throttled``: a ``local`` tier under ``--dir`` with ``io: {bandwidth: --budget, throttle: all}``
+  (restores are paced too): a deterministic slow tier;
+* ``local``: the same directory, unthrottled (``auto`` should decide not to compress);
+* ``cephfs``: a ``pfs`` tier on a loopback CephFS (ceph-fuse, memstore OSD) this script starts;
+* ``s3``: an ``s3`` tier on the same cluster's radosgw.
+
+Prints a markdown table (medians over ``--repeats``, ratios against ``none`` of the same target measured
+in the same run) and writes JSON lines to ``--out``. See docs/benchmarks.md, "Compression on slow tiers".
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tierckpt import Hierarchy
+from tierckpt.bench.system import machine_info
+from tierckpt.bench.workloads import llm_dims_for, make_llm_state, state_bytes
+from tierckpt.configvalues import parse_rate, parse_size
+
+TARGETS = ("throttled", "local", "cephfs", "s3")
+MODES = ("none", "auto", "zstd")
+MB = 1e6
+
+
+def _drop_caches() -> bool:
+    """Write back and drop the page cache (root only); whether it was dropped."""
+    try:
+        os.sync()
+        Path("/proc/sys/vm/drop_caches").write_text("3\n")
+        return True
+    except OSError:
+        return False
+
+
+def target_tier(target: str, mode: str, where: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
+    """The target's tier entry (YAML schema) with ``compress: mode``."""
+    entry: dict[str, Any] = {"name": "slow", "compress": mode}
+    if target in ("throttled", "local"):
+        entry.update(kind="local", path=str(where["dir"] / "tier"))
+        if target == "throttled":
+            entry["io"] = {"bandwidth": args.budget, "throttle": "all"}
+    elif target == "cephfs":
+        entry.update(kind="pfs", path=str(where["cephfs"] / "tier"))
+    else:
+        entry.update(
+            kind="s3",
+            path=f"s3://{where['bucket']}/run",
+            options={"endpoint_url": where["endpoint"], "create_bucket": True, "sweep": False},
+        )
+    return entry
+
+
+def config(target: str, mode: str, where: dict[str, Any], args: argparse.Namespace, host: bool) -> dict[str, Any]:
+    tiers = [target_tier(target, mode, where, args)]
+    if host:
+        tiers.insert(0, {"name": "host", "kind": "host", "capacity": f"{2 * args.ckpt_bytes}B"})
+    return {
+        "tiers": tiers,
+        "io": {"engine": args.engine, "chunk": args.chunk},
+        "policy": {"keep": {t["name"]: 1 for t in tiers}},
+    }
+
+
+def demote(cfg: dict[str, Any], state: Any, step: int) -> dict[str, Any]:
+    """Save into host memory, then time the demotion to the target; the tier's stored/raw bytes."""
+    h = Hierarchy.from_config(cfg)
+    try:
+        handle = h.save(state, step=step)
+        handle.wait("host")
+        t0 = time.perf_counter()
+        handle.wait("slow")
+        seconds = time.perf_counter() - t0
+        info = _copy_info(h, step)
+    finally:
+        h.close()
+    return {"demote_s": seconds, **info}
+
+
+def _copy_info(h: Hierarchy, step: int) -> dict[str, Any]:
+    """Raw and stored bytes of the step's copy on the target (from its manifest; stored = raw when plain)."""
+    from tierckpt.datapath.manifests import load_head
+    from tierckpt.tiers.base import CheckpointKey
+
+    tier = h.tier("slow")
+    head = load_head(tier, CheckpointKey(step))
+    raw = sum(b.size for b in head.blobs)
+    frames = getattr(head, "frames", None)
+    stored = raw if frames is None else frames.stored_bytes()
+    return {
+        "raw_bytes": raw,
+        "stored_bytes": stored,
+        "compressed_frames": 0 if frames is None else frames.compressed_frames(),
+    }
+
+
+def restore_child(cfg: dict[str, Any], step: int) -> dict[str, Any]:
+    """``restore(step)`` from the target alone, in a new process: its wall time, as it measures it."""
+    code = (
+        "import json,sys,time;t=time.perf_counter();"
+        "from tierckpt import Hierarchy;"
+        "cfg=json.loads(sys.argv[1]);h=Hierarchy.from_config(cfg,readonly=True);"
+        "t0=time.perf_counter();s=h.restore(int(sys.argv[2]));t1=time.perf_counter();h.close();"
+        "print(json.dumps({'restore_s':t1-t0,'process_s':t1-t}))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code, json.dumps(cfg), str(step)], check=True, capture_output=True, text=True
+    )
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@contextlib.contextmanager
+def places(targets: list[str], base: Path, args: argparse.Namespace) -> Iterator[dict[str, Any]]:
+    """The directories, mounts and endpoint the targets need (a loopback Ceph for cephfs/s3)."""
+    where: dict[str, Any] = {"dir": base}
+    with contextlib.ExitStack() as stack:
+        if "cephfs" in targets or "s3" in targets:
+            from tierckpt.testing.clusters import CephCluster, free_port
+
+            mem = int(args.ckpt_bytes * 3 + (1 << 30))
+            ceph = CephCluster(Path(tempfile.mkdtemp(prefix="bct-ceph-")), memstore_bytes=mem)
+            cluster = stack.enter_context(
+                ceph.start(
+                    cephfs=base / "cephfs" if "cephfs" in targets else None,
+                    rgw_port=free_port() if "s3" in targets else None,
+                )
+            )
+            if "cephfs" in targets:
+                where["cephfs"] = Path(cluster.mount)
+            if "s3" in targets:
+                os.environ["AWS_ACCESS_KEY_ID"], os.environ["AWS_SECRET_ACCESS_KEY"] = ceph.access_key, ceph.secret_key
+                where.update(endpoint=ceph.s3_endpoint, bucket="tierckpt-codec-bench", ceph=ceph)
+        yield where
+
+
+def _clean(target: str, where: dict[str, Any]) -> None:
+    """Remove the target's copies between measurements (the next one starts empty)."""
+    if target == "s3":
+        import boto3
+
+        s3 = boto3.client("s3", endpoint_url=where["endpoint"], region_name="us-east-1")
+        with contextlib.suppress(s3.exceptions.NoSuchBucket):
+            for page in s3.get_paginator("list_objects_v2").paginate(Bucket=where["bucket"]):
+                keys = [{"Key": o["Key"]} for o in page.get("Contents", [])]
+                if keys:
+                    s3.delete_objects(Bucket=where["bucket"], Delete={"Objects": keys})
+        conf = str(where["ceph"].conf)  # a memstore OSD: free the deleted bytes now, not in two hours
+        subprocess.run(
+            ["radosgw-admin", "-c", conf, "gc", "process", "--include-all"], check=False, capture_output=True
+        )
+        return
+    root = where["cephfs"] if target == "cephfs" else where["dir"]
+    shutil.rmtree(root / "tier", ignore_errors=True)
+
+
+def run(args: argparse.Namespace) -> list[dict[str, Any]]:
+    torch.set_num_threads(1)
+    state = make_llm_state(llm_dims_for(args.ckpt_bytes))
+    args.ckpt_bytes = state_bytes(state)[0]
+    targets = args.targets.split(",")
+    modes = args.modes.split(",")
+    rows: list[dict[str, Any]] = []
+    base = Path(args.dir)
+    base.mkdir(parents=True, exist_ok=True)
+    with places(targets, base, args) as where:
+        for target in targets:
+            for rep in range(args.repeats):
+                order = modes[rep % len(modes) :] + modes[: rep % len(modes)]
+                for mode in order:
+                    cfg = config(target, mode, where, args, host=True)
+                    _clean(target, where)
+                    rec: dict[str, Any] = {"target": target, "mode": mode, "repeat": rep}
+                    rec.update(demote(cfg, state, step=100 + rep))
+                    rec["cold_cache"] = _drop_caches()
+                    rec.update(restore_child(config(target, mode, where, args, host=False), 100 + rep))
+                    rows.append(rec)
+                    print(json.dumps(rec), flush=True)
+                    if args.out:
+                        with open(args.out, "a") as f:
+                            f.write(json.dumps(rec) + "\n")
+            _clean(target, where)
+    return rows
+
+
+def table(rows: list[dict[str, Any]], ckpt_bytes: int) -> str:
+    lines = [
+        f"State: llm, {ckpt_bytes / MB:,.0f} MB. Medians; × none = against `none` on the same target in this run.",
+        "",
+        "| target | compress | ratio (raw / stored) | demote s | demote × none | restore s | restore × none |",
+        "|---|---|---:|---:|---:|---:|---:|",
+    ]
+    for target in dict.fromkeys(r["target"] for r in rows):
+        mine = [r for r in rows if r["target"] == target]
+
+        def med(mode: str, key: str, mine: list[dict[str, Any]] = mine) -> float:
+            return statistics.median(r[key] for r in mine if r["mode"] == mode)
+
+        for mode in dict.fromkeys(r["mode"] for r in mine):
+            ratio = med(mode, "raw_bytes") / max(1.0, med(mode, "stored_bytes"))
+            d, rs = med(mode, "demote_s"), med(mode, "restore_s")
+            dn = d / med("none", "demote_s") if any(r["mode"] == "none" for r in mine) else float("nan")
+            rn = rs / med("none", "restore_s") if any(r["mode"] == "none" for r in mine) else float("nan")
+            lines.append(f"| {target} | {mode} | {ratio:.3f} | {d:.2f} | {dn:.2f} | {rs:.2f} | {rn:.2f} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    p.add_argument("--dir", default=None, help="a directory on the local disk (default: a fresh one in /var/tmp)")
+    p.add_argument("--targets", default="throttled,local", help=f"comma-separated, of {', '.join(TARGETS)}")
+    p.add_argument("--modes", default="none,auto", help=f"comma-separated, of {', '.join(MODES)}")
+    p.add_argument("--bytes", dest="ckpt_bytes", type=lambda v: parse_size(v, "--bytes"), default=1 << 30)
+    p.add_argument("--budget", default="200MB/s", help="the throttled tier's bandwidth (io.bandwidth)")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--engine", default="auto")
+    p.add_argument("--chunk", default="16MiB")
+    p.add_argument("--out", default=None, help="append JSON lines here")
+    p.add_argument("--quick", action="store_true", help="128 MiB, one repeat")
+    args = p.parse_args(argv)
+    parse_rate(args.budget, "--budget")  # refused early when malformed
+    if args.quick:
+        args.ckpt_bytes, args.repeats = 128 << 20, 1
+    bad = [t for t in args.targets.split(",") if t not in TARGETS] + [
+        m for m in args.modes.split(",") if m not in MODES
+    ]
+    if bad:
+        p.error(f"unknown target or mode: {', '.join(bad)}")
+    made = args.dir is None
+    if made:
+        args.dir = tempfile.mkdtemp(prefix="bct-", dir="/var/tmp")
+    try:
+        print(json.dumps({"machine": machine_info(Path(args.dir))}), flush=True)
+        rows = run(args)
+        print(table(rows, args.ckpt_bytes))
+    finally:
+        if made:
+            shutil.rmtree(args.dir, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
