@@ -101,7 +101,7 @@ import sys, torch
 from tierckpt import Hierarchy
 entry = {"name": "obj", "kind": "s3", "path": sys.argv[1],
          "options": {"endpoint_url": sys.argv[2], "part_size": "5MiB", "concurrency": 1},
-         "io": {"bandwidth": "5MB/s"}}
+         "io": {"bandwidth": "5MB/s"}, "compress": "none"}  # raw: ones() would compress to nothing
 with Hierarchy.from_config({"tiers": [entry]}) as h:
     h.save({"w": torch.ones(1_000_000), "step": 1}, step=1, blocking=True)
     print("saved", flush=True)
