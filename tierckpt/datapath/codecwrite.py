@@ -26,6 +26,7 @@ the tier look slow; it feeds the tier's ``Adaptive``, with the tier's budget, wh
 from __future__ import annotations
 
 import contextlib
+import errno
 import heapq
 import threading
 import time
@@ -38,6 +39,7 @@ import numpy as np
 import torch
 
 from tierckpt.datapath import codecpool
+from tierckpt.errors import TierFullError, TierIOError
 from tierckpt.format.codec import Encoded, encode_frame
 from tierckpt.format.frameindex import DEFAULT_FRAME_BYTES, MAX_FRAME_BYTES, MIN_FRAME_BYTES
 from tierckpt.format.frames import FrameIndex, IndexBuilder, wrap_manifest
@@ -295,6 +297,15 @@ class CodecWriter(TierWriter):
         if self._error is not None:
             raise self._error
 
+    def _check_written(self) -> None:
+        """At commit: the first error of the writer; a write the tier refused for room (TierFullError) as
+        a plain I/O error, since committing again cannot write that part again (only the tier's own
+        commit's TierFullError is retried: making room for it would evict copies for nothing)."""
+        err = self._error
+        if isinstance(err, TierFullError):
+            raise TierIOError(err.errno or errno.ENOSPC, f"a write of this copy failed: {err}") from err
+        self._check_going()
+
     def _start_emitter(self) -> None:
         if self._emitter is None:
             self._emitter = threading.Thread(
@@ -518,7 +529,7 @@ class CodecWriter(TierWriter):
         it was, so that committing again retries only that."""
         if self._index is None:
             with self._cv:
-                self._check_going()
+                self._check_written()
                 missing = next((t for t in range(self._total) if self._state[t] == _MISSING), None)
                 if missing is not None:
                     b = self._blob_of[missing]
@@ -527,7 +538,7 @@ class CodecWriter(TierWriter):
                     )
                 self._start_emitter()  # a copy of empty blobs only
             self._wait_quiet()
-            self._check_going()
+            self._check_written()
             self._index = self._builder.build()
         index = self._index
         self._inner.commit(wrap_manifest(manifest, index) if index.compressed_frames() else manifest)
