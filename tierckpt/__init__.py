@@ -54,6 +54,8 @@ _LAZY: dict[str, str] = {
     "TierCapabilities": "tierckpt.tiers.base",
     "TierReader": "tierckpt.tiers.base",
     "TierWriter": "tierckpt.tiers.base",
+    "export": "tierckpt.interop.exporting",
+    "load_safetensors": "tierckpt.interop.loading",
 }
 
 __all__ = [
@@ -89,8 +91,10 @@ __all__ = [
     "UnsupportedFormatError",
     "__version__",
     "available_kinds",
+    "export",
     "get_tier_class",
     "load_config",
+    "load_safetensors",
     "register_tier",
     "rng_state",
     "set_rng_state",
@@ -120,6 +124,8 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time __getattr__ im
         UnsupportedFormatError,
     )
     from tierckpt.hierarchy import CheckpointInfo, Hierarchy, SaveHandle
+    from tierckpt.interop.exporting import export
+    from tierckpt.interop.loading import load_safetensors
     from tierckpt.ioconfig import IOConfig
     from tierckpt.ranks.coordinator import Coordinator, SoloCoordinator
     from tierckpt.ranks.distributed import StoreCoordinator

@@ -1,6 +1,6 @@
 """The ``tierckpt`` command (also ``python -m tierckpt``): ``ls``, ``inspect`` and ``verify`` a
-hierarchy's checkpoints, ``probe`` a directory's file system, and ``bench`` (the benchmark suite,
-:mod:`tierckpt.bench`).
+hierarchy's checkpoints, ``export`` one as safetensors or torch files (:mod:`tierckpt.interop`), ``probe``
+a directory's file system, and ``bench`` (the benchmark suite, :mod:`tierckpt.bench`).
 
 Argument parsing imports nothing heavy: torch is imported by the command that needs it, so
 ``--help``, ``--version`` and usage errors return at once.
@@ -363,6 +363,15 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     return run(args)
 
 
+def _add_export(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    from tierckpt.interop.command import add_arguments, run
+
+    helptext = "write a step as full tensors: safetensors or torch.save files (see docs/integrations.md)"
+    sp = sub.add_parser("export", help=helptext, description=helptext)
+    add_arguments(sp)
+    sp.set_defaults(func=run)
+
+
 def build_parser() -> argparse.ArgumentParser:
     from tierckpt.bench.options import add_arguments
 
@@ -401,6 +410,7 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     sp.add_argument("--json", action="store_true", help="machine-readable output")
     sp.set_defaults(func=_cmd_probe)
+    _add_export(sub)
     helptext = "benchmark tierckpt against torch.save, DCP, TorchSnapshot, safetensors and the raw disk"
     sp = sub.add_parser("bench", help=helptext, description=helptext + " (see docs/benchmarks.md)")
     add_arguments(sp)
