@@ -341,3 +341,19 @@ def test_memory_stays_bounded_for_a_state_larger_than_the_bound(
     assert 0 < buffers.peak <= staging + 2 * 64 * 1024  # + one read's alignment slack
     loaded = st.load_file(str(tmp_path / "safetensors" / "model.safetensors"))
     assert all(torch.equal(loaded[f"model.{k}"], v) for k, v in s["model"].items())
+
+
+def test_the_documented_example_runs_as_written(tmp_path: Path) -> None:
+    """docs/integrations.md, "Export and import": its first Python block, unchanged, in a new process."""
+    import re
+    import subprocess
+    import sys
+
+    text = (Path(__file__).resolve().parents[2] / "docs" / "integrations.md").read_text()
+    section = text[text.index("## Export and import") :]
+    m = re.search(r"^```python\n(.*?)^```", section, re.S | re.M)
+    assert m is not None
+    env = os.environ | {"PYTHONPATH": str(Path(tierckpt.__file__).parents[1]), "TMPDIR": str(tmp_path)}
+    out = subprocess.run([sys.executable, "-c", m.group(1)], capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "10 ssd ('model.safetensors',)"
