@@ -22,7 +22,14 @@ BIG = (96, 64)  # float32, 24 KiB: sharded Shard(0) over 2 ranks, exported 8 KiB
 
 
 def config(d: Path) -> dict[str, Any]:
-    return {"tiers": [{"name": "pfs", "kind": "pfs", "path": str(d / "pfs"), "compress": "none"}]}
+    """A node-local tier of one directory a rank (the exporting process sees rank 0's only), and a shared one."""
+    return {
+        "tiers": [
+            {"name": "ssd", "kind": "local", "path": str(d / "ssd-{rank}")},
+            {"name": "pfs", "kind": "pfs", "path": str(d / "pfs"), "compress": "none"},
+        ],
+        "policy": {"demote": {"pfs": {"every": 1}}},
+    }
 
 
 def _model(world: int, seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -97,7 +104,7 @@ def test_a_two_rank_fsdp2_save_is_exported_by_one_process(tmp_path: Path, monkey
 
     monkeypatch.setattr(reading, "_fresh", counted)
     got = export(config(tmp_path), tmp_path / "out", max_inflight="8KiB")  # no process group here
-    assert (got.step, got.tier) == (2, "pfs")
+    assert (got.step, got.tier) == (2, "ssd")  # rank 0's copy from ssd-0, rank 1's from pfs
     assert peak[0] <= 8 * 1024, peak[0]  # the 24 KiB DTensor in slabs of whole rows
     loaded = st.load_file(str(tmp_path / "out" / "model.safetensors"))
     assert sorted(loaded) == sorted(expected)
