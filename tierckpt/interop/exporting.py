@@ -55,7 +55,8 @@ class Exported:
         path: the output directory.
         files: the files written in it, tensor files first (then the index and ``values.json``, if any).
         tensors: the tensors written (a tied tensor once per name).
-        tensor_bytes: their bytes.
+        tensor_bytes: the bytes of tensor data in the files (a tied tensor once a name in safetensors
+            files, once in torch files).
         values: the plain values written (``values.json`` or the torch file).
     """
 
@@ -177,7 +178,7 @@ def export(
     return Exported(
         got, tier, target, tuple(files + extra),
         tensors=sum(len(it.names) for it in plan.items),
-        tensor_bytes=sum(it.nbytes * len(it.names) for it in plan.items),
+        tensor_bytes=_data_bytes(format, plan.items),
         values=len(plan.values),
     )  # fmt: skip
 
@@ -285,13 +286,17 @@ def _write(src: StepSource, plan: _Plan, tmp: Path, opts: _Options, step: int) -
             weight_map = {n: f for f, members in zip(names, plan.files) for i in members for n in plan.items[i].names}
             if opts.format == "torch":
                 weight_map.update(dict.fromkeys(plan.values, names[0]))
-            copies = (lambda it: len(it.names)) if opts.format == "safetensors" else (lambda it: 1)  # torch: tied once
-            total = sum(it.nbytes * copies(it) for it in plan.items)
+            total = _data_bytes(opts.format, plan.items)
             index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
             _write_json(tmp / _index_name(opts.format), index)
         if opts.format == "safetensors" and plan.values:
             values = {n: _jsonable(v) for n, v in plan.values.items()}
             _write_json(tmp / VALUES_FILE, {"step": step, "values": values})
+
+
+def _data_bytes(fmt: str, items: Sequence[Item]) -> int:
+    """The tensor bytes the files hold: a tied tensor once per name in safetensors, once in torch files."""
+    return sum(it.nbytes * (len(it.names) if fmt == "safetensors" else 1) for it in items)
 
 
 def _write_json(path: Path, obj: Any) -> None:
