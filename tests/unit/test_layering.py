@@ -28,7 +28,7 @@ LAYERS: list[set[str]] = [
     {"background"},
     {"facade"},
     {"hierarchy", "resume"},
-    {"cli", "__main__", "bench", "testing", "dcp", "interop"},
+    {"cli", "__main__", "bench", "testing", "dcp", "interop", "integrations"},
 ]
 ORCHESTRATION = ("tierckpt.ranks", "tierckpt.datapath", "tierckpt.background", "tierckpt.facade")
 TIER_KINDS = {"tierckpt.tiers.host", "tierckpt.tiers.gpu", "tierckpt.tiers.local", "tierckpt.tiers.pfs"}
