@@ -139,6 +139,23 @@ def test_paths_of_one_global_step_are_saves_of_their_own(tmp_path: Path) -> None
     assert HierarchyCheckpointIO(tmp_path / "cfg.yaml", readonly=True).load_checkpoint(b)["tag"] == "last"
 
 
+def test_the_steps_it_deletes_are_those_no_pointer_names(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Which steps the plugin hands to ``Hierarchy.delete`` (recorded here, whether or not this tree has it)."""
+    deleted: list[int] = []
+    monkeypatch.setattr(Hierarchy, "delete", lambda self, step: deleted.append(step), raising=False)
+    io = _io(tmp_path, blocking=True)
+    d = tmp_path / "c"
+    io.save_checkpoint(_ckpt(1), d / "a.ckpt")
+    io.save_checkpoint(_ckpt(2), d / "last.ckpt")
+    io.save_checkpoint(_ckpt(3), d / "last.ckpt")  # its pointer named step 2
+    os.symlink("a.ckpt", d / "link.ckpt")
+    io.remove_checkpoint(d / "link.ckpt")  # a.ckpt still names step 1
+    assert deleted == [2] and not (d / "link.ckpt").exists()
+    io.remove_checkpoint(d / "a.ckpt")
+    assert deleted == [2, 1]
+    io.teardown()
+
+
 @pytest.mark.skipif(
     not hasattr(Hierarchy, "delete"), reason="Hierarchy.delete is not in this tree yet (issue 31, item 6)"
 )
