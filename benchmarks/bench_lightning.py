@@ -120,7 +120,7 @@ def main() -> None:
         d.mkdir(parents=True)
         cmd = [sys.executable, __file__, "--child", name, "--dir", str(d)]
         cmd += ["--width", str(args.width), "--layers", str(args.layers), "--steps", str(args.steps)]
-        r = subprocess.run(cmd + ["--every", str(args.every)], capture_output=True, text=True, env=os.environ)
+        r = subprocess.run([*cmd, "--every", str(args.every)], capture_output=True, text=True, env=os.environ)
         print(r.stdout.strip().splitlines()[-1] if r.returncode == 0 else f"{name}: failed\n{r.stderr[-3000:]}")
         shutil.rmtree(d, ignore_errors=True)
 

@@ -13,6 +13,7 @@ import argparse
 import json
 import os
 import signal
+import time
 from pathlib import Path
 from typing import Any
 
@@ -83,13 +84,19 @@ class Net(LightningModule):
 
 
 class Kill(Callback):
-    """SIGKILL this process when training reaches global step ``at`` (a preemption without warning)."""
+    """SIGKILL this process when training reaches global step ``at`` (a preemption without warning), once
+    some checkpoint has its pointer (its saves may still be climbing down the tiers)."""
 
     def __init__(self, at: int) -> None:
         self.at = at
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
         if trainer.global_step >= self.at:
+            last = Path(trainer.checkpoint_callback.dirpath or "", "last.ckpt")  # type: ignore[union-attr]
+            for _ in range(600):  # until some checkpoint is durable (its pointer written): up to 30 s
+                if last.exists():
+                    break
+                time.sleep(0.05)
             os.kill(os.getpid(), signal.SIGKILL)
 
 

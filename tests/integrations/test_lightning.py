@@ -208,3 +208,27 @@ def test_readonly_refuses_to_save_and_settings_pickle(tmp_path: Path) -> None:
         io.save_checkpoint(_ckpt(1), tmp_path / "x.ckpt", storage_options={"a": 1})
     copy = pickle.loads(pickle.dumps(AsyncHierarchyCheckpointIO(tmp_path / "cfg.yaml", prefetch=False)))
     assert copy.config == str(tmp_path / "cfg.yaml") and copy.callback.module is None
+
+
+def test_save_last_link_in_process(tmp_path: Path) -> None:
+    """``save_last="link"``: Lightning links last.ckpt to the newest top-k file right after saving it, before
+    its pointer is written (the directory must exist by then); the link loads that checkpoint."""
+    sys.path.insert(0, str(JOB.parent))
+    try:
+        from lightning_job import Net, data
+    finally:
+        sys.path.remove(str(JOB.parent))
+    from lightning import Trainer
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    io = _io(tmp_path)
+    ckpt = ModelCheckpoint(tmp_path / "ckpts", monitor="val_loss", save_top_k=2, save_last="link")
+    trainer = Trainer(
+        max_epochs=2, plugins=[io], callbacks=[ckpt], accelerator="cpu", logger=False,
+        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+    )  # fmt: skip
+    trainer.fit(Net(), data(64, 1), data(32, 2))
+    last = tmp_path / "ckpts" / "last.ckpt"
+    assert last.is_symlink() and os.readlink(last) == "epoch=1-step=8.ckpt"
+    assert io.load_checkpoint(last)["global_step"] == 8
+    io.teardown()

@@ -166,6 +166,7 @@ class HierarchyCheckpointIO(CheckpointIO):
         self._settle_earlier()
         h = self.hierarchy
         key = os.path.abspath(os.fspath(path))
+        os.makedirs(os.path.dirname(key), exist_ok=True)  # as Lightning's own plugin does: a link may go there now
         step = self._next_step(h, checkpoint.get("global_step"))
         pointer = Pointer(step, new_id(), checkpoint.get("global_step"))
         state = {**self._snapshot(checkpoint), KEY: {"id": pointer.id}}
