@@ -1,4 +1,4 @@
-"""The ``tierckpt`` command (also ``python -m tierckpt``): ``ls``, ``inspect`` and ``verify`` a
+"""The ``tierckpt`` command (also ``python -m tierckpt``): ``ls``, ``inspect``, ``verify`` and ``rm`` a
 hierarchy's checkpoints, ``export`` one as safetensors or torch files (:mod:`tierckpt.interop`), ``probe``
 a directory's file system, and ``bench`` (the benchmark suite, :mod:`tierckpt.bench`).
 
@@ -6,7 +6,7 @@ Argument parsing imports nothing heavy: torch is imported by the command that ne
 ``--help``, ``--version`` and usage errors return at once.
 
 Exit status: 0 on success; 1 when ``verify`` finds a damaged, unusable or missing copy, or nothing to
-verify, or an unknown step; 2 on bad usage or config.
+verify, or an unknown step, and when ``rm`` finds no such step; 2 on bad usage or config.
 """
 
 from __future__ import annotations
@@ -357,6 +357,43 @@ def _cmd_probe(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_rm(args: argparse.Namespace) -> int:
+    """Delete ``--step`` from every directory of every tier of the config that holds it committed (each
+    opened alone, with a job identity of its own: a job holding a tier's lease refuses it)."""
+    import secrets
+    from dataclasses import replace
+
+    from tierckpt.config import PolicyConfig, load_config
+    from tierckpt.hierarchy import Hierarchy
+    from tierckpt.ranks.coordinator import SoloCoordinator
+
+    cfg = load_config(args.config)
+    job = f"tierckpt-rm-{os.getpid()}-{secrets.token_hex(4)}"
+    done: list[dict[str, str]] = []
+    seen: set[int] = set()
+    for t in cfg.tiers:
+        for _, _, where in _directories(t, 0) if t.location is not None else ():  # memory tiers: nothing here
+            one = replace(cfg, tiers=(replace(t, location=where),), policy=PolicyConfig())
+            with Hierarchy.from_config(one, readonly=True, coordinator=SoloCoordinator(0, 1)) as h:  # only look
+                steps = {i.step for i in h.checkpoints() if i.tiers}
+            seen |= steps
+            if args.step in steps:
+                with Hierarchy.from_config(one, job=job, coordinator=SoloCoordinator(0, 1)) as h:
+                    h.delete(args.step)
+                done.append({"tier": t.name, "location": where})
+    if not done:
+        missing = f"step {args.step} is not committed on any tier (committed steps: {sorted(seen)})"
+        if not args.json:
+            raise CheckpointNotFoundError(missing)
+        print(json.dumps({"step": args.step, "deleted": [], "error": missing}))
+        return 1
+    if args.json:
+        print(json.dumps({"step": args.step, "deleted": done, "error": None}))
+    else:
+        print(f"step {args.step} deleted from " + ", ".join(f"{d['tier']} ({d['location']})" for d in done))
+    return 0
+
+
 def _cmd_bench(args: argparse.Namespace) -> int:
     from tierckpt.bench.runner import run
 
@@ -398,6 +435,12 @@ def build_parser() -> argparse.ArgumentParser:
             )  # fmt: skip
         sp.add_argument("--json", action="store_true", help="machine-readable output")
         sp.set_defaults(func=fn)
+    helptext = "delete a step from every tier (refused while a job holds the tiers' leases)"
+    sp = sub.add_parser("rm", help=helptext, description=helptext + " (see docs/policies.md, 'Deleting a step')")
+    sp.add_argument("config", help="hierarchy YAML file")
+    sp.add_argument("--step", type=int, required=True, help="the step to delete")
+    sp.add_argument("--json", action="store_true", help="machine-readable output")
+    sp.set_defaults(func=_cmd_rm)
     helptext = "show what tierckpt detects of a directory's file system and the I/O sizes a tier there would use"
     sp = sub.add_parser("probe", help=helptext, description=helptext + " (see docs/tiers.md)")
     sp.add_argument("path", help="a directory")
@@ -434,7 +477,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _EXIT_PIPE
     except CheckpointNotFoundError as e:
         print(f"tierckpt: {e}", file=sys.stderr)
-        return 1 if args.command == "verify" else 2
+        return 1 if args.command in ("verify", "rm") else 2
     except TierckptError as e:
         print(f"tierckpt: {e}", file=sys.stderr)
         return 2

@@ -47,6 +47,7 @@ from tierckpt.facade.checks import (
     check_step,
     check_tiers,
 )
+from tierckpt.facade.deletion import delete_step
 from tierckpt.facade.engines import Engines
 from tierckpt.facade.opening import open_parts
 from tierckpt.facade.planner import Planner
@@ -431,6 +432,26 @@ class Hierarchy:
         if tier is None and not self.readonly:  # promote_on_restore
             self._promote(self._planner.restored(got, name), self._tiers[0].name, background=True)
         return state
+
+    def delete(self, step: int) -> None:
+        """Remove ``step`` from every tier (for a framework's own retention). Waits for this hierarchy's
+        work on the step (its save, demotions, a prefetch); afterwards ``checkpoints()`` and ``restore()``
+        no longer see it, it may be saved again, and its space is freed in the background. In a job,
+        every rank calls it. What a reader or a crash meanwhile sees: docs/policies.md, "Deleting a step".
+
+        Raises:
+            CheckpointNotFoundError: no tier holds the step committed (naming the committed steps).
+            TierckptError: the hierarchy is read-only; or a commit record could not be removed (naming
+                the tiers where the step stays committed, whole).
+            CoordinationError: in a job, another rank did not take part in time.
+        """
+        self._check_writable("delete")
+        check_step(step)
+        with self._lock:  # no save, prefetch or flush of the step is queued meanwhile
+            delete_step(
+                step, tiers=self._tiers, catalog=self._catalog, listing=self._listing, mover=self._mover,
+                coordinator=self.coordinator,
+            )  # fmt: skip
 
     def inspect(self, step: int | None = None) -> tuple[str, Manifest]:
         """The manifest of ``step`` (default: newest) from the fastest tier holding it, and that tier's name."""

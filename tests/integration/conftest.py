@@ -70,3 +70,44 @@ def coordinators() -> Callable[..., list[Any]]:
         return got
 
     return make
+
+
+@pytest.fixture
+def saved_by_ranks(tmp_path: Path) -> Callable[..., Path]:
+    """A factory: ``saved_by_ranks(ssd, steps)`` saves ``steps`` from a job of 4 ranks (threads of this
+    process agreeing through a StoreCoordinator), ranks 0-1 on node 0 and 2-3 on node 1, each rank's
+    state ``{"w": torch.full((1000,), 100 * step + rank)}``, on an ssd directory ``ssd`` under tmp_path
+    (its ``{node}`` and ``{rank}`` filled) and one ``pfs`` directory; returns the YAML a tool reads them with."""
+    import torch
+    import torch.distributed as dist
+
+    from tierckpt import Hierarchy
+    from tierckpt.io import make_engine
+    from tierckpt.ranks.distributed import StoreCoordinator
+    from tierckpt.tiers.local import LocalTier
+    from tierckpt.tiers.pfs import PfsTier
+
+    def make(ssd: str, steps: tuple[int, ...] = (1,), n: int = 4) -> Path:
+        store = dist.HashStore()
+        cs = _run_ranks(n, lambda r: StoreCoordinator(store, r, n, timeout=20.0, node=r // 2))
+        engine = make_engine("threads", 4)
+
+        def save(r: int) -> None:
+            c = cs[r]
+            where = tmp_path / ssd.format(rank=r, node=c.node)
+            tiers = [LocalTier("ssd", where, engine, job="j"), PfsTier("pfs", tmp_path / "pfs", engine, job="j")]
+            with Hierarchy(tiers, coordinator=c, job="j") as h:
+                for step in steps:
+                    h.save({"w": torch.full((1000,), float(100 * step + r))}, step=step, blocking=True)
+
+        try:
+            assert _run_ranks(n, save) == [None] * n
+        finally:
+            engine.close()
+        yml = tmp_path / "h.yaml"
+        yml.write_text(
+            f"tiers:\n  - {{name: ssd, kind: local, path: '{ssd}'}}\n  - {{name: pfs, kind: pfs, path: pfs}}\n"
+        )
+        return yml
+
+    return make

@@ -185,28 +185,10 @@ def test_hierarchy_verify_reports_a_node_local_record_without_copies(job: Path) 
 
 
 @pytest.fixture(params=["r{rank}/ssd", "node{node}/r{rank:03d}"])
-def ranked(request: pytest.FixtureRequest, tmp_path: Path, run_ranks: Any) -> Path:
+def ranked(request: pytest.FixtureRequest, saved_by_ranks: Any) -> Path:
     """Step 1 of a 4-rank job (2 nodes) whose ssd path holds ``{rank}`` (and ``{node}``): one directory
     per rank."""
-    store = dist.HashStore()
-    cs = run_ranks(N, lambda r: StoreCoordinator(store, r, N, timeout=20.0, node=r // 2))
-    engine = make_engine("threads", 4)
-    path = str(request.param)
-
-    def save(r: int) -> None:
-        c = cs[r]
-        ssd = tmp_path / path.format(rank=r, node=c.node)
-        tiers = [LocalTier("ssd", ssd, engine, job="j"), PfsTier("pfs", tmp_path / "pfs", engine, job="j")]
-        with Hierarchy(tiers, coordinator=c, job="j") as h:
-            h.save({"w": torch.full((1000,), float(r))}, step=1).wait()
-
-    try:
-        assert run_ranks(N, save) == [None] * N
-    finally:
-        engine.close()
-    yml = tmp_path / "h.yaml"
-    yml.write_text(f"tiers:\n  - {{name: ssd, kind: local, path: '{path}'}}\n  - {{name: pfs, kind: pfs, path: pfs}}\n")
-    return yml
+    return saved_by_ranks(str(request.param))  # type: ignore[no-any-return]
 
 
 def test_rank_paths_every_ranks_directory_is_verified(ranked: Path, capsys: pytest.CaptureFixture[str]) -> None:

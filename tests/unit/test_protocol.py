@@ -24,6 +24,7 @@ from tierckpt.policies.protocol import (
     decide_commit,
     deciding_actions,
     deciding_eviction,
+    deletion,
     eviction,
     failed_commit_actions,
     listed_steps,
@@ -227,6 +228,24 @@ def test_regression_node_local_copies_are_not_kept_forever() -> None:
 
 
 # -- the other rules --------------------------------------------------------------------------------------
+def test_a_deletion_removes_every_tiers_record_before_any_copy() -> None:
+    """``Hierarchy.delete``: each tier's eviction, the records of all of them first (in tier order), then
+    the copies; a record that cannot be removed stops the plan before any copy (on_failure ``stop``).
+    Rank 2 of 4: the shared pfs's record was removed by rank 0 (its plan has the copy only)."""
+    me = RANKS[2]
+    plans = [
+        eviction("host", STEP, me, shared=False),
+        eviction("ssd", STEP, me, shared=False, saved_world_size=4),
+        eviction("pfs", STEP, me, shared=True),
+    ]
+    assert deletion(plans) == [
+        RemoveRecord("host", STEP), RemoveRecord("ssd", STEP),
+        EvictCopy("host", STEP, 2), EvictCopy("ssd", STEP, 2), EvictCopy("pfs", STEP, 2),
+    ]  # fmt: skip
+    assert [a.on_failure for a in deletion(plans)[:2]] == ["stop", "stop"]
+    assert deletion([]) == []
+
+
 def test_an_orphan_is_judged_as_the_copy_is_when_it_is_evicted() -> None:
     """Finding 6's race: a copy listed without a record (a killed commit's orphan) whose step this
     hierarchy then saved again is not evicted: while the new copy is written (its state), nor once its

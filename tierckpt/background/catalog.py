@@ -132,6 +132,34 @@ class Catalog:
                 self._followed[tier].discard(step)
             self.changed.notify_all()
 
+    def busy(self, step: int) -> list[str]:
+        """What this hierarchy is doing with ``step`` now: each tier whose copy is ``pending``, ``writing``
+        or ``evicting``, and each tier whose copy a transfer reads (pinned)."""
+        with self.changed:
+            moving = [t for t, v in self._states.get(step, {}).items() if v in ("pending", "writing", "evicting")]
+            return moving + [f"{t} (read by a copy)" for s, t in self._pins if s == step]
+
+    def wait_idle(self, step: int) -> None:
+        """Wait until this hierarchy does nothing with ``step`` (:meth:`busy` is empty): its save, its
+        copies up or down the chain and their reads, an eviction of it have ended, each one way or
+        another (every change of state notifies; looked at again each second all the same)."""
+        with self.changed:
+            while self.busy(step):
+                self.changed.wait(1.0)
+
+    def drop(self, step: int) -> None:
+        """``step`` was deleted: forget everything about it (its states and errors, the tiers it was sent
+        to, whether it is the newest save, its unknown outcomes), as if it had never been saved."""
+        with self.changed:
+            for d in (self._states, self._errors, self._wanted):
+                d.pop(step, None)
+            self._latest = {(s, t) for s, t in self._latest if s != step}
+            self._promoted = {(s, t) for s, t in self._promoted if s != step}
+            self._unknown = {(s, t) for s, t in self._unknown if s != step}
+            for followed in self._followed.values():
+                followed.discard(step)
+            self.changed.notify_all()
+
     def states(self) -> dict[int, dict[str, str]]:
         with self.changed:
             return {s: dict(d) for s, d in self._states.items()}

@@ -35,6 +35,7 @@ from tierckpt.policies.protocol import (
     decide_commit,
     deciding_actions,
     deciding_eviction,
+    deletion,
     eviction,
     failed_commit_actions,
     lone_commit,
@@ -241,6 +242,32 @@ class RankExecutor:
         """Evict ``step`` from ``tier`` as :func:`~tierckpt.policies.protocol.eviction` says (``alone``: to
         make room on a full tier, without rank 0's decision); the catalog forgets the copy once it is
         gone, or has it committed again when it could not go."""
+        done = self.carry_out(self._eviction(tier, step, alone), free=free)
+        self._evicted(tier, step, done)
+
+    def delete(self, tiers: Sequence[Tier], step: int, free: bool = True) -> None:
+        """Evict ``step`` from each of ``tiers`` at once (``Hierarchy.delete``): each tier's
+        :func:`~tierckpt.policies.protocol.eviction`, every record first
+        (:func:`~tierckpt.policies.protocol.deletion`); on a shared tier in a job of several ranks, rank
+        0 removed the record already (:meth:`decide_shared`). A copy that cannot go is left unlisted to a
+        later retention pass, as an eviction's is.
+
+        Raises:
+            TierckptError: a record could not be removed (naming the tiers whose copies stay).
+        """
+        plan = deletion([self._eviction(t, step) for t in tiers])
+        done = self.carry_out(plan, free=free)
+        for t in tiers:
+            self._evicted(t, step, done)
+        kept = [a.tier for a in plan if isinstance(a, RemoveRecord) and a not in done]
+        if kept:
+            raise TierckptError(
+                f"step {step} is still committed on tiers {kept}: its commit record there could not be removed "
+                "(see the warning); its copies there stay whole, and delete() may be called again"
+            )
+
+    def _eviction(self, tier: Tier, step: int, alone: bool = False) -> list[Action]:
+        """The protocol's plan to evict ``step`` from ``tier`` (the copy marked ``evicting`` meanwhile)."""
         self.catalog.set(step, tier.name, "evicting")
         shared = tier.name in self.shared
         with self._lock:
@@ -248,12 +275,15 @@ class RankExecutor:
         saved = None
         if removes_record(shared, self.me.world_size, alone=alone):
             saved = record_world_size(tier, step)  # read before the record goes: the ranks it names
-        plan = eviction(tier.name, step, self.me, shared=shared, alone=alone, saved_world_size=saved, unowned=unowned)
-        done = self.carry_out(plan, free=free)
+        return eviction(tier.name, step, self.me, shared=shared, alone=alone, saved_world_size=saved, unowned=unowned)
+
+    def _evicted(self, tier: Tier, step: int, done: Sequence[Action]) -> None:
+        """The catalog forgets this rank's copy of ``step`` on ``tier`` once ``done`` evicted it, or has it
+        committed again when it could not go (the carrying out said why)."""
         if EvictCopy(tier.name, step, self.me.rank) in done:
             self.catalog.forget(step, tier.name)
             self.listing.forget(step, tier.name)
-        else:  # the carrying out said why
+        else:
             self.catalog.set(step, tier.name, "committed")
 
     def sweep(self) -> None:

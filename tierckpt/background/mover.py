@@ -179,7 +179,7 @@ class Mover:
         self.geometries = dict(geometries)
         self.workers = {t.name: Worker(t.name, _pool_of(self.geometries[t.name])) for t in tiers}
         self.reclaimer = Reclaimer(lambda name: self.tiers[name].reclaim())  # evicted copies, freed beside the workers
-        self._evict_lock = threading.Lock()
+        self.evict_lock = threading.Lock()  # retention passes and deletions (Hierarchy.delete), one at a time
         self._full_logged: set[str] = set()
         self.held = HeldCopies(catalog)  # copies retention keeps beyond their window, and why
         self.keys = DecisionKeys()
@@ -466,7 +466,7 @@ class Mover:
         and sent with its outcome (``shared``, see :meth:`_shared_evictions`): no collective of its own;
         a pass without one (after a promotion, a failed commit, for a full tier) leaves shared tiers to
         the next commit."""
-        with self._evict_lock:
+        with self.evict_lock:
             committed = self.ranks.listing.committed_all(everyone=True)
             plan = self.ranks.agree(place(Retain(), self.policy, self.catalog.view(committed)), shared)
             self.held.update(plan.held)
@@ -485,7 +485,7 @@ class Mover:
         already (a tier the catalog follows learns it only once the commit returns)."""
         if not self.ranks.shared:
             return []
-        with self._evict_lock:
+        with self.evict_lock:
             committed = self.ranks.listing.committed_all()
             committed[tier] = sorted({*committed.get(tier, ()), step})
             plan = place(Retain(), self.policy, self.catalog.view(committed))

@@ -44,6 +44,8 @@ rule                                         decides
                                              full shared tier removes it too), and which copies the evicting
                                              rank removes: its own, and those of ranks no rank of this job
                                              owns after a world-size change (:func:`unowned_ranks`)
+:func:`deletion`                             a step deleted from several tiers at once (``Hierarchy.delete``):
+                                             every tier's record before any copy
 :func:`sweeps_strays`, :func:`stray_copies`  copies of ranks beyond this job's world size no record names
                                              (a larger job killed before it committed; never of format 4
                                              and older, committed by themselves): who removes them
@@ -92,6 +94,7 @@ __all__ = [
     "decide_commit",
     "deciding_actions",
     "deciding_eviction",
+    "deletion",
     "eviction",
     "failed_commit_actions",
     "listed_steps",
@@ -431,6 +434,17 @@ def eviction(
     out.append(EvictCopy(tier, step, me.rank))
     out += [EvictCopy(tier, step, r) for r in unowned if r != me.rank]
     return out
+
+
+def deletion(plans: Sequence[Sequence[Action]]) -> list[Action]:
+    """How this rank deletes a step from several tiers at once (``Hierarchy.delete``), from each tier's
+    :func:`eviction` plan: every record removal of every plan first, then the copies, each group in the
+    plans' order. The step is unlisted on every tier before any copy of it goes, so a deletion cut short
+    (a crash, a record that cannot be removed: it stops the plan) leaves either whole committed copies
+    or record-less ones (orphans, which the next retention pass removes), never a tier whose record
+    names a copy that is gone."""
+    records = [a for p in plans for a in p if isinstance(a, RemoveRecord)]
+    return records + [a for p in plans for a in p if not isinstance(a, RemoveRecord)]
 
 
 def sweeps_strays(me: ThisRank, *, shared: bool) -> bool:
