@@ -39,6 +39,7 @@ _LAZY: dict[str, str] = {
     "UnsupportedFormatError": "tierckpt.errors",
     "CheckpointInfo": "tierckpt.hierarchy",
     "Hierarchy": "tierckpt.hierarchy",
+    "KeyMap": "tierckpt.datapath.keymap",
     "SaveHandle": "tierckpt.hierarchy",
     "available_kinds": "tierckpt.registry",
     "get_tier_class": "tierckpt.registry",
@@ -72,6 +73,7 @@ __all__ = [
     "Hierarchy",
     "HierarchyConfig",
     "IOConfig",
+    "KeyMap",
     "LayoutConfig",
     "PolicyConfig",
     "SaveHandle",
@@ -109,6 +111,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time __getattr__ im
         TierConfig,
         load_config,
     )
+    from tierckpt.datapath.keymap import KeyMap
     from tierckpt.errors import (
         CheckpointEvictedError,
         CheckpointNotFoundError,

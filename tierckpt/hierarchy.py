@@ -15,7 +15,7 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
@@ -35,6 +35,7 @@ from tierckpt.config import (
     load_config,
     parse_policy,
 )
+from tierckpt.datapath.keymap import KeyMap
 from tierckpt.datapath.manifests import load_manifest
 from tierckpt.datapath.restore_into import RestoreStaging
 from tierckpt.datapath.storing import set_compression
@@ -366,6 +367,7 @@ class Hierarchy:
         allow_pickle: bool = False,
         tier: str | None = None,
         strict: bool = True,
+        keys: KeyMap | Callable[[str], str] | Mapping[str, str] | None = None,
     ) -> Any:
         """Read a checkpoint back, verifying every checksum.
 
@@ -398,6 +400,9 @@ class Hierarchy:
                 the target has as they are and adds those only the checkpoint has (a warning). Shapes and
                 dtypes must match either way. Model, optimizer, RNG and data position together:
                 :class:`tierckpt.TrainState` (docs/resume.md).
+            keys: the saved key paths (``model._orig_mod.fc.weight``) mapped to the target's: a callable,
+                a mapping (paths it does not name stay) or a :class:`~tierckpt.KeyMap`, e.g.
+                ``KeyMap.torch_compile()`` (docs/restore.md, "Renamed keys").
 
         Raises:
             CheckpointNotFoundError: no such step; :class:`CheckpointEvictedError` where ``step`` was
@@ -413,13 +418,16 @@ class Hierarchy:
             KeyError: ``tier`` names no tier of the hierarchy.
         """
         self._check_open()
+        keymap = None if keys is None else KeyMap.of(keys)
         self._pending.settle_top(self._tiers[0].name)
         if step is not None:
             check_step(step)
         if tier is not None:
             self.tier(tier)
         job = RestoreJob(
-            CopyReader(self._tiers, self.rank, self._in_place, into, allow_pickle=allow_pickle, strict=strict),
+            CopyReader(
+                self._tiers, self.rank, self._in_place, into, allow_pickle=allow_pickle, strict=strict, keys=keymap
+            ),
             lambda: self._listing.committed_steps(tier),
             self.coordinator,
             into=into,

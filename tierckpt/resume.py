@@ -33,6 +33,9 @@ import torch
 from tierckpt.errors import StateError
 
 if TYPE_CHECKING:
+    from collections.abc import Callable, Mapping
+
+    from tierckpt.datapath.keymap import KeyMap
     from tierckpt.hierarchy import Hierarchy, SaveHandle
 
 __all__ = ["TrainState", "rng_state", "set_rng_state"]
@@ -127,14 +130,21 @@ class TrainState:
         return h.save(self.state_dict(), step=step, allow_pickle=allow_pickle, blocking=blocking)
 
     def restore(
-        self, h: Hierarchy, step: int | None = None, *, tier: str | None = None, allow_pickle: bool = False
+        self,
+        h: Hierarchy,
+        step: int | None = None,
+        *,
+        tier: str | None = None,
+        allow_pickle: bool = False,
+        keys: KeyMap | Callable[[str], str] | Mapping[str, str] | None = None,
     ) -> int:
         """Load the newest (or the given) checkpoint of ``h`` into every part; returns its step.
 
         Modules are restored in place, strictly (every key, shape and dtype must match) and then passed
         to their ``load_state_dict`` (a copy onto itself, which torch skips, plus whatever the module
         keeps outside its tensors). Every other part is read into fresh tensors and passed to its
-        ``load_state_dict``: a fresh optimizer gets its state tensors this way.
+        ``load_state_dict``: a fresh optimizer gets its state tensors this way. ``keys``: as for
+        :meth:`Hierarchy.restore` (e.g. ``KeyMap.torch_compile()`` for a model compiled on one side only).
 
         Returns:
             The restored step, or 0 when ``step`` is None and ``h`` holds no committed checkpoint
@@ -154,7 +164,7 @@ class TrainState:
         }  # None: taken whole from the checkpoint
         if self.rng:
             target[RNG] = None
-        self.load_state_dict(h.restore(step, into=target, tier=tier, allow_pickle=allow_pickle, strict=True))
+        self.load_state_dict(h.restore(step, into=target, tier=tier, allow_pickle=allow_pickle, strict=True, keys=keys))
         return cast("tuple[int, str]", h.last_restore)[0]  # set by the restore that just returned
 
 

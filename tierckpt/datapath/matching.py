@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from tierckpt.datapath.keymap import KeyMap, dotted, remap
 from tierckpt.datapath.manifests import load_tree
 from tierckpt.errors import StateError
 from tierckpt.format.manifest import Manifest, dtype_from_name
@@ -91,6 +92,7 @@ def match_target(
     strict: bool = True,
     shapes: Sequence[tuple[int, ...]] | None = None,
     devices: bool = False,
+    keys: KeyMap | None = None,
 ) -> Match:
     """Match ``target`` with the checkpoint and fill ``addrs`` (where each tensor's bytes go).
 
@@ -108,6 +110,9 @@ def match_target(
     the same path. Without it, a key only the target has is left as it is and a key only the
     checkpoint has is added to the target's dict (both logged as a warning).
 
+    ``keys``: the checkpoint's key paths are mapped to the target's first (:mod:`tierckpt.datapath.keymap`);
+    mismatches name the saved key path a value came from.
+
     Raises:
         StateError: listing every key path that does not match (bounded): keys missing from either
             side (with ``strict``), shape/dtype/type mismatches, pickled values without ``allow_pickle``.
@@ -116,6 +121,8 @@ def match_target(
     """
     source, ref = load_tree(tier, key, m, allow_pickle=allow_pickle)
     walk = _Walk(m, ref, addrs, strict=strict, tier=tier.name, step=key.step)
+    if keys is not None:
+        source, walk.origins = remap(source, keys, target)
     walk.devices = devices
     if shapes is not None:  # a sharded checkpoint: a target is matched by the global shape
         walk.shapes = list(shapes)
@@ -149,6 +156,7 @@ class _Walk:
         self.skipped: list[tuple[Any, ...]] = []  # checkpoint values under an empty target dict (strict)
         self.in_assigns: set[int] = set()  # tensors referenced inside assigned values (set by check())
         self.dtensors: list[tuple[torch.Tensor, int]] = []  # DTensor targets, filled by the resharding restore
+        self.origins: dict[tuple[Any, ...], str] | None = None  # with a key map: each value's saved key path
 
     def walk(self, dst: Any, src: Any, path: tuple[Any, ...]) -> None:
         """Match target value ``dst`` with checkpoint value ``src``, found at ``path``."""
@@ -262,7 +270,9 @@ class _Walk:
             _refs(_at(source, p), R, unused)
         for i in self.in_assigns | unused:
             check_ref(i, self.n, tier=self.tier, step=self.step)
-        _check_keys(self.problems, self.only_target, self.only_source, strict=self.strict, step=self.step)
+        _check_keys(
+            self.problems, self.only_target, self.only_source, strict=self.strict, step=self.step, origins=self.origins
+        )
         for d, _, p in self.slow:  # the few that are not plain CPU memory: copy_() must be able to fill them later
             why = _unwritable(d)
             if why is not None:
@@ -321,13 +331,19 @@ def _check_keys(
     *,
     strict: bool,
     step: int,
+    origins: dict[tuple[Any, ...], str] | None = None,
 ) -> None:
     """Raise one :class:`StateError` listing ``problems`` and (with ``strict``) the unmatched keys, at most
-    :data:`_SHOWN` of them (the rest counted); without ``strict``, log the unmatched keys as a warning."""
+    :data:`_SHOWN` of them (the rest counted); without ``strict``, log the unmatched keys as a warning.
+    ``origins``: with a key map, each checkpoint value's saved key path (named where it was renamed)."""
     n_keys = len(only_target) + len(only_source)
     n_source = min(len(only_source), max(_SHOWN // 2, _SHOWN - len(only_target)))  # both sides get room
-    keys = [f"{format_path(p, 'target')}: key is not in the checkpoint" for p in only_target[: _SHOWN - n_source]]
-    keys += [f"{format_path(p, 'target')}: key is only in the checkpoint" for p in only_source[:n_source]]
+    missing = "key is not in the checkpoint" + ("" if origins is None else " (no saved key path maps to it)")
+    keys = [f"{format_path(p, 'target')}: {missing}" for p in only_target[: _SHOWN - n_source]]
+    keys += [
+        f"{format_path(p, 'target')}: key is only in the checkpoint{_saved_as(p, origins)}"
+        for p in only_source[:n_source]
+    ]
     if not strict and n_keys:
         log.warning(
             "restore(into=, strict=False) of step %d: %d key(s) only in the target were left as they are, "
@@ -341,12 +357,20 @@ def _check_keys(
     hint = ""
     if strict and n_keys:
         hint = "strict=False leaves keys only in the target as they are and adds those only in the checkpoint to the target"
+        if origins is None and any("_orig_mod." in str(k) for p in (*only_target, *only_source) for k in p):
+            hint = "one side is a torch.compile'd model's: restore(..., keys=tierckpt.KeyMap.torch_compile()); " + hint
     if total == 1:
         raise StateError(shown[0] + (f" ({hint})" if hint else ""))
     lines = shown + ([f"... and {total - len(shown)} more"] if total > len(shown) else [])
     if hint:
         lines.append(f"({len(only_target)} key(s) not in the checkpoint, {len(only_source)} only in it; {hint})")
     raise StateError(f"target does not match step {step}'s checkpoint in {total} place(s):\n  " + "\n  ".join(lines))
+
+
+def _saved_as(path: tuple[Any, ...], origins: dict[tuple[Any, ...], str] | None) -> str:
+    """`` (saved as 'x.y')`` for a value a key map moved, else nothing."""
+    old = None if origins is None else origins.get(path)
+    return "" if old is None or old == dotted(path) else f" (saved as {old!r})"
 
 
 def _unwritable(d: torch.Tensor) -> str | None:

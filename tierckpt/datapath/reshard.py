@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from tierckpt.datapath.keymap import KeyMap, remap
 from tierckpt.datapath.manifests import load_tree
 from tierckpt.datapath.matching import Match, match_target
 from tierckpt.datapath.shardread import Box, Copies, Dest, Filler
@@ -44,6 +45,7 @@ def restore_sharded(
     strict: bool = True,
     others: Sequence[Tier] = (),
     replicas: ReplicaExchange | None = None,
+    keys: KeyMap | None = None,
 ) -> Any:
     """Restore ``key`` from ``tier`` into ``target`` (which may hold DTensors sharded for this run);
     returns ``target``. Works for any saved and restoring world size and mesh.
@@ -57,6 +59,7 @@ def restore_sharded(
     ``replicas``: in a job, the exchange that splits the reads of replicated DTensor targets among
     their replicas (datapath/replicas.py): this call reads this rank's pieces only, and the
     caller runs the exchange (:meth:`~tierckpt.datapath.replicas.ReplicaExchange.settle`).
+    ``keys``: the checkpoint's key paths mapped to the target's (datapath/keymap.py).
 
     Raises:
         StateError: ``target`` does not match (nothing changed), or a DTensor target is ``Partial``.
@@ -74,7 +77,7 @@ def restore_sharded(
         addrs = [0] * len(m.tensors)
         bkey = CheckpointKey(key.step, base.rank)
         todo = match_target(
-            m, target, addrs, allow_pickle=allow_pickle, tier=tier, key=bkey, strict=strict, shapes=shapes
+            m, target, addrs, allow_pickle=allow_pickle, tier=tier, key=bkey, strict=strict, shapes=shapes, keys=keys
         )
         dests = _destinations(m, todo, shapes, replicas)
         Filler(copies, base).fill(dests)
@@ -85,17 +88,20 @@ def restore_sharded(
 
 
 def read_sharded(
-    tier: Tier, key: CheckpointKey, *, allow_pickle: bool, others: Sequence[Tier] = ()
+    tier: Tier, key: CheckpointKey, *, allow_pickle: bool, others: Sequence[Tier] = (), keys: KeyMap | None = None
 ) -> tuple[Any, Manifest]:
     """The state of rank ``key.rank``'s copy as fresh CPU tensors, each DTensor shard as the plain
     tensor of the box that rank saved (a replicated shard it did not store is read from the replica
     that did, from ``tier`` or else the first of ``others`` that holds its copy); rank 0's where
-    ``key.rank`` is beyond the ranks that saved. Returns the state and the manifest it was read by."""
+    ``key.rank`` is beyond the ranks that saved. Returns the state (its key paths mapped by ``keys``)
+    and the manifest it was read by."""
     copies = Copies(tier, key.step, allow_pickle, others)
     try:
         base = copies.base(key.rank)
         m = base.m
         tree, ref = load_tree(tier, key, m, allow_pickle=allow_pickle)
+        if keys is not None:
+            tree = remap(tree, keys)[0]
         t = m.tensors
         made = [torch.empty(s, dtype=dtype_from_name(d)) for s, d in zip(t.shapes, t.dtypes)]
         dests = []

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from tierckpt.datapath.keymap import KeyMap, remap
 from tierckpt.datapath.manifests import absent, load_manifest, load_tree, located
 from tierckpt.datapath.openblobs import open_blobs
 from tierckpt.datapath.reshard import read_sharded
@@ -130,9 +131,15 @@ def verify_checkpoint(tier: Tier, key: CheckpointKey, *, name_rank: bool = False
 
 
 def read_checkpoint(
-    tier: Tier, key: CheckpointKey, *, allow_pickle: bool = False, others: Sequence[Tier] = ()
+    tier: Tier,
+    key: CheckpointKey,
+    *,
+    allow_pickle: bool = False,
+    others: Sequence[Tier] = (),
+    keys: KeyMap | None = None,
 ) -> tuple[Any, Manifest]:
-    """Read, verify and rebuild the state of ``key`` from ``tier`` as fresh CPU tensors.
+    """Read, verify and rebuild the state of ``key`` from ``tier`` as fresh CPU tensors (its key paths
+    mapped by ``keys``: :mod:`tierckpt.datapath.keymap`).
 
     A sharded checkpoint (DTensor shards, some stored by other ranks) is read by
     :func:`~tierckpt.datapath.reshard.read_sharded`: another rank's copy that ``tier`` lacks comes from
@@ -149,12 +156,16 @@ def read_checkpoint(
     except CheckpointNotFoundError as e:
         if absent(tier, key, e) is e:  # gone: the restore looks again
             raise
-        return read_sharded(tier, key, allow_pickle=allow_pickle, others=others)  # a step saved by other ranks
+        return read_sharded(
+            tier, key, allow_pickle=allow_pickle, others=others, keys=keys
+        )  # a step saved by other ranks
     with opened as copy:  # one copy, whatever other processes do to the step meanwhile
         m = load_manifest(tier, key, allow_pickle=allow_pickle, copy=copy)
         if m.sharding:  # DTensor shards, some stored by other ranks: datapath/reshard.py
-            return read_sharded(tier, key, allow_pickle=allow_pickle, others=others)
+            return read_sharded(tier, key, allow_pickle=allow_pickle, others=others, keys=keys)
         tree, ref = load_tree(tier, key, m, allow_pickle=allow_pickle)  # valid before a blob is opened
+        if keys is not None:
+            tree = remap(tree, keys)[0]
         cache: dict[int, torch.Tensor] = {}
         t = m.tensors
         verifier = BlobVerifier(Where(tier.name, key.step), t, m.blobs)

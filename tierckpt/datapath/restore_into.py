@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from tierckpt.datapath.keymap import KeyMap
 from tierckpt.datapath.manifests import absent, load_head, load_rest
 from tierckpt.datapath.matching import Match, holds_dtensor, match_target
 from tierckpt.datapath.openblobs import open_blobs
@@ -91,13 +92,15 @@ class RestoreStaging:
         allow_pickle: bool,
         strict: bool = True,
         replicas: ReplicaExchange | None = None,
+        keys: KeyMap | None = None,
     ) -> Any:
         """:func:`restore_into` through these buffers; concurrent calls take turns."""
         others = [t for t in self.tiers if t is not tier]
         with self.lock:
             return restore_into(
-                tier, key, target, self.pool, allow_pickle=allow_pickle, strict=strict, others=others, replicas=replicas
-            )
+                tier, key, target, self.pool, allow_pickle=allow_pickle, strict=strict, others=others,
+                replicas=replicas, keys=keys,
+            )  # fmt: skip
 
 
 def restore_into(
@@ -110,6 +113,7 @@ def restore_into(
     strict: bool = True,
     others: Sequence[Tier] = (),
     replicas: ReplicaExchange | None = None,
+    keys: KeyMap | None = None,
 ) -> Any:
     """Restore ``key`` from ``tier`` into ``target``'s tensors in place; returns ``target``.
 
@@ -129,6 +133,7 @@ def restore_into(
             take another rank's copy from where ``tier`` lacks it.
         replicas: for a DTensor target in a job, the exchange that splits the reads of its replicated
             shards among their replicas (datapath/replicas.py; the caller settles it).
+        keys: the checkpoint's key paths mapped to the target's (datapath/keymap.py).
 
     Raises:
         StateError: ``target`` does not match the checkpoint (nothing was changed; every mismatch is
@@ -140,7 +145,7 @@ def restore_into(
     """
     if holds_dtensor(target):  # sharded for this run: read what overlaps each shard (any saved layout)
         return restore_sharded(
-            tier, key, target, allow_pickle=allow_pickle, strict=strict, others=others, replicas=replicas
+            tier, key, target, allow_pickle=allow_pickle, strict=strict, others=others, replicas=replicas, keys=keys
         )
     try:
         opened = tier.open_copy(key)
@@ -150,13 +155,13 @@ def restore_into(
         # never here (a step saved by another number of ranks): the base copy is rank 0's, or this
         # rank's from another tier (datapath/reshard.py), or the error says which copy no tier holds
         return restore_sharded(
-            tier, key, target, allow_pickle=allow_pickle, strict=strict, others=others, replicas=replicas
+            tier, key, target, allow_pickle=allow_pickle, strict=strict, others=others, replicas=replicas, keys=keys
         )
     with opened as copy:  # one copy; each blob's size is checked against its file here
         head = load_head(tier, key, allow_pickle=allow_pickle, copy=copy)
         if head.meshes:  # a sharded checkpoint: plain targets take whole global tensors
             return restore_sharded(
-                tier, key, target, allow_pickle=allow_pickle, strict=strict, others=others, replicas=replicas
+                tier, key, target, allow_pickle=allow_pickle, strict=strict, others=others, replicas=replicas, keys=keys
             )
         reader = open_blobs(tier, copy, head, background=False)
     try:
@@ -168,8 +173,9 @@ def restore_into(
             m = load_rest(tier, key, head)
             stream.attach(m)
             todo = match_target(
-                m, target, stream.addrs, allow_pickle=allow_pickle, tier=tier, key=key, strict=strict, devices=True
-            )
+                m, target, stream.addrs, allow_pickle=allow_pickle, tier=tier, key=key, strict=strict, devices=True,
+                keys=keys,
+            )  # fmt: skip
             stream.verifier.set_devices(todo.device)
             stream.read_direct()
             stream.reads = tier.geometry.steady_reads  # a shared tier's: every slot (a striped file)
