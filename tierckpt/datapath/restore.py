@@ -156,9 +156,8 @@ def read_checkpoint(
     except CheckpointNotFoundError as e:
         if absent(tier, key, e) is e:  # gone: the restore looks again
             raise
-        return read_sharded(
-            tier, key, allow_pickle=allow_pickle, others=others, keys=keys
-        )  # a step saved by other ranks
+        # a step saved by other ranks
+        return read_sharded(tier, key, allow_pickle=allow_pickle, others=others, keys=keys)
     with opened as copy:  # one copy, whatever other processes do to the step meanwhile
         m = load_manifest(tier, key, allow_pickle=allow_pickle, copy=copy)
         if m.sharding:  # DTensor shards, some stored by other ranks: datapath/reshard.py
