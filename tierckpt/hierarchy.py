@@ -15,7 +15,7 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
@@ -35,7 +35,7 @@ from tierckpt.config import (
     load_config,
     parse_policy,
 )
-from tierckpt.datapath.keymap import KeyMap
+from tierckpt.datapath.keymap import KeyMap, KeyMapLike
 from tierckpt.datapath.manifests import load_manifest
 from tierckpt.datapath.restore_into import RestoreStaging
 from tierckpt.datapath.storing import set_compression
@@ -367,7 +367,7 @@ class Hierarchy:
         allow_pickle: bool = False,
         tier: str | None = None,
         strict: bool = True,
-        keys: KeyMap | Callable[[str], str] | Mapping[str, str] | None = None,
+        key_map: KeyMapLike = None,
     ) -> Any:
         """Read a checkpoint back, verifying every checksum.
 
@@ -400,9 +400,9 @@ class Hierarchy:
                 the target has as they are and adds those only the checkpoint has (a warning). Shapes and
                 dtypes must match either way. Model, optimizer, RNG and data position together:
                 :class:`tierckpt.TrainState` (docs/resume.md).
-            keys: the saved key paths (``model._orig_mod.fc.weight``) mapped to the target's: a callable,
-                a mapping (paths it does not name stay) or a :class:`~tierckpt.KeyMap`, e.g.
-                ``KeyMap.torch_compile()`` (docs/restore.md, "Renamed keys").
+            key_map: renames the saved key paths (``model._orig_mod.fc.weight``) to the target's: a
+                mapping of prefix to replacement, a function (None: leave the value out) or a
+                :class:`~tierckpt.KeyMap`, e.g. ``KeyMap.torch_compile()`` (docs/restore.md, "Renamed keys").
 
         Raises:
             CheckpointNotFoundError: no such step; :class:`CheckpointEvictedError` where ``step`` was
@@ -418,7 +418,7 @@ class Hierarchy:
             KeyError: ``tier`` names no tier of the hierarchy.
         """
         self._check_open()
-        keymap = None if keys is None else KeyMap.of(keys)
+        keymap = None if key_map is None else KeyMap(key_map)
         self._pending.settle_top(self._tiers[0].name)
         if step is not None:
             check_step(step)
@@ -426,7 +426,7 @@ class Hierarchy:
             self.tier(tier)
         job = RestoreJob(
             CopyReader(
-                self._tiers, self.rank, self._in_place, into, allow_pickle=allow_pickle, strict=strict, keys=keymap
+                self._tiers, self.rank, self._in_place, into, allow_pickle=allow_pickle, strict=strict, key_map=keymap
             ),
             lambda: self._listing.committed_steps(tier),
             self.coordinator,

@@ -33,9 +33,7 @@ import torch
 from tierckpt.errors import StateError
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Mapping
-
-    from tierckpt.datapath.keymap import KeyMap
+    from tierckpt.datapath.keymap import KeyMapLike
     from tierckpt.hierarchy import Hierarchy, SaveHandle
 
 __all__ = ["TrainState", "rng_state", "set_rng_state"]
@@ -136,14 +134,14 @@ class TrainState:
         *,
         tier: str | None = None,
         allow_pickle: bool = False,
-        keys: KeyMap | Callable[[str], str] | Mapping[str, str] | None = None,
+        key_map: KeyMapLike = None,
     ) -> int:
         """Load the newest (or the given) checkpoint of ``h`` into every part; returns its step.
 
         Modules are restored in place, strictly (every key, shape and dtype must match) and then passed
         to their ``load_state_dict`` (a copy onto itself, which torch skips, plus whatever the module
         keeps outside its tensors). Every other part is read into fresh tensors and passed to its
-        ``load_state_dict``: a fresh optimizer gets its state tensors this way. ``keys``: as for
+        ``load_state_dict``: a fresh optimizer gets its state tensors this way. ``key_map``: as for
         :meth:`Hierarchy.restore` (e.g. ``KeyMap.torch_compile()`` for a model compiled on one side only).
 
         Returns:
@@ -164,7 +162,9 @@ class TrainState:
         }  # None: taken whole from the checkpoint
         if self.rng:
             target[RNG] = None
-        self.load_state_dict(h.restore(step, into=target, tier=tier, allow_pickle=allow_pickle, strict=True, keys=keys))
+        self.load_state_dict(
+            h.restore(step, into=target, tier=tier, allow_pickle=allow_pickle, strict=True, key_map=key_map)
+        )
         return cast("tuple[int, str]", h.last_restore)[0]  # set by the restore that just returned
 
 

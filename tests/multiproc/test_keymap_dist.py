@@ -1,4 +1,4 @@
-"""``restore(keys=...)`` of a sharded checkpoint: a ``torch.compile``d model's DTensor state saved by 2
+"""``restore(key_map=...)`` of a sharded checkpoint: a ``torch.compile``d model's DTensor state saved by 2
 spawned gloo ranks (``_orig_mod.`` key paths, rows sharded) is restored, its key paths mapped, into a plain
 model's state resharded by columns on 2 ranks, into whole tensors by one process, and as fresh tensors
 (each rank's saved box)."""
@@ -43,7 +43,7 @@ def restore(rank: int, world: int, tmp: str) -> list[bool]:
     os.environ["TIERCKPT_JOB"] = "keymap"
     with Hierarchy.from_config(config(tmp)) as h:
         target = {"model": {"fc.weight": _sharded("cols"), "fc.bias": torch.zeros(3)}}
-        h.restore(into=target, keys=KeyMap.torch_compile())
+        h.restore(into=target, key_map=KeyMap.torch_compile())
         w = target["model"]["fc.weight"]
         return [
             torch.equal(w.to_local(), FULL[:, 4 * rank : 4 * rank + 4]),
@@ -57,8 +57,8 @@ def test_a_sharded_checkpoint_restores_under_mapped_key_paths(tmp_path: Path) ->
     assert spawn(restore, 2, tmp_path, str(tmp_path)) == [{"ok": [True, True, True]}] * 2
     with Hierarchy.from_config(config(str(tmp_path)), readonly=True, coordinator=SoloCoordinator(0, 1)) as h:
         whole = {"model": {"fc.weight": torch.zeros(6, 8), "fc.bias": torch.zeros(3)}}
-        h.restore(into=whole, keys=KeyMap.torch_compile())
+        h.restore(into=whole, key_map=KeyMap.torch_compile())
         assert torch.equal(whole["model"]["fc.weight"], FULL) and torch.equal(whole["model"]["fc.bias"], BIAS)
-        fresh = h.restore(keys=KeyMap.torch_compile())  # rank 0's box, under the mapped key paths
+        fresh = h.restore(key_map=KeyMap.torch_compile())  # rank 0's box, under the mapped key paths
         assert sorted(fresh["model"]) == ["fc.bias", "fc.weight"]
         assert torch.equal(fresh["model"]["fc.weight"], FULL[:3])

@@ -92,7 +92,7 @@ def match_target(
     strict: bool = True,
     shapes: Sequence[tuple[int, ...]] | None = None,
     devices: bool = False,
-    keys: KeyMap | None = None,
+    key_map: KeyMap | None = None,
 ) -> Match:
     """Match ``target`` with the checkpoint and fill ``addrs`` (where each tensor's bytes go).
 
@@ -110,7 +110,7 @@ def match_target(
     the same path. Without it, a key only the target has is left as it is and a key only the
     checkpoint has is added to the target's dict (both logged as a warning).
 
-    ``keys``: the checkpoint's key paths are mapped to the target's first (:mod:`tierckpt.datapath.keymap`);
+    ``key_map``: the checkpoint's key paths are mapped to the target's first (:mod:`tierckpt.datapath.keymap`);
     mismatches name the saved key path a value came from.
 
     Raises:
@@ -121,8 +121,8 @@ def match_target(
     """
     source, ref = load_tree(tier, key, m, allow_pickle=allow_pickle)
     walk = _Walk(m, ref, addrs, strict=strict, tier=tier.name, step=key.step)
-    if keys is not None:
-        source, walk.origins = remap(source, keys, target)
+    if key_map is not None:
+        source, walk.origins = remap(source, key_map, target)
     walk.devices = devices
     if shapes is not None:  # a sharded checkpoint: a target is matched by the global shape
         walk.shapes = list(shapes)
@@ -358,7 +358,9 @@ def _check_keys(
     if strict and n_keys:
         hint = "strict=False leaves keys only in the target as they are and adds those only in the checkpoint to the target"
         if origins is None and any("_orig_mod." in str(k) for p in (*only_target, *only_source) for k in p):
-            hint = "one side is a torch.compile'd model's: restore(..., keys=tierckpt.KeyMap.torch_compile()); " + hint
+            hint = (
+                "one side is a torch.compile'd model's: restore(..., key_map=tierckpt.KeyMap.torch_compile()); " + hint
+            )
     if total == 1:
         raise StateError(shown[0] + (f" ({hint})" if hint else ""))
     lines = shown + ([f"... and {total - len(shown)} more"] if total > len(shown) else [])

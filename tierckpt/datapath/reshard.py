@@ -45,7 +45,7 @@ def restore_sharded(
     strict: bool = True,
     others: Sequence[Tier] = (),
     replicas: ReplicaExchange | None = None,
-    keys: KeyMap | None = None,
+    key_map: KeyMap | None = None,
 ) -> Any:
     """Restore ``key`` from ``tier`` into ``target`` (which may hold DTensors sharded for this run);
     returns ``target``. Works for any saved and restoring world size and mesh.
@@ -59,7 +59,7 @@ def restore_sharded(
     ``replicas``: in a job, the exchange that splits the reads of replicated DTensor targets among
     their replicas (datapath/replicas.py): this call reads this rank's pieces only, and the
     caller runs the exchange (:meth:`~tierckpt.datapath.replicas.ReplicaExchange.settle`).
-    ``keys``: the checkpoint's key paths mapped to the target's (datapath/keymap.py).
+    ``key_map``: the checkpoint's key paths mapped to the target's (datapath/keymap.py).
 
     Raises:
         StateError: ``target`` does not match (nothing changed), or a DTensor target is ``Partial``.
@@ -77,7 +77,15 @@ def restore_sharded(
         addrs = [0] * len(m.tensors)
         bkey = CheckpointKey(key.step, base.rank)
         todo = match_target(
-            m, target, addrs, allow_pickle=allow_pickle, tier=tier, key=bkey, strict=strict, shapes=shapes, keys=keys
+            m,
+            target,
+            addrs,
+            allow_pickle=allow_pickle,
+            tier=tier,
+            key=bkey,
+            strict=strict,
+            shapes=shapes,
+            key_map=key_map,
         )
         dests = _destinations(m, todo, shapes, replicas)
         Filler(copies, base).fill(dests)
@@ -88,20 +96,20 @@ def restore_sharded(
 
 
 def read_sharded(
-    tier: Tier, key: CheckpointKey, *, allow_pickle: bool, others: Sequence[Tier] = (), keys: KeyMap | None = None
+    tier: Tier, key: CheckpointKey, *, allow_pickle: bool, others: Sequence[Tier] = (), key_map: KeyMap | None = None
 ) -> tuple[Any, Manifest]:
     """The state of rank ``key.rank``'s copy as fresh CPU tensors, each DTensor shard as the plain
     tensor of the box that rank saved (a replicated shard it did not store is read from the replica
     that did, from ``tier`` or else the first of ``others`` that holds its copy); rank 0's where
-    ``key.rank`` is beyond the ranks that saved. Returns the state (its key paths mapped by ``keys``)
+    ``key.rank`` is beyond the ranks that saved. Returns the state (its key paths mapped by ``key_map``)
     and the manifest it was read by."""
     copies = Copies(tier, key.step, allow_pickle, others)
     try:
         base = copies.base(key.rank)
         m = base.m
         tree, ref = load_tree(tier, key, m, allow_pickle=allow_pickle)
-        if keys is not None:
-            tree = remap(tree, keys)[0]
+        if key_map is not None:
+            tree = remap(tree, key_map)[0]
         t = m.tensors
         made = [torch.empty(s, dtype=dtype_from_name(d)) for s, d in zip(t.shapes, t.dtypes)]
         dests = []

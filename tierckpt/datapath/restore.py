@@ -136,10 +136,10 @@ def read_checkpoint(
     *,
     allow_pickle: bool = False,
     others: Sequence[Tier] = (),
-    keys: KeyMap | None = None,
+    key_map: KeyMap | None = None,
 ) -> tuple[Any, Manifest]:
     """Read, verify and rebuild the state of ``key`` from ``tier`` as fresh CPU tensors (its key paths
-    mapped by ``keys``: :mod:`tierckpt.datapath.keymap`).
+    mapped by ``key_map``: :mod:`tierckpt.datapath.keymap`).
 
     A sharded checkpoint (DTensor shards, some stored by other ranks) is read by
     :func:`~tierckpt.datapath.reshard.read_sharded`: another rank's copy that ``tier`` lacks comes from
@@ -157,14 +157,14 @@ def read_checkpoint(
         if absent(tier, key, e) is e:  # gone: the restore looks again
             raise
         # a step saved by other ranks
-        return read_sharded(tier, key, allow_pickle=allow_pickle, others=others, keys=keys)
+        return read_sharded(tier, key, allow_pickle=allow_pickle, others=others, key_map=key_map)
     with opened as copy:  # one copy, whatever other processes do to the step meanwhile
         m = load_manifest(tier, key, allow_pickle=allow_pickle, copy=copy)
         if m.sharding:  # DTensor shards, some stored by other ranks: datapath/reshard.py
-            return read_sharded(tier, key, allow_pickle=allow_pickle, others=others, keys=keys)
+            return read_sharded(tier, key, allow_pickle=allow_pickle, others=others, key_map=key_map)
         tree, ref = load_tree(tier, key, m, allow_pickle=allow_pickle)  # valid before a blob is opened
-        if keys is not None:
-            tree = remap(tree, keys)[0]
+        if key_map is not None:
+            tree = remap(tree, key_map)[0]
         cache: dict[int, torch.Tensor] = {}
         t = m.tensors
         verifier = BlobVerifier(Where(tier.name, key.step), t, m.blobs)

@@ -92,14 +92,14 @@ class RestoreStaging:
         allow_pickle: bool,
         strict: bool = True,
         replicas: ReplicaExchange | None = None,
-        keys: KeyMap | None = None,
+        key_map: KeyMap | None = None,
     ) -> Any:
         """:func:`restore_into` through these buffers; concurrent calls take turns."""
         others = [t for t in self.tiers if t is not tier]
         with self.lock:
             return restore_into(
                 tier, key, target, self.pool, allow_pickle=allow_pickle, strict=strict, others=others,
-                replicas=replicas, keys=keys,
+                replicas=replicas, key_map=key_map,
             )  # fmt: skip
 
 
@@ -113,7 +113,7 @@ def restore_into(
     strict: bool = True,
     others: Sequence[Tier] = (),
     replicas: ReplicaExchange | None = None,
-    keys: KeyMap | None = None,
+    key_map: KeyMap | None = None,
 ) -> Any:
     """Restore ``key`` from ``tier`` into ``target``'s tensors in place; returns ``target``.
 
@@ -133,7 +133,7 @@ def restore_into(
             take another rank's copy from where ``tier`` lacks it.
         replicas: for a DTensor target in a job, the exchange that splits the reads of its replicated
             shards among their replicas (datapath/replicas.py; the caller settles it).
-        keys: the checkpoint's key paths mapped to the target's (datapath/keymap.py).
+        key_map: the checkpoint's key paths mapped to the target's (datapath/keymap.py).
 
     Raises:
         StateError: ``target`` does not match the checkpoint (nothing was changed; every mismatch is
@@ -143,10 +143,15 @@ def restore_into(
             so may large ones further on whose bodies were being read straight into them (the reads in
             flight); no value is assigned and no other tensor is changed.
     """
-    if holds_dtensor(target):  # sharded for this run: read what overlaps each shard (any saved layout)
+
+    def sharded() -> Any:  # datapath/reshard.py, for any saved layout
         return restore_sharded(
-            tier, key, target, allow_pickle=allow_pickle, strict=strict, others=others, replicas=replicas, keys=keys
-        )
+            tier, key, target, allow_pickle=allow_pickle, strict=strict, others=others, replicas=replicas,
+            key_map=key_map,
+        )  # fmt: skip
+
+    if holds_dtensor(target):  # sharded for this run: read what overlaps each shard (any saved layout)
+        return sharded()
     try:
         opened = tier.open_copy(key)
     except CheckpointNotFoundError as e:
@@ -154,15 +159,11 @@ def restore_into(
             raise
         # never here (a step saved by another number of ranks): the base copy is rank 0's, or this
         # rank's from another tier (datapath/reshard.py), or the error says which copy no tier holds
-        return restore_sharded(
-            tier, key, target, allow_pickle=allow_pickle, strict=strict, others=others, replicas=replicas, keys=keys
-        )
+        return sharded()
     with opened as copy:  # one copy; each blob's size is checked against its file here
         head = load_head(tier, key, allow_pickle=allow_pickle, copy=copy)
         if head.meshes:  # a sharded checkpoint: plain targets take whole global tensors
-            return restore_sharded(
-                tier, key, target, allow_pickle=allow_pickle, strict=strict, others=others, replicas=replicas, keys=keys
-            )
+            return sharded()
         reader = open_blobs(tier, copy, head, background=False)
     try:
         stream = _Stream(tier, key, head, reader, lambda: pool(head.align))
@@ -174,7 +175,7 @@ def restore_into(
             stream.attach(m)
             todo = match_target(
                 m, target, stream.addrs, allow_pickle=allow_pickle, tier=tier, key=key, strict=strict, devices=True,
-                keys=keys,
+                key_map=key_map,
             )  # fmt: skip
             stream.verifier.set_devices(todo.device)
             stream.read_direct()

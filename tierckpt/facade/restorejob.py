@@ -84,7 +84,7 @@ class CopyReader:
         into: the state restored into (None: fresh CPU tensors).
         allow_pickle: accept pickled values.
         strict: with ``into``, the keys of every dict must match.
-        keys: the checkpoint's key paths mapped to the target's (:mod:`tierckpt.datapath.keymap`).
+        key_map: the checkpoint's key paths mapped to the target's (:mod:`tierckpt.datapath.keymap`).
     """
 
     tiers: Sequence[Tier]
@@ -93,16 +93,22 @@ class CopyReader:
     into: Any = None
     allow_pickle: bool = False
     strict: bool = True
-    keys: KeyMap | None = None
+    key_map: KeyMap | None = None
 
     def __call__(self, step: int, tier: str, replicas: ReplicaExchange | None) -> Any:
         t = next(x for x in self.tiers if x.name == tier)
         key = CheckpointKey(step, self.rank)
         if self.into is None:  # another rank's copy that ``t`` lacks: from the first other tier holding it
             others = [x for x in self.tiers if x is not t]
-            return read_checkpoint(t, key, allow_pickle=self.allow_pickle, others=others, keys=self.keys)[0]
+            return read_checkpoint(t, key, allow_pickle=self.allow_pickle, others=others, key_map=self.key_map)[0]
         return self.staging.restore(
-            t, key, self.into, allow_pickle=self.allow_pickle, strict=self.strict, replicas=replicas, keys=self.keys
+            t,
+            key,
+            self.into,
+            allow_pickle=self.allow_pickle,
+            strict=self.strict,
+            replicas=replicas,
+            key_map=self.key_map,
         )
 
 

@@ -113,7 +113,8 @@ def load_safetensors(
             files. None: a new ``{name: tensor}`` dict of every tensor of the files (CPU).
         key_map: renames the files' names before matching: prefix to replacement (``{"": "model."}``
             adds a prefix, ``{"model.": ""}`` drops one), or a function returning the new name or None
-            (ignore that tensor).
+            (ignore that tensor); ``KeyMap.torch_compile()`` renames the state's names too, so a compiled
+            model's state takes a plain model's files and the other way round.
         strict: every tensor of ``into`` must be in the files and every tensor of the files must be
             used; ``strict=False`` leaves missing ones as they are and ignores extra ones (a warning).
         cast: convert values to the target's dtype (else a dtype that differs is an error).
@@ -146,7 +147,10 @@ def load_safetensors(
                 stored[new] = _Stored(handle, name, dtype, shape, f.name)
         if into is None:
             return {n: _whole(s) for n, s in stored.items()}
-        plan = _match(state_leaves(into), stored, strict=strict, cast=cast)
+        targets = state_leaves(into)
+        if rename.both_sides:  # KeyMap.torch_compile(): the target's names meet the files' renamed alike
+            targets = [Leaf(rename(x.name) or x.name, x.path, x.row, x.value) for x in targets]
+        plan = _match(targets, stored, strict=strict, cast=cast)
         dtensor = _dtensor_class()
         with torch.no_grad():
             for leaf, s in plan:

@@ -1,23 +1,22 @@
 """Names of a state's leaves as export and import use them: each tensor and plain value under its key path
 joined by ``.`` (``{"model": {"layers.0.weight": w}}`` → ``model.layers.0.weight``), what to keep
-(:func:`select`) and how to rename (:class:`KeyMap`). Pure: no I/O.
+(:func:`select`) and how to rename (:class:`~tierckpt.datapath.keymap.KeyMap`, the one key map of restores,
+exports and loads). Pure: no I/O.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Union
+from typing import Any
 
 import torch
 
+from tierckpt.datapath.keymap import KeyMap, KeyMapLike, dotted
 from tierckpt.errors import StateError
 from tierckpt.format.tree import Int, Opaque, check_ref
 
 __all__ = ["KeyMap", "KeyMapLike", "Leaf", "dotted", "leaves", "plain", "select", "state_leaves"]
-
-#: what a key map may be given as: prefix → replacement, or a function of a name (None: leave it out)
-KeyMapLike = Union["KeyMap", Mapping[str, str], Callable[[str], "str | None"], None]
 
 
 @dataclass(frozen=True)
@@ -29,11 +28,6 @@ class Leaf:
     path: tuple[Any, ...]
     row: int | None = None
     value: Any = None
-
-
-def dotted(path: Sequence[Any]) -> str:
-    """``('model', 'layers.0.weight')`` → ``model.layers.0.weight`` (an int key as its decimal digits)."""
-    return ".".join(str(k) for k in path)
 
 
 def _children(v: Any) -> Iterable[tuple[Any, Any]] | None:
@@ -87,48 +81,6 @@ def state_leaves(state: Any) -> list[Leaf]:
         for i, (path, v) in enumerate(_walk(state))
         if isinstance(v, torch.Tensor)
     ]
-
-
-class KeyMap:
-    """Renames by prefix: ``KeyMap({"model.": ""})`` drops a leading ``model.``, ``KeyMap({"": "model."})``
-    adds one; the longest prefix that matches a name is applied (a name no prefix matches is kept). A
-    function ``name -> new name`` (None: leave the name out) does anything else.
-
-    Args:
-        spec: a mapping of prefix to replacement, a function, or None (names as they are).
-
-    Raises:
-        TypeError: ``spec`` is none of these.
-    """
-
-    def __init__(self, spec: KeyMapLike = None) -> None:
-        if isinstance(spec, KeyMap):
-            self._fn: Callable[[str], str | None] | None = spec._fn
-            self._prefixes: list[tuple[str, str]] = spec._prefixes
-            return
-        self._fn, self._prefixes = None, []
-        if spec is None:
-            return
-        if isinstance(spec, Mapping):
-            bad = [k for k, v in spec.items() if not isinstance(k, str) or not isinstance(v, str)]
-            if bad:
-                raise TypeError(f"key map: prefixes and replacements must be str (got {bad[0]!r})")
-            self._prefixes = sorted(spec.items(), key=lambda kv: -len(kv[0]))
-        elif callable(spec):
-            self._fn = spec
-        else:
-            raise TypeError(f"key map: expected a mapping of prefixes or a function, got {type(spec).__name__}")
-
-    def __call__(self, name: str) -> str | None:
-        if self._fn is not None:
-            got = self._fn(name)
-            if got is not None and not isinstance(got, str):
-                raise TypeError(f"key map: {name!r} mapped to {got!r}, not a str or None")
-            return got
-        for old, new in self._prefixes:
-            if name.startswith(old):
-                return new + name[len(old) :]
-        return name
 
 
 def select(found: Sequence[Leaf], only: Sequence[str] = (), key_map: KeyMapLike = None) -> list[Leaf]:
