@@ -178,6 +178,7 @@ class Hierarchy:
             lambda: _clock(),
         )
         self._pending = Pending()
+        self._deleted: set[int] = set()  # steps delete() removed (and not saved since): never promoted
         self._lock = threading.RLock()
         self._closed = False
         self.last_restore: tuple[int, str] | None = None
@@ -293,6 +294,7 @@ class Hierarchy:
         layout = SaveJob.lay_out(flat, self._geometry)
         key = CheckpointKey(step, self.rank)
         with self._lock:
+            self._deleted.discard(step)
             plan = self._planner.save(key)
             self._listing.saw_step(step)
             handle = SaveHandle(step, plan.tiers)
@@ -343,6 +345,10 @@ class Hierarchy:
             out.set_result(to)
             return out
         with self._lock:
+            if plan.step in self._deleted:  # deleted since it was found (another thread): nothing to copy
+                gone: Future[str] = Future()
+                gone.set_exception(CheckpointNotFoundError(f"step {plan.step} was deleted (delete())"))
+                return gone
             return self._pending.add_promotion(plan.step, to, self._mover.execute(plan, background=background))
 
     # -- read side ---------------------------------------------------------------------------------------
@@ -460,6 +466,7 @@ class Hierarchy:
                 step, tiers=self._tiers, catalog=self._catalog, listing=self._listing, mover=self._mover,
                 coordinator=self.coordinator,
             )  # fmt: skip
+            self._deleted.add(step)
 
     def inspect(self, step: int | None = None) -> tuple[str, Manifest]:
         """The manifest of ``step`` (default: newest) from the fastest tier holding it, and that tier's name."""

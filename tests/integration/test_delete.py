@@ -166,6 +166,22 @@ def test_delete_waits_for_a_prefetch_of_the_step(tmp_path: Path) -> None:
             h.restore(step=1, tier="host")
 
 
+def test_a_step_deleted_while_a_prefetch_plans_it_is_not_copied_back(tmp_path: Path) -> None:
+    """Another thread deletes the step between the prefetch's finding it and its copy being queued: the
+    prefetch fails naming the deletion, and no trace of the step comes back (no copy, no failed state)."""
+    with Hierarchy(_chain(tmp_path), policy={"keep": {"host": 1, "ssd": 1}}) as h:
+        for s in (1, 2):
+            h.save(state(s), step=s, blocking=True)
+        planned = h._planner.prefetch
+        h._planner.prefetch = lambda info, to: (h.delete(info.step), planned(info, to))[1]  # type: ignore[method-assign]
+        with pytest.raises(CheckpointNotFoundError, match="step 1 was deleted"):
+            h.prefetch(1).result(30)
+        assert [c.step for c in h.checkpoints()] == [2]
+        h._planner.prefetch = planned  # type: ignore[method-assign]
+        h.save(state(11), step=1, blocking=True)  # saved again: it may climb again
+        assert h.prefetch(1).result(30) == "host"
+
+
 def test_a_reader_that_opened_the_step_reads_it_whole_while_it_is_deleted(tmp_path: Path) -> None:
     """Another process's read-only hierarchy (here: another Hierarchy of this process) has opened step 1's
     pfs copy when the training job deletes the step: it reads every byte of it, verified."""
