@@ -156,9 +156,6 @@ def test_the_steps_it_deletes_are_those_no_pointer_names(tmp_path: Path, monkeyp
     io.teardown()
 
 
-@pytest.mark.skipif(
-    not hasattr(Hierarchy, "delete"), reason="Hierarchy.delete is not in this tree yet (issue 31, item 6)"
-)
 def test_removed_and_overwritten_paths_release_their_steps(tmp_path: Path) -> None:
     io = _io(tmp_path, blocking=True)
     d = tmp_path / "c"

@@ -29,7 +29,7 @@ import contextlib
 import logging
 import os
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -119,7 +119,6 @@ class HierarchyCheckpointIO(CheckpointIO):
         self._error: BaseException | None = None
         self._newest: int | None = None  # the newest step saved or listed
         self.prefetched = None
-        self._warned_no_delete = False
 
     def __getstate__(self) -> dict[str, Any]:
         """Settings only (``ddp_spawn`` pickles the trainer's plugins): the hierarchy is opened again where
@@ -279,17 +278,9 @@ class HierarchyCheckpointIO(CheckpointIO):
                 return
             named = referenced_steps(self._dirs) | {p.step for p in self._pending.values()}
             gone, self._released = self._released - named, set()
-        delete: Callable[[int], object] | None = getattr(h, "delete", None)
-        if delete is None:
-            if not self._warned_no_delete:
-                log.warning(
-                    "this tierckpt has no Hierarchy.delete: released steps stay until its retention evicts them"
-                )
-                self._warned_no_delete = True
-            return
         for step in sorted(gone):
             with contextlib.suppress(CheckpointNotFoundError):  # gone already
-                delete(step)
+                h.delete(step)
 
     # -- load ---------------------------------------------------------------------------------------------
     def load_checkpoint(
