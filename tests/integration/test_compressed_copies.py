@@ -163,7 +163,8 @@ def test_auto_compresses_on_a_budgeted_tier(tmp_path: Path) -> None:
         h.save(s, step=7).durable["pfs"].result()
         _, index = unwrap_manifest(_manifest(slow, 7))
         assert index is not None and index.compressed_frames() == index.total
-        assert slow.adaptive is not None and slow.adaptive.snapshot()["budget_bytes_per_sec"] == 20e6
+        assert slow.adaptive is not None  # the demotions' decisions: under the budget that paced them
+        assert slow.adaptive.snapshot(20e6)["kinds"]["bfloat16/weight"]["planes"] != 0
         assert same(h.restore(7, tier="pfs"), s)
 
 

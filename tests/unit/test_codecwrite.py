@@ -332,7 +332,8 @@ class FakeAdaptive(Adaptive):
         self.frames: list[tuple[Kind, int]] = []
         self.budgets: list[float | None] = []
 
-    def plan(self, kind: Kind) -> FramePlan:
+    def plan(self, kind: Kind, budget: float | None = None) -> FramePlan:
+        self.budgets.append(budget)
         return self._plan(kind)
 
     def observe_frame(self, kind: Kind, enc: Any, plan: FramePlan | None = None) -> None:
@@ -340,9 +341,6 @@ class FakeAdaptive(Adaptive):
 
     def observe_tier(self, stored_bytes: int, busy_seconds: float) -> None:
         self.tier.append((stored_bytes, busy_seconds))
-
-    def set_budget(self, rate: float | None) -> None:
-        self.budgets.append(rate)
 
 
 def test_no_frame_compressed_commits_the_plain_manifest() -> None:
@@ -373,15 +371,18 @@ def test_plans_are_followed_per_kind_and_the_tier_is_measured() -> None:
     ] * 4
     assert [index.frame(1, k).width for k in range(4)] == [0] * 4
     assert [k.name for k, _ in fake.frames] == ["bfloat16/weight"] * 4
-    assert fake.budgets == [50e6]  # the budget paces background work: the throughput is at most it
+    assert set(fake.budgets) == {50e6}  # the budget paces background work: the throughput is at most it
     assert sum(n for n, _ in fake.tier) == sum(inner.ends) and all(s > 0 for _, s in fake.tier)
 
 
 def test_a_foreground_copy_is_not_bounded_by_the_budget() -> None:
-    m = _manifest([("s['w']", "bfloat16", F)])
+    m = _manifest([("s['w']", "bfloat16", 2 * F)])
+    blob = _floats(m.blobs[0].size, 1)
     fake = FakeAdaptive(lambda kind: RAW)
-    _writer(Recorder([F]), m, adaptive=fake, tier=_Tier(Budget(50e6)), background=False).abort()
-    assert fake.budgets == [None]
+    w = _writer(Recorder([blob.numel()]), m, adaptive=fake, tier=_Tier(Budget(50e6)), background=False)
+    _write_all(w, [blob], F, "forward")
+    w.commit(encode_manifest(m))
+    assert fake.budgets == [None, None]
 
 
 class _Measured(Adaptive):
@@ -415,6 +416,56 @@ def test_auto_compresses_on_a_slow_budgeted_tier_and_not_on_a_fast_one() -> None
     Adaptive.observe_tier(fast, 10 << 30, 1.0)  # what a fast tier's writes would report
     got, total = _copy_with(fast, _Tier())
     assert got == 0  # the probes compress samples only; the frames stay raw
+
+
+def test_two_writers_of_one_tier_decide_with_their_own_budgets() -> None:
+    """A tier that does 10 GB/s, shared by a background demotion its budget paces at 2 MB/s and a
+    blocking save it does not pace, written at once through the tier's one Adaptive: the paced copy is
+    compressed, the other stays raw (neither writer's budget is the other's)."""
+    shared = _Measured(CompressConfig("auto"), 2)
+    Adaptive.observe_tier(shared, 10 << 30, 1.0)
+    tier = _Tier(Budget(2e6))
+    m = _manifest([("s['w']", "bfloat16", 48 * F)])
+    blob = _floats(m.blobs[0].size, 5)
+    paced, full = Recorder([blob.numel()]), Recorder([blob.numel()])
+    writers = [
+        _writer(paced, m, adaptive=shared, tier=tier),
+        _writer(full, m, adaptive=shared, tier=tier, background=False),
+    ]
+    futs = [w.write(0, o, blob.data_ptr() + o, F) for o in range(0, blob.numel(), F) for w in writers]  # interleaved
+    for f in futs:
+        f.result()
+    for w in writers:
+        w.commit(encode_manifest(m))
+    assert paced.manifest is not None and full.manifest is not None
+    _, index = unwrap_manifest(paced.manifest)
+    assert index is not None and index.compressed_frames() >= 48 - 2 * PROBE_FIRST  # after the probes' samples
+    assert full.manifest == encode_manifest(m)  # nothing compressed: the plain copy
+
+
+def test_a_paced_write_is_timed_from_when_the_budget_let_it_go(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The tier's throughput excludes the budget's waits: a clock that moves only while the budget makes
+    a write wait reads no busy time at all for writes that complete at once."""
+    import tierckpt.datapath.codecwrite as cw
+    from tierckpt.datapath.throttle import throttled_writer
+
+    now = [0.0]
+
+    def sleep(secs: float) -> None:
+        now[0] += secs
+
+    monkeypatch.setattr(cw, "perf_counter", lambda: now[0])
+    budget = Budget(1e6, burst_bytes=CHUNK, clock=lambda: now[0], sleep=sleep)
+    m = _manifest([("s['n']", "uint8", 16 * F)])
+    blob = _noise(m.blobs[0].size, 2)
+    tier = _Tier(budget)
+    fake = FakeAdaptive(lambda kind: RAW)
+    inner = Recorder([blob.numel()])
+    w = _writer(throttled_writer(tier, inner, background=True), m, adaptive=fake, tier=tier)  # type: ignore[arg-type]
+    _write_all(w, [blob], F, "forward")
+    w.commit(encode_manifest(m))
+    assert budget.stats().waited_secs > 0 and sum(n for n, _ in fake.tier) == blob.numel()
+    assert sum(s for _, s in fake.tier) == 0.0
 
 
 # -- the setting on tiers ---------------------------------------------------------------------------------

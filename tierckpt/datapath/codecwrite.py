@@ -19,8 +19,11 @@ and at most ``out_slots`` output chunks are in flight: beyond that the writes' f
 the caller's backpressure.
 
 The tier's write throughput is measured as stored bytes over its *busy* time (while at least one of
-its writes is in flight or waiting for the budget), so a writer starved by its compressor does not make
-the tier look slow; it feeds the tier's ``Adaptive``, with the tier's budget, which decides what pays.
+its writes is in flight), so a writer starved by its compressor does not make the tier look slow, and
+one paced by the tier's budget does not either (a paced write counts from when the budget lets it go):
+it feeds the tier's ``Adaptive``, shared by every writer of the tier. What pays is decided per frame
+with this writer's own budget (the tier's where it paces this writer's work, else none), so a paced
+background demotion and a blocking save writing to one tier at once each decide with their own.
 """
 
 from __future__ import annotations
@@ -29,10 +32,10 @@ import contextlib
 import errno
 import heapq
 import threading
-import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
+from time import perf_counter
 from typing import Any
 
 import numpy as np
@@ -148,8 +151,9 @@ class _Stopped(Exception):
 
 
 class _Busy:
-    """The tier's busy time: while at least one write is in flight (or waits for the budget in
-    ``write``); each completed write reports its bytes and the busy time since the report before."""
+    """The tier's busy time: while at least one write is in flight (from its call, or where a budget
+    paces the writer from when the budget let it go); each completed write reports its bytes and the
+    busy time since the report before."""
 
     def __init__(self, adaptive: Adaptive) -> None:
         self._adaptive = adaptive
@@ -163,12 +167,12 @@ class _Busy:
 
     def start(self) -> None:
         with self._lock:
-            self._tick(time.perf_counter())
+            self._tick(perf_counter())
             self._inflight += 1
 
     def end(self, nbytes: int) -> None:
         with self._lock:
-            self._tick(time.perf_counter())
+            self._tick(perf_counter())
             self._inflight -= 1
             busy, self._busy = self._busy, 0.0
         if nbytes > 0:
@@ -226,7 +230,8 @@ class CodecWriter(TierWriter):
         threads = codecpool.ensure(adaptive.cfg.threads)
         self._window = window if window is not None else 2 * threads + 2
         budget = tier.budget
-        adaptive.set_budget(budget.bytes_per_sec if budget is not None and budget.paces(background) else None)
+        #: this writer's bound on the tier's throughput: its budget's rate where that paces the writes
+        self.budget = budget.bytes_per_sec if budget is not None and budget.paces(background) else None
         self._busy = _Busy(adaptive)
         # shared state, under _cv
         self._cv = threading.Condition()
@@ -349,7 +354,7 @@ class CodecWriter(TierWriter):
         enc: Encoded | None = None
         error: BaseException | None = None
         try:  # planned now, not as it arrived: the frames before it were measured meanwhile
-            plan = fr.plan = self._adaptive.plan(kind)
+            plan = fr.plan = self._adaptive.plan(kind, self.budget)
             if plan.sample and plan.measure is not None:  # stored raw; a sample compressed only to measure it
                 m = plan.measure
                 n = min(len(fr.src), plan.sample) // max(1, m.width) * max(1, m.width)
@@ -472,13 +477,18 @@ class CodecWriter(TierWriter):
         """Write the output chunk (``nbytes`` of it) at the stream's current chunk."""
         slot, self._slot = self._slot, None
         assert slot is not None
-        self._busy.start()
+        paced = self.budget is not None  # the write waits for the budget first: the tier is busy once it goes
+        if not paced:
+            self._busy.start()
         try:
             fut = self._inner.write(blob, self._start, slot.data_ptr(), nbytes)
         except BaseException:
-            self._busy.end(0)
+            if not paced:
+                self._busy.end(0)
             self._free.append(slot)
             raise
+        if paced:
+            self._busy.start()
         self._inflight.append((slot, fut))
         fut.add_done_callback(lambda f: self._written(f, nbytes))
         self._start += nbytes
