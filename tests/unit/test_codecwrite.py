@@ -446,7 +446,7 @@ def test_two_writers_of_one_tier_decide_with_their_own_budgets() -> None:
 def test_a_paced_write_is_timed_from_when_the_budget_let_it_go(monkeypatch: pytest.MonkeyPatch) -> None:
     """The tier's throughput excludes the budget's waits: a clock that moves only while the budget makes
     a write wait reads no busy time at all for writes that complete at once."""
-    import tierckpt.datapath.codecwrite as cw
+    import tierckpt.datapath.codecemit as ce
     from tierckpt.datapath.throttle import throttled_writer
 
     now = [0.0]
@@ -454,7 +454,7 @@ def test_a_paced_write_is_timed_from_when_the_budget_let_it_go(monkeypatch: pyte
     def sleep(secs: float) -> None:
         now[0] += secs
 
-    monkeypatch.setattr(cw, "perf_counter", lambda: now[0])
+    monkeypatch.setattr(ce, "perf_counter", lambda: now[0])
     budget = Budget(1e6, burst_bytes=CHUNK, clock=lambda: now[0], sleep=sleep)
     m = _manifest([("s['n']", "uint8", 16 * F)])
     blob = _noise(m.blobs[0].size, 2)

@@ -6,10 +6,11 @@ in a bandwidth throttle: its callers (the packer, :func:`~tierckpt.datapath.blob
 *raw* blob offsets, in the chunks and order they always do. Each blob is cut into frames of ``F`` raw
 bytes (the manifest's checksum chunk); a frame whose bytes arrived is planned by the tier's
 :class:`~tierckpt.policies.compression.Adaptive` and, unless stored raw, encoded on the process's codec
-threads (:mod:`~tierckpt.datapath.codecpool`). One emitter thread per writer then lays each blob's frames
-out back to back, in frame order, into aligned chunks of the tier's geometry and hands them to the tier:
-front to back, one blob after another, so a tier that takes writes in order only (an S3 multipart
-upload, :func:`~tierckpt.datapath.blobcopy.ordered_writer`) works as well as any.
+threads (:mod:`~tierckpt.datapath.codecpool`). One emitter thread per writer then hands each frame, in
+order, to its :class:`~tierckpt.datapath.codecemit.Emitter`, which lays each blob's frames out back to
+back into aligned chunks of the tier's geometry and writes them to the tier: front to back, one blob
+after another, so a tier that takes writes in order only (an S3 multipart upload,
+:func:`~tierckpt.datapath.blobcopy.ordered_writer`) works as well as any.
 
 Memory: a frame that a single write covers is read where the caller's write put it (the write's future
 resolves once it is encoded, or for a frame stored raw once it is copied out); a frame that writes cover
@@ -28,60 +29,27 @@ background demotion and a blocking save writing to one tier at once each decide 
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import heapq
 import threading
-from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
-from time import perf_counter
 from typing import Any
 
-import numpy as np
 import torch
 
 from tierckpt.datapath import codecpool
+from tierckpt.datapath.codecemit import OUT_SLOTS, Emitter, Stopped
 from tierckpt.errors import TierFullError, TierIOError
 from tierckpt.format.codec import Encoded, encode_frame
 from tierckpt.format.frameindex import DEFAULT_FRAME_BYTES, MAX_FRAME_BYTES, MIN_FRAME_BYTES
-from tierckpt.format.frames import FrameIndex, IndexBuilder, wrap_manifest
-from tierckpt.format.layout import round_up
+from tierckpt.format.frames import FrameIndex, wrap_manifest
 from tierckpt.format.manifest import Manifest, ManifestHead
-from tierckpt.io.buffers import aligned_empty, memmove, ptr_mv
+from tierckpt.io.buffers import memmove, ptr_mv
 from tierckpt.policies.compression import Adaptive, FramePlan, Kind, frame_kinds
 from tierckpt.tiers.base import Tier, TierWriter
 
 __all__ = ["CodecWriter", "codec_writer", "frame_bytes_for"]
-
-#: output chunks of one writer in flight to its tier at most
-OUT_SLOTS = 4
-_spare_lock = threading.Lock()
-#: output chunks of finished writers, by (bytes, alignment), for the next writers (at most OUT_SLOTS each):
-#: fresh memory costs a page fault a page, as much as the copy into it
-_spare: dict[tuple[int, int], list[torch.Tensor]] = {}
-
-
-def _take_chunk(nbytes: int, align: int) -> torch.Tensor:
-    with _spare_lock:
-        free = _spare.get((nbytes, align))
-        if free:
-            return free.pop()
-    return aligned_empty(nbytes, align, pin=False)
-
-
-def _give_chunk(buf: torch.Tensor, align: int) -> None:
-    with _spare_lock:
-        free = _spare.setdefault((buf.numel(), align), [])
-        if len(free) < OUT_SLOTS:
-            free.append(buf)
-
-
-def _address(stream: bytes | memoryview) -> int:
-    """The address of a stream's bytes (a zstd frame's, a plane's, the raw frame's): copied from there
-    with ``memmove``, which releases the GIL."""
-    return int(np.frombuffer(stream, np.uint8).ctypes.data)
-
 
 # a frame's states: bytes missing, ready to encode, handed to the pool, encoded, being emitted, emitted
 _MISSING, _READY, _QUEUED, _ENCODED, _EMITTING, _EMITTED = range(6)
@@ -146,39 +114,6 @@ class _Frame:
             owner.release(error)
 
 
-class _Stopped(Exception):
-    """The writer stopped (an error, or abort): the emitter leaves."""
-
-
-class _Busy:
-    """The tier's busy time: while at least one write is in flight (from its call, or where a budget
-    paces the writer from when the budget let it go); each completed write reports its bytes and the
-    busy time since the report before."""
-
-    def __init__(self, adaptive: Adaptive) -> None:
-        self._adaptive = adaptive
-        self._lock = threading.Lock()
-        self._inflight, self._mark, self._busy = 0, 0.0, 0.0
-
-    def _tick(self, now: float) -> None:
-        if self._inflight:
-            self._busy += now - self._mark
-        self._mark = now
-
-    def start(self) -> None:
-        with self._lock:
-            self._tick(perf_counter())
-            self._inflight += 1
-
-    def end(self, nbytes: int) -> None:
-        with self._lock:
-            self._tick(perf_counter())
-            self._inflight -= 1
-            busy, self._busy = self._busy, 0.0
-        if nbytes > 0:
-            self._adaptive.observe_tier(nbytes, busy)
-
-
 class CodecWriter(TierWriter):
     """A tier's writer that stores each blob's frames encoded (see the module docstring).
 
@@ -225,14 +160,11 @@ class CodecWriter(TierWriter):
             self._first.append(self._first[-1] + -(-s // self._F))
         self._total = self._first[-1]
         self._blob_of = [b for b, s in enumerate(self._sizes) for _ in range(-(-s // self._F))]
-        self._builder = IndexBuilder(self._sizes, self._F)
-        self._held = [0] * len(self._sizes)
         threads = codecpool.ensure(adaptive.cfg.threads)
         self._window = window if window is not None else 2 * threads + 2
         budget = tier.budget
         #: this writer's bound on the tier's throughput: its budget's rate where that paces the writes
         self.budget = budget.bytes_per_sec if budget is not None and budget.paces(background) else None
-        self._busy = _Busy(adaptive)
         # shared state, under _cv
         self._cv = threading.Condition()
         self._state = bytearray(self._total)  # per frame (blob-major)
@@ -244,12 +176,11 @@ class CodecWriter(TierWriter):
         self._error: BaseException | None = None
         self._emitter: threading.Thread | None = None
         self._index: FrameIndex | None = None
-        # the emitter's own
-        self._out_slots = out_slots
-        self._free: list[torch.Tensor] = []  # output chunks not in use
-        self._inflight: deque[tuple[torch.Tensor, Future[int]]] = deque()
-        self._slot: torch.Tensor | None = None
-        self._start, self._fill = 0, 0
+        self._out = Emitter(
+            inner, end_blob, self._sizes, self._F, align=table.align, chunk_bytes=chunk_bytes, adaptive=adaptive,
+            paced=self.budget is not None, out_slots=out_slots, stopped=lambda: self._error is not None,
+            failed=self._failed,
+        )  # fmt: skip
 
     # -- the caller's side ----------------------------------------------------------------------------------
     def write(self, blob: int, offset: int, addr: int, nbytes: int) -> Future[int]:
@@ -386,25 +317,14 @@ class CodecWriter(TierWriter):
         try:
             for t in range(self._total):
                 self._emit_next(t)
-            while self._inflight:
-                self._retire()
-        except _Stopped:
+            self._out.drain()
+        except Stopped:
             pass
         except BaseException as e:
             with self._cv:
                 self._stop(e)
         finally:
-            while self._inflight:  # after an error: the tier's writes still read the output chunks
-                slot, f = self._inflight.popleft()
-                with contextlib.suppress(BaseException):
-                    f.exception()
-                self._free.append(slot)
-            if self._slot is not None:
-                self._free.append(self._slot)
-                self._slot = None
-            for buf in self._free:  # for the next writer
-                _give_chunk(buf, self._align)
-            self._free.clear()
+            self._out.close()  # after an error: once the tier's writes no longer read the output chunks
             with self._cv:
                 self._cv.notify_all()
 
@@ -413,7 +333,9 @@ class CodecWriter(TierWriter):
         fr = self._next_encoded(t)
         assert fr.enc is not None
         try:
-            self._emit(fr, fr.enc)
+            self._out.emit(fr.blob, fr.k, fr.enc)
+        except Stopped:
+            raise
         except BaseException as e:
             with self._cv:
                 self._stop(e)
@@ -432,82 +354,17 @@ class CodecWriter(TierWriter):
         with self._cv:
             while True:
                 if self._error is not None:
-                    raise _Stopped
+                    raise Stopped
                 fr = self._frames.get(t)
                 if fr is not None and fr.state == _ENCODED:
                     fr.state = _EMITTING  # its source is the emitter's to give back now
                     return fr
                 self._cv.wait()
 
-    def _emit(self, fr: _Frame, enc: Encoded) -> None:
-        """Append the frame's stored bytes to its blob's stream; at the blob's last frame, write its
-        last chunk (zero-padded to the alignment) and tell the tier where the stream ended."""
-        b, chunk = fr.blob, self._chunk
-        if fr.k == 0:
-            self._start, self._fill = 0, 0
-        for stream in enc.streams:
-            length, pos = len(stream), 0
-            addr = _address(stream) if length else 0
-            while pos < length:
-                if self._slot is None:
-                    self._slot = self._acquire()
-                n = min(length - pos, chunk - self._fill)
-                memmove(self._slot.data_ptr() + self._fill, addr + pos, n)
-                self._fill += n
-                pos += n
-                if self._fill == chunk:
-                    self._flush(b, chunk)
-        self._builder.add(b, fr.k, enc.width, enc.planes, enc.lengths if enc.width else ())
-        if fr.k == self._first[b + 1] - self._first[b] - 1:
-            held = self._start + self._fill
-            if self._fill:
-                end = round_up(self._fill, self._align)
-                assert self._slot is not None
-                ptr_mv(self._slot.data_ptr() + self._fill, end - self._fill)[:] = bytes(end - self._fill)
-                self._flush(b, end)
-            self._held[b] = held
-            self._end(b, round_up(held, self._align))
-
-    def _acquire(self) -> torch.Tensor:
-        if len(self._inflight) >= self._out_slots:
-            self._retire()
-        return self._free.pop() if self._free else _take_chunk(self._chunk, self._align)
-
-    def _flush(self, blob: int, nbytes: int) -> None:
-        """Write the output chunk (``nbytes`` of it) at the stream's current chunk."""
-        slot, self._slot = self._slot, None
-        assert slot is not None
-        paced = self.budget is not None  # the write waits for the budget first: the tier is busy once it goes
-        if not paced:
-            self._busy.start()
-        try:
-            fut = self._inner.write(blob, self._start, slot.data_ptr(), nbytes)
-        except BaseException:
-            if not paced:
-                self._busy.end(0)
-            self._free.append(slot)
-            raise
-        if paced:
-            self._busy.start()
-        self._inflight.append((slot, fut))
-        fut.add_done_callback(lambda f: self._written(f, nbytes))
-        self._start += nbytes
-        self._fill = 0
-
-    def _written(self, f: Future[int], nbytes: int) -> None:
-        error = f.exception()
-        self._busy.end(0 if error is not None else nbytes)
-        if error is not None:
-            with self._cv:
-                self._stop(error)
-
-    def _retire(self) -> None:
-        """Wait for the oldest write to the tier and take its chunk back."""
-        slot, f = self._inflight.popleft()
-        try:
-            f.result()
-        finally:
-            self._free.append(slot)
+    def _failed(self, error: BaseException) -> None:
+        """A write to the tier failed (on the thread that completed it): the writer stops."""
+        with self._cv:
+            self._stop(error)
 
     # -- stopping --------------------------------------------------------------------------------------------
     def _stop(self, error: BaseException) -> None:
@@ -549,7 +406,7 @@ class CodecWriter(TierWriter):
                 self._start_emitter()  # a copy of empty blobs only
             self._wait_quiet()
             self._check_written()
-            self._index = self._builder.build()
+            self._index = self._out.index()
         index = self._index
         self._inner.commit(wrap_manifest(manifest, index) if index.compressed_frames() else manifest)
 
