@@ -43,15 +43,18 @@ CHUNK = 4 * F
 class Recorder(TierWriter):
     """A tier's writer that keeps what it is given, checks each write against the tier's rules (aligned,
     whole chunks but a blob's last, each blob front to back when ``ordered``), and completes writes on a
-    thread after ``delay`` (or fails the ``fail_at``-th with ``error``)."""
+    thread after ``delay`` (or fails the ``fail_at``-th with ``error``; ``inline``: completes each in
+    ``write``, its future resolved when it returns)."""
 
-    def __init__(self, sizes: Sequence[int], *, delay: float = 0.0, fail_at: int | None = None) -> None:
+    def __init__(
+        self, sizes: Sequence[int], *, delay: float = 0.0, fail_at: int | None = None, inline: bool = False
+    ) -> None:
         self.data = [bytearray(n) for n in sizes]
         self.ends = [0] * len(sizes)  # per blob: where its writes reached
         self.writes: list[tuple[int, int, int]] = []
         self.manifest: bytes | None = None
         self.aborted = False
-        self.delay, self.fail_at = delay, fail_at
+        self.delay, self.fail_at, self.inline = delay, fail_at, inline
         self.error = OSError(5, "injected write failure")
         self._pool = ThreadPoolExecutor(4)
         self._lock = threading.Lock()
@@ -73,6 +76,10 @@ class Recorder(TierWriter):
             self.data[blob][offset : offset + nbytes] = data
             return nbytes
 
+        if self.inline:
+            done: Future[int] = Future()
+            done.set_result(land())
+            return done
         return self._pool.submit(land)
 
     def commit(self, manifest: bytes) -> None:
@@ -300,6 +307,93 @@ def test_abort_mid_copy_leaves_nothing_on_a_local_tier(tmp_path: Path) -> None:
         tier.close()
 
 
+class Stuck(TierWriter):
+    """A tier's writer whose writes hang (parts in their retries, to a server that is down) until it is
+    cancelled or aborted; it records the calls, and how many writes were still in flight at its abort
+    (a tier's abort may free what they write to: a file tier closes its descriptors)."""
+
+    def __init__(self) -> None:
+        self.issued: list[Future[int]] = []
+        self.calls: list[str] = []
+        self.inflight_at_abort: int | None = None
+        self._lock = threading.Lock()
+        self._given_up = False
+
+    def write(self, blob: int, offset: int, addr: int, nbytes: int) -> Future[int]:
+        f: Future[int] = Future()
+        with self._lock:
+            self.issued.append(f)
+            if not self._given_up:
+                return f
+        f.set_exception(OSError(125, "cancelled"))
+        return f
+
+    def _give_up(self) -> None:
+        with self._lock:
+            self._given_up = True
+            hung = [f for f in self.issued if not f.done()]
+        for f in hung:
+            f.set_exception(OSError(125, "the part's retries gave up"))
+
+    def cancel(self) -> None:
+        self.calls.append("cancel")
+        self._give_up()
+
+    def commit(self, manifest: bytes) -> None:
+        raise AssertionError("not committed")
+
+    def abort(self) -> None:
+        self.calls.append("abort")
+        self.inflight_at_abort = sum(not f.done() for f in self.issued)
+        self._give_up()
+
+
+def _in_thread(fn: Callable[[], None], limit: float = 30.0) -> bool:
+    """Whether ``fn()`` returned within ``limit`` seconds (a hang detector: it normally takes
+    milliseconds)."""
+    t = threading.Thread(target=fn, daemon=True)
+    t.start()
+    t.join(limit)
+    return not t.is_alive()
+
+
+@pytest.mark.parametrize("during", ["writes", "commit"])
+def test_abort_does_not_wait_for_writes_the_tier_holds(during: str) -> None:
+    """The tier's writes hang (an S3 part in retries): abort cancels the tier's writer first, so that they
+    fail, then waits for them, and only then aborts it. The same for an abort from another thread while
+    commit waits for the writes."""
+    m = _manifest([("s['w']", "bfloat16", 16 * F)])
+    blob = _floats(m.blobs[0].size, 3)
+    inner = Stuck()
+    w = _writer(inner, m, chunk=F)
+    try:
+        futs = [w.write(0, o, blob.data_ptr() + o, F) for o in range(0, blob.numel(), F)]
+        deadline = time.monotonic() + 30
+        while not inner.issued and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert inner.issued, "nothing reached the tier"
+        if during == "commit":
+            errors: list[BaseException] = []
+
+            def commit() -> None:
+                try:
+                    w.commit(encode_manifest(m))
+                except BaseException as e:
+                    errors.append(e)
+
+            committing = threading.Thread(target=commit, daemon=True)
+            committing.start()
+        assert _in_thread(w.abort), "abort waited for the tier's writes"
+        assert inner.calls == ["cancel", "abort"] and inner.inflight_at_abort == 0
+        for f in futs:  # every write resolved (the frames encoded before the abort without an error)
+            f.exception(timeout=30)
+        if during == "commit":
+            committing.join(30)
+            assert not committing.is_alive() and len(errors) == 1 and "aborted" in str(errors[0])
+    finally:
+        inner.cancel()  # a hung writer's threads go (where abort did not come back)
+
+
 def test_an_encoder_error_surfaces_at_commit(monkeypatch: pytest.MonkeyPatch) -> None:
     import tierckpt.datapath.codecwrite as cw
 
@@ -445,7 +539,7 @@ def test_two_writers_of_one_tier_decide_with_their_own_budgets() -> None:
 
 def test_a_paced_write_is_timed_from_when_the_budget_let_it_go(monkeypatch: pytest.MonkeyPatch) -> None:
     """The tier's throughput excludes the budget's waits: a clock that moves only while the budget makes
-    a write wait reads no busy time at all for writes that complete at once."""
+    a write wait reads no busy time at all for writes that complete as they are handed over."""
     import tierckpt.datapath.codecemit as ce
     from tierckpt.datapath.throttle import throttled_writer
 
@@ -460,7 +554,7 @@ def test_a_paced_write_is_timed_from_when_the_budget_let_it_go(monkeypatch: pyte
     blob = _noise(m.blobs[0].size, 2)
     tier = _Tier(budget)
     fake = FakeAdaptive(lambda kind: RAW)
-    inner = Recorder([blob.numel()])
+    inner = Recorder([blob.numel()], inline=True)
     w = _writer(throttled_writer(tier, inner, background=True), m, adaptive=fake, tier=tier)  # type: ignore[arg-type]
     _write_all(w, [blob], F, "forward")
     w.commit(encode_manifest(m))

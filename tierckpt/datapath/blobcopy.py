@@ -229,3 +229,6 @@ class _InOrder(TierWriter):
 
     def abort(self) -> None:
         self._inner.abort()
+
+    def cancel(self) -> None:
+        self._inner.cancel()

@@ -410,11 +410,18 @@ class CodecWriter(TierWriter):
         index = self._index
         self._inner.commit(wrap_manifest(manifest, index) if index.compressed_frames() else manifest)
 
-    def abort(self) -> None:
-        """Stop: frames not yet encoded are dropped, encodings running are waited for, and the tier's
-        writer is aborted (after its writes in flight)."""
+    def cancel(self) -> None:
+        """Stop: frames not yet encoded are dropped, nothing more goes to the tier, and the tier's writer
+        is cancelled, so that its writes in flight fail soon (an S3 part in its retries gives up)."""
         with self._cv:
             self._stop(RuntimeError(f"tier {self._tier.name!r}: the codec writer was aborted"))
+        self._inner.cancel()
+
+    def abort(self) -> None:
+        """Stop promptly: :meth:`cancel`; then wait for the encodings running and the tier's writes in
+        flight (failing soon now: they read this writer's output chunks, and the tier's own abort may
+        free what they write to), and abort the tier's writer."""
+        self.cancel()
         self._wait_quiet()
         self._inner.abort()
 
