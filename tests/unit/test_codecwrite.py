@@ -10,6 +10,7 @@ import os
 import random
 import threading
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -191,25 +192,31 @@ def test_partial_frames_from_reused_staging_slots() -> None:
     blobs = [_floats(b.size, i, torch.float32) for i, b in enumerate(m.blobs)]
     inner = Recorder([b.size for b in m.blobs], delay=0.002)
     w = _writer(inner, m)
-    slots = [aligned_empty(F // 2 + ALIGN, ALIGN, pin=False) for _ in range(2)]
-    inflight: list[tuple[torch.Tensor, Future[int]]] = []
-    for b, t in enumerate(blobs):
-        for o in range(0, t.numel(), slots[0].numel()):
-            if len(inflight) == len(slots):
-                slot, f = inflight.pop(0)
-                f.result()
-                slot.fill_(0xAA)  # the caller's next bytes
-                slots.append(slot)
-            slot = slots.pop()
-            n = min(slot.numel(), t.numel() - o)
-            slot[:n].copy_(t[o : o + n])
-            inflight.append((slot, w.write(b, o, slot.data_ptr(), n)))
-    for slot, f in inflight:
-        f.result()
-        slot.fill_(0xAA)
+    _through_slots(w, blobs, F // 2 + ALIGN)
     w.commit(encode_manifest(m))
     assert inner.manifest is not None
     assert _decoded(inner.manifest, inner.data) == [bytes(t.numpy()) for t in blobs]
+
+
+def _through_slots(w: TierWriter, blobs: Sequence[torch.Tensor], slot_bytes: int) -> None:
+    """Write ``blobs`` in order through two staging slots of ``slot_bytes``, each reused (and scribbled
+    over) once its write resolved, as a file→file copy does."""
+    slots = [aligned_empty(slot_bytes, ALIGN, pin=False) for _ in range(2)]
+    inflight: list[tuple[torch.Tensor, Future[int]]] = []
+    for b, t in enumerate(blobs):
+        for o in range(0, t.numel(), slot_bytes):
+            if len(inflight) == len(slots):
+                slot, f = inflight.pop(0)
+                f.result(timeout=60)
+                slot.fill_(0xAA)  # the caller's next bytes
+                slots.append(slot)
+            slot = slots.pop()
+            n = min(slot_bytes, t.numel() - o)
+            slot[:n].copy_(t[o : o + n])
+            inflight.append((slot, w.write(b, o, slot.data_ptr(), n)))
+    for slot, f in inflight:
+        f.result(timeout=60)
+        slot.fill_(0xAA)
 
 
 def test_whole_frames_raw_are_released_only_once_copied_out() -> None:
@@ -620,6 +627,81 @@ def test_a_window_of_one_frame_and_one_output_chunk_still_gets_through(order: st
     w.commit(encode_manifest(m))
     assert inner.manifest is not None
     assert _decoded(inner.manifest, inner.data) == [bytes(t.numpy()) for t in blobs]
+
+
+class _Buffers:
+    """Counts the frame buffers alive (made by ``codecframes.frame_buffer``, gone once freed)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        from tierckpt.datapath import codecframes
+
+        self.alive = self.peak = self.made = 0
+        self._lock = threading.Lock()
+        real = codecframes.frame_buffer
+
+        def counted(nbytes: int) -> torch.Tensor:
+            buf = real(nbytes)
+            with self._lock:
+                self.alive += 1
+                self.made += 1
+                self.peak = max(self.peak, self.alive)
+            weakref.finalize(buf, self._gone)
+            return buf
+
+        monkeypatch.setattr(codecframes, "frame_buffer", counted)
+
+    def _gone(self) -> None:
+        with self._lock:
+            self.alive -= 1
+
+
+def _quarters(blob: torch.Tensor) -> list[tuple[int, int]]:
+    """Writes of a quarter frame: the first quarter of every frame, then every second quarter, and so on
+    (a frame fills only once the last quarters come)."""
+    q = F // 4
+    return [(o, q) for part in range(4) for o in range(part * q, blob.numel(), F)]
+
+
+@pytest.mark.parametrize(("order", "window", "buffers"), [("quarters", 2, 2), ("quarters", 1, 1), ("forward", 2, 2)])
+def test_frame_buffers_are_bounded_whatever_the_order(
+    monkeypatch: pytest.MonkeyPatch, order: str, window: int, buffers: int
+) -> None:
+    """Writes smaller than a frame (an ``io: {chunk: 1MiB}`` under 4 MiB frames), every one issued
+    before any is waited for, to a slow tier: in order, or so that each frame fills only once the last
+    quarters come. At most ``buffers + window + 1`` frame buffers are alive at once (the parts beyond
+    are held where the caller put them, or their writes wait), and the copy is whole."""
+    counted = _Buffers(monkeypatch)
+    m = _manifest([("s['w']", "bfloat16", 32 * F)])
+    blob = _floats(m.blobs[0].size, 6)
+    inner = Recorder([blob.numel()], delay=0.002)
+    w = _writer(inner, m, window=window, buffers=buffers)
+    ops = _quarters(blob) if order == "quarters" else [(o, F // 4) for o in range(0, blob.numel(), F // 4)]
+    futs = [w.write(0, o, blob.data_ptr() + o, n) for o, n in ops[:32]]
+    if order == "quarters":  # the first quarters beyond the buffers are held: their writes wait for their frames
+        assert not any(f.done() for f in futs[buffers:])
+    futs += [w.write(0, o, blob.data_ptr() + o, n) for o, n in ops[32:]]
+    for f in futs:
+        f.result(timeout=60)
+    w.commit(encode_manifest(m))
+    assert inner.manifest is not None
+    assert _decoded(inner.manifest, inner.data) == [bytes(blob.numpy())]
+    assert 0 < counted.peak <= buffers + window + 1, counted.peak
+
+
+def test_a_caller_with_less_memory_than_a_frame_gets_through(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A copy through two staging slots of a quarter frame (and a page: its writes straddle frames),
+    each slot reused once its write resolved, into the tightest bounds on a slow tier: its writes
+    wait for frame buffers, and it never waits forever."""
+    counted = _Buffers(monkeypatch)
+    m = _manifest([("s['w']", "float32", 12 * F + ALIGN), ("s['v']", "bfloat16", 5 * F)])
+    blobs = [_floats(b.size, i, torch.float32) for i, b in enumerate(m.blobs)]
+    inner = Recorder([b.size for b in m.blobs], delay=0.002)
+    w = _writer(inner, m, window=1, buffers=1, out_slots=1)
+    _through_slots(w, blobs, F // 4 + ALIGN)
+    w.commit(encode_manifest(m))
+    assert inner.manifest is not None
+    assert _decoded(inner.manifest, inner.data) == [bytes(t.numpy()) for t in blobs]
+    assert counted.peak <= 3
 
 
 def _punches(where: Path) -> bool:

@@ -12,12 +12,20 @@ back into aligned chunks of the tier's geometry and writes them to the tier: fro
 after another, so a tier that takes writes in order only (an S3 multipart upload,
 :func:`~tierckpt.datapath.blobcopy.ordered_writer`) works as well as any.
 
-Memory: a frame that a single write covers is read where the caller's write put it (the write's future
-resolves once it is encoded, or for a frame stored raw once it is copied out); a frame that writes cover
-in parts is gathered into a frame buffer of its own first (those writes resolve at once). At most
-``window`` frames are being encoded or wait encoded (the one the emitter waits for always gets in),
-and at most ``out_slots`` output chunks are in flight: beyond that the writes' futures wait, which is
-the caller's backpressure.
+Memory (:mod:`~tierckpt.datapath.codecframes`): a frame that one write covers whole is read where the
+caller's write put it (the write's future resolves once the frame is encoded, or for a frame stored
+raw once it is copied out). A write of part of a frame is copied into the frame's buffer (and resolves
+at once) while fewer than ``buffers`` frames not yet handed to the codec threads hold one. Beyond that
+the write waits for one of them to go, as long as the emitter's next frame has all its bytes (the
+writer then moves on without any other write, so the wait ends); else (frames that fill only once
+later writes come, which this one may be holding back) the part is held where the caller put it, its
+write's future waiting until its frame goes to the codec threads (gathered into a buffer there). At
+most ``window`` frames are being encoded or wait encoded (the one the emitter waits for always gets
+in), and at most ``out_slots`` output chunks are in flight. So a writer holds at most ``buffers +
+window + 1`` frame buffers, as many encoded frames and ``out_slots`` chunks, whatever the order and
+size of its writes; beyond that its writes or their futures wait, which is the caller's backpressure.
+A caller that waits for a write's future has written every byte of the frames up to the last one that
+write touches (a packer, a copy through staging slots): it never waits forever.
 
 The tier's write throughput is measured as stored bytes over its *busy* time (while at least one of
 its writes is in flight), so a writer starved by its compressor does not make the tier look slow, and
@@ -40,19 +48,20 @@ import torch
 
 from tierckpt.datapath import codecpool
 from tierckpt.datapath.codecemit import OUT_SLOTS, Emitter, Stopped
+from tierckpt.datapath.codecframes import EMITTED, EMITTING, ENCODED, MISSING, QUEUED, READY, Frame, Piece, Write
 from tierckpt.errors import TierFullError, TierIOError
 from tierckpt.format.codec import Encoded, encode_frame
 from tierckpt.format.frameindex import DEFAULT_FRAME_BYTES, MAX_FRAME_BYTES, MIN_FRAME_BYTES
 from tierckpt.format.frames import FrameIndex, wrap_manifest
 from tierckpt.format.manifest import Manifest, ManifestHead
-from tierckpt.io.buffers import memmove, ptr_mv
-from tierckpt.policies.compression import Adaptive, FramePlan, Kind, frame_kinds
+from tierckpt.io.buffers import memmove
+from tierckpt.policies.compression import Adaptive, Kind, frame_kinds
 from tierckpt.tiers.base import Tier, TierWriter
 
 __all__ = ["CodecWriter", "codec_writer", "frame_bytes_for"]
 
-# a frame's states: bytes missing, ready to encode, handed to the pool, encoded, being emitted, emitted
-_MISSING, _READY, _QUEUED, _ENCODED, _EMITTING, _EMITTED = range(6)
+#: a part of a write to copy into its frame's buffer: (frame, its buffer, the part)
+_Copy = tuple[Frame, torch.Tensor, Piece]
 
 
 def frame_bytes_for(manifest: Manifest | ManifestHead) -> int:
@@ -63,55 +72,6 @@ def frame_bytes_for(manifest: Manifest | ManifestHead) -> int:
     if f <= 0 or f & (f - 1):
         return DEFAULT_FRAME_BYTES
     return min(max(f, MIN_FRAME_BYTES), MAX_FRAME_BYTES)
-
-
-class _Write:
-    """One raw write of the caller: its future resolves once no frame needs its memory (and the write
-    has been taken in: its own hold)."""
-
-    __slots__ = ("error", "future", "holds", "nbytes")
-
-    def __init__(self, nbytes: int) -> None:
-        self.future: Future[int] = Future()
-        self.nbytes, self.holds = nbytes, 1
-        self.error: BaseException | None = None
-
-    def release(self, error: BaseException | None = None) -> None:
-        """One frame no longer needs the memory (``error``: the writer stopped before it was used)."""
-        self.holds -= 1
-        self.error = self.error or error
-        if self.holds == 0:
-            if self.error is not None:
-                self.future.set_exception(self.error)
-            else:
-                self.future.set_result(self.nbytes)
-
-
-class _Frame:
-    """One frame on its way: its raw bytes (``src``: the caller's memory, whose write is ``owner``, or
-    ``buf``), then its encoding."""
-
-    __slots__ = (
-        "blob", "buf", "copied", "enc", "k", "owner", "parts", "plan", "raw_len", "src", "state", "t", "task",
-    )  # fmt: skip
-
-    def __init__(self, t: int, blob: int, k: int, raw_len: int) -> None:
-        self.t, self.blob, self.k, self.raw_len = t, blob, k, raw_len
-        self.state = _MISSING
-        self.copied = 0  # raw bytes in
-        self.parts: list[tuple[int, int]] = []  # the frame's ranges claimed by writes of parts of it
-        self.buf: torch.Tensor | None = None
-        self.src: memoryview | None = None
-        self.owner: _Write | None = None
-        self.plan: FramePlan | None = None
-        self.enc: Encoded | None = None
-        self.task: Future[None] | None = None
-
-    def drop_source(self, error: BaseException | None = None) -> None:
-        """The raw bytes are no longer needed: give the caller's memory back (or the frame buffer)."""
-        owner, self.owner, self.src, self.buf = self.owner, None, None, None
-        if owner is not None:
-            owner.release(error)
 
 
 class CodecWriter(TierWriter):
@@ -129,6 +89,8 @@ class CodecWriter(TierWriter):
         background: whether the writes are paced by the tier's budget (its rate then bounds the
             throughput the decisions assume).
         window: frames being encoded or waiting encoded at most (default: twice the codec threads, plus 2).
+        buffers: frames not yet handed to the codec threads that hold a frame buffer at most (default:
+            half the window, at least 2).
         out_slots: output chunks in flight to ``inner`` at most.
     """
 
@@ -143,6 +105,7 @@ class CodecWriter(TierWriter):
         chunk_bytes: int,
         background: bool = True,
         window: int | None = None,
+        buffers: int | None = None,
         out_slots: int = OUT_SLOTS,
     ) -> None:
         table = manifest.manifest() if isinstance(manifest, ManifestHead) else manifest
@@ -162,13 +125,17 @@ class CodecWriter(TierWriter):
         self._blob_of = [b for b, s in enumerate(self._sizes) for _ in range(-(-s // self._F))]
         threads = codecpool.ensure(adaptive.cfg.threads)
         self._window = window if window is not None else 2 * threads + 2
+        self._max_buffered = buffers if buffers is not None else max(2, self._window // 2)
+        if self._window < 1 or self._max_buffered < 1:
+            raise ValueError(f"codec writer: window {self._window} and buffers {self._max_buffered}: at least 1 each")
         budget = tier.budget
         #: this writer's bound on the tier's throughput: its budget's rate where that paces the writes
         self.budget = budget.bytes_per_sec if budget is not None and budget.paces(background) else None
         # shared state, under _cv
         self._cv = threading.Condition()
         self._state = bytearray(self._total)  # per frame (blob-major)
-        self._frames: dict[int, _Frame] = {}  # the frames on their way
+        self._frames: dict[int, Frame] = {}  # the frames on their way
+        self._buffered = 0  # frames not yet handed to the pool that hold a buffer
         self._ready: list[int] = []  # heap of frames whose bytes are in, not yet handed to the pool
         self._pending = 0  # frames queued, being encoded, or encoded and not yet emitted
         self._running = 0  # encode tasks of this writer that started and have not finished
@@ -185,13 +152,15 @@ class CodecWriter(TierWriter):
     # -- the caller's side ----------------------------------------------------------------------------------
     def write(self, blob: int, offset: int, addr: int, nbytes: int) -> Future[int]:
         """Take raw bytes ``[offset, offset + nbytes)`` of blob ``blob`` from ``addr``; the future resolves
-        once the memory is no longer read (the bytes are encoded, or copied out)."""
+        once the memory is no longer read (the bytes are encoded, copied out, or copied into a frame
+        buffer). Waits while the frame buffers are all taken (the module docstring says when)."""
         size = self._sizes[blob]
         if offset < 0 or nbytes <= 0 or offset + nbytes > size:
             raise ValueError(f"codec writer: a write of [{offset}, +{nbytes}) is outside blob {blob} of {size} bytes")
-        w = _Write(nbytes)
+        w = Write(nbytes)
         F, base = self._F, self._first[blob]
-        parts: list[tuple[_Frame, int, int, int]] = []  # (frame, frame offset, from addr, bytes) copied in
+        copies: list[_Copy] = []  # parts to copy into their frames' buffers, outside the lock
+        later: list[tuple[Frame, Piece]] = []  # parts of frames that have no buffer yet
         with self._cv:
             self._check_going()
             spans = [(k, k * F, min(size, (k + 1) * F)) for k in range(offset // F, -(-(offset + nbytes) // F))]
@@ -200,33 +169,66 @@ class CodecWriter(TierWriter):
             self._start_emitter()
             for k, lo, hi in spans:
                 a, z = max(lo, offset), min(hi, offset + nbytes)
-                fr = self._frames.get(base + k) or self._frames.setdefault(base + k, _Frame(base + k, blob, k, hi - lo))
-                if a == lo and z == hi:  # the whole frame: read where it is
-                    fr.copied = hi - lo
-                    fr.owner, fr.src = w, ptr_mv(addr + lo - offset, hi - lo, writable=False)
-                    w.holds += 1
+                fr = self._frames.get(base + k) or self._frames.setdefault(base + k, Frame(base + k, blob, k, hi - lo))
+                fr.claim(a - lo, z - lo)
+                piece = Piece(a - lo, addr + a - offset, z - a, w)
+                if z - a == fr.raw_len:  # the whole frame: read where it is
+                    fr.hold(piece)
                     self._arrived(fr)
-                    continue
-                if fr.buf is None:
-                    fr.buf = torch.empty(fr.raw_len, dtype=torch.uint8)
-                fr.parts.append((a - lo, z - lo))  # claimed now, counted in once copied
-                parts.append((fr, a - lo, addr + a - offset, z - a))
-        for fr, at, src, n in parts:  # outside the lock: each part is this write's own bytes of the frame
-            assert fr.buf is not None
-            memmove(fr.buf.data_ptr() + at, src, n)
-        with self._cv:
-            for fr, _, _, n in parts:
-                fr.copied += n
-                if fr.copied == fr.raw_len and self._error is None:
+                elif (buf := self._buffer(fr, wait=False)) is not None:
+                    copies.append((fr, buf, piece))
+                else:
+                    later.append((fr, piece))
+        while True:
+            for _, buf, p in copies:  # outside the lock: each part is this write's own bytes of its frame
+                memmove(buf.data_ptr() + p.at, p.addr, p.nbytes)
+            with self._cv:
+                for fr, _, p in copies:
+                    fr.copied += p.nbytes
+                    if fr.complete() and self._error is None:
+                        self._arrived(fr)
+                copies = self._place(later)
+                if not copies:
+                    w.release(self._error if later else None)  # its own hold: it is in (or not all of it)
+                    return w.future
+
+    def _place(self, later: list[tuple[Frame, Piece]]) -> list[_Copy]:
+        """Under the lock: hold the parts of ``later`` that get no frame buffer, up to one that does (its
+        copy, returned); what the writer stopping left stays in ``later``."""
+        while later and self._error is None:
+            fr, p = later[0]
+            buf = self._buffer(fr, wait=True)
+            if buf is not None:
+                later.pop(0)
+                return [(fr, buf, p)]
+            if self._error is None:
+                later.pop(0)
+                fr.hold(p)
+                if fr.complete():
                     self._arrived(fr)
-            w.release()  # the write's own hold: it is in
-        return w.future
+        return []
+
+    def _buffer(self, fr: Frame, *, wait: bool) -> torch.Tensor | None:
+        """Under the lock: frame ``fr``'s buffer to copy a part into: its own, or a new one while fewer
+        than ``buffers`` frames not yet handed to the pool hold one; with ``wait``, once one of those
+        goes, as long as the emitter's next frame has all its bytes. None at once where it has not, or
+        the writer stopped: the part is held instead."""
+        while self._error is None:
+            if fr.buf is not None:
+                return fr.buf
+            if self._buffered < self._max_buffered:
+                self._buffered += 1
+                return fr.new_buffer()
+            if not wait or self._cursor >= self._total or self._state[self._cursor] == MISSING:
+                return None
+            self._cv.wait()
+        return None
 
     def _check_fresh(self, blob: int, k: int, lo: int, hi: int) -> None:
         """Refuse a write of bytes ``[lo, hi)`` of frame ``k`` of which some were written before."""
         t = self._first[blob] + k
         fr = self._frames.get(t)
-        if self._state[t] != _MISSING or (fr is not None and any(a < hi and lo < z for a, z in fr.parts)):
+        if self._state[t] != MISSING or (fr is not None and fr.claimed(lo, hi)):
             raise ValueError(f"codec writer: bytes of blob {blob} frame {k} are written twice")
 
     def _check_going(self) -> None:
@@ -249,12 +251,9 @@ class CodecWriter(TierWriter):
             )
             self._emitter.start()
 
-    def _arrived(self, fr: _Frame) -> None:
+    def _arrived(self, fr: Frame) -> None:
         """Under the lock: the frame's raw bytes are all in: queue it for encoding."""
-        if fr.src is None:
-            assert fr.buf is not None
-            fr.src = ptr_mv(fr.buf.data_ptr(), fr.raw_len, writable=False)
-        self._state[fr.t] = fr.state = _READY
+        self._state[fr.t] = fr.state = READY
         heapq.heappush(self._ready, fr.t)
         self._schedule()
 
@@ -267,12 +266,15 @@ class CodecWriter(TierWriter):
                 return
             heapq.heappop(self._ready)
             fr = self._frames[t]
-            self._state[t] = fr.state = _QUEUED
+            self._state[t] = fr.state = QUEUED
             self._pending += 1
+            if fr.buf is not None:  # its buffer is the pool's share now: another frame may have one
+                self._buffered -= 1
+                self._cv.notify_all()
             fr.task = codecpool.submit(self._encode, fr)
 
     # -- the codec threads -----------------------------------------------------------------------------------
-    def _encode(self, fr: _Frame) -> None:
+    def _encode(self, fr: Frame) -> None:
         """On a codec thread: plan the frame and encode it; its caller's memory is given back once the
         stored bytes are the encoder's own (a frame that stays raw is copied out by the emitter first)."""
         with self._cv:
@@ -281,10 +283,16 @@ class CodecWriter(TierWriter):
                 return
             self._running += 1
         kind = self._kinds[fr.blob][fr.k]
-        assert fr.src is not None
         enc: Encoded | None = None
         error: BaseException | None = None
-        try:  # planned now, not as it arrived: the frames before it were measured meanwhile
+        try:
+            gathered = fr.gather()  # the frame is this task's: no one else touches its pieces now
+            if gathered:
+                with self._cv:
+                    for w in gathered:
+                        w.release()
+            assert fr.src is not None
+            # planned now, not as it arrived: the frames before it were measured meanwhile
             plan = fr.plan = self._adaptive.plan(kind, self.budget)
             if plan.sample and plan.measure is not None:  # stored raw; a sample compressed only to measure it
                 m = plan.measure
@@ -306,7 +314,7 @@ class CodecWriter(TierWriter):
             else:
                 assert enc is not None
                 fr.enc = enc
-                self._state[fr.t] = fr.state = _ENCODED
+                self._state[fr.t] = fr.state = ENCODED
                 if enc.width != 0:
                     fr.drop_source()
             self._cv.notify_all()
@@ -345,19 +353,20 @@ class CodecWriter(TierWriter):
                 fr.drop_source(self._error)
                 fr.enc = None
                 del self._frames[t]
-                self._state[t] = fr.state = _EMITTED
+                self._state[t] = fr.state = EMITTED
                 self._pending -= 1
                 self._cursor = t + 1
                 self._schedule()
+                self._cv.notify_all()  # a write waiting for a frame buffer looks at the next frame
 
-    def _next_encoded(self, t: int) -> _Frame:
+    def _next_encoded(self, t: int) -> Frame:
         with self._cv:
             while True:
                 if self._error is not None:
                     raise Stopped
                 fr = self._frames.get(t)
-                if fr is not None and fr.state == _ENCODED:
-                    fr.state = _EMITTING  # its source is the emitter's to give back now
+                if fr is not None and fr.state == ENCODED:
+                    fr.state = EMITTING  # its source is the emitter's to give back now
                     return fr
                 self._cv.wait()
 
@@ -372,11 +381,13 @@ class CodecWriter(TierWriter):
         if self._error is None:
             self._error = error
         for fr in self._frames.values():
-            if fr.state == _QUEUED:
+            if fr.state == QUEUED:
                 if fr.task is not None and fr.task.cancel():  # never ran; one that runs gives it back itself
                     fr.drop_source(self._error)
-            elif fr.state in (_READY, _ENCODED):
+            elif fr.state in (READY, ENCODED):
                 fr.drop_source(self._error)
+            elif fr.state == MISSING:  # its buffer may be written by a write's copy: kept
+                fr.release_held(self._error)
         self._ready.clear()
         self._cv.notify_all()
 
@@ -397,7 +408,7 @@ class CodecWriter(TierWriter):
         if self._index is None:
             with self._cv:
                 self._check_written()
-                missing = next((t for t in range(self._total) if self._state[t] == _MISSING), None)
+                missing = next((t for t in range(self._total) if self._state[t] == MISSING), None)
                 if missing is not None:
                     b = self._blob_of[missing]
                     raise ValueError(
