@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import errno
 import os
 import random
 import threading
@@ -22,7 +23,7 @@ import torch
 from tierckpt.datapath.blobcopy import ordered_writer
 from tierckpt.datapath.codecwrite import CodecWriter, codec_writer, frame_bytes_for
 from tierckpt.datapath.storing import compresses, set_compression
-from tierckpt.errors import ConfigError
+from tierckpt.errors import ConfigError, DeviceFullError, TierFullError, TierIOError
 from tierckpt.format.codec import Encoded, decode_frame
 from tierckpt.format.frameindex import MIN_FRAME_BYTES
 from tierckpt.format.frames import held_sizes, unwrap_manifest
@@ -297,6 +298,26 @@ def test_an_inner_write_error_surfaces_at_commit_and_abort_cleans_up() -> None:
     assert inner.aborted
     with pytest.raises(OSError, match="injected write failure"):
         w.write(0, 0, blobs[0].data_ptr(), F)
+
+
+@pytest.mark.parametrize("full", [TierFullError("bucket quota exceeded"), DeviceFullError(28, "device full")])
+def test_a_write_refused_for_room_fails_the_commit_as_an_io_error(full: TierFullError) -> None:
+    """A write the tier refused for room (an S3 part over the quota, a full device) cannot be made again
+    by committing again: the commit raises a TierIOError (ENOSPC, caused by the tier's error), not a
+    TierFullError, so that the mover does not make room and retry it. Again at every commit."""
+    m = _manifest([("s['w']", "bfloat16", 8 * F)])
+    blob = _floats(m.blobs[0].size, 4)
+    inner = Recorder([blob.numel()], fail_at=2)
+    inner.error = full
+    w = _writer(inner, m)
+    _write_all(w, [blob], F, "forward")
+    for _ in range(2):
+        with pytest.raises(TierIOError) as e:
+            w.commit(encode_manifest(m))
+        assert not isinstance(e.value, TierFullError) and e.value.errno == errno.ENOSPC
+        assert e.value.__cause__ is full and str(full) in str(e.value)
+    w.abort()
+    assert inner.aborted and inner.manifest is None
 
 
 def test_abort_mid_copy_leaves_nothing_on_a_local_tier(tmp_path: Path) -> None:

@@ -235,15 +235,6 @@ class CodecWriter(TierWriter):
         if self._error is not None:
             raise self._error
 
-    def _check_written(self) -> None:
-        """At commit: the first error of the writer; a write the tier refused for room (TierFullError) as
-        a plain I/O error, since committing again cannot write that part again (only the tier's own
-        commit's TierFullError is retried: making room for it would evict copies for nothing)."""
-        err = self._error
-        if isinstance(err, TierFullError):
-            raise TierIOError(err.errno or errno.ENOSPC, f"a write of this copy failed: {err}") from err
-        self._check_going()
-
     def _start_emitter(self) -> None:
         if self._emitter is None:
             self._emitter = threading.Thread(
@@ -377,9 +368,10 @@ class CodecWriter(TierWriter):
 
     # -- stopping --------------------------------------------------------------------------------------------
     def _stop(self, error: BaseException) -> None:
-        """Under the lock: stop on the first error; give back the caller's memory no codec thread reads."""
+        """Under the lock: stop on the first error (:meth:`_refused` says how a tier's refusal is told);
+        give back the caller's memory no codec thread reads."""
         if self._error is None:
-            self._error = error
+            self._error = self._refused(error)
         for fr in self._frames.values():
             if fr.state == QUEUED:
                 if fr.task is not None and fr.task.cancel():  # never ran; one that runs gives it back itself
@@ -390,6 +382,20 @@ class CodecWriter(TierWriter):
                 fr.release_held(self._error)
         self._ready.clear()
         self._cv.notify_all()
+
+    def _refused(self, error: BaseException) -> BaseException:
+        """``error`` as the writer tells it: a write the tier refused for room (a TierFullError: every one
+        that stops a writer comes from a write) as a plain I/O error (ENOSPC) caused by it. Committing
+        again cannot make that write again, so the mover must not make room and retry (evicting copies
+        for nothing; only the tier's own commit's TierFullError is retried); and the copy fails the same
+        whether a write's future or the commit tells it."""
+        if not isinstance(error, TierFullError):
+            return error
+        told = TierIOError(
+            error.errno or errno.ENOSPC, f"tier {self._tier.name!r}: a write of this copy failed: {error}"
+        )
+        told.__cause__ = error
+        return told
 
     def _wait_quiet(self) -> None:
         """Wait until no codec thread works for this writer and the emitter has left."""
@@ -407,7 +413,7 @@ class CodecWriter(TierWriter):
         it was, so that committing again retries only that."""
         if self._index is None:
             with self._cv:
-                self._check_written()
+                self._check_going()
                 missing = next((t for t in range(self._total) if self._state[t] == MISSING), None)
                 if missing is not None:
                     b = self._blob_of[missing]
@@ -416,7 +422,7 @@ class CodecWriter(TierWriter):
                     )
                 self._start_emitter()  # a copy of empty blobs only
             self._wait_quiet()
-            self._check_written()
+            self._check_going()
             self._index = self._out.index()
         index = self._index
         self._inner.commit(wrap_manifest(manifest, index) if index.compressed_frames() else manifest)
