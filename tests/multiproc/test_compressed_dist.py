@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 import torch
-from harness import spawn  # tests/multiproc/harness.py
+from harness import fsdp_mlp, spawn  # tests/multiproc/harness.py
 
 from tierckpt import Hierarchy
 from tierckpt.format.frames import unwrap_manifest
@@ -41,17 +41,7 @@ def _env() -> None:
 
 def _fsdp(world: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     """The model (FSDP2 on ``world`` ranks; 0: a plain one) and its AdamW."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 256))
-    if world:
-        mesh = init_device_mesh("cpu", (world,))
-        for layer in (model[0], model[2]):
-            fully_shard(layer, mesh=mesh)
-        fully_shard(model, mesh=mesh)
-    return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
+    return fsdp_mlp(world, (256, 1024, 256), 1e-3)
 
 
 def _train(model: torch.nn.Module, opt: torch.optim.Optimizer, step: int) -> None:
