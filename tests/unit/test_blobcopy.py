@@ -135,3 +135,64 @@ def test_a_buffer_goes_to_the_destination_as_it_is_where_its_geometry_takes_its_
     base = buf.data_ptr()
     assert (w.addrs == [base + o for o in range(0, n, 16 << 10)]) is direct
     assert [o for _, o, _ in w.writes] == list(range(0, n, 16 << 10))
+
+
+class Hung(TierWriter):
+    """A writer whose first write fails and whose others hang (parts in their retries) until it is
+    cancelled."""
+
+    def __init__(self) -> None:
+        self.issued: list[Future[int]] = []
+        self.cancelled = False
+
+    def write(self, blob: int, offset: int, addr: int, nbytes: int) -> Future[int]:
+        f: Future[int] = Future()
+        if not self.issued or self.cancelled:
+            f.set_exception(OSError(errno.EIO, "upload failed"))
+        self.issued.append(f)
+        return f
+
+    def cancel(self) -> None:
+        self.cancelled = True
+        for f in self.issued:
+            if not f.done():
+                f.set_exception(OSError(errno.ECANCELED, "given up"))
+
+    def commit(self, manifest: bytes) -> None:
+        raise AssertionError("not committed")
+
+    def abort(self) -> None:
+        pass
+
+
+class Staged(InMemory):
+    """The same blob, read only (no buffer of its own handed out): copied through staging slots."""
+
+    def buffer(self, blob: int) -> torch.Tensor | None:
+        return None
+
+
+@pytest.mark.parametrize("source", [InMemory, Staged])
+def test_a_failed_copy_cancels_the_writer_before_waiting_for_its_writes(source: type[InMemory]) -> None:
+    """A write fails while others hang in the tier (an S3 part in retries): the copy cancels the writer,
+    so that they fail soon, and raises; it does not wait them out."""
+    import threading
+
+    n = 256 << 10
+    w, errors = Hung(), []
+    pool = StagingPool(4, 16 << 10, 4096)
+
+    def copy() -> None:
+        try:
+            copy_blobs(tier(), source(aligned_empty(n)), tier(device="object"), w, CheckpointKey(1),
+                       [BlobEntry("blob-00000.bin", n)], 16 << 10, lambda: pool)  # fmt: skip
+        except OSError as e:
+            errors.append(e)
+
+    t = threading.Thread(target=copy, daemon=True)
+    t.start()
+    t.join(30)
+    stuck = t.is_alive()
+    w.cancel()  # let a hung copy go
+    assert not stuck, "the copy waited for the writes the tier holds"
+    assert [e.errno for e in errors] == [errno.EIO] and len(w.issued) > 1
