@@ -5,6 +5,7 @@ commit records naming one tag on every tier; a tier that takes its writes in ord
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -163,8 +164,50 @@ def test_auto_compresses_on_a_budgeted_tier(tmp_path: Path) -> None:
         h.save(s, step=7).durable["pfs"].result()
         _, index = unwrap_manifest(_manifest(slow, 7))
         assert index is not None and index.compressed_frames() == index.total
-        assert slow.adaptive is not None and slow.adaptive.snapshot()["budget_bytes_per_sec"] == 20e6
+        assert slow.adaptive is not None  # the demotions' decisions: under the budget that paced them
+        assert slow.adaptive.snapshot(20e6)["kinds"]["bfloat16/weight"]["planes"] != 0
         assert same(h.restore(7, tier="pfs"), s)
+
+
+def _one_frame(seed: int) -> dict[str, Any]:
+    """A state whose copy is one frame that compresses: its writes resolve once it is encoded, before
+    the codec writer hands the tier anything, so a tier's refusal of that write comes at the commit."""
+    return {"w": torch.randn(128 * 1024, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)}
+
+
+@pytest.mark.parametrize("kind", ["capacity", "device"])
+@pytest.mark.parametrize("make", [_one_frame, state], ids=["at-commit", "from-writes"])
+def test_a_compressed_tier_refusing_a_write_for_room_evicts_nothing(
+    tmp_path: Path, kind: str, make: Callable[[int], dict[str, Any]]
+) -> None:
+    """The ssd (zstd) refuses a write of step 2's copy for room (a quota, a full device: a TierFullError
+    from the write's future), found at the commit or by the copy's writes. Committing again cannot make
+    that write again, so the copy fails at once (docs/policies.md, "Failures": the step's ssd state
+    "failed", ``handle.wait(tier="ssd")`` raises a TierIOError with ENOSPC caused by the tier's error):
+    step 1's ssd copy, which pfs also holds and a full tier would evict to make room, stays; step 2
+    reaches pfs from host; the next save goes on."""
+    from tierckpt.errors import DeviceFullError, TierFullError, TierIOError
+
+    full = TierFullError("injected: over the quota") if kind == "capacity" else DeviceFullError(28, "injected: full")
+    ssd = _with(FaultyTier(LocalTier("ssd", tmp_path / "ssd")), ZSTD)
+    pfs = _with(PfsTier("pfs", tmp_path / "pfs"), CompressConfig("none"))
+    with Hierarchy([HostTier("host", 256 * MiB), ssd, pfs]) as h:
+        h.save(make(1), step=1).wait(timeout=60)
+        assert unwrap_manifest(_manifest(ssd, 1))[1] is not None  # stored compressed: the codec writer's
+        ssd.fail["write"] = full
+        handle = h.save(make(2), step=2)
+        with pytest.raises(TierIOError) as e:
+            handle.wait(tier="ssd", timeout=60)
+        assert not isinstance(e.value, TierFullError) and e.value.errno == 28 and e.value.__cause__ is full
+        handle.wait(tier="pfs", timeout=60)
+        info = {c.step: c for c in h.checkpoints()}
+        assert info[2].states["ssd"] == "failed" and info[2].errors["ssd"] is e.value
+        assert info[1].tiers == ("host", "ssd", "pfs") and info[2].tiers == ("host", "pfs")
+        assert ssd.calls["evict"] == 0 and ssd.inner.holds(CheckpointKey(1))
+        del ssd.fail["write"]
+        h.save(make(3), step=3).wait(timeout=60)
+        assert "ssd" in {c.step: c for c in h.checkpoints()}[3].tiers
+        assert same(h.restore(1, tier="ssd"), make(1))
 
 
 @pytest.mark.parametrize("files", ["per_rank", "per_node"])

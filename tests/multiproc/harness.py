@@ -12,6 +12,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from tierckpt.errors import CoordinationError
@@ -64,3 +65,20 @@ def spawn(
     assert not hung, f"ranks {hung} hung"
     got = [out / f"{r}.json" for r in range(world_size)]
     return [json.loads(f.read_text()) if f.exists() else None for f in got]
+
+
+def fsdp_mlp(world: int, dims: tuple[int, int, int], lr: float) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """A seeded two-layer MLP of sizes ``dims``, each layer and the whole sharded with FSDP2 over ``world``
+    ranks (0: a plain model, in a process without a process group), and its AdamW."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    d_in, d_hidden, d_out = dims
+    model = torch.nn.Sequential(torch.nn.Linear(d_in, d_hidden), torch.nn.ReLU(), torch.nn.Linear(d_hidden, d_out))
+    if world:
+        mesh = init_device_mesh("cpu", (world,))
+        for layer in (model[0], model[2]):
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    return model, torch.optim.AdamW(model.parameters(), lr=lr)

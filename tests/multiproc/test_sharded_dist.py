@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from harness import fsdp_mlp  # tests/multiproc/harness.py
 
 from tierckpt import Hierarchy
 from tierckpt.datapath import packing
@@ -313,17 +314,7 @@ def test_a_range_read_verifies_the_chunks_it_reads(
 
 # -- FSDP2 + AdamW through get_state_dict ------------------------------------------------------------------------
 def _fsdp(world: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 18), torch.nn.ReLU(), torch.nn.Linear(18, 5))  # 18, 5: uneven
-    if world:
-        mesh = init_device_mesh("cpu", (world,))
-        for layer in (model[0], model[2]):
-            fully_shard(layer, mesh=mesh)
-        fully_shard(model, mesh=mesh)
-    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+    return fsdp_mlp(world, (8, 18, 5), 1e-2)  # 18, 5: uneven shards
 
 
 def _train(model: torch.nn.Module, opt: torch.optim.Optimizer, steps: range) -> list[float]:

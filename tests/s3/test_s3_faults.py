@@ -66,6 +66,34 @@ def test_throttling_past_the_bound_fails_only_that_copy(s3_proxy: Any, caplog: p
         assert _same(h.restore(), _state(3)) and _same(h.restore(step=1), _state(1))
 
 
+def test_a_failed_compressed_demotion_does_not_wait_out_the_part_retries(s3_proxy: Any) -> None:
+    """A demotion to s3 stored compressed (zstd) whose source fails after a few chunks (the host copy's
+    reads) while the server throttles every part, with retries allowed for two minutes: the copy's
+    writers are cancelled, the parts give up, and the copy fails within seconds, leaving no upload."""
+    import errno
+
+    from tierckpt.policies.compression import CompressConfig
+    from tierckpt.testing.faulty import FaultyTier
+    from tierckpt.tiers._s3client import S3Settings
+    from tierckpt.tiers.host import HostTier
+    from tierckpt.tiers.s3 import S3Tier
+
+    proxy = s3_proxy.proxy
+    settings = S3Settings(endpoint_url=s3_proxy.endpoint, attempts=60, deadline_s=120, concurrency=2)
+    obj = S3Tier("obj", s3_proxy.name, "run/", settings, part_size=5 << 20)
+    obj.compress = CompressConfig("zstd")
+    source_failed = OSError(errno.EIO, "injected: the source copy cannot be read")
+    host = FaultyTier(HostTier("host", 512 << 20), fail={"read": source_failed}, after=4)
+    with Hierarchy([host, obj]) as h:
+        proxy.inject_errors(operations={"UploadPart"})  # until cleared
+        handle = h.save(_state(1, n=12_000_000), step=1)
+        with pytest.raises(OSError, match="injected: the source copy cannot be read"):
+            handle.wait(tier="obj", timeout=30)  # not the parts' two minutes of retries
+        assert proxy.count("UploadPart") > 0  # parts were in their retries
+        proxy.clear_faults()
+    assert s3_proxy.uploads() == []
+
+
 def test_radosgw_restarted_in_a_demotion(s3_bucket: Any, ceph_cluster: Any) -> None:
     cfg = _cfg(s3_bucket, retries=20, retry_deadline=90)
     cfg["tiers"][1]["io"] = {"bandwidth": "20MB/s"}  # a demotion long enough to be cut in the middle

@@ -1,10 +1,13 @@
 """What the mover reads of a tier's declared write limits: the chunk size within its part sizes (its
 geometry's, tierckpt.io.geometry), the memory alignment its I/O needs of a buffer it is handed, and the
-order of writes to a tier that takes them in order only (tierckpt.datapath.blobcopy)."""
+order of writes to a tier that takes them in order only (tierckpt.datapath.blobcopy); a copy or a pack
+that fails cancels its writer before it waits for the writes in flight."""
 
 from __future__ import annotations
 
 import errno
+import threading
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import replace
 
@@ -135,3 +138,93 @@ def test_a_buffer_goes_to_the_destination_as_it_is_where_its_geometry_takes_its_
     base = buf.data_ptr()
     assert (w.addrs == [base + o for o in range(0, n, 16 << 10)]) is direct
     assert [o for _, o, _ in w.writes] == list(range(0, n, 16 << 10))
+
+
+class Hung(TierWriter):
+    """A writer whose first write fails and whose others hang (parts in their retries) until it is
+    cancelled."""
+
+    def __init__(self) -> None:
+        self.issued: list[Future[int]] = []
+        self.cancelled = False
+
+    def write(self, blob: int, offset: int, addr: int, nbytes: int) -> Future[int]:
+        f: Future[int] = Future()
+        if not self.issued or self.cancelled:
+            f.set_exception(OSError(errno.EIO, "upload failed"))
+        self.issued.append(f)
+        return f
+
+    def cancel(self) -> None:
+        self.cancelled = True
+        for f in self.issued:
+            if not f.done():
+                f.set_exception(OSError(errno.ECANCELED, "given up"))
+
+    def commit(self, manifest: bytes) -> None:
+        raise AssertionError("not committed")
+
+    def abort(self) -> None:
+        pass
+
+
+class Staged(InMemory):
+    """The same blob, read only (no buffer of its own handed out): copied through staging slots."""
+
+    def buffer(self, blob: int) -> torch.Tensor | None:
+        return None
+
+
+def _raised(fn: Callable[[], object], w: Hung) -> BaseException:
+    """What ``fn()`` raised, on a thread: it must not wait for the writes ``w`` holds (a hang detector:
+    it takes milliseconds); then ``w`` is cancelled anyway, to let a hung one go."""
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            fn()
+        except BaseException as e:
+            errors.append(e)
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(30)
+    stuck = t.is_alive()
+    w.cancel()
+    assert not stuck, "it waited for the writes the tier holds"
+    assert len(errors) == 1 and len(w.issued) > 1
+    return errors[0]
+
+
+@pytest.mark.parametrize("source", [InMemory, Staged])
+def test_a_failed_copy_cancels_the_writer_before_waiting_for_its_writes(source: type[InMemory]) -> None:
+    """A write fails while others hang in the tier (an S3 part in retries): the copy cancels the writer,
+    so that they fail soon, and raises; it does not wait them out."""
+    n = 256 << 10
+    w = Hung()
+    pool = StagingPool(4, 16 << 10, 4096)
+    error = _raised(
+        lambda: copy_blobs(tier(), source(aligned_empty(n)), tier(device="object"), w, CheckpointKey(1),
+                           [BlobEntry("blob-00000.bin", n)], 16 << 10, lambda: pool), w,
+    )  # fmt: skip
+    assert isinstance(error, OSError) and error.errno == errno.EIO
+
+
+def test_a_failed_pack_cancels_its_writers_before_waiting_for_their_writes() -> None:
+    """The packing fails (here: the caller's callback once the state is staged) while the tier holds the
+    writes (an S3 part in retries): the writer is cancelled, so they fail soon, and the error comes."""
+    from tierckpt.datapath.packing import pack_and_write
+    from tierckpt.format.layout import plan
+    from tierckpt.format.tree import flatten
+
+    flat = flatten({"w": torch.arange(64 << 10, dtype=torch.float32)})
+    layout = plan(flat.nbytes, align=4096, blob_bytes=1 << 20)
+    w = Hung()
+    w.issued.append(Future())  # no write fails: every one hangs until the cancel
+    pool = StagingPool(4, 64 << 10, 4096)  # slots of the chunk the packer packs
+
+    def staged() -> None:
+        raise RuntimeError("the caller's callback failed")
+
+    error = _raised(lambda: pack_and_write(flat, layout, {"obj": w}, {}, lambda: pool, 64 << 10, on_staged=staged), w)
+    assert isinstance(error, RuntimeError) and w.cancelled

@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import errno
 import os
 import random
 import threading
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -21,7 +23,7 @@ import torch
 from tierckpt.datapath.blobcopy import ordered_writer
 from tierckpt.datapath.codecwrite import CodecWriter, codec_writer, frame_bytes_for
 from tierckpt.datapath.storing import compresses, set_compression
-from tierckpt.errors import ConfigError
+from tierckpt.errors import ConfigError, DeviceFullError, TierFullError, TierIOError
 from tierckpt.format.codec import Encoded, decode_frame
 from tierckpt.format.frameindex import MIN_FRAME_BYTES
 from tierckpt.format.frames import held_sizes, unwrap_manifest
@@ -43,15 +45,18 @@ CHUNK = 4 * F
 class Recorder(TierWriter):
     """A tier's writer that keeps what it is given, checks each write against the tier's rules (aligned,
     whole chunks but a blob's last, each blob front to back when ``ordered``), and completes writes on a
-    thread after ``delay`` (or fails the ``fail_at``-th with ``error``)."""
+    thread after ``delay`` (or fails the ``fail_at``-th with ``error``; ``inline``: completes each in
+    ``write``, its future resolved when it returns)."""
 
-    def __init__(self, sizes: Sequence[int], *, delay: float = 0.0, fail_at: int | None = None) -> None:
+    def __init__(
+        self, sizes: Sequence[int], *, delay: float = 0.0, fail_at: int | None = None, inline: bool = False
+    ) -> None:
         self.data = [bytearray(n) for n in sizes]
         self.ends = [0] * len(sizes)  # per blob: where its writes reached
         self.writes: list[tuple[int, int, int]] = []
         self.manifest: bytes | None = None
         self.aborted = False
-        self.delay, self.fail_at = delay, fail_at
+        self.delay, self.fail_at, self.inline = delay, fail_at, inline
         self.error = OSError(5, "injected write failure")
         self._pool = ThreadPoolExecutor(4)
         self._lock = threading.Lock()
@@ -73,6 +78,10 @@ class Recorder(TierWriter):
             self.data[blob][offset : offset + nbytes] = data
             return nbytes
 
+        if self.inline:
+            done: Future[int] = Future()
+            done.set_result(land())
+            return done
         return self._pool.submit(land)
 
     def commit(self, manifest: bytes) -> None:
@@ -184,25 +193,31 @@ def test_partial_frames_from_reused_staging_slots() -> None:
     blobs = [_floats(b.size, i, torch.float32) for i, b in enumerate(m.blobs)]
     inner = Recorder([b.size for b in m.blobs], delay=0.002)
     w = _writer(inner, m)
-    slots = [aligned_empty(F // 2 + ALIGN, ALIGN, pin=False) for _ in range(2)]
-    inflight: list[tuple[torch.Tensor, Future[int]]] = []
-    for b, t in enumerate(blobs):
-        for o in range(0, t.numel(), slots[0].numel()):
-            if len(inflight) == len(slots):
-                slot, f = inflight.pop(0)
-                f.result()
-                slot.fill_(0xAA)  # the caller's next bytes
-                slots.append(slot)
-            slot = slots.pop()
-            n = min(slot.numel(), t.numel() - o)
-            slot[:n].copy_(t[o : o + n])
-            inflight.append((slot, w.write(b, o, slot.data_ptr(), n)))
-    for slot, f in inflight:
-        f.result()
-        slot.fill_(0xAA)
+    _through_slots(w, blobs, F // 2 + ALIGN)
     w.commit(encode_manifest(m))
     assert inner.manifest is not None
     assert _decoded(inner.manifest, inner.data) == [bytes(t.numpy()) for t in blobs]
+
+
+def _through_slots(w: TierWriter, blobs: Sequence[torch.Tensor], slot_bytes: int) -> None:
+    """Write ``blobs`` in order through two staging slots of ``slot_bytes``, each reused (and scribbled
+    over) once its write resolved, as a file→file copy does."""
+    slots = [aligned_empty(slot_bytes, ALIGN, pin=False) for _ in range(2)]
+    inflight: list[tuple[torch.Tensor, Future[int]]] = []
+    for b, t in enumerate(blobs):
+        for o in range(0, t.numel(), slot_bytes):
+            if len(inflight) == len(slots):
+                slot, f = inflight.pop(0)
+                f.result(timeout=60)
+                slot.fill_(0xAA)  # the caller's next bytes
+                slots.append(slot)
+            slot = slots.pop()
+            n = min(slot_bytes, t.numel() - o)
+            slot[:n].copy_(t[o : o + n])
+            inflight.append((slot, w.write(b, o, slot.data_ptr(), n)))
+    for slot, f in inflight:
+        f.result(timeout=60)
+        slot.fill_(0xAA)
 
 
 def test_whole_frames_raw_are_released_only_once_copied_out() -> None:
@@ -285,6 +300,26 @@ def test_an_inner_write_error_surfaces_at_commit_and_abort_cleans_up() -> None:
         w.write(0, 0, blobs[0].data_ptr(), F)
 
 
+@pytest.mark.parametrize("full", [TierFullError("bucket quota exceeded"), DeviceFullError(28, "device full")])
+def test_a_write_refused_for_room_fails_the_commit_as_an_io_error(full: TierFullError) -> None:
+    """A write the tier refused for room (an S3 part over the quota, a full device) cannot be made again
+    by committing again: the commit raises a TierIOError (ENOSPC, caused by the tier's error), not a
+    TierFullError, so that the mover does not make room and retry it. Again at every commit."""
+    m = _manifest([("s['w']", "bfloat16", 8 * F)])
+    blob = _floats(m.blobs[0].size, 4)
+    inner = Recorder([blob.numel()], fail_at=2)
+    inner.error = full
+    w = _writer(inner, m)
+    _write_all(w, [blob], F, "forward")
+    for _ in range(2):
+        with pytest.raises(TierIOError) as e:
+            w.commit(encode_manifest(m))
+        assert not isinstance(e.value, TierFullError) and e.value.errno == errno.ENOSPC
+        assert e.value.__cause__ is full and str(full) in str(e.value)
+    w.abort()
+    assert inner.aborted and inner.manifest is None
+
+
 def test_abort_mid_copy_leaves_nothing_on_a_local_tier(tmp_path: Path) -> None:
     tier = LocalTier("ssd", tmp_path)
     m = _manifest([("s['w']", "bfloat16", 16 * F)])
@@ -298,6 +333,93 @@ def test_abort_mid_copy_leaves_nothing_on_a_local_tier(tmp_path: Path) -> None:
         assert tier.list_committed() == [] and not list(tmp_path.glob("step-*/*"))
     finally:
         tier.close()
+
+
+class Stuck(TierWriter):
+    """A tier's writer whose writes hang (parts in their retries, to a server that is down) until it is
+    cancelled or aborted; it records the calls, and how many writes were still in flight at its abort
+    (a tier's abort may free what they write to: a file tier closes its descriptors)."""
+
+    def __init__(self) -> None:
+        self.issued: list[Future[int]] = []
+        self.calls: list[str] = []
+        self.inflight_at_abort: int | None = None
+        self._lock = threading.Lock()
+        self._given_up = False
+
+    def write(self, blob: int, offset: int, addr: int, nbytes: int) -> Future[int]:
+        f: Future[int] = Future()
+        with self._lock:
+            self.issued.append(f)
+            if not self._given_up:
+                return f
+        f.set_exception(OSError(125, "cancelled"))
+        return f
+
+    def _give_up(self) -> None:
+        with self._lock:
+            self._given_up = True
+            hung = [f for f in self.issued if not f.done()]
+        for f in hung:
+            f.set_exception(OSError(125, "the part's retries gave up"))
+
+    def cancel(self) -> None:
+        self.calls.append("cancel")
+        self._give_up()
+
+    def commit(self, manifest: bytes) -> None:
+        raise AssertionError("not committed")
+
+    def abort(self) -> None:
+        self.calls.append("abort")
+        self.inflight_at_abort = sum(not f.done() for f in self.issued)
+        self._give_up()
+
+
+def _in_thread(fn: Callable[[], None], limit: float = 30.0) -> bool:
+    """Whether ``fn()`` returned within ``limit`` seconds (a hang detector: it normally takes
+    milliseconds)."""
+    t = threading.Thread(target=fn, daemon=True)
+    t.start()
+    t.join(limit)
+    return not t.is_alive()
+
+
+@pytest.mark.parametrize("during", ["writes", "commit"])
+def test_abort_does_not_wait_for_writes_the_tier_holds(during: str) -> None:
+    """The tier's writes hang (an S3 part in retries): abort cancels the tier's writer first, so that they
+    fail, then waits for them, and only then aborts it. The same for an abort from another thread while
+    commit waits for the writes."""
+    m = _manifest([("s['w']", "bfloat16", 16 * F)])
+    blob = _floats(m.blobs[0].size, 3)
+    inner = Stuck()
+    w = _writer(inner, m, chunk=F)
+    try:
+        futs = [w.write(0, o, blob.data_ptr() + o, F) for o in range(0, blob.numel(), F)]
+        deadline = time.monotonic() + 30
+        while not inner.issued and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert inner.issued, "nothing reached the tier"
+        if during == "commit":
+            errors: list[BaseException] = []
+
+            def commit() -> None:
+                try:
+                    w.commit(encode_manifest(m))
+                except BaseException as e:
+                    errors.append(e)
+
+            committing = threading.Thread(target=commit, daemon=True)
+            committing.start()
+        assert _in_thread(w.abort), "abort waited for the tier's writes"
+        assert inner.calls == ["cancel", "abort"] and inner.inflight_at_abort == 0
+        for f in futs:  # every write resolved (the frames encoded before the abort without an error)
+            f.exception(timeout=30)
+        if during == "commit":
+            committing.join(30)
+            assert not committing.is_alive() and len(errors) == 1 and "aborted" in str(errors[0])
+    finally:
+        inner.cancel()  # a hung writer's threads go (where abort did not come back)
 
 
 def test_an_encoder_error_surfaces_at_commit(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -332,7 +454,8 @@ class FakeAdaptive(Adaptive):
         self.frames: list[tuple[Kind, int]] = []
         self.budgets: list[float | None] = []
 
-    def plan(self, kind: Kind) -> FramePlan:
+    def plan(self, kind: Kind, budget: float | None = None) -> FramePlan:
+        self.budgets.append(budget)
         return self._plan(kind)
 
     def observe_frame(self, kind: Kind, enc: Any, plan: FramePlan | None = None) -> None:
@@ -340,9 +463,6 @@ class FakeAdaptive(Adaptive):
 
     def observe_tier(self, stored_bytes: int, busy_seconds: float) -> None:
         self.tier.append((stored_bytes, busy_seconds))
-
-    def set_budget(self, rate: float | None) -> None:
-        self.budgets.append(rate)
 
 
 def test_no_frame_compressed_commits_the_plain_manifest() -> None:
@@ -373,15 +493,18 @@ def test_plans_are_followed_per_kind_and_the_tier_is_measured() -> None:
     ] * 4
     assert [index.frame(1, k).width for k in range(4)] == [0] * 4
     assert [k.name for k, _ in fake.frames] == ["bfloat16/weight"] * 4
-    assert fake.budgets == [50e6]  # the budget paces background work: the throughput is at most it
+    assert set(fake.budgets) == {50e6}  # the budget paces background work: the throughput is at most it
     assert sum(n for n, _ in fake.tier) == sum(inner.ends) and all(s > 0 for _, s in fake.tier)
 
 
 def test_a_foreground_copy_is_not_bounded_by_the_budget() -> None:
-    m = _manifest([("s['w']", "bfloat16", F)])
+    m = _manifest([("s['w']", "bfloat16", 2 * F)])
+    blob = _floats(m.blobs[0].size, 1)
     fake = FakeAdaptive(lambda kind: RAW)
-    _writer(Recorder([F]), m, adaptive=fake, tier=_Tier(Budget(50e6)), background=False).abort()
-    assert fake.budgets == [None]
+    w = _writer(Recorder([blob.numel()]), m, adaptive=fake, tier=_Tier(Budget(50e6)), background=False)
+    _write_all(w, [blob], F, "forward")
+    w.commit(encode_manifest(m))
+    assert fake.budgets == [None, None]
 
 
 class _Measured(Adaptive):
@@ -415,6 +538,56 @@ def test_auto_compresses_on_a_slow_budgeted_tier_and_not_on_a_fast_one() -> None
     Adaptive.observe_tier(fast, 10 << 30, 1.0)  # what a fast tier's writes would report
     got, total = _copy_with(fast, _Tier())
     assert got == 0  # the probes compress samples only; the frames stay raw
+
+
+def test_two_writers_of_one_tier_decide_with_their_own_budgets() -> None:
+    """A tier that does 10 GB/s, shared by a background demotion its budget paces at 2 MB/s and a
+    blocking save it does not pace, written at once through the tier's one Adaptive: the paced copy is
+    compressed, the other stays raw (neither writer's budget is the other's)."""
+    shared = _Measured(CompressConfig("auto"), 2)
+    Adaptive.observe_tier(shared, 10 << 30, 1.0)
+    tier = _Tier(Budget(2e6))
+    m = _manifest([("s['w']", "bfloat16", 48 * F)])
+    blob = _floats(m.blobs[0].size, 5)
+    paced, full = Recorder([blob.numel()]), Recorder([blob.numel()])
+    writers = [
+        _writer(paced, m, adaptive=shared, tier=tier),
+        _writer(full, m, adaptive=shared, tier=tier, background=False),
+    ]
+    futs = [w.write(0, o, blob.data_ptr() + o, F) for o in range(0, blob.numel(), F) for w in writers]  # interleaved
+    for f in futs:
+        f.result()
+    for w in writers:
+        w.commit(encode_manifest(m))
+    assert paced.manifest is not None and full.manifest is not None
+    _, index = unwrap_manifest(paced.manifest)
+    assert index is not None and index.compressed_frames() >= 48 - 2 * PROBE_FIRST  # after the probes' samples
+    assert full.manifest == encode_manifest(m)  # nothing compressed: the plain copy
+
+
+def test_a_paced_write_is_timed_from_when_the_budget_let_it_go(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The tier's throughput excludes the budget's waits: a clock that moves only while the budget makes
+    a write wait reads no busy time at all for writes that complete as they are handed over."""
+    import tierckpt.datapath.codecemit as ce
+    from tierckpt.datapath.throttle import throttled_writer
+
+    now = [0.0]
+
+    def sleep(secs: float) -> None:
+        now[0] += secs
+
+    monkeypatch.setattr(ce, "perf_counter", lambda: now[0])
+    budget = Budget(1e6, burst_bytes=CHUNK, clock=lambda: now[0], sleep=sleep)
+    m = _manifest([("s['n']", "uint8", 16 * F)])
+    blob = _noise(m.blobs[0].size, 2)
+    tier = _Tier(budget)
+    fake = FakeAdaptive(lambda kind: RAW)
+    inner = Recorder([blob.numel()], inline=True)
+    w = _writer(throttled_writer(tier, inner, background=True), m, adaptive=fake, tier=tier)  # type: ignore[arg-type]
+    _write_all(w, [blob], F, "forward")
+    w.commit(encode_manifest(m))
+    assert budget.stats().waited_secs > 0 and sum(n for n, _ in fake.tier) == blob.numel()
+    assert sum(s for _, s in fake.tier) == 0.0
 
 
 # -- the setting on tiers ---------------------------------------------------------------------------------
@@ -475,6 +648,81 @@ def test_a_window_of_one_frame_and_one_output_chunk_still_gets_through(order: st
     w.commit(encode_manifest(m))
     assert inner.manifest is not None
     assert _decoded(inner.manifest, inner.data) == [bytes(t.numpy()) for t in blobs]
+
+
+class _Buffers:
+    """Counts the frame buffers alive (made by ``codecframes.frame_buffer``, gone once freed)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        from tierckpt.datapath import codecframes
+
+        self.alive = self.peak = self.made = 0
+        self._lock = threading.Lock()
+        real = codecframes.frame_buffer
+
+        def counted(nbytes: int) -> torch.Tensor:
+            buf = real(nbytes)
+            with self._lock:
+                self.alive += 1
+                self.made += 1
+                self.peak = max(self.peak, self.alive)
+            weakref.finalize(buf, self._gone)
+            return buf
+
+        monkeypatch.setattr(codecframes, "frame_buffer", counted)
+
+    def _gone(self) -> None:
+        with self._lock:
+            self.alive -= 1
+
+
+def _quarters(blob: torch.Tensor) -> list[tuple[int, int]]:
+    """Writes of a quarter frame: the first quarter of every frame, then every second quarter, and so on
+    (a frame fills only once the last quarters come)."""
+    q = F // 4
+    return [(o, q) for part in range(4) for o in range(part * q, blob.numel(), F)]
+
+
+@pytest.mark.parametrize(("order", "window", "buffers"), [("quarters", 2, 2), ("quarters", 1, 1), ("forward", 2, 2)])
+def test_frame_buffers_are_bounded_whatever_the_order(
+    monkeypatch: pytest.MonkeyPatch, order: str, window: int, buffers: int
+) -> None:
+    """Writes smaller than a frame (an ``io: {chunk: 1MiB}`` under 4 MiB frames), every one issued
+    before any is waited for, to a slow tier: in order, or so that each frame fills only once the last
+    quarters come. At most ``buffers + window + 1`` frame buffers are alive at once (the parts beyond
+    are held where the caller put them, or their writes wait), and the copy is whole."""
+    counted = _Buffers(monkeypatch)
+    m = _manifest([("s['w']", "bfloat16", 32 * F)])
+    blob = _floats(m.blobs[0].size, 6)
+    inner = Recorder([blob.numel()], delay=0.002)
+    w = _writer(inner, m, window=window, buffers=buffers)
+    ops = _quarters(blob) if order == "quarters" else [(o, F // 4) for o in range(0, blob.numel(), F // 4)]
+    futs = [w.write(0, o, blob.data_ptr() + o, n) for o, n in ops[:32]]
+    if order == "quarters":  # the first quarters beyond the buffers are held: their writes wait for their frames
+        assert not any(f.done() for f in futs[buffers:])
+    futs += [w.write(0, o, blob.data_ptr() + o, n) for o, n in ops[32:]]
+    for f in futs:
+        f.result(timeout=60)
+    w.commit(encode_manifest(m))
+    assert inner.manifest is not None
+    assert _decoded(inner.manifest, inner.data) == [bytes(blob.numpy())]
+    assert 0 < counted.peak <= buffers + window + 1, counted.peak
+
+
+def test_a_caller_with_less_memory_than_a_frame_gets_through(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A copy through two staging slots of a quarter frame (and a page: its writes straddle frames),
+    each slot reused once its write resolved, into the tightest bounds on a slow tier: its writes
+    wait for frame buffers, and it never waits forever."""
+    counted = _Buffers(monkeypatch)
+    m = _manifest([("s['w']", "float32", 12 * F + ALIGN), ("s['v']", "bfloat16", 5 * F)])
+    blobs = [_floats(b.size, i, torch.float32) for i, b in enumerate(m.blobs)]
+    inner = Recorder([b.size for b in m.blobs], delay=0.002)
+    w = _writer(inner, m, window=1, buffers=1, out_slots=1)
+    _through_slots(w, blobs, F // 4 + ALIGN)
+    w.commit(encode_manifest(m))
+    assert inner.manifest is not None
+    assert _decoded(inner.manifest, inner.data) == [bytes(t.numpy()) for t in blobs]
+    assert counted.peak <= 3
 
 
 def _punches(where: Path) -> bool:

@@ -79,11 +79,11 @@ def report(a: Adaptive, kind: Kind, comp: Compressor, plan: FramePlan) -> None:
         a.observe_frame(kind, comp.encode(plan), plan)
 
 
-def run(a: Adaptive, kind: Kind, comp: Compressor, frames: int) -> list[FramePlan]:
-    """Plan, encode and report ``frames`` frames one after another."""
+def run(a: Adaptive, kind: Kind, comp: Compressor, frames: int, budget: float | None = None) -> list[FramePlan]:
+    """Plan (for a writer paced at ``budget``), encode and report ``frames`` frames one after another."""
     plans = []
     for _ in range(frames):
-        plan = a.plan(kind)
+        plan = a.plan(kind, budget)
         report(a, kind, comp, plan)
         plans.append(plan)
     return plans
@@ -151,13 +151,29 @@ def test_a_budget_lowers_the_bandwidth_and_flips_the_decision() -> None:
     slow_tier(a, 2000 * MB)
     comp = Compressor(FP32_PLANES)
     assert steady(run(a, FP32, comp, 40)) == {RAW}
-    a.set_budget(200 * MB)
-    assert a.bandwidth() == pytest.approx(200 * MB)
-    assert steady(run(a, FP32, comp, 40)) == {FramePlan(4, 0b1100)}
-    a.set_budget(None)
-    assert steady(run(a, FP32, comp, 40)) == {RAW}
-    with pytest.raises(ValueError, match="rate"):
-        a.set_budget(0)
+    assert a.bandwidth(200 * MB) == pytest.approx(200 * MB) and a.bandwidth() == pytest.approx(2000 * MB)
+    assert steady(run(a, FP32, comp, 40, budget=200 * MB)) == {FramePlan(4, 0b1100)}
+    assert steady(run(a, FP32, comp, 40)) == {RAW}  # nothing of the budget was kept
+    for bad in (0, -1.0, True):
+        with pytest.raises(ValueError, match="budget"):
+            a.plan(FP32, bad)
+
+
+def test_two_writers_with_their_own_budgets_decide_apart() -> None:
+    """One Adaptive per tier, two writers at once: a background demotion paced at 100 MB/s and a
+    blocking save at full speed (the tier does 2 GB/s). Interleaved frame by frame, the paced one
+    compresses and the other does not: neither decides with the other's budget."""
+    a = Adaptive(CompressConfig("auto"), threads=2)
+    slow_tier(a, 2000 * MB)
+    comp = Compressor(FP32_PLANES)
+    paced: list[FramePlan] = []
+    full: list[FramePlan] = []
+    for _ in range(60):
+        paced += run(a, FP32, comp, 1, budget=100 * MB)
+        full += run(a, FP32, comp, 1)
+    assert steady(paced[-20:]) == {FramePlan(4, 0b1100)} and steady(full[-20:]) == {RAW}
+    assert a.snapshot(100 * MB)["kinds"]["float32/weight"]["planes"] == 0b1100
+    assert a.snapshot()["kinds"]["float32/weight"]["planes"] == 0
 
 
 def test_the_measured_throughput_is_kept_up_to_date() -> None:
@@ -176,8 +192,7 @@ def test_the_measured_throughput_is_kept_up_to_date() -> None:
 
 def test_a_budget_alone_is_enough_to_decide() -> None:
     a = Adaptive(CompressConfig("auto"), threads=2)
-    a.set_budget(100 * MB)
-    assert steady(run(a, FP32, Compressor(FP32_PLANES), 40)) == {FramePlan(4, 0b1100)}
+    assert steady(run(a, FP32, Compressor(FP32_PLANES), 40, budget=100 * MB)) == {FramePlan(4, 0b1100)}
 
 
 def test_without_a_tier_measurement_auto_probes() -> None:
@@ -269,22 +284,20 @@ def test_probes_happen_at_the_stated_rate(mode: str) -> None:
 
 def test_frames_planned_before_any_result_returns_are_probes() -> None:
     a = Adaptive(CompressConfig("auto"), threads=4)
-    a.set_budget(100 * MB)
-    first = [a.plan(FP32) for _ in range(10)]  # all in flight at once in the writer's pool
+    first = [a.plan(FP32, 100 * MB) for _ in range(10)]  # all in flight at once in the writer's pool
     assert all(p.probe and tried(p) == 0b1111 and p.sample for p in first)  # sampled: not measured yet
     comp = Compressor(FP32_PLANES)
     for p in first:
         report(a, FP32, comp, p)
-    assert a.plan(FP32) == FramePlan(4, 0b1100)
+    assert a.plan(FP32, 100 * MB) == FramePlan(4, 0b1100)
 
 
 def test_the_adaptive_is_shared_by_threads() -> None:
     a = Adaptive(CompressConfig("auto"), threads=4)
-    a.set_budget(100 * MB)
     comp = Compressor(FP32_PLANES)
 
     def writer() -> None:
-        run(a, FP32, comp, 200)
+        run(a, FP32, comp, 200, budget=100 * MB)
         for _ in range(50):
             slow_tier(a, 100 * MB)
 

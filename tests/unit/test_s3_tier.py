@@ -213,6 +213,29 @@ def test_retries_stop_at_the_deadline(s3: Any) -> None:
         t.close()
 
 
+def test_a_request_told_to_stop_gives_up_in_its_backoff(s3: Any) -> None:
+    """``give_up`` turns true while the request waits to be retried: it is not tried again (nor does it
+    sleep out its backoff)."""
+    t = _tier(settings=S3Settings(attempts=1000, deadline_s=120))
+    calls: list[int] = []
+    asked: list[int] = []
+
+    def always() -> None:
+        calls.append(1)
+        raise _slowdown("UploadPart")
+
+    def give_up() -> bool:
+        asked.append(1)
+        return len(asked) > 1  # not when it failed; while it waits
+
+    try:
+        with pytest.raises(S3Error, match="SlowDown"):
+            t.bucket.call("UploadPart", "k", always, give_up=give_up)
+        assert len(calls) == 1
+    finally:
+        t.close()
+
+
 def test_permanent_errors_are_not_retried(s3: Any) -> None:
     t = _tier()
     calls: list[int] = []
@@ -471,6 +494,82 @@ def test_a_failing_copy_fails_fast_not_once_per_part(s3: Any, monkeypatch: pytes
         assert all(isinstance(e, S3Error) for e in errors) and len(calls) < 12
     finally:
         w.abort()
+        t.close()
+    assert _uploads(s3) == []
+
+
+def _throttled_forever(t: S3Tier, monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Every UploadPart of ``t`` answered 503 SlowDown; the tries, counted."""
+    calls: list[int] = []
+
+    def slow(**kw: Any) -> Any:
+        calls.append(1)
+        raise _slowdown("UploadPart")
+
+    monkeypatch.setattr(t.bucket.client, "upload_part", slow)
+    return calls
+
+
+def test_cancel_makes_parts_in_their_retries_give_up(s3: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A server that throttles every part, retries allowed for minutes: after ``cancel`` the parts fail
+    (within a backoff's poll), later writes fail at once, and abort leaves no upload."""
+    t = _tier(settings=S3Settings(attempts=1000, deadline_s=600))
+    calls = _throttled_forever(t, monkeypatch)
+    b = _blob(PART * 3, 1)
+    w = t.reserve(CheckpointKey(1), [BlobEntry("blob-00000.bin", b.numel())])
+    try:
+        futs = [w.write(0, o, b.data_ptr() + o, PART) for o in range(0, b.numel(), PART)]
+        deadline = time.monotonic() + 30
+        while not calls and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert calls, "no part was sent"
+        w.cancel()
+        assert all(isinstance(f.exception(timeout=30), (S3Error, RuntimeError)) for f in futs)
+        with pytest.raises((S3Error, RuntimeError)):  # the first part's error, or "aborted"
+            w.write(0, 0, b.data_ptr(), PART).result(timeout=30)
+        w.abort()
+    finally:
+        w.abort()
+        t.close()
+    assert _uploads(s3) == []
+
+
+def test_aborting_a_compressed_copy_does_not_wait_out_the_part_retries(
+    s3: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A compressed copy to a server that throttles every part (retries allowed for minutes) is aborted
+    (its source failed, the save was killed): the abort returns as soon as the parts give up, and leaves
+    no upload."""
+    import threading
+
+    from tierckpt.datapath.blobcopy import ordered_writer
+    from tierckpt.datapath.codecwrite import codec_writer
+    from tierckpt.format.manifest import Manifest, TensorTable
+    from tierckpt.policies.compression import Adaptive, CompressConfig
+
+    t = _tier(settings=S3Settings(attempts=1000, deadline_s=600))
+    calls = _throttled_forever(t, monkeypatch)
+    size = 4 * PART
+    table = TensorTable(["w"], ["uint8"], [(size,)], [0], [0], [size], [0])
+    blobs = (BlobEntry("blob-00000.bin", size),)
+    m = Manifest(step=4, rank=0, world_size=1, align=4096, blobs=blobs, tensors=table, tree=b"\x80",
+                 has_pickle=False, chunk_bytes=1 << 20)  # fmt: skip
+    data = _blob(size, 3)  # noise: stored raw, every part whole
+    try:
+        ordered, end = ordered_writer(t, t.reserve(CheckpointKey(4), blobs), blobs)
+        w = codec_writer(t, ordered, end, m, Adaptive(CompressConfig("zstd"), 2), chunk_bytes=PART)
+        futs = [w.write(0, o, data.data_ptr() + o, PART) for o in range(0, size, PART)]
+        deadline = time.monotonic() + 30
+        while not calls and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert calls, "no part was sent"
+        aborting = threading.Thread(target=w.abort, daemon=True)
+        aborting.start()
+        aborting.join(30)  # the part's retries go on for minutes
+        assert not aborting.is_alive(), "the abort waited for the part's retries"
+        for f in futs:
+            f.exception(timeout=30)
+    finally:
         t.close()
     assert _uploads(s3) == []
 

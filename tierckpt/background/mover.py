@@ -130,6 +130,9 @@ class _CommitsWithRoom(TierWriter):
     def abort(self) -> None:
         self._inner.abort()
 
+    def cancel(self) -> None:
+        self._inner.cancel()
+
 
 class _Pins:
     """The source copies one transfer keeps from eviction; each released once."""

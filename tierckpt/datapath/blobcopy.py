@@ -58,6 +58,10 @@ def copy_blobs(
     Raises:
         CorruptCheckpointError: a source blob is shorter than the manifest says.
         OSError: from the engines, with path and errno.
+
+    On a failure the writer is cancelled (:meth:`~tierckpt.tiers.base.TierWriter.cancel`) before the
+    writes in flight are waited for: an object store's parts in their retries give up, so the copy fails
+    (and its writer is aborted) without waiting them out.
     """
     pending: list[Future[int]] = []
     try:
@@ -93,6 +97,8 @@ def copy_blobs(
             f.result()
         pending = []
     finally:
+        if pending:  # failed: the writer's writes need not go on
+            writer.cancel()
         for f in pending:  # never leave a read or write running in memory the caller may free
             with contextlib.suppress(BaseException):  # cancelled
                 f.exception()
@@ -143,6 +149,8 @@ def _copy_through_staging(
         while inflight:
             retire()
     finally:
+        if inflight:  # failed: the writer's writes need not go on
+            writer.cancel()
         while inflight:  # after an error: wait for what was issued before giving the buffers back
             slot, _, _, rf, wf = inflight.popleft()
             for f in (rf, wf):
@@ -229,3 +237,6 @@ class _InOrder(TierWriter):
 
     def abort(self) -> None:
         self._inner.abort()
+
+    def cancel(self) -> None:
+        self._inner.cancel()

@@ -6,82 +6,62 @@ in a bandwidth throttle: its callers (the packer, :func:`~tierckpt.datapath.blob
 *raw* blob offsets, in the chunks and order they always do. Each blob is cut into frames of ``F`` raw
 bytes (the manifest's checksum chunk); a frame whose bytes arrived is planned by the tier's
 :class:`~tierckpt.policies.compression.Adaptive` and, unless stored raw, encoded on the process's codec
-threads (:mod:`~tierckpt.datapath.codecpool`). One emitter thread per writer then lays each blob's frames
-out back to back, in frame order, into aligned chunks of the tier's geometry and hands them to the tier:
-front to back, one blob after another, so a tier that takes writes in order only (an S3 multipart
-upload, :func:`~tierckpt.datapath.blobcopy.ordered_writer`) works as well as any.
+threads (:mod:`~tierckpt.datapath.codecpool`). One emitter thread per writer then hands each frame, in
+order, to its :class:`~tierckpt.datapath.codecemit.Emitter`, which lays each blob's frames out back to
+back into aligned chunks of the tier's geometry and writes them to the tier: front to back, one blob
+after another, so a tier that takes writes in order only (an S3 multipart upload,
+:func:`~tierckpt.datapath.blobcopy.ordered_writer`) works as well as any.
 
-Memory: a frame that a single write covers is read where the caller's write put it (the write's future
-resolves once it is encoded, or for a frame stored raw once it is copied out); a frame that writes cover
-in parts is gathered into a frame buffer of its own first (those writes resolve at once). At most
-``window`` frames are being encoded or wait encoded (the one the emitter waits for always gets in),
-and at most ``out_slots`` output chunks are in flight: beyond that the writes' futures wait, which is
-the caller's backpressure.
+Memory (:mod:`~tierckpt.datapath.codecframes`): a frame that one write covers whole is read where the
+caller's write put it (the write's future resolves once the frame is encoded, or for a frame stored
+raw once it is copied out). A write of part of a frame is copied into the frame's buffer (and resolves
+at once) while fewer than ``buffers`` frames not yet handed to the codec threads hold one. Beyond that
+the write waits for one of them to go, as long as the emitter's next frame has all its bytes (the
+writer then moves on without any other write, so the wait ends); else (frames that fill only once
+later writes come, which this one may be holding back) the part is held where the caller put it, its
+write's future waiting until its frame goes to the codec threads (gathered into a buffer there). At
+most ``window`` frames are being encoded or wait encoded (the one the emitter waits for always gets
+in), and at most ``out_slots`` output chunks are in flight. So a writer holds at most ``buffers +
+window + 1`` frame buffers, as many encoded frames and ``out_slots`` chunks, whatever the order and
+size of its writes; beyond that its writes or their futures wait, which is the caller's backpressure.
+A caller that waits for a write's future has written every byte of the frames up to the last one that
+write touches (a packer, a copy through staging slots): it never waits forever.
 
 The tier's write throughput is measured as stored bytes over its *busy* time (while at least one of
-its writes is in flight or waiting for the budget), so a writer starved by its compressor does not make
-the tier look slow; it feeds the tier's ``Adaptive``, with the tier's budget, which decides what pays.
+its writes is in flight), so a writer starved by its compressor does not make the tier look slow, and
+one paced by the tier's budget does not either (a paced write counts from when the budget lets it go):
+it feeds the tier's ``Adaptive``, shared by every writer of the tier. What pays is decided per frame
+with this writer's own budget (the tier's where it paces this writer's work, else none), so a paced
+background demotion and a blocking save writing to one tier at once each decide with their own.
 """
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import heapq
 import threading
-import time
-from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
-import numpy as np
 import torch
 
 from tierckpt.datapath import codecpool
+from tierckpt.datapath.codecemit import OUT_SLOTS, Emitter, Stopped
+from tierckpt.datapath.codecframes import EMITTED, EMITTING, ENCODED, MISSING, QUEUED, READY, Frame, Piece, Write
 from tierckpt.errors import TierFullError, TierIOError
 from tierckpt.format.codec import Encoded, encode_frame
 from tierckpt.format.frameindex import DEFAULT_FRAME_BYTES, MAX_FRAME_BYTES, MIN_FRAME_BYTES
-from tierckpt.format.frames import FrameIndex, IndexBuilder, wrap_manifest
-from tierckpt.format.layout import round_up
+from tierckpt.format.frames import FrameIndex, wrap_manifest
 from tierckpt.format.manifest import Manifest, ManifestHead
-from tierckpt.io.buffers import aligned_empty, memmove, ptr_mv
-from tierckpt.policies.compression import Adaptive, FramePlan, Kind, frame_kinds
+from tierckpt.io.buffers import memmove
+from tierckpt.policies.compression import Adaptive, Kind, frame_kinds
 from tierckpt.tiers.base import Tier, TierWriter
 
 __all__ = ["CodecWriter", "codec_writer", "frame_bytes_for"]
 
-#: output chunks of one writer in flight to its tier at most
-OUT_SLOTS = 4
-_spare_lock = threading.Lock()
-#: output chunks of finished writers, by (bytes, alignment), for the next writers (at most OUT_SLOTS each):
-#: fresh memory costs a page fault a page, as much as the copy into it
-_spare: dict[tuple[int, int], list[torch.Tensor]] = {}
-
-
-def _take_chunk(nbytes: int, align: int) -> torch.Tensor:
-    with _spare_lock:
-        free = _spare.get((nbytes, align))
-        if free:
-            return free.pop()
-    return aligned_empty(nbytes, align, pin=False)
-
-
-def _give_chunk(buf: torch.Tensor, align: int) -> None:
-    with _spare_lock:
-        free = _spare.setdefault((buf.numel(), align), [])
-        if len(free) < OUT_SLOTS:
-            free.append(buf)
-
-
-def _address(stream: bytes | memoryview) -> int:
-    """The address of a stream's bytes (a zstd frame's, a plane's, the raw frame's): copied from there
-    with ``memmove``, which releases the GIL."""
-    return int(np.frombuffer(stream, np.uint8).ctypes.data)
-
-
-# a frame's states: bytes missing, ready to encode, handed to the pool, encoded, being emitted, emitted
-_MISSING, _READY, _QUEUED, _ENCODED, _EMITTING, _EMITTED = range(6)
+#: a part of a write to copy into its frame's buffer: (frame, its buffer, the part)
+_Copy = tuple[Frame, torch.Tensor, Piece]
 
 
 def frame_bytes_for(manifest: Manifest | ManifestHead) -> int:
@@ -92,87 +72,6 @@ def frame_bytes_for(manifest: Manifest | ManifestHead) -> int:
     if f <= 0 or f & (f - 1):
         return DEFAULT_FRAME_BYTES
     return min(max(f, MIN_FRAME_BYTES), MAX_FRAME_BYTES)
-
-
-class _Write:
-    """One raw write of the caller: its future resolves once no frame needs its memory (and the write
-    has been taken in: its own hold)."""
-
-    __slots__ = ("error", "future", "holds", "nbytes")
-
-    def __init__(self, nbytes: int) -> None:
-        self.future: Future[int] = Future()
-        self.nbytes, self.holds = nbytes, 1
-        self.error: BaseException | None = None
-
-    def release(self, error: BaseException | None = None) -> None:
-        """One frame no longer needs the memory (``error``: the writer stopped before it was used)."""
-        self.holds -= 1
-        self.error = self.error or error
-        if self.holds == 0:
-            if self.error is not None:
-                self.future.set_exception(self.error)
-            else:
-                self.future.set_result(self.nbytes)
-
-
-class _Frame:
-    """One frame on its way: its raw bytes (``src``: the caller's memory, whose write is ``owner``, or
-    ``buf``), then its encoding."""
-
-    __slots__ = (
-        "blob", "buf", "copied", "enc", "k", "owner", "parts", "plan", "raw_len", "src", "state", "t", "task",
-    )  # fmt: skip
-
-    def __init__(self, t: int, blob: int, k: int, raw_len: int) -> None:
-        self.t, self.blob, self.k, self.raw_len = t, blob, k, raw_len
-        self.state = _MISSING
-        self.copied = 0  # raw bytes in
-        self.parts: list[tuple[int, int]] = []  # the frame's ranges claimed by writes of parts of it
-        self.buf: torch.Tensor | None = None
-        self.src: memoryview | None = None
-        self.owner: _Write | None = None
-        self.plan: FramePlan | None = None
-        self.enc: Encoded | None = None
-        self.task: Future[None] | None = None
-
-    def drop_source(self, error: BaseException | None = None) -> None:
-        """The raw bytes are no longer needed: give the caller's memory back (or the frame buffer)."""
-        owner, self.owner, self.src, self.buf = self.owner, None, None, None
-        if owner is not None:
-            owner.release(error)
-
-
-class _Stopped(Exception):
-    """The writer stopped (an error, or abort): the emitter leaves."""
-
-
-class _Busy:
-    """The tier's busy time: while at least one write is in flight (or waits for the budget in
-    ``write``); each completed write reports its bytes and the busy time since the report before."""
-
-    def __init__(self, adaptive: Adaptive) -> None:
-        self._adaptive = adaptive
-        self._lock = threading.Lock()
-        self._inflight, self._mark, self._busy = 0, 0.0, 0.0
-
-    def _tick(self, now: float) -> None:
-        if self._inflight:
-            self._busy += now - self._mark
-        self._mark = now
-
-    def start(self) -> None:
-        with self._lock:
-            self._tick(time.perf_counter())
-            self._inflight += 1
-
-    def end(self, nbytes: int) -> None:
-        with self._lock:
-            self._tick(time.perf_counter())
-            self._inflight -= 1
-            busy, self._busy = self._busy, 0.0
-        if nbytes > 0:
-            self._adaptive.observe_tier(nbytes, busy)
 
 
 class CodecWriter(TierWriter):
@@ -190,6 +89,8 @@ class CodecWriter(TierWriter):
         background: whether the writes are paced by the tier's budget (its rate then bounds the
             throughput the decisions assume).
         window: frames being encoded or waiting encoded at most (default: twice the codec threads, plus 2).
+        buffers: frames not yet handed to the codec threads that hold a frame buffer at most (default:
+            half the window, at least 2).
         out_slots: output chunks in flight to ``inner`` at most.
     """
 
@@ -204,6 +105,7 @@ class CodecWriter(TierWriter):
         chunk_bytes: int,
         background: bool = True,
         window: int | None = None,
+        buffers: int | None = None,
         out_slots: int = OUT_SLOTS,
     ) -> None:
         table = manifest.manifest() if isinstance(manifest, ManifestHead) else manifest
@@ -221,17 +123,19 @@ class CodecWriter(TierWriter):
             self._first.append(self._first[-1] + -(-s // self._F))
         self._total = self._first[-1]
         self._blob_of = [b for b, s in enumerate(self._sizes) for _ in range(-(-s // self._F))]
-        self._builder = IndexBuilder(self._sizes, self._F)
-        self._held = [0] * len(self._sizes)
         threads = codecpool.ensure(adaptive.cfg.threads)
         self._window = window if window is not None else 2 * threads + 2
+        self._max_buffered = buffers if buffers is not None else max(2, self._window // 2)
+        if self._window < 1 or self._max_buffered < 1:
+            raise ValueError(f"codec writer: window {self._window} and buffers {self._max_buffered}: at least 1 each")
         budget = tier.budget
-        adaptive.set_budget(budget.bytes_per_sec if budget is not None and budget.paces(background) else None)
-        self._busy = _Busy(adaptive)
+        #: this writer's bound on the tier's throughput: its budget's rate where that paces the writes
+        self.budget = budget.bytes_per_sec if budget is not None and budget.paces(background) else None
         # shared state, under _cv
         self._cv = threading.Condition()
         self._state = bytearray(self._total)  # per frame (blob-major)
-        self._frames: dict[int, _Frame] = {}  # the frames on their way
+        self._frames: dict[int, Frame] = {}  # the frames on their way
+        self._buffered = 0  # frames not yet handed to the pool that hold a buffer
         self._ready: list[int] = []  # heap of frames whose bytes are in, not yet handed to the pool
         self._pending = 0  # frames queued, being encoded, or encoded and not yet emitted
         self._running = 0  # encode tasks of this writer that started and have not finished
@@ -239,23 +143,24 @@ class CodecWriter(TierWriter):
         self._error: BaseException | None = None
         self._emitter: threading.Thread | None = None
         self._index: FrameIndex | None = None
-        # the emitter's own
-        self._out_slots = out_slots
-        self._free: list[torch.Tensor] = []  # output chunks not in use
-        self._inflight: deque[tuple[torch.Tensor, Future[int]]] = deque()
-        self._slot: torch.Tensor | None = None
-        self._start, self._fill = 0, 0
+        self._out = Emitter(
+            inner, end_blob, self._sizes, self._F, align=table.align, chunk_bytes=chunk_bytes, adaptive=adaptive,
+            paced=self.budget is not None, out_slots=out_slots, stopped=lambda: self._error is not None,
+            failed=self._failed,
+        )  # fmt: skip
 
     # -- the caller's side ----------------------------------------------------------------------------------
     def write(self, blob: int, offset: int, addr: int, nbytes: int) -> Future[int]:
         """Take raw bytes ``[offset, offset + nbytes)`` of blob ``blob`` from ``addr``; the future resolves
-        once the memory is no longer read (the bytes are encoded, or copied out)."""
+        once the memory is no longer read (the bytes are encoded, copied out, or copied into a frame
+        buffer). Waits while the frame buffers are all taken (the module docstring says when)."""
         size = self._sizes[blob]
         if offset < 0 or nbytes <= 0 or offset + nbytes > size:
             raise ValueError(f"codec writer: a write of [{offset}, +{nbytes}) is outside blob {blob} of {size} bytes")
-        w = _Write(nbytes)
+        w = Write(nbytes)
         F, base = self._F, self._first[blob]
-        parts: list[tuple[_Frame, int, int, int]] = []  # (frame, frame offset, from addr, bytes) copied in
+        copies: list[_Copy] = []  # parts to copy into their frames' buffers, outside the lock
+        later: list[tuple[Frame, Piece]] = []  # parts of frames that have no buffer yet
         with self._cv:
             self._check_going()
             spans = [(k, k * F, min(size, (k + 1) * F)) for k in range(offset // F, -(-(offset + nbytes) // F))]
@@ -264,47 +169,71 @@ class CodecWriter(TierWriter):
             self._start_emitter()
             for k, lo, hi in spans:
                 a, z = max(lo, offset), min(hi, offset + nbytes)
-                fr = self._frames.get(base + k) or self._frames.setdefault(base + k, _Frame(base + k, blob, k, hi - lo))
-                if a == lo and z == hi:  # the whole frame: read where it is
-                    fr.copied = hi - lo
-                    fr.owner, fr.src = w, ptr_mv(addr + lo - offset, hi - lo, writable=False)
-                    w.holds += 1
+                fr = self._frames.get(base + k) or self._frames.setdefault(base + k, Frame(base + k, blob, k, hi - lo))
+                fr.claim(a - lo, z - lo)
+                piece = Piece(a - lo, addr + a - offset, z - a, w)
+                if z - a == fr.raw_len:  # the whole frame: read where it is
+                    fr.hold(piece)
                     self._arrived(fr)
-                    continue
-                if fr.buf is None:
-                    fr.buf = torch.empty(fr.raw_len, dtype=torch.uint8)
-                fr.parts.append((a - lo, z - lo))  # claimed now, counted in once copied
-                parts.append((fr, a - lo, addr + a - offset, z - a))
-        for fr, at, src, n in parts:  # outside the lock: each part is this write's own bytes of the frame
-            assert fr.buf is not None
-            memmove(fr.buf.data_ptr() + at, src, n)
-        with self._cv:
-            for fr, _, _, n in parts:
-                fr.copied += n
-                if fr.copied == fr.raw_len and self._error is None:
+                elif (buf := self._buffer(fr, wait=False)) is not None:
+                    copies.append((fr, buf, piece))
+                else:
+                    later.append((fr, piece))
+        while True:
+            for _, buf, p in copies:  # outside the lock: each part is this write's own bytes of its frame
+                memmove(buf.data_ptr() + p.at, p.addr, p.nbytes)
+            with self._cv:
+                for fr, _, p in copies:
+                    fr.copied += p.nbytes
+                    if fr.complete() and self._error is None:
+                        self._arrived(fr)
+                copies = self._place(later)
+                if not copies:
+                    w.release(self._error if later else None)  # its own hold: it is in (or not all of it)
+                    return w.future
+
+    def _place(self, later: list[tuple[Frame, Piece]]) -> list[_Copy]:
+        """Under the lock: hold the parts of ``later`` that get no frame buffer, up to one that does (its
+        copy, returned); what the writer stopping left stays in ``later``."""
+        while later and self._error is None:
+            fr, p = later[0]
+            buf = self._buffer(fr, wait=True)
+            if buf is not None:
+                later.pop(0)
+                return [(fr, buf, p)]
+            if self._error is None:
+                later.pop(0)
+                fr.hold(p)
+                if fr.complete():
                     self._arrived(fr)
-            w.release()  # the write's own hold: it is in
-        return w.future
+        return []
+
+    def _buffer(self, fr: Frame, *, wait: bool) -> torch.Tensor | None:
+        """Under the lock: frame ``fr``'s buffer to copy a part into: its own, or a new one while fewer
+        than ``buffers`` frames not yet handed to the pool hold one; with ``wait``, once one of those
+        goes, as long as the emitter's next frame has all its bytes. None at once where it has not, or
+        the writer stopped: the part is held instead."""
+        while self._error is None:
+            if fr.buf is not None:
+                return fr.buf
+            if self._buffered < self._max_buffered:
+                self._buffered += 1
+                return fr.new_buffer()
+            if not wait or self._cursor >= self._total or self._state[self._cursor] == MISSING:
+                return None
+            self._cv.wait()
+        return None
 
     def _check_fresh(self, blob: int, k: int, lo: int, hi: int) -> None:
         """Refuse a write of bytes ``[lo, hi)`` of frame ``k`` of which some were written before."""
         t = self._first[blob] + k
         fr = self._frames.get(t)
-        if self._state[t] != _MISSING or (fr is not None and any(a < hi and lo < z for a, z in fr.parts)):
+        if self._state[t] != MISSING or (fr is not None and fr.claimed(lo, hi)):
             raise ValueError(f"codec writer: bytes of blob {blob} frame {k} are written twice")
 
     def _check_going(self) -> None:
         if self._error is not None:
             raise self._error
-
-    def _check_written(self) -> None:
-        """At commit: the first error of the writer; a write the tier refused for room (TierFullError) as
-        a plain I/O error, since committing again cannot write that part again (only the tier's own
-        commit's TierFullError is retried: making room for it would evict copies for nothing)."""
-        err = self._error
-        if isinstance(err, TierFullError):
-            raise TierIOError(err.errno or errno.ENOSPC, f"a write of this copy failed: {err}") from err
-        self._check_going()
 
     def _start_emitter(self) -> None:
         if self._emitter is None:
@@ -313,12 +242,9 @@ class CodecWriter(TierWriter):
             )
             self._emitter.start()
 
-    def _arrived(self, fr: _Frame) -> None:
+    def _arrived(self, fr: Frame) -> None:
         """Under the lock: the frame's raw bytes are all in: queue it for encoding."""
-        if fr.src is None:
-            assert fr.buf is not None
-            fr.src = ptr_mv(fr.buf.data_ptr(), fr.raw_len, writable=False)
-        self._state[fr.t] = fr.state = _READY
+        self._state[fr.t] = fr.state = READY
         heapq.heappush(self._ready, fr.t)
         self._schedule()
 
@@ -331,12 +257,15 @@ class CodecWriter(TierWriter):
                 return
             heapq.heappop(self._ready)
             fr = self._frames[t]
-            self._state[t] = fr.state = _QUEUED
+            self._state[t] = fr.state = QUEUED
             self._pending += 1
+            if fr.buf is not None:  # its buffer is the pool's share now: another frame may have one
+                self._buffered -= 1
+                self._cv.notify_all()
             fr.task = codecpool.submit(self._encode, fr)
 
     # -- the codec threads -----------------------------------------------------------------------------------
-    def _encode(self, fr: _Frame) -> None:
+    def _encode(self, fr: Frame) -> None:
         """On a codec thread: plan the frame and encode it; its caller's memory is given back once the
         stored bytes are the encoder's own (a frame that stays raw is copied out by the emitter first)."""
         with self._cv:
@@ -345,11 +274,17 @@ class CodecWriter(TierWriter):
                 return
             self._running += 1
         kind = self._kinds[fr.blob][fr.k]
-        assert fr.src is not None
         enc: Encoded | None = None
         error: BaseException | None = None
-        try:  # planned now, not as it arrived: the frames before it were measured meanwhile
-            plan = fr.plan = self._adaptive.plan(kind)
+        try:
+            gathered = fr.gather()  # the frame is this task's: no one else touches its pieces now
+            if gathered:
+                with self._cv:
+                    for w in gathered:
+                        w.release()
+            assert fr.src is not None
+            # planned now, not as it arrived: the frames before it were measured meanwhile
+            plan = fr.plan = self._adaptive.plan(kind, self.budget)
             if plan.sample and plan.measure is not None:  # stored raw; a sample compressed only to measure it
                 m = plan.measure
                 n = min(len(fr.src), plan.sample) // max(1, m.width) * max(1, m.width)
@@ -370,7 +305,7 @@ class CodecWriter(TierWriter):
             else:
                 assert enc is not None
                 fr.enc = enc
-                self._state[fr.t] = fr.state = _ENCODED
+                self._state[fr.t] = fr.state = ENCODED
                 if enc.width != 0:
                     fr.drop_source()
             self._cv.notify_all()
@@ -381,25 +316,14 @@ class CodecWriter(TierWriter):
         try:
             for t in range(self._total):
                 self._emit_next(t)
-            while self._inflight:
-                self._retire()
-        except _Stopped:
+            self._out.drain()
+        except Stopped:
             pass
         except BaseException as e:
             with self._cv:
                 self._stop(e)
         finally:
-            while self._inflight:  # after an error: the tier's writes still read the output chunks
-                slot, f = self._inflight.popleft()
-                with contextlib.suppress(BaseException):
-                    f.exception()
-                self._free.append(slot)
-            if self._slot is not None:
-                self._free.append(self._slot)
-                self._slot = None
-            for buf in self._free:  # for the next writer
-                _give_chunk(buf, self._align)
-            self._free.clear()
+            self._out.close()  # after an error: once the tier's writes no longer read the output chunks
             with self._cv:
                 self._cv.notify_all()
 
@@ -408,7 +332,9 @@ class CodecWriter(TierWriter):
         fr = self._next_encoded(t)
         assert fr.enc is not None
         try:
-            self._emit(fr, fr.enc)
+            self._out.emit(fr.blob, fr.k, fr.enc)
+        except Stopped:
+            raise
         except BaseException as e:
             with self._cv:
                 self._stop(e)
@@ -418,100 +344,58 @@ class CodecWriter(TierWriter):
                 fr.drop_source(self._error)
                 fr.enc = None
                 del self._frames[t]
-                self._state[t] = fr.state = _EMITTED
+                self._state[t] = fr.state = EMITTED
                 self._pending -= 1
                 self._cursor = t + 1
                 self._schedule()
+                self._cv.notify_all()  # a write waiting for a frame buffer looks at the next frame
 
-    def _next_encoded(self, t: int) -> _Frame:
+    def _next_encoded(self, t: int) -> Frame:
         with self._cv:
             while True:
                 if self._error is not None:
-                    raise _Stopped
+                    raise Stopped
                 fr = self._frames.get(t)
-                if fr is not None and fr.state == _ENCODED:
-                    fr.state = _EMITTING  # its source is the emitter's to give back now
+                if fr is not None and fr.state == ENCODED:
+                    fr.state = EMITTING  # its source is the emitter's to give back now
                     return fr
                 self._cv.wait()
 
-    def _emit(self, fr: _Frame, enc: Encoded) -> None:
-        """Append the frame's stored bytes to its blob's stream; at the blob's last frame, write its
-        last chunk (zero-padded to the alignment) and tell the tier where the stream ended."""
-        b, chunk = fr.blob, self._chunk
-        if fr.k == 0:
-            self._start, self._fill = 0, 0
-        for stream in enc.streams:
-            length, pos = len(stream), 0
-            addr = _address(stream) if length else 0
-            while pos < length:
-                if self._slot is None:
-                    self._slot = self._acquire()
-                n = min(length - pos, chunk - self._fill)
-                memmove(self._slot.data_ptr() + self._fill, addr + pos, n)
-                self._fill += n
-                pos += n
-                if self._fill == chunk:
-                    self._flush(b, chunk)
-        self._builder.add(b, fr.k, enc.width, enc.planes, enc.lengths if enc.width else ())
-        if fr.k == self._first[b + 1] - self._first[b] - 1:
-            held = self._start + self._fill
-            if self._fill:
-                end = round_up(self._fill, self._align)
-                assert self._slot is not None
-                ptr_mv(self._slot.data_ptr() + self._fill, end - self._fill)[:] = bytes(end - self._fill)
-                self._flush(b, end)
-            self._held[b] = held
-            self._end(b, round_up(held, self._align))
-
-    def _acquire(self) -> torch.Tensor:
-        if len(self._inflight) >= self._out_slots:
-            self._retire()
-        return self._free.pop() if self._free else _take_chunk(self._chunk, self._align)
-
-    def _flush(self, blob: int, nbytes: int) -> None:
-        """Write the output chunk (``nbytes`` of it) at the stream's current chunk."""
-        slot, self._slot = self._slot, None
-        assert slot is not None
-        self._busy.start()
-        try:
-            fut = self._inner.write(blob, self._start, slot.data_ptr(), nbytes)
-        except BaseException:
-            self._busy.end(0)
-            self._free.append(slot)
-            raise
-        self._inflight.append((slot, fut))
-        fut.add_done_callback(lambda f: self._written(f, nbytes))
-        self._start += nbytes
-        self._fill = 0
-
-    def _written(self, f: Future[int], nbytes: int) -> None:
-        error = f.exception()
-        self._busy.end(0 if error is not None else nbytes)
-        if error is not None:
-            with self._cv:
-                self._stop(error)
-
-    def _retire(self) -> None:
-        """Wait for the oldest write to the tier and take its chunk back."""
-        slot, f = self._inflight.popleft()
-        try:
-            f.result()
-        finally:
-            self._free.append(slot)
+    def _failed(self, error: BaseException) -> None:
+        """A write to the tier failed (on the thread that completed it): the writer stops."""
+        with self._cv:
+            self._stop(error)
 
     # -- stopping --------------------------------------------------------------------------------------------
     def _stop(self, error: BaseException) -> None:
-        """Under the lock: stop on the first error; give back the caller's memory no codec thread reads."""
+        """Under the lock: stop on the first error (:meth:`_refused` says how a tier's refusal is told);
+        give back the caller's memory no codec thread reads."""
         if self._error is None:
-            self._error = error
+            self._error = self._refused(error)
         for fr in self._frames.values():
-            if fr.state == _QUEUED:
+            if fr.state == QUEUED:
                 if fr.task is not None and fr.task.cancel():  # never ran; one that runs gives it back itself
                     fr.drop_source(self._error)
-            elif fr.state in (_READY, _ENCODED):
+            elif fr.state in (READY, ENCODED):
                 fr.drop_source(self._error)
+            elif fr.state == MISSING:  # its buffer may be written by a write's copy: kept
+                fr.release_held(self._error)
         self._ready.clear()
         self._cv.notify_all()
+
+    def _refused(self, error: BaseException) -> BaseException:
+        """``error`` as the writer tells it: a write the tier refused for room (a TierFullError: every one
+        that stops a writer comes from a write) as a plain I/O error (ENOSPC) caused by it. Committing
+        again cannot make that write again, so the mover must not make room and retry (evicting copies
+        for nothing; only the tier's own commit's TierFullError is retried); and the copy fails the same
+        whether a write's future or the commit tells it."""
+        if not isinstance(error, TierFullError):
+            return error
+        told = TierIOError(
+            error.errno or errno.ENOSPC, f"tier {self._tier.name!r}: a write of this copy failed: {error}"
+        )
+        told.__cause__ = error
+        return told
 
     def _wait_quiet(self) -> None:
         """Wait until no codec thread works for this writer and the emitter has left."""
@@ -529,8 +413,8 @@ class CodecWriter(TierWriter):
         it was, so that committing again retries only that."""
         if self._index is None:
             with self._cv:
-                self._check_written()
-                missing = next((t for t in range(self._total) if self._state[t] == _MISSING), None)
+                self._check_going()
+                missing = next((t for t in range(self._total) if self._state[t] == MISSING), None)
                 if missing is not None:
                     b = self._blob_of[missing]
                     raise ValueError(
@@ -538,16 +422,23 @@ class CodecWriter(TierWriter):
                     )
                 self._start_emitter()  # a copy of empty blobs only
             self._wait_quiet()
-            self._check_written()
-            self._index = self._builder.build()
+            self._check_going()
+            self._index = self._out.index()
         index = self._index
         self._inner.commit(wrap_manifest(manifest, index) if index.compressed_frames() else manifest)
 
-    def abort(self) -> None:
-        """Stop: frames not yet encoded are dropped, encodings running are waited for, and the tier's
-        writer is aborted (after its writes in flight)."""
+    def cancel(self) -> None:
+        """Stop: frames not yet encoded are dropped, nothing more goes to the tier, and the tier's writer
+        is cancelled, so that its writes in flight fail soon (an S3 part in its retries gives up)."""
         with self._cv:
             self._stop(RuntimeError(f"tier {self._tier.name!r}: the codec writer was aborted"))
+        self._inner.cancel()
+
+    def abort(self) -> None:
+        """Stop promptly: :meth:`cancel`; then wait for the encodings running and the tier's writes in
+        flight (failing soon now: they read this writer's output chunks, and the tier's own abort may
+        free what they write to), and abort the tier's writer."""
+        self.cancel()
         self._wait_quiet()
         self._inner.abort()
 

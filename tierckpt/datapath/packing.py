@@ -121,7 +121,8 @@ def pack_and_write(
     costs ~1 us; there is a gap next to almost every one of 20,000 small tensors).
 
     A writer whose write fails is recorded in ``failed`` (first error) and gets no further chunks; the
-    others go on. ``on_staged`` runs once every tensor byte has been copied out of the caller's state;
+    others go on. On any other failure (a packing error, an interrupt) every writer is cancelled before
+    the writes in flight are waited for. ``on_staged`` runs once every tensor byte has been copied out of the caller's state;
     ``on_packed(checksums)`` once every checksum is known too, before the writes still in flight are
     waited for (the manifest is built then, while the disk writes the last chunks).
     """
@@ -134,6 +135,10 @@ def pack_and_write(
             packer.hash_in_place()
         if on_packed is not None:
             on_packed(packer.checksums)
+    except BaseException:
+        for w in writers.values():  # the save failed: its writes in flight need not go on (s3 retries)
+            w.cancel()
+        raise
     finally:
         packer.drain()
     return packer.checksums

@@ -33,12 +33,14 @@ def _charge(budget: Budget, background: bool, nbytes: int) -> None:
 class _Writer(TierWriter):
     def __init__(self, inner: TierWriter, budget: Budget, background: bool) -> None:
         self._inner, self._budget, self._background = inner, budget, background
+        self._cancelled = False
 
     def buffer(self, blob: int) -> torch.Tensor | None:
         return self._inner.buffer(blob)
 
     def write(self, blob: int, offset: int, addr: int, nbytes: int) -> Future[int]:
-        _charge(self._budget, self._background, nbytes)
+        if not self._cancelled:  # a cancelled writer's writes fail at once: not after waiting for the budget
+            _charge(self._budget, self._background, nbytes)
         return self._inner.write(blob, offset, addr, nbytes)
 
     def commit(self, manifest: bytes) -> None:
@@ -46,6 +48,10 @@ class _Writer(TierWriter):
 
     def abort(self) -> None:
         self._inner.abort()
+
+    def cancel(self) -> None:
+        self._cancelled = True
+        self._inner.cancel()
 
 
 class _Reader(TierReader):

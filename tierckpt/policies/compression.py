@@ -15,12 +15,17 @@ ids compressed 30× grouped against 10× as one zstd stream (docs/benchmarks.md)
 
 **The decision** (``auto``). With ``T`` compressor threads, a kind's measured per-thread speed ``s``
 (raw bytes a second, with the planes it compresses) and ratio ``r`` (raw / stored bytes), and the
-tier's write throughput ``bw`` (stored bytes a second: the smaller of the measured busy-time
-throughput and the tier's bandwidth budget), a raw byte costs ``1/bw`` stored as it is, and
-``max(1/(T*s), 1/(r*bw))`` compressed (compressing and writing overlap, so the slower of the two
-sets the pace). The kind is compressed iff that is below ``(1 - margin)/bw`` (``margin`` 5 %): the
-transfer must get shorter by more than the measurements' noise. So a kind that gains nothing
-(``r`` ≈ 1) is never compressed, and neither is anything on a tier faster than ``T*s``.
+tier's write throughput ``bw`` (stored bytes a second: the smaller of the tier's measured busy-time
+throughput and the bandwidth budget that paces the writer asking, if one does), a raw byte costs
+``1/bw`` stored as it is, and ``max(1/(T*s), 1/(r*bw))`` compressed (compressing and writing overlap,
+so the slower of the two sets the pace). The kind is compressed iff that is below ``(1 - margin)/bw``
+(``margin`` 5 %): the transfer must get shorter by more than the measurements' noise. So a kind that
+gains nothing (``r`` ≈ 1) is never compressed, and neither is anything on a tier faster than ``T*s``.
+
+**Budgets are per writer.** A budget bounds what one writer is paced at, not the tier: a background
+demotion paced at 200 MB/s and a blocking save at full speed may write to one tier at once. So each
+writer passes its own to :meth:`Adaptive.plan`, nothing of it is kept here, and the tier's measured
+throughput excludes the time writes wait for a budget (it measures the tier, not a writer's pace).
 
 **Measurements.** Speeds and ratios are exponentially weighted averages over the frames the writer
 reports back (:meth:`Adaptive.observe_frame`); the tier's throughput likewise
@@ -30,8 +35,8 @@ tries every plane. Until a kind has been measured its frames are probes too. Und
 a kind that is not compressed (not measured yet, or not paying) compresses only the first
 :data:`SAMPLE_BYTES` of the frame, to measure them, and the frame is stored raw: so a fast tier pays a
 sixteenth of a frame's compression per probe, and a copy ``auto`` decides not to compress stays a plain
-copy. Until the tier's throughput is known (measured by the writer after its first writes, or set by a
-budget) ``auto`` stores frames raw.
+copy. Until the tier's throughput is known (measured by the writer after its first writes, or bounded
+by the writer's budget) ``auto`` stores frames raw.
 
 ``zstd`` compresses every frame, leaving raw the planes that never gain (except on probes, which try
 them again); ``none`` stores every frame raw.
@@ -309,6 +314,11 @@ def pays(speed: float, ratio: float, threads: int, bw: float, margin: float = MA
     return max(1.0 / (threads * speed), 1.0 / (ratio * bw)) < (1.0 - margin) / bw
 
 
+def _check_budget(budget: float | None) -> None:
+    if budget is not None and (isinstance(budget, bool) or not budget > 0):
+        raise ValueError(f"budget: expected a positive number of bytes a second or None, got {budget!r}")
+
+
 def _ewma(old: float | None, new: float) -> float:
     return new if old is None else old + EWMA_WEIGHT * (new - old)
 
@@ -345,8 +355,9 @@ class Adaptive:
     """The compression decisions for one tier, kept up to date from what its writers measure.
 
     One per tier and process, shared by every copy written to that tier; thread-safe. The writer asks
-    :meth:`plan` for each frame, encodes it as planned (in its compressor pool), reports the result to
-    :meth:`observe_frame`, and reports what the tier took to :meth:`observe_tier`.
+    :meth:`plan` for each frame (with its own budget: what one writer is paced at is no property of
+    the tier, so nothing of it is kept here), encodes it as planned (in its compressor pool), reports
+    the result to :meth:`observe_frame`, and reports what the tier took to :meth:`observe_tier`.
 
     Args:
         cfg: the tier's setting.
@@ -361,22 +372,28 @@ class Adaptive:
         self._kinds: dict[Kind, _KindStats] = {}
         self._tier_bytes: float | None = None  # running averages of what observe_tier reports
         self._tier_secs: float | None = None
-        self._budget: float | None = None
 
     @property
     def level(self) -> int:
         """The zstd level to encode with."""
         return self.cfg.level
 
-    def plan(self, kind: Kind) -> FramePlan:
-        """How to encode the next frame of ``kind``."""
+    def plan(self, kind: Kind, budget: float | None = None) -> FramePlan:
+        """How to encode the next frame of ``kind``, for a writer paced at ``budget`` stored bytes a second
+        (the tier's bandwidth budget where it paces that writer; None: unpaced): the throughput the
+        decision assumes is at most that.
+
+        Raises:
+            ValueError: a budget that is not a positive number.
+        """
+        _check_budget(budget)
         if self.cfg.mode == "none":
             return RAW
         with self._lock:
             st = self._stats(kind)
             st.frames += 1
             everything = (1 << st.planes) - 1
-            bw = self._bandwidth()
+            bw = self._bandwidth(budget)
             probe = st.frames <= PROBE_FIRST or st.frames % PROBE_EVERY == 0 or not st.measured()
             mask = self._decide(st, bw) if st.measured() else 0
             if probe:
@@ -422,30 +439,25 @@ class Adaptive:
 
     def observe_tier(self, stored_bytes: int, busy_seconds: float) -> None:
         """Learn the tier's write throughput: ``stored_bytes`` written in ``busy_seconds`` of the tier
-        being busy (writes in flight), its budget's waits included."""
+        being busy (writes in flight; not the time a write waited for a budget before it went)."""
         if stored_bytes <= 0 or not busy_seconds > 0:
             return
         with self._lock:
             self._tier_bytes = _ewma(self._tier_bytes, float(stored_bytes))
             self._tier_secs = _ewma(self._tier_secs, float(busy_seconds))
 
-    def set_budget(self, rate: float | None) -> None:
-        """The tier's bandwidth budget in bytes a second (None: none): the throughput is at most that."""
-        if rate is not None and not rate > 0:
-            raise ValueError(f"rate: expected a positive number of bytes a second or None, got {rate!r}")
+    def bandwidth(self, budget: float | None = None) -> float | None:
+        """The write throughput the decisions of a writer paced at ``budget`` (None: unpaced) use, in
+        stored B/s: the tier's measured one, at most ``budget``; None while neither is known."""
+        _check_budget(budget)
         with self._lock:
-            self._budget = None if rate is None else float(rate)
+            return self._bandwidth(budget)
 
-    def bandwidth(self) -> float | None:
-        """The tier's write throughput the decisions use (stored B/s), or None while unknown."""
-        with self._lock:
-            return self._bandwidth()
-
-    def _bandwidth(self) -> float | None:
+    def _bandwidth(self, budget: float | None) -> float | None:
         measured = self._tier_bytes / self._tier_secs if self._tier_bytes and self._tier_secs else None
-        if measured is None or self._budget is None:
-            return measured if measured is not None else self._budget
-        return min(measured, self._budget)
+        if measured is None or budget is None:
+            return measured if measured is not None else budget
+        return min(measured, budget)
 
     def _stats(self, kind: Kind) -> _KindStats:
         st = self._kinds.get(kind)
@@ -453,10 +465,12 @@ class Adaptive:
             st = self._kinds[kind] = _KindStats(max(1, kind.width))
         return st
 
-    def snapshot(self) -> dict[str, Any]:
-        """What the decisions rest on, for ``tierckpt inspect``, benchmarks and logs (plain values)."""
+    def snapshot(self, budget: float | None = None) -> dict[str, Any]:
+        """What the decisions of a writer paced at ``budget`` (None: unpaced) rest on, for ``tierckpt
+        inspect``, benchmarks and logs (plain values)."""
+        _check_budget(budget)
         with self._lock:
-            bw = self._bandwidth()
+            bw = self._bandwidth(budget)
             kinds = {}
             for kind, st in self._kinds.items():
                 mask = self._decide(st, bw) if st.measured() and self.cfg.mode != "none" else 0
@@ -476,6 +490,6 @@ class Adaptive:
                 "level": self.cfg.level,
                 "threads": self.threads,
                 "bandwidth_bytes_per_sec": bw,
-                "budget_bytes_per_sec": self._budget,
+                "budget_bytes_per_sec": budget,
                 "kinds": kinds,
             }

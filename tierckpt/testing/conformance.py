@@ -230,6 +230,25 @@ class TierConformanceTests:
         _write(tier, CheckpointKey(2), new, b"new")
         assert all(torch.equal(a, b) for a, b in zip(_read(tier, CheckpointKey(2), [4 * u, u]), new))
 
+    def test_cancel_then_abort_leaves_nothing(self, tier: Tier) -> None:
+        """``cancel`` (from another thread, writes issued): each write's future resolves, in error or
+        not; the abort after them leaves nothing, and the key is written again."""
+        u = max(_CHUNK, _align(tier))
+        used = tier.used_bytes()
+        w = tier.reserve(CheckpointKey(5), _entries([4 * u]))
+        futs = _issue(tier, w, 0, _blob(4 * u, 50))
+        canceller = threading.Thread(target=w.cancel)
+        canceller.start()
+        canceller.join()
+        w.cancel()  # idempotent
+        for f in futs:
+            f.exception(timeout=60)
+        w.abort()
+        assert tier.list_committed() == [] and tier.used_bytes() == used
+        new = _blob(4 * u, 51)
+        _write(tier, CheckpointKey(5), [new])
+        assert torch.equal(_read(tier, CheckpointKey(5), [4 * u])[0], new)
+
     def test_commit_replaces_same_key(self, tier: Tier) -> None:
         _write(tier, CheckpointKey(2), [_blob(4096, 5)], b"first")
         second = _blob(8192, 6)

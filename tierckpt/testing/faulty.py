@@ -204,6 +204,9 @@ class _FaultyWriter(TierWriter):
     def abort(self) -> None:
         self.inner.abort()
 
+    def cancel(self) -> None:
+        self.inner.cancel()
+
 
 class _FaultyReader(TierReader):
     def __init__(self, tier: FaultyTier, inner: TierReader) -> None:

@@ -46,6 +46,8 @@ FULL_CODES = frozenset({"QuotaExceeded"})
 _RANGE = re.compile(r"bytes (\d+)-(\d+)/(\d+|\*)")
 _BACKOFF_BASE_S = 0.1
 _BACKOFF_CAP_S = 8.0
+#: how often a retry's backoff looks whether its request was told to stop
+_GIVE_UP_POLL_S = 0.05
 #: how long cleanup (aborting a failed copy's uploads, deleting what it completed) retries: what it leaves
 #: behind is the next open's sweep's, and a failing save should not wait minutes on a server that is down
 CLEANUP_DEADLINE_S = 5.0
@@ -224,8 +226,8 @@ class Bucket:
                     log.info(
                         "%s of %s: %s (%s); try %d in %.2fs", op, self.where(key), code, status, attempt + 1, delay
                     )
-                    time.sleep(delay)
-                    continue
+                    if self._pause(delay, give_up):
+                        continue
                 tries = f" after {attempt} tries in {elapsed:.1f}s" if attempt > 1 else ""
                 msg = f"S3 {op} of {self.where(key)} failed{tries}: {code}" + (f" (HTTP {status})" if status else "")
                 detail = str(e)
@@ -233,6 +235,15 @@ class Bucket:
                     msg += f": {detail}"
                 cls = S3FullError if code in FULL_CODES else S3Error
                 raise cls(msg, op, status, code) from e
+
+    def _pause(self, secs: float, give_up: Callable[[], bool] | None) -> bool:
+        """Wait ``secs`` before a retry; False as soon as the bucket closes or ``give_up()`` says so
+        (looked at every :data:`_GIVE_UP_POLL_S`): a request told to stop does not sleep out its backoff."""
+        end = time.monotonic() + secs
+        while (left := end - time.monotonic()) > 0:
+            if self._closed.wait(min(left, _GIVE_UP_POLL_S)) or (give_up is not None and give_up()):
+                return False
+        return True
 
     def submit(self, fn: Callable[[], T]) -> Future[T]:
         """Run ``fn`` on the bucket's pool."""

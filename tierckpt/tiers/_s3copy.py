@@ -73,7 +73,8 @@ class S3Writer(TierWriter):
 
     After the first part that fails, every later one fails at once with its error (queued parts are not
     sent, parts in retry give up), so that a copy to a server that is down fails within one request's
-    retries, not one per part."""
+    retries, not one per part; after :meth:`cancel` (or :meth:`abort`) likewise. :meth:`abort` waits for
+    every part it accepted before it aborts the uploads."""
 
     def __init__(self, tier: S3Tier, key: CheckpointKey, blobs: Sequence[BlobEntry]) -> None:
         self.tier, self.key, self.blobs = tier, key, list(blobs)
@@ -88,6 +89,7 @@ class S3Writer(TierWriter):
         self._lock = threading.Lock()
         self._starting = [threading.Lock() for _ in self.blobs]
         self._open = True
+        self._cancelled = False
 
     def _upload(self, blob: int) -> Upload:
         with self._starting[blob]:  # one upload per blob, started by its first part
@@ -100,15 +102,17 @@ class S3Writer(TierWriter):
     def _check_going(self) -> None:
         if self._failed is not None:
             raise self._failed
-        if not self._open:
+        if self._stopped():
             raise RuntimeError(f"tier {self.tier.name!r}: the writer of step {self.key.step} was aborted")
 
     def _stopped(self) -> bool:
-        return self._failed is not None or not self._open
+        return self._failed is not None or not self._open or self._cancelled
+
+    def cancel(self) -> None:
+        """Parts in retry give up (within one backoff's poll), queued and later ones fail at once."""
+        self._cancelled = True
 
     def write(self, blob: int, offset: int, addr: int, nbytes: int) -> Future[int]:
-        if not self._open:
-            raise RuntimeError("writer already finished")
         part, size = self.tier.part_bytes, self.blobs[blob].size
         if offset % part or nbytes > min(part, size - offset) or nbytes <= 0:  # shorter: the blob's last part
             raise ValueError(
@@ -130,8 +134,10 @@ class S3Writer(TierWriter):
                 self._parts[blob][number] = nbytes
             return nbytes
 
-        fut = self.tier.bucket.submit(send)
-        with self._lock:
+        with self._lock:  # accepted and listed at once: an abort that follows waits for it
+            if not self._open:
+                raise RuntimeError("writer already finished")
+            fut = self.tier.bucket.submit(send)
             self._futures.append(fut)
         return fut
 

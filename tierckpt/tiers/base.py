@@ -11,6 +11,8 @@ Write, by the hierarchy's saving thread::
     w.commit(manifest_bytes)              # after every write future is done: durable, then published
                                           # atomically (rename / swap); the step becomes listable
     w.abort()                             # instead of commit, on any failure: leaves no trace
+    w.cancel()                            # optional, any thread, before waiting for the writes and
+                                          # aborting: the writes in flight fail soon, later ones at once
 
 A tier that keeps the copies of a node's ranks in one data file (``node_files``: a file tier with
 ``files: per_node``) is written the same way, except that its writer comes from
@@ -207,6 +209,12 @@ class TierWriter(ABC):
     @abstractmethod
     def abort(self) -> None:
         """Drop everything written so far. Idempotent; never raises for cleanup problems."""
+
+    def cancel(self) -> None:  # noqa: B027 - optional hook
+        """Make the writes in flight fail soon and later ones fail at once, dropping nothing yet: the
+        caller then waits for their futures (their memory is read until they resolve) and calls
+        :meth:`abort`. For a writer whose writes can wait long (a remote store's retries); the default
+        does nothing, for writes that end on their own. Idempotent; from any thread."""
 
 
 class TierReader(ABC):
