@@ -11,7 +11,8 @@ rotated order per repeat: a host → target hierarchy saves the ``llm`` state (t
 into host memory (waited for: not timed), then the **demotion** is timed from the host copy's commit to
 the target's. The hierarchy is closed, the page cache dropped (root; else the figure says so), and a new
 process opens the target alone and times ``restore(step)`` (the **restore as a restart**: a fresh process,
-cold cache, memory not yet faulted in). Targets:
+cold cache, memory not yet faulted in). Each target first gets one untimed demotion (a fresh radosgw
+or MDS is slow at first). Targets:
 
 * ``throttled``: a ``local`` tier under ``--dir`` with ``io: {bandwidth: --budget, throttle: all}``
   (restores are paced too): a deterministic slow tier;
@@ -100,6 +101,10 @@ def demote(cfg: dict[str, Any], state: Any, step: int) -> dict[str, Any]:
         handle.wait("slow")
         seconds = time.perf_counter() - t0
         info = _copy_info(h, step)
+        adaptive = h.tier("slow").adaptive
+        if adaptive is not None:  # what auto's decisions rested on
+            snap = adaptive.snapshot()
+            info.update(bandwidth=snap["bandwidth_bytes_per_sec"], io_cpu=snap["io_cpu_seconds_per_byte"])
     finally:
         h.close()
     return {"demote_s": seconds, **info}
@@ -192,6 +197,9 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     base.mkdir(parents=True, exist_ok=True)
     with places(targets, base, args) as where:
         for target in targets:
+            if args.warmup:  # a first demotion, untimed: a fresh radosgw or MDS is slow at first
+                _clean(target, where)
+                demote(config(target, "none", where, args, host=True), state, step=99)
             for rep in range(args.repeats):
                 order = modes[rep % len(modes) :] + modes[: rep % len(modes)]
                 for mode in order:
@@ -243,6 +251,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--engine", default="auto")
     p.add_argument("--chunk", default="16MiB")
     p.add_argument("--out", default=None, help="append JSON lines here")
+    p.add_argument("--no-warmup", dest="warmup", action="store_false", help="no untimed first demotion per target")
     p.add_argument("--quick", action="store_true", help="128 MiB, one repeat")
     args = p.parse_args(argv)
     parse_rate(args.budget, "--budget")  # refused early when malformed

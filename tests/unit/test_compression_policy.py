@@ -146,6 +146,42 @@ def test_more_threads_make_a_compressor_bound_tier_worth_compressing() -> None:
     assert decided == {1: {RAW}, 4: {FramePlan(4, 0b1100)}}
 
 
+def test_pays_counts_the_cpus_the_transfer_needs() -> None:
+    # 250 MB/s a thread, 2 threads, ratio 1.22, a 150 MB/s tier: pays on CPUs that do nothing else
+    assert pays(250 * MB, 1.22, 2, 150 * MB)
+    assert pays(250 * MB, 1.22, 2, 150 * MB, cpus=2)
+    # writing costs 1.8 CPUs at 150 MB/s (servers on the same machine): 2 CPUs cannot compress beside it
+    assert not pays(250 * MB, 1.22, 2, 150 * MB, cpus=2, io_cpu=1.8 / (150 * MB))
+    assert pays(250 * MB, 1.22, 2, 150 * MB, cpus=16, io_cpu=1.8 / (150 * MB))  # plenty of CPUs: it does
+    # 1.5 CPUs: compressing frees some of the writes' CPU (1/r of the bytes), enough to pay for itself
+    assert pays(250 * MB, 1.22, 2, 150 * MB, cpus=2, io_cpu=1.5 / (150 * MB))
+    # more threads than CPUs: the CPUs bound the compressor, not the threads
+    assert pays(100 * MB, 1.5, 8, 300 * MB)
+    assert not pays(100 * MB, 1.5, 8, 300 * MB, cpus=2)
+
+
+def test_the_cpu_a_tier_s_writes_take_flips_the_decision() -> None:
+    comp = Compressor(FP32_PLANES)  # 400 MB/s a thread, ratio 1.25 on the planes that gain
+    a = Adaptive(CompressConfig("auto"), threads=2, cpus=2)
+    slow_tier(a, 300 * MB)
+    assert steady(run(a, FP32, comp, 40)) == {RAW}  # what the writes cost the CPUs is not known yet
+    a.observe_cpu(0.1, int(300 * MB))
+    assert steady(run(a, FP32, comp, 40)) == {FramePlan(4, 0b1100)}
+    for _ in range(30):  # the tier's writes keep 1.8 CPUs busy at 300 MB/s
+        a.observe_cpu(1.8, int(300 * MB))
+    assert a.snapshot()["io_cpu_seconds_per_byte"] == pytest.approx(1.8 / (300 * MB), rel=1e-3)
+    assert steady(run(a, FP32, comp, 40)) == {RAW}
+    for _ in range(30):  # the servers moved elsewhere: the client's 0.1 CPU
+        a.observe_cpu(0.1, int(300 * MB))
+    assert steady(run(a, FP32, comp, 40)) == {FramePlan(4, 0b1100)}
+    a.observe_cpu(1.0, 0)  # nothing written, or a negative time: ignored
+    a.observe_cpu(-1.0, 100)
+    assert a.snapshot()["io_cpu_seconds_per_byte"] == pytest.approx(0.1 / (300 * MB), rel=0.01)
+    assert a.snapshot()["cpus"] == 2
+    with pytest.raises(ValueError, match="cpus"):
+        Adaptive(CompressConfig("auto"), threads=2, cpus=0)
+
+
 def test_a_budget_lowers_the_bandwidth_and_flips_the_decision() -> None:
     a = Adaptive(CompressConfig("auto"), threads=2)
     slow_tier(a, 2000 * MB)

@@ -20,6 +20,7 @@ from time import perf_counter
 import numpy as np
 import torch
 
+from tierckpt.datapath.cpumeter import meter_for
 from tierckpt.format.codec import Encoded
 from tierckpt.format.frames import FrameIndex, IndexBuilder
 from tierckpt.format.layout import round_up
@@ -67,7 +68,7 @@ class _Busy:
     busy time since the report before."""
 
     def __init__(self, adaptive: Adaptive) -> None:
-        self._adaptive = adaptive
+        self._adaptive, self._meter = adaptive, meter_for(adaptive)
         self._lock = threading.Lock()
         self._inflight, self._mark, self._busy = 0, 0.0, 0.0
 
@@ -77,6 +78,7 @@ class _Busy:
         self._mark = now
 
     def start(self) -> None:
+        self._meter.start()
         with self._lock:
             self._tick(perf_counter())
             self._inflight += 1
@@ -86,6 +88,7 @@ class _Busy:
             self._tick(perf_counter())
             self._inflight -= 1
             busy, self._busy = self._busy, 0.0
+        self._meter.end(nbytes)
         if nbytes > 0:
             self._adaptive.observe_tier(nbytes, busy)
 
@@ -215,16 +218,23 @@ class Emitter:
             raise
         if paced:
             self._busy.start()
-        self._inflight.append((slot, fut))
-        fut.add_done_callback(lambda f: self._written(f, nbytes))
+        counted: Future[int] = Future()  # the write, once it is also counted (what commit waits for)
+        self._inflight.append((slot, counted))
+        fut.add_done_callback(lambda f: self._written(f, nbytes, counted))
         self._start += nbytes
         self._fill = 0
 
-    def _written(self, f: Future[int], nbytes: int) -> None:
+    def _written(self, f: Future[int], nbytes: int, counted: Future[int]) -> None:
         error = f.exception()
-        self._busy.end(0 if error is not None else nbytes)
-        if error is not None:
-            self._failed(error)
+        try:
+            self._busy.end(0 if error is not None else nbytes)
+            if error is not None:
+                self._failed(error)
+        finally:
+            if error is None:
+                counted.set_result(f.result())
+            else:
+                counted.set_exception(error)
 
     def _retire(self) -> None:
         """Wait for the oldest write to the tier and take its chunk back."""

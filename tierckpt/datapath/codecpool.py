@@ -4,19 +4,22 @@ Encoding and decoding frames (:mod:`tierckpt.format.codec`) runs here, never in 
 writer its bytes (a training thread, a mover worker): zstd and the byte (un)shuffling release the GIL,
 so these threads run beside the rest of the process. The pool is made on first use with the largest
 ``threads`` any tier asked for so far (:func:`ensure`), by default ``min(os.cpu_count(), 8)``; a later,
-larger request replaces it with a larger one (the tasks queued on the old one still run).
+larger request replaces it with a larger one (the tasks queued on the old one still run). The pool counts
+the CPU time its tasks take (:func:`cpu_seconds`), for the CPU its tiers' writes cost beside it
+(:mod:`tierckpt.datapath.cpumeter`).
 """
 
 from __future__ import annotations
 
 import os
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from functools import partial
 from typing import Any, TypeVar
 
-__all__ = ["DEFAULT_MAX_THREADS", "default_threads", "ensure", "get_pool", "size", "submit"]
+__all__ = ["DEFAULT_MAX_THREADS", "cpu_seconds", "default_threads", "ensure", "get_pool", "size", "submit"]
 
 T = TypeVar("T")
 
@@ -26,6 +29,8 @@ DEFAULT_MAX_THREADS = 8
 _lock = threading.Lock()
 _pool: ThreadPoolExecutor | None = None
 _size = 0
+_cpu = 0.0  # CPU seconds the pool's tasks took, all together
+_cpu_lock = threading.Lock()
 
 
 def default_threads() -> int:
@@ -56,13 +61,29 @@ def size() -> int:
     return _size
 
 
+def cpu_seconds() -> float:
+    """CPU seconds the pool's tasks have taken since the process started, all together."""
+    return _cpu
+
+
+def _timed(fn: Callable[..., T], *args: object) -> T:
+    global _cpu
+    start = time.thread_time()
+    try:
+        return fn(*args)
+    finally:
+        took = time.thread_time() - start
+        with _cpu_lock:
+            _cpu += took
+
+
 def submit(fn: Callable[..., T], *args: object) -> Future[T]:
     """Run ``fn(*args)`` on the pool (made with the default size if it is not yet)."""
     if _pool is None:
         ensure()
     with _lock:  # not replaced meanwhile: a replaced pool refuses new tasks
         assert _pool is not None
-        return _pool.submit(fn, *args)
+        return _pool.submit(_timed, fn, *args)
 
 
 class _Pool(Executor):

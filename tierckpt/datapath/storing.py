@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from tierckpt.datapath import codecpool
 from tierckpt.datapath.blobcopy import ordered_writer, writer_for
 from tierckpt.datapath.codecwrite import CodecWriter
+from tierckpt.datapath.cpumeter import busy_cpu_seconds, usable_cpus
 from tierckpt.format.manifest import BlobEntry, Manifest, ManifestHead
 from tierckpt.policies.compression import Adaptive, CompressConfig, tier_compress
 from tierckpt.tiers.base import Tier, TierWriter
@@ -33,7 +34,8 @@ def set_compression(tier: Tier, cfg: CompressConfig | None = None, where: str | 
     )  # fmt: skip
     tier.compress = got
     if tier.adaptive is None or tier.adaptive.cfg != got:
-        tier.adaptive = Adaptive(got, got.threads or codecpool.default_threads())
+        cpus = len(usable_cpus()) if busy_cpu_seconds() is not None else None  # None: the CPUs not counted
+        tier.adaptive = Adaptive(got, got.threads or codecpool.default_threads(), cpus)
     return got
 
 

@@ -18,9 +18,13 @@ ids compressed 30× grouped against 10× as one zstd stream (docs/benchmarks.md)
 tier's write throughput ``bw`` (stored bytes a second: the smaller of the tier's measured busy-time
 throughput and the bandwidth budget that paces the writer asking, if one does), a raw byte costs
 ``1/bw`` stored as it is, and ``max(1/(T*s), 1/(r*bw))`` compressed (compressing and writing overlap,
-so the slower of the two sets the pace). The kind is compressed iff that is below ``(1 - margin)/bw``
+so the slower of the two sets the pace), unless the CPUs are the limit: with ``C`` CPUs and writing
+costing ``k`` CPU seconds a stored byte (measured: the client's work, a FUSE daemon's, servers' on the
+same machine, and whatever else runs on those CPUs meanwhile), a raw byte takes ``(1/s + k/r)/C`` of
+all of them. The kind is compressed iff the largest of the three is below ``(1 - margin)/bw``
 (``margin`` 5 %): the transfer must get shorter by more than the measurements' noise. So a kind that
-gains nothing (``r`` ≈ 1) is never compressed, and neither is anything on a tier faster than ``T*s``.
+gains nothing (``r`` ≈ 1) is never compressed, nor anything on a tier faster than ``T*s``, nor on one
+whose writes already keep the CPUs busy.
 
 **Budgets are per writer.** A budget bounds what one writer is paced at, not the tier: a background
 demotion paced at 200 MB/s and a blocking save at full speed may write to one tier at once. So each
@@ -29,14 +33,15 @@ throughput excludes the time writes wait for a budget (it measures the tier, not
 
 **Measurements.** Speeds and ratios are exponentially weighted averages over the frames the writer
 reports back (:meth:`Adaptive.observe_frame`); the tier's throughput likewise
-(:meth:`Adaptive.observe_tier`). To keep them fresh whatever was decided, the first
+(:meth:`Adaptive.observe_tier`), and the CPU time the tier's writes take (:meth:`Adaptive.observe_cpu`). To keep them fresh whatever was decided, the first
 :data:`PROBE_FIRST` frames of each kind are *probes*, and then one in :data:`PROBE_EVERY`: a probe
 tries every plane. Until a kind has been measured its frames are probes too. Under ``auto``, a probe of
 a kind that is not compressed (not measured yet, or not paying) compresses only the first
 :data:`SAMPLE_BYTES` of the frame, to measure them, and the frame is stored raw: so a fast tier pays a
 sixteenth of a frame's compression per probe, and a copy ``auto`` decides not to compress stays a plain
 copy. Until the tier's throughput is known (measured by the writer after its first writes, or bounded
-by the writer's budget) ``auto`` stores frames raw.
+by the writer's budget), and, where the CPUs are counted (``cpus``), what its writes cost them, ``auto``
+stores frames raw.
 
 ``zstd`` compresses every frame, leaving raw the planes that never gain (except on probes, which try
 them again); ``none`` stores every frame raw.
@@ -307,11 +312,25 @@ class FrameStats(Protocol):
     def plane_stored(self) -> tuple[int, ...]: ...
 
 
-def pays(speed: float, ratio: float, threads: int, bw: float, margin: float = MARGIN) -> bool:
+def pays(
+    speed: float,
+    ratio: float,
+    threads: int,
+    bw: float,
+    margin: float = MARGIN,
+    *,
+    cpus: int | None = None,
+    io_cpu: float = 0.0,
+) -> bool:
     """Whether compressing at ``speed`` raw B/s a thread, ``ratio`` raw/stored, on ``threads`` threads,
     makes writing to a tier of ``bw`` stored B/s shorter by more than ``margin``:
-    ``max(1/(threads*speed), 1/(ratio*bw)) < (1 - margin)/bw``."""
-    return max(1.0 / (threads * speed), 1.0 / (ratio * bw)) < (1.0 - margin) / bw
+    ``max(1/(threads*speed), 1/(ratio*bw), (1/speed + io_cpu/ratio)/cpus) < (1 - margin)/bw``, where
+    ``io_cpu`` is the CPU seconds writing a stored byte costs and ``cpus`` the CPUs there are (None:
+    unknown, the last term left out)."""
+    t = max(1.0 / (threads * speed), 1.0 / (ratio * bw))
+    if cpus is not None:
+        t = max(t, (1.0 / speed + io_cpu / ratio) / cpus)
+    return t < (1.0 - margin) / bw
 
 
 def _check_budget(budget: float | None) -> None:
@@ -362,12 +381,19 @@ class Adaptive:
     Args:
         cfg: the tier's setting.
         threads: the compressor threads the writer runs (``T`` of the model).
+        cpus: the CPUs the process may run on (``C``), where what the tier's writes cost them is measured
+            (:meth:`observe_cpu`; nothing is compressed before it is); None: not measured, the CPU
+            term left out.
     """
 
-    def __init__(self, cfg: CompressConfig, threads: int) -> None:
+    def __init__(self, cfg: CompressConfig, threads: int, cpus: int | None = None) -> None:
         if threads < 1:
             raise ValueError(f"threads: expected at least 1, got {threads}")
-        self.cfg, self.threads = cfg, threads
+        if cpus is not None and cpus < 1:
+            raise ValueError(f"cpus: expected at least 1 or None, got {cpus}")
+        self.cfg, self.threads, self.cpus = cfg, threads, cpus
+        self._cpu_secs: float | None = None  # running averages of what observe_cpu reports
+        self._cpu_bytes: float | None = None
         self._lock = threading.Lock()
         self._kinds: dict[Kind, _KindStats] = {}
         self._tier_bytes: float | None = None  # running averages of what observe_tier reports
@@ -407,9 +433,18 @@ class Adaptive:
     def _decide(self, st: _KindStats, bw: float | None) -> int:
         """The planes to compress in a frame that is no probe (0: store it raw)."""
         mask = st.gaining()
-        if mask and self.cfg.mode == "auto" and (bw is None or not pays(*st.model(mask), self.threads, bw)):
+        if mask and self.cfg.mode == "auto" and (bw is None or not self._pays(*st.model(mask), bw)):
             return 0
         return mask
+
+    def _pays(self, speed: float, ratio: float, bw: float) -> bool:
+        io_cpu = self._io_cpu()
+        if self.cpus is not None and io_cpu is None:  # not known yet what the writes cost the CPUs
+            return False
+        return pays(speed, ratio, self.threads, bw, cpus=self.cpus, io_cpu=io_cpu or 0.0)
+
+    def _io_cpu(self) -> float | None:
+        return self._cpu_secs / self._cpu_bytes if self._cpu_secs is not None and self._cpu_bytes else None
 
     def observe_frame(self, kind: Kind, enc: FrameStats, plan: FramePlan | None = None) -> None:
         """Learn from an encoded frame of ``kind``: the compressor's time, and each tried plane's ratio.
@@ -445,6 +480,15 @@ class Adaptive:
         with self._lock:
             self._tier_bytes = _ewma(self._tier_bytes, float(stored_bytes))
             self._tier_secs = _ewma(self._tier_secs, float(busy_seconds))
+
+    def observe_cpu(self, cpu_seconds: float, stored_bytes: int) -> None:
+        """Learn what writing to the tier costs the CPUs: ``cpu_seconds`` of CPU time (every process's on
+        the CPUs this one may use, the codec threads' own left out) while ``stored_bytes`` were written."""
+        if stored_bytes <= 0 or not cpu_seconds >= 0:
+            return
+        with self._lock:
+            self._cpu_secs = _ewma(self._cpu_secs, float(cpu_seconds))
+            self._cpu_bytes = _ewma(self._cpu_bytes, float(stored_bytes))
 
     def bandwidth(self, budget: float | None = None) -> float | None:
         """The write throughput the decisions of a writer paced at ``budget`` (None: unpaced) use, in
@@ -489,6 +533,8 @@ class Adaptive:
                 "mode": self.cfg.mode,
                 "level": self.cfg.level,
                 "threads": self.threads,
+                "cpus": self.cpus,
+                "io_cpu_seconds_per_byte": self._io_cpu(),
                 "bandwidth_bytes_per_sec": bw,
                 "budget_bytes_per_sec": budget,
                 "kinds": kinds,
