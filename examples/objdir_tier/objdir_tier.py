@@ -198,6 +198,7 @@ class ObjdirTier(Tier):
             min_part_bytes=part_size,
             max_part_bytes=5 << 30,
             cheap_listing=False,
+            encoded_copies=True,  # a compressed copy's blobs end at their stored streams (held_sizes)
         )
         self._lock = threading.Lock()
         self._reserved = 0

@@ -620,8 +620,9 @@ def test_a_gpu_tier_refuses_compression() -> None:
 
     gpu: Tier = GpuTier("gpu", device="cpu")
     assert set_compression(gpu).mode == "none" and not compresses(gpu)
-    gpu.compress = CompressConfig("zstd")  # its copies are device copies whatever it is told
-    set_compression(gpu)
+    gpu.compress = CompressConfig("zstd")  # its copies are device copies: it stores none compressed
+    with pytest.raises(ConfigError, match="encoded_copies"):
+        set_compression(gpu)
     assert not compresses(gpu)
     with pytest.raises(ConfigError, match="tiers\\[0\\].compress: a gpu tier"):
         set_compression(_Cuda(), CompressConfig("zstd"), "tiers[0].compress")
@@ -774,3 +775,22 @@ def test_the_codec_pool_grows_and_its_executor_outlives_the_old_pool() -> None:
     assert executor.submit(lambda x, y=0: x + y, 2, y=3).result() == 5  # the same executor, the new pool
     executor.shutdown()  # one user cannot shut the process's pool down
     assert codecpool.submit(len, b"abc").result() == 3
+
+
+class _Plain(HostTier):
+    """A tier from elsewhere, shared and persistent, that does not declare it can store compressed copies."""
+
+    def __init__(self) -> None:
+        super().__init__("theirs")
+        self.capabilities = dataclasses.replace(
+            self.capabilities, device="object", shared=True, persistent=True, encoded_copies=False
+        )
+
+
+def test_a_tier_that_cannot_store_compressed_copies_gets_none() -> None:
+    theirs: Tier = _Plain()
+    assert set_compression(theirs).mode == "none" and not compresses(theirs)  # not auto, as s3 would get
+    for asked in ("zstd", "auto"):
+        with pytest.raises(ConfigError, match="tiers\\[1\\].compress: .*encoded_copies.*" + asked):
+            set_compression(theirs, CompressConfig(asked), "tiers[1].compress")
+    assert set_compression(theirs, CompressConfig("none")).mode == "none"

@@ -30,7 +30,7 @@ def set_compression(tier: Tier, cfg: CompressConfig | None = None, where: str | 
     caps = tier.capabilities
     got = tier_compress(
         cfg if cfg is not None else tier.compress, caps.device, caps.shared, caps.persistent,
-        where or f"tier {tier.name!r}: compress",
+        where or f"tier {tier.name!r}: compress", caps.encoded_copies,
     )  # fmt: skip
     tier.compress = got
     if tier.adaptive is None or tier.adaptive.cfg != got:

@@ -190,18 +190,32 @@ def default_compress(kind_device: str, shared: bool, persistent: bool) -> Compre
 
 
 def tier_compress(
-    cfg: CompressConfig | None, kind_device: str, shared: bool, persistent: bool, where: str
+    cfg: CompressConfig | None,
+    kind_device: str,
+    shared: bool,
+    persistent: bool,
+    where: str,
+    encoded_copies: bool = True,
 ) -> CompressConfig:
     """A tier's effective setting: ``cfg``, or the default for its capabilities.
 
+    Args:
+        encoded_copies: whether the tier can store a compressed copy (its capabilities say): one that
+            cannot gets ``none`` by default.
+
     Raises:
         ConfigError: naming ``where``, for compression asked of a ``cuda`` tier (device memory is
-            written by copies on the device, where no compressor runs).
+            written by copies on the device, where no compressor runs) or of a tier that cannot store it.
     """
     if cfg is None:
-        return default_compress(kind_device, shared, persistent)
+        return default_compress(kind_device, shared, persistent) if encoded_copies else NONE
     if kind_device == "cuda" and cfg.mode != "none":
         raise ConfigError(f"{where}: a gpu tier stores device memory as it is and compresses nothing, got {cfg.mode}")
+    if not encoded_copies and cfg.mode != "none":
+        raise ConfigError(
+            f"{where}: this tier does not declare that it can store compressed copies "
+            f"(TierCapabilities.encoded_copies), got {cfg.mode}"
+        )
     return cfg
 
 

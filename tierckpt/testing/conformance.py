@@ -261,6 +261,32 @@ class TierConformanceTests:
         _write(tier, CheckpointKey(9), [], b"only a manifest")
         assert tier.read_manifest(CheckpointKey(9)) == b"only a manifest"
 
+    def test_compressed_copy_round_trip(self, tier: Tier) -> None:
+        """A tier that declares ``encoded_copies`` takes a compressed copy (blobs whose writes stop at their
+        stored streams: docs/tiers.md, "Compression") and gives it back, through the library's own path."""
+        if not tier.capabilities.encoded_copies:
+            pytest.skip("the tier does not declare encoded_copies: it is never given a compressed copy")
+        from tierckpt.datapath.manifests import load_head
+        from tierckpt.hierarchy import Hierarchy
+        from tierckpt.policies.compression import CompressConfig
+
+        tier.compress = CompressConfig("zstd")
+        g = torch.Generator().manual_seed(5)
+        state = {
+            "ids": torch.randint(0, 1000, (3 << 18,), dtype=torch.int64, generator=g),
+            "w": torch.randn(1 << 20, generator=g).to(torch.bfloat16),
+            "noise": torch.randint(0, 256, (1 << 20,), dtype=torch.uint8, generator=g),
+        }
+        h = Hierarchy([tier])
+        try:
+            h.save(state, step=3, blocking=True)
+            frames = load_head(tier, CheckpointKey(3)).frames
+            assert frames is not None and 0 < frames.compressed_frames() <= frames.total
+            got = h.restore(3)
+        finally:
+            h.close()
+        assert got.keys() == state.keys() and all(torch.equal(got[k], v) for k, v in state.items())
+
     def test_ranks_and_steps_are_independent(self, tier: Tier) -> None:
         keys = [CheckpointKey(s, r) for s in (5, 10) for r in (0, 1)]
         for i, k in enumerate(keys):

@@ -200,7 +200,11 @@ class FileTier(Tier):
         if blob_bytes:
             self.preferred_blob_bytes = blob_bytes
         self.capabilities = TierCapabilities(
-            persistent=True, shared=self.shared, device="file", alignment_bytes=self.facts.direct_alignment_bytes
+            persistent=True,
+            shared=self.shared,
+            device="file",
+            alignment_bytes=self.facts.direct_alignment_bytes,
+            encoded_copies=True,
         )
         self._fix_io(default_io())
         if budget is not None:

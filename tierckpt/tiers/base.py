@@ -136,6 +136,12 @@ class TierCapabilities:
         cheap_listing: ``list_committed`` / ``holds`` cost no more than a local metadata lookup. False
             (an object store's LIST costs a round trip and money): retention uses the hierarchy's
             record of what it committed instead of listing the tier after every commit.
+        encoded_copies: the tier can store a compressed copy (docs/tiers.md, "Compression"): its writer
+            takes blobs whose writes stop before the blob's size (at the stored stream's end:
+            :class:`BlobEntry` ``held``), its commit keeps what was written, and its reader opens each blob
+            at its ``held`` length. Read when the tier's ``compress:`` is set: a tier that does not declare
+            it gets ``none`` by default and refuses any other setting. The built-in host, local, pfs and s3
+            tiers declare it.
 
     Raises:
         ValueError: naming the field, e.g. a ``device`` outside :data:`DEVICES` (listing them), an
@@ -150,9 +156,10 @@ class TierCapabilities:
     min_part_bytes: int = 0
     max_part_bytes: int | None = None
     cheap_listing: bool = True
+    encoded_copies: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("persistent", "shared", "sequential_writes", "cheap_listing"):
+        for name in ("persistent", "shared", "sequential_writes", "cheap_listing", "encoded_copies"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"TierCapabilities.{name}: expected True or False, got {getattr(self, name)!r}")
         if self.device not in DEVICES:

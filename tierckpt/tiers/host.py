@@ -80,7 +80,9 @@ class HostTier(Tier):
     def __init__(self, name: str = "host", capacity_bytes: int | None = None) -> None:
         super().__init__(name)
         self.capacity_bytes = _default_capacity() if capacity_bytes is None else capacity_bytes
-        self.capabilities = TierCapabilities(persistent=False, shared=False, device="cpu", alignment_bytes=PAGE)
+        self.capabilities = TierCapabilities(
+            persistent=False, shared=False, device="cpu", alignment_bytes=PAGE, encoded_copies=True
+        )
         self._lock = threading.Lock()
         self._held: dict[CheckpointKey, _Held] = {}
         self._reserved = 0

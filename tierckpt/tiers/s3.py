@@ -137,6 +137,7 @@ class S3Tier(Tier):
             min_part_bytes=part_size,
             max_part_bytes=part_size,
             cheap_listing=False,
+            encoded_copies=True,
         )
         self.keys = S3Keys(prefix, hashed_prefixes)
         self.readonly = readonly
