@@ -9,7 +9,7 @@ import pytest
 import zstandard
 
 from tierckpt.datapath import codecpool
-from tierckpt.datapath.cpumeter import WINDOW_SECONDS, CpuMeter, busy_cpu_seconds, meter_for
+from tierckpt.datapath.cpumeter import WINDOW_BYTES, WINDOW_SECONDS, CpuMeter, busy_cpu_seconds, meter_for
 from tierckpt.policies.compression import Adaptive, CompressConfig
 
 W = WINDOW_SECONDS * 1.5  # a step that ends a window
@@ -128,6 +128,17 @@ def test_overlapping_writes_make_one_spell() -> None:
     c.t, c.busy = c.t + W / 2, c.busy + 0.1
     m.end(4 << 20)
     assert a.seen == [(pytest.approx(0.3), 8 << 20)]
+
+
+def test_short_spells_are_reported_once_they_wrote_enough() -> None:
+    c, a = Clock(), Seen()
+    m = CpuMeter(a, c.read, c.now)
+    for _ in range(WINDOW_BYTES // (4 << 20) - 1):  # paced writes: 2 ms each, far below a window
+        write(c, m, 0.002, 0.004, 0.0, 4 << 20)
+        idle(c, 0.1, 0.05)
+    assert a.seen == []
+    write(c, m, 0.002, 0.004, 0.0, 4 << 20)
+    assert a.seen == [(pytest.approx(0.004 * WINDOW_BYTES / (4 << 20)), WINDOW_BYTES)]
 
 
 def test_a_failed_write_ends_its_spell_without_bytes() -> None:

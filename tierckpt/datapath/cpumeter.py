@@ -7,7 +7,7 @@ A :class:`CpuMeter` (one per :class:`~tierckpt.policies.compression.Adaptive`, s
 while the tier is being written, how busy the CPUs this process may run on were (every process's time on
 them: ``/proc/stat``), subtracts the time the process's codec threads spent (:mod:`codecpool` counts it),
 and reports that CPU time with the stored bytes written meanwhile, once the spells it measured add up to
-:data:`WINDOW_SECONDS`. Only the spells while writes are in flight are measured, so the time between
+:data:`WINDOW_SECONDS` (or the bytes to :data:`WINDOW_BYTES`). Only the spells while writes are in flight are measured, so the time between
 checkpoints (training) is never charged to a tier's bytes; work that runs beside the writes (a
 training step's CPU side) is: it competes for the same CPUs.
 
@@ -26,10 +26,13 @@ from collections.abc import Callable
 from tierckpt.datapath import codecpool
 from tierckpt.policies.compression import Adaptive
 
-__all__ = ["WINDOW_SECONDS", "CpuMeter", "busy_cpu_seconds", "meter_for", "usable_cpus"]
+__all__ = ["WINDOW_BYTES", "WINDOW_SECONDS", "CpuMeter", "busy_cpu_seconds", "meter_for", "usable_cpus"]
 
-#: the writes' busy time one report adds up at least (``/proc/stat`` counts in clock ticks of 10 ms)
+#: the writes' busy time one report adds up at least (``/proc/stat`` counts in clock ticks of 10 ms)...
 WINDOW_SECONDS = 0.1
+#: ...or the stored bytes (writes paced by a budget are short spells: each one's ticks are few, but their
+#: sum counts the CPUs' time without bias, and the running averages smooth it)
+WINDOW_BYTES = 32 << 20
 #: the fields of a ``/proc/stat`` cpu line that count busy time: user nice system irq softirq steal
 _BUSY_FIELDS = (0, 1, 2, 5, 6, 7)
 
@@ -115,7 +118,7 @@ class CpuMeter:
             self._bytes += nbytes
             self._seconds += t1 - t0
             self._cpu += (c1[0] - c0[0]) - (c1[1] - c0[1])
-            if self._seconds < WINDOW_SECONDS or not self._bytes:
+            if (self._seconds < WINDOW_SECONDS and self._bytes < WINDOW_BYTES) or not self._bytes:
                 return
             cpu, nbytes = max(0.0, self._cpu), self._bytes
             self._seconds = self._cpu = 0.0
