@@ -92,7 +92,8 @@ def test_a_tier_that_reads_anywhere_reads_raw_runs_in_place() -> None:
         Direct(f4.stored_offset, F, 4 * F, 4 * F, 0, F),
         Direct(f6.stored_offset, F, 6 * F, 6 * F, 0, F),
     )
-    assert [[p.k for p in s.pieces] for s in plan.staged] == [[0], [3], [5]]  # each compressed frame alone
+    # each compressed frame alone, then the padding after the stream (the last run held its end)
+    assert [[p.k for p in s.pieces] for s in plan.staged] == [[0], [3], [5], []] and plan.staged[-1].pad
 
 
 def test_o_direct_lands_aligned_and_moves_down_the_rest_staged_with_the_next_frame() -> None:
@@ -120,8 +121,17 @@ def test_a_frame_decoded_elsewhere_is_not_read() -> None:
     assert [p.k for s in plan.staged for p in s.pieces] == [] and len(plan.directs) == 1
 
 
-def test_padding_is_checked_where_a_read_reaches_the_stream_s_end() -> None:
-    frames, held = frames_of([None, 1000], size=F + F // 2)
-    plan = plan_read(frames, 0, F + F // 2, 0, rules(held, (512, 512)))
-    [last] = plan.staged
-    assert last.at + last.nbytes == round_up(held, ALIGN) and last.pad == round_up(held, ALIGN) - held
+@pytest.mark.parametrize("direct", [None, (1, 1), (512, 512)])
+@pytest.mark.parametrize("last", [1000, None], ids=["compressed", "raw"])
+def test_the_padding_is_read_where_a_read_reaches_the_stream_s_end(
+    direct: tuple[int, int] | None, last: int | None
+) -> None:
+    """Staged with the last pieces, or alone after a read straight into place: checked zero."""
+    frames, held = frames_of([None, last], size=F + F // 2 + 100)
+    r = rules(held, direct)
+    plan = plan_read(frames, 0, F + F // 2 + 100, 0, r)
+    assert r.end > held and plan.staged[-1].at + plan.staged[-1].nbytes == r.end
+    assert plan.staged[-1].pad == r.end - held
+    assert all(s.pad == 0 for s in plan.staged[:-1])
+    short = plan_read(frames[:1], 0, F, 0, r)  # not reaching the end: no padding read
+    assert all(s.pad == 0 and s.at + s.nbytes <= round_up(F, ALIGN) for s in short.staged)

@@ -65,10 +65,12 @@ class AlignedReader(TierReader):
         return f
 
 
-def copy_of(align: tuple[int, int], slow: bool = False) -> tuple[list[bytes], FrameIndex, AlignedReader]:
+def copy_of(
+    align: tuple[int, int], slow: bool = False, plan: dict[int, tuple[int, int]] = PLAN
+) -> tuple[list[bytes], FrameIndex, AlignedReader]:
     raw = _raw_blobs()
     bufs = [torch.frombuffer(bytearray(r), dtype=torch.uint8) for r in raw]
-    index, streams = encode_blobs(bufs, F, lambda b, k: PLAN.get(k, (0, 0)) if b == 0 else (2, 0b11), 1)
+    index, streams = encode_blobs(bufs, F, lambda b, k: plan.get(k, (0, 0)) if b == 0 else (2, 0b11), 1)
     padded = [s + bytes(round_up(len(s), ALIGN) - len(s)) for s in streams]
     return raw, index, AlignedReader(padded, align, slow)
 
@@ -110,7 +112,22 @@ def test_raw_runs_land_in_the_destination(align: tuple[int, int]) -> None:
         assert [o for o, _ in straight] == [f1.stored_offset // 512 * 512, f4.stored_offset // 512 * 512]
         assert all(n >= F - 512 for _, n in straight)
     read_bytes = sum(n for _, _, n, _ in inner.reads)
-    assert read_bytes < index.held[0] + 4 * ALIGN  # nothing read twice but a few aligned blocks
+    if align == (1, 1):  # the stored bytes and the padding after them (checked), nothing else
+        assert read_bytes == round_up(index.held[0], ALIGN) and len(inner.reads) == 5
+    else:  # nothing read twice but a few aligned blocks
+        assert read_bytes < index.held[0] + 4 * ALIGN
+
+
+@pytest.mark.parametrize("align", [(1, 1), (512, 512)])
+def test_the_padding_after_a_raw_last_frame_is_checked(align: tuple[int, int]) -> None:
+    """The last run of raw frames read straight into place: the padding after it is read, and checked."""
+    raw, index, inner = copy_of(align, plan={0: (1, 1)})
+    assert index.frame(0, 5).width == 0 and round_up(index.held[0], ALIGN) > index.held[0]
+    inner.stored[0][-1] = 1
+    r = codec_reader(inner, _head(raw), index, where=WHERE, mem_align=ALIGN, direct_min=1)
+    assert read(r, 0, 0, 4 * F)[0] == raw[0][: 4 * F]  # a read that does not reach it
+    with pytest.raises(CorruptCheckpointError, match="padding bytes"):
+        read(r, 0, 0, len(raw[0]))
 
 
 def test_reads_in_flight_together() -> None:

@@ -60,7 +60,7 @@ class Reader(Protocol):
     @property
     def blobs(self) -> Sequence[BlobEntry]: ...
 
-    def stage(self, nbytes: int, go: Go) -> None: ...
+    def stage(self, blob: int, nbytes: int, go: Go) -> None: ...
     def give(self, buf: torch.Tensor, *, reuse: bool = True) -> None: ...
     def gave(self, blob: int, k: int, edge: Edge, lo: int, hi: int) -> None: ...
     def forget(self, blob: int, k: int, edge: Edge) -> None: ...
@@ -106,7 +106,7 @@ class Job:
             self._read(d.at, self.addr + d.land, d.nbytes, partial(self._direct_landed, j))
         for s in plan.staged:
             self._hold()
-            self.r.stage(s.nbytes, partial(self._staged_go, s))
+            self.r.stage(self.blob, s.nbytes, partial(self._staged_go, s))
         for k, (edge, mine) in self.edges.items():
             if not mine:  # another read decodes it: copy out of it once it has
                 self._hold()
@@ -191,13 +191,17 @@ class Job:
     def _staged_landed(self, s: Staged, buf: torch.Tensor, fut: Future[int]) -> None:
         """The stored bytes are in (the tier's thread): check them, then decode and copy in the pool."""
         try:
-            self._check(s.at, s.nbytes, fut.result(), s.pieces[0].src)
+            self._check(s.at, s.nbytes, fut.result(), s.pieces[0].src if s.pieces else s.at)
             held = self.r.index.held[self.blob]
             if s.pad and not nat.all_zero(buf.data_ptr() + held - s.at, s.pad):
                 raise self._bad(f"padding bytes [{held}, {s.at + s.nbytes}) after the stored stream are not zero")
         except BaseException as e:
             self.r.give(buf, reuse=False)  # the tier may have failed halfway through it
             self._staged_failed(s, e)
+            return
+        if not s.pieces:  # the padding alone
+            self.r.give(buf)
+            self._release(None)
             return
         stage = _Stage(buf, len(s.pieces))
         with self.lock:

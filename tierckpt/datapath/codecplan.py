@@ -12,9 +12,11 @@ no I/O (:mod:`tierckpt.datapath.codecread` carries a plan out).
   bytes (less than two units) come with the staged reads. No staging buffer, no page faults of fresh
   memory, one move instead of a copy out of a buffer.
 * Everything else (compressed frames, short raw runs, those tails) is read into staging buffers
-  (:class:`Staged`, one read for pieces whose stored bytes touch the same aligned blocks), in the copy's
-  alignment: a compressed frame is decoded from there into the caller's memory (wholly wanted) or into a
-  frame buffer kept for the reads sharing it (partly wanted), raw bytes are copied out.
+  (:class:`Staged`, one read for pieces whose stored bytes touch the same aligned blocks), in the tier's
+  (or the copy's) alignment: a compressed frame is decoded from there into the caller's memory (wholly
+  wanted) or into a frame buffer kept for the reads sharing it (partly wanted), raw bytes are copied
+  out. A read that reaches the end of the blob's stored stream reads the zero padding after it, which
+  is checked.
 """
 
 from __future__ import annotations
@@ -33,7 +35,8 @@ class Rules:
     """What the reads of one blob's stored bytes must respect.
 
     Attributes:
-        align: a staged read's offset and length alignment (the copy's).
+        align: a staged read's offset and length alignment (the tier beneath's ``read_alignment`` where it
+            has one that divides the copy's, else the copy's).
         end: the blob's stored region's end (its stored stream rounded up to ``align``): no read passes it.
         held: the blob's stored stream's length.
         direct: ``(memory, offset)`` alignment of a read into any memory (the tier beneath's
@@ -99,8 +102,9 @@ class Staged:
         at: its stored offset (aligned).
         nbytes: its length (aligned, or to the stored region's end).
         pieces: what it holds, in stored order.
-        pad: where it holds zero padding after the blob's stored stream: from ``held`` to its end
-            (0: it does not reach the stream's end).
+        pad: the zero padding after the blob's stored stream it holds, from ``held`` to its end (0: it does
+            not reach the stream's end). A read that reaches the stream's end reads the padding too
+            (padding only, no pieces, where a read straight into place held the end).
     """
 
     at: int
@@ -157,7 +161,11 @@ def plan_read(
         if size:
             pieces.append(Piece(k, f, src, size, dst, after))
         i = j
-    return Plan(tuple(directs), tuple(_staged(pieces, rules)))
+    staged = _staged(pieces, rules)
+    if rules.end > rules.held and any(d.at + d.nbytes == rules.held for d in directs):
+        at = rules.held // rules.align * rules.align  # its padding
+        staged.append(Staged(at, rules.end - at, (), rules.end - rules.held))
+    return Plan(tuple(directs), tuple(staged))
 
 
 def _direct(src: int, dst: int, size: int, addr: int, rules: Rules) -> Direct | None:
@@ -182,7 +190,8 @@ def _staged(pieces: list[Piece], rules: Rules) -> list[Staged]:
 
     def flush() -> None:
         s0, s1 = group[0].src, group[-1].src + group[-1].nbytes
-        at, end = s0 // rules.align * rules.align, min(round_up(s1, rules.align), rules.end)
+        at = s0 // rules.align * rules.align
+        end = rules.end if s1 == rules.held else min(round_up(s1, rules.align), rules.end)  # the padding too
         out.append(Staged(at, end - at, tuple(group), end - rules.held if s1 == rules.held < end else 0))
         group.clear()
 

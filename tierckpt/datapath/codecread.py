@@ -5,7 +5,8 @@ A read of raw bytes ``[lo, hi)`` of a blob is planned by :func:`~tierckpt.datapa
 runs of frames stored raw are read straight into the caller's memory where the tier beneath allows it
 (every tier but an O_DIRECT one reads into any memory; an O_DIRECT read lands on the run's first aligned
 address and its bytes are moved down in place), and the stored bytes of the compressed frames (and of what
-cannot be read straight) are read into staging buffers aligned for that tier, then decoded in the
+cannot be read straight) are read into staging buffers aligned for that tier (at most the tier's
+``read_staging_bytes`` of them in flight), then decoded in the
 process-wide codec pool (:mod:`tierckpt.datapath.codecpool`): a frame wholly inside the range straight
 into the destination, while the tier reads on. A compressed frame at an edge of the range is decoded
 whole into a frame buffer shared with the read that wants the rest of it (the next piece of a restore
@@ -41,7 +42,7 @@ from tierckpt.format.frames import FrameIndex
 from tierckpt.format.layout import round_up
 from tierckpt.format.manifest import Manifest, ManifestHead
 from tierckpt.io.buffers import aligned_empty, populate
-from tierckpt.io.geometry import DIRECT_READ_MIN, READ_SLOT_BYTES, READ_SLOTS
+from tierckpt.io.geometry import DIRECT_READ_MIN, PAGE, READ_SLOT_BYTES, READ_SLOTS
 from tierckpt.tiers.base import TierReader
 
 __all__ = ["KEEP_BYTES", "Held", "codec_reader"]
@@ -110,10 +111,11 @@ class _CodecReader(TierReader):
         self.inner, self.index, self.where, self.pool = inner, index, where, pool
         self.blobs, self._align, self._mem_align, self._direct_min = head.blobs, head.align, mem_align, direct_min
         self.ends = [round_up(h, head.align) for h in index.held]  # each blob's stored region
-        self._aligns: dict[int, tuple[int, int] | None] = {}
+        self._rules: dict[int, Rules] = {}  # each blob's, once read
+        self._mems: dict[int, int] = {}  # the memory alignment of each blob's staging buffers
         self._spare: list[torch.Tensor] = []  # staging buffers kept for reuse
         self._limit, self._staging = staging_bytes, 0  # bytes of staging buffers in flight: their bound, now
-        self._queue: deque[tuple[int, Go]] = deque()
+        self._queue: deque[tuple[int, int, Go]] = deque()  # staged reads waiting: (bytes, alignment, go)
         self._edges: OrderedDict[tuple[int, int], Edge] = OrderedDict()
         self._edge_keep = max(KEEP_BYTES, 2 * index.frame_bytes)
         self._lock = threading.Lock()
@@ -137,18 +139,25 @@ class _CodecReader(TierReader):
                     job.edges[k] = (edge, mine)
                     if not mine:  # decoded by another read
                         elsewhere.add(k)
-            plan = plan_read(frames, offset, n, addr, self._rules(blob), elsewhere)
+            plan = plan_read(frames, offset, n, addr, self._rules_of(blob), elsewhere)
         except BaseException as e:
             job.fail_edges(job.edges, e)
             raise
         job.start(plan)
         return out
 
-    def _rules(self, blob: int) -> Rules:
-        if blob not in self._aligns:  # a fact of the blob's file (a statx): asked once
-            self._aligns[blob] = self.inner.read_alignment(blob)
-        held = self.index.held[blob]
-        return Rules(self._align, self.ends[blob], held, self._aligns[blob], self._direct_min)
+    def _rules_of(self, blob: int) -> Rules:
+        """How ``blob``'s stored bytes are read: into any memory where the tier beneath allows it (a fact of
+        the blob's file: a statx, asked once), then staged reads of that offset alignment (a buffered
+        file, an object: no more than the stored bytes wanted), else of the copy's."""
+        rules = self._rules.get(blob)
+        if rules is None:
+            direct = self.inner.read_alignment(blob)
+            align = direct[1] if direct is not None and self._align % direct[1] == 0 else self._align
+            self._mems[blob] = max(PAGE, direct[0]) if direct is not None else self._mem_align
+            held = self.index.held[blob]
+            rules = self._rules[blob] = Rules(align, self.ends[blob], held, direct, self._direct_min)
+        return rules
 
     # -- what it keeps between reads ----------------------------------------------------------------------
     def held_bytes(self) -> Held:
@@ -182,16 +191,18 @@ class _CodecReader(TierReader):
             if self._edges.get((blob, k)) is edge:
                 del self._edges[(blob, k)]
 
-    def stage(self, nbytes: int, go: Go) -> None:
-        """Call ``go(buf, None)`` with a staging buffer of at least ``nbytes`` now, or, while the staging
-        buffers in flight hold :attr:`_limit` bytes, once enough of them are given back (never waiting
-        in this thread: a read may be made from the pool's); ``go(None, error)`` where none can be had."""
+    def stage(self, blob: int, nbytes: int, go: Go) -> None:
+        """Call ``go(buf, None)`` with a staging buffer for ``nbytes`` of ``blob`` now, or, while the
+        staging buffers in flight hold :attr:`_limit` bytes, once enough of them are given back (never
+        waiting in this thread: a read may be made from the pool's); ``go(None, error)`` where none can
+        be had."""
+        align = self._mems.get(blob, self._mem_align)
         with self._lock:
             if self._queue or (self._staging and self._staging + nbytes > self._limit):
-                self._queue.append((nbytes, go))
+                self._queue.append((nbytes, align, go))
                 return
-            buf, size = self._claim(nbytes)
-        self._hand(go, buf, size)
+            buf, size = self._claim(nbytes, align)
+        self._hand(go, buf, size, align)
 
     def give(self, buf: torch.Tensor, *, reuse: bool = True) -> None:
         """Take a staging buffer back (``reuse``: its bytes are not suspect): to a staged read waiting for
@@ -202,8 +213,8 @@ class _CodecReader(TierReader):
             if reuse:
                 self._spare.append(buf)
             while self._queue and not (self._staging and self._staging + self._queue[0][0] > self._limit):
-                nbytes, go = self._queue.popleft()
-                ready.append((go, *self._claim(nbytes)))
+                nbytes, align, go = self._queue.popleft()
+                ready.append((go, *self._claim(nbytes, align), align))
             self._spare.sort(key=lambda b: -b.numel())
             kept = 0
             for i, b in enumerate(self._spare):
@@ -211,26 +222,30 @@ class _CodecReader(TierReader):
                     del self._spare[i:]
                     break
                 kept += b.numel()
-        for go, spare, size in ready:
-            self._hand(go, spare, size)
+        for go, spare, size, align in ready:
+            self._hand(go, spare, size, align)
 
-    def _claim(self, nbytes: int) -> tuple[torch.Tensor | None, int]:
-        """(with the lock) A kept buffer for ``nbytes`` (not much larger), else None and the size of a new one;
-        its bytes counted in flight."""
-        fits = [i for i, b in enumerate(self._spare) if nbytes <= b.numel() <= 2 * nbytes + (1 << 20)]
+    def _claim(self, nbytes: int, align: int) -> tuple[torch.Tensor | None, int]:
+        """(with the lock) A kept buffer for ``nbytes`` (not much larger, aligned to ``align``), else None and
+        the size of a new one; its bytes counted in flight."""
+        fits = [
+            i
+            for i, b in enumerate(self._spare)
+            if nbytes <= b.numel() <= 2 * nbytes + (1 << 20) and b.data_ptr() % align == 0
+        ]
         if fits:
             buf = self._spare.pop(min(fits, key=lambda i: self._spare[i].numel()))
             self._staging += buf.numel()
             return buf, buf.numel()
-        size = round_up(nbytes, _HUGE) if nbytes >= _HUGE else max(self._mem_align, 1 << (nbytes - 1).bit_length())
+        size = round_up(nbytes, _HUGE) if nbytes >= _HUGE else max(align, 1 << (nbytes - 1).bit_length())
         self._staging += size
         return None, size
 
-    def _hand(self, go: Go, buf: torch.Tensor | None, size: int) -> None:
+    def _hand(self, go: Go, buf: torch.Tensor | None, size: int, align: int) -> None:
         """``go`` with ``buf``, or a new buffer of ``size`` (its pages faulted in here, not in the tier's read)."""
         if buf is None:
             try:
-                buf = aligned_empty(size, self._mem_align, pin=False)
+                buf = aligned_empty(size, align, pin=False)
                 populate(buf.data_ptr(), size)
             except BaseException as e:
                 with self._lock:
