@@ -25,7 +25,7 @@ import torch
 import zstandard
 
 from tierckpt import Hierarchy
-from tierckpt.datapath import codecread
+from tierckpt.datapath import codecjob
 from tierckpt.datapath.codecread import codec_reader
 from tierckpt.datapath.openblobs import open_blobs, stored_entries
 from tierckpt.datapath.shardread import Copies, Dest, Filler
@@ -165,8 +165,8 @@ class SlowReader(MemReader):
 def test_an_edge_frame_is_decoded_once_for_the_reads_that_share_it(monkeypatch: pytest.MonkeyPatch) -> None:
     raw, index, inner = _copy()
     decoded: list[int] = []
-    real = codecread.decode_frame
-    monkeypatch.setattr(codecread, "decode_frame", lambda s, f, o: (decoded.append(f.raw_offset), real(s, f, o)))
+    real = codecjob.decode_frame
+    monkeypatch.setattr(codecjob, "decode_frame", lambda s, f, o: (decoded.append(f.raw_offset), real(s, f, o)))
     r = codec_reader(inner, _head(raw), index, where=WHERE, mem_align=ALIGN)
     assert _read(r, 0, 0, F + 100) + _read(r, 0, F + 100, F) == raw[0][: 2 * F + 100]
     assert sorted(decoded) == [0, F, 2 * F]  # frame 1 (the edge of both reads) once, frame 2 for its 100 bytes

@@ -59,7 +59,16 @@ def open_blobs(
     if frames is None:
         return reader
     where = where or Where(tier.name, copy.key.step)
-    return codec_reader(reader, head, frames, where=where, mem_align=tier.geometry.buffer_alignment(head.align))
+    g = tier.geometry
+    return codec_reader(
+        reader,
+        head,
+        frames,
+        where=where,
+        mem_align=g.buffer_alignment(head.align),
+        direct_min=g.direct_read_min_bytes,
+        staging_bytes=g.read_staging_bytes,
+    )
 
 
 def open_source(

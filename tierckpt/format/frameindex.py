@@ -6,9 +6,9 @@ manifest (versions 1-5) and a :class:`FrameIndex`. Blob ``i`` is cut into frames
 bytes; each frame is stored raw (width 0), as one zstd frame (width 1) or as ``w`` byte planes (width 2,
 4 or 8), each plane raw or one zstd frame (:mod:`tierckpt.format.codec`).
 
-This module knows the index and the envelope's payload; :mod:`tierckpt.format.manifest` reads envelopes
-with it, and :mod:`tierckpt.format.frames` (the module to import) adds writing and unwrapping whole
-files. Pure: no I/O. Everything an index says is checked (:func:`check_index`) against the inner
+This module knows the index; :mod:`tierckpt.format.envelope` the envelope's payload, with which
+:mod:`tierckpt.format.manifest` reads envelopes; :mod:`tierckpt.format.frames` (the module to import)
+adds writing and unwrapping whole files. Pure: no I/O. Everything an index says is checked (:func:`check_index`) against the inner
 manifest's blob sizes before a byte of a blob is read; nothing is allocated from a count the file states
 before that count is checked against the bytes the file holds.
 """
@@ -16,13 +16,11 @@ before that count is checked against the bytes the file holds.
 from __future__ import annotations
 
 import bisect
-import struct
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from itertools import chain
 from typing import Any
 
-import msgpack
 import numpy as np
 import numpy.typing as npt
 
@@ -34,16 +32,16 @@ __all__ = [
     "FORMAT_V6",
     "MAX_FRAME_BYTES",
     "MIN_FRAME_BYTES",
+    "U32",
     "WIDTHS",
     "Frame",
     "FrameIndex",
     "IndexBuilder",
+    "check_frame_bytes",
     "check_index",
-    "codec_map",
-    "envelope_inner",
     "frame_count",
-    "index_from_codec",
-    "split_envelope",
+    "held_message",
+    "index_error",
 ]
 
 #: The manifest file version of a compressed tier copy (an envelope; docs/format.md).
@@ -55,17 +53,41 @@ MAX_FRAME_BYTES = 64 << 20
 DEFAULT_FRAME_BYTES = 4 << 20
 #: A frame's widths: 0 raw, 1 one zstd frame, 2/4/8 byte planes.
 WIDTHS = (0, 1, 2, 4, 8)
-_ENVELOPE_KEYS = ("manifest", "codec")
-_CODEC_KEYS = ("name", "frame_bytes", "held", "width", "planes", "lengths")
-_U32 = np.dtype("<u4")
-_TRAILER_BYTES = 8
-_HEADER_BYTES = 24  # a manifest file's framing (docs/format.md, "Framing"): the payload starts here
-#: How wrap_manifest's msgpack starts: a map of 2, the key "manifest", then the inner file as bin.
-_ENVELOPE_START = b"\x82\xa8manifest"
+U32 = np.dtype("<u4")  #: the lengths column's entries
+#: Frames between two of the prefix sums a :class:`FrameIndex` keeps.
+_BLOCK = 64
+#: Frames :func:`check_index` looks at at once (a multiple of :data:`_BLOCK`).
+_CHUNK = 1 << 14
+_VALID_WIDTH = np.isin(np.arange(256), WIDTHS)
+#: the plane masks each width allows: exactly 0 (raw), exactly 1 (zstd), else not 0 and below bit w
+_PLANES_LO = np.array([w if w <= 1 else 1 for w in range(256)], np.uint16)
+_PLANES_HI = np.array([w if w <= 1 else (1 << min(w, 8)) - 1 for w in range(256)], np.uint16)
 
 
-def _bad(msg: str) -> CorruptCheckpointError:
+def index_error(msg: str) -> CorruptCheckpointError:
+    """A damaged manifest file's error (``msg`` names the field)."""
     return CorruptCheckpointError(f"manifest: {msg}")
+
+
+def held_message(nbytes: int, blobs: int) -> str:
+    """What is wrong with a ``held`` column of ``nbytes`` for ``blobs`` blobs."""
+    return f"codec.held: {nbytes} bytes for {blobs} blobs (8 a blob)"
+
+
+def _runs(total: int) -> Iterator[tuple[int, int]]:
+    """Frames 0 to ``total - 1`` in runs of :data:`_CHUNK`: a pass over an index makes temporaries
+    sized by a run, not by the index."""
+    return ((t0, min(t0 + _CHUNK, total)) for t0 in range(0, total, _CHUNK))
+
+
+def _per_block(a: npt.NDArray[Any]) -> npt.NDArray[np.int64]:
+    """The sums of ``a``'s runs of :data:`_BLOCK` (the last one shorter), without a widened copy of ``a``."""
+    n = len(a) // _BLOCK * _BLOCK
+    out = np.empty(-(-len(a) // _BLOCK), np.int64)
+    out[: n // _BLOCK] = a[:n].reshape(-1, _BLOCK).sum(axis=1, dtype=np.int64)
+    if n < len(a):
+        out[-1] = a[n:].sum(dtype=np.int64)
+    return out
 
 
 def frame_count(size: int, frame_bytes: int) -> int:
@@ -73,10 +95,11 @@ def frame_count(size: int, frame_bytes: int) -> int:
     return -(-size // frame_bytes)
 
 
-def _check_frame_bytes(frame_bytes: object) -> None:
+def check_frame_bytes(frame_bytes: object) -> None:
+    """Refuse a ``frame_bytes`` the format does not allow (:class:`CorruptCheckpointError`)."""
     ok = type(frame_bytes) is int and MIN_FRAME_BYTES <= frame_bytes <= MAX_FRAME_BYTES
     if not (ok and frame_bytes & (frame_bytes - 1) == 0):  # type: ignore[operator]
-        raise _bad(
+        raise index_error(
             f"codec.frame_bytes {frame_bytes!r} is not a power of two from {MIN_FRAME_BYTES} to {MAX_FRAME_BYTES}"
         )
 
@@ -114,7 +137,9 @@ class FrameIndex:
 
     The columns are as stored; ``sizes`` (the raw blob sizes) comes from the inner manifest. Construction
     checks the widths and that the columns have the lengths the sizes and widths call for (:class:`CorruptCheckpointError`
-    naming the column) and keeps prefix sums, so :meth:`frame` is O(1) and :meth:`span` O(1);
+    naming the column) and keeps prefix sums of the streams and stored bytes every :data:`_BLOCK` frames,
+    so what it holds beside the columns is a small fraction of their bytes (a hostile index costs about
+    its own size), and :meth:`frame` and :meth:`span` are O(1) (a frame sums at most 63 frames' lengths);
     :func:`check_index` checks the rest.
 
     Attributes:
@@ -134,54 +159,85 @@ class FrameIndex:
     planes: bytes
     lengths: npt.NDArray[np.uint32]
     sizes: tuple[int, ...]
-    _first: list[int] = field(init=False, repr=False)  # blob -> its first frame (B + 1 entries)
-    _stream: list[int] = field(init=False, repr=False)  # frame -> its first entry of lengths (T + 1)
-    _stored: list[int] = field(init=False, repr=False)  # frame -> stored bytes of all frames before it (T + 1)
+    _first: npt.NDArray[np.int64] = field(init=False, repr=False)  # blob -> its first frame (B + 1)
+    _streams: npt.NDArray[np.int64] = field(init=False, repr=False)  # block j -> streams before frame 64 j
+    _stored: npt.NDArray[np.int64] = field(init=False, repr=False)  # block j -> stored bytes before frame 64 j
+    _last: npt.NDArray[np.int64] = field(init=False, repr=False)  # each non-empty blob's last frame
+    _short: npt.NDArray[np.int64] = field(init=False, repr=False)  # its raw length less F (<= 0)
 
     def __post_init__(self) -> None:
-        _check_frame_bytes(self.frame_bytes)
+        check_frame_bytes(self.frame_bytes)
         sizes, f = self.sizes, self.frame_bytes
         counts = [frame_count(s, f) for s in sizes]
         total = sum(counts)  # from the inner's sizes: compared with the bytes held before anything is sized by it
         if len(self.held) != len(sizes):
-            raise _bad(f"codec.held: {8 * len(self.held)} bytes for {len(sizes)} blobs (8 a blob)")
+            raise index_error(held_message(8 * len(self.held), len(sizes)))
         for col in ("width", "planes"):
             if len(getattr(self, col)) != total:
-                raise _bad(f"codec.{col}: {len(getattr(self, col))} bytes for {total} frames (1 a frame)")
-        width = np.frombuffer(self.width, np.uint8)
-        if (bad := np.flatnonzero(~np.isin(width, WIDTHS))).size:  # before the lengths a width calls for
-            t = int(bad[0])
-            b = bisect.bisect_right(np.cumsum(counts).tolist(), t)
-            raise _bad(f"codec.width of blob {b} frame {t - sum(counts[:b])}: {width[t]}, not one of {WIDTHS}")
+                raise index_error(f"codec.{col}: {len(getattr(self, col))} bytes for {total} frames (1 a frame)")
         first = np.zeros(len(sizes) + 1, np.int64)
         np.cumsum(counts, out=first[1:])
-        stream = np.zeros(total + 1, np.int64)
-        np.cumsum(width, out=stream[1:])
-        if len(self.lengths) != stream[-1]:
-            raise _bad(f"codec.lengths: {4 * len(self.lengths)} bytes, the widths call for {int(stream[-1])} u32")
-        lengths = np.asarray(self.lengths, _U32)
+        width = np.frombuffer(self.width, np.uint8)
+        for t0, t1 in _runs(total):  # the widths, before the lengths a width calls for
+            if (bad := np.flatnonzero(~_VALID_WIDTH[width[t0:t1]])).size:
+                t = t0 + int(bad[0])
+                raise index_error(f"codec.width of {_located(first, t)}: {width[t]}, not one of {WIDTHS}")
+        streams = np.zeros(-(-total // _BLOCK) + 1, np.int64)
+        np.cumsum(_per_block(width), out=streams[1:])
+        if len(self.lengths) != streams[-1]:
+            raise index_error(
+                f"codec.lengths: {4 * len(self.lengths)} bytes, the widths call for {int(streams[-1])} u32"
+            )
+        lengths = np.asarray(self.lengths, U32)
         lengths.flags.writeable = False
-        summed = np.zeros(len(lengths) + 1, np.int64)
-        np.cumsum(lengths, out=summed[1:])
-        stored = summed[stream[1:]] - summed[stream[:-1]]
-        raw = self._raw_lengths(counts)
-        stored[width == 0] = raw[width == 0]
-        before = np.zeros(total + 1, np.int64)
-        np.cumsum(stored, out=before[1:])
-        object.__setattr__(self, "lengths", lengths)
-        object.__setattr__(self, "_first", first.tolist())
-        object.__setattr__(self, "_stream", stream.tolist())
-        object.__setattr__(self, "_stored", before.tolist())
-
-    def _raw_lengths(self, counts: Sequence[int]) -> npt.NDArray[np.int64]:
-        """Each frame's raw length: ``frame_bytes``, less for a blob's last frame."""
-        f = self.frame_bytes
-        raw = np.full(sum(counts), f, np.int64)
-        ends = np.cumsum(counts, dtype=np.int64) - 1
         has = np.asarray(counts, np.int64) > 0
-        last = [s - (c - 1) * f for s, c in zip(self.sizes, counts) if c]
-        raw[ends[has]] = np.asarray(last, np.int64)
-        return raw
+        object.__setattr__(self, "lengths", lengths)
+        object.__setattr__(self, "_first", first)
+        object.__setattr__(self, "_streams", streams)
+        object.__setattr__(self, "_last", first[1:][has] - 1)
+        object.__setattr__(self, "_short", np.asarray([s - c * f for s, c in zip(sizes, counts) if c], np.int64))
+        object.__setattr__(self, "_stored", self._block_sums(width))
+
+    def _block_sums(self, width: npt.NDArray[np.uint8]) -> npt.NDArray[np.int64]:
+        """The stored bytes before each block's first frame: its streams' lengths, F for each raw frame,
+        less what a blob's short last frame lacks where it is raw."""
+        seg = np.zeros(len(self._streams) - 1, np.int64)
+        for t0, t1 in _runs(len(width)):
+            j0, j1 = t0 // _BLOCK, -(-t1 // _BLOCK)
+            lo, hi = self._streams[j0:j1], self._streams[j0 + 1 : j1 + 1]
+            some = hi > lo  # blocks with streams (reduceat would give an empty one a length)
+            if some.any():
+                part = self.lengths[int(lo[0]) : int(hi[-1])].astype(np.int64)
+                seg[j0:j1][some] = np.add.reduceat(part, lo[some] - lo[0])
+            seg[j0:j1] += _per_block(width[t0:t1] == 0) * self.frame_bytes
+        raw = width[self._last] == 0
+        np.add.at(seg, self._last[raw] // _BLOCK, self._short[raw])
+        stored = np.zeros(len(seg) + 1, np.int64)
+        np.cumsum(seg, out=stored[1:])
+        return stored
+
+    def _streams_before(self, t: int) -> int:
+        """Streams of all frames before frame ``t`` (all blobs, blob-major)."""
+        j = t // _BLOCK
+        return int(self._streams[j]) + sum(self.width[j * _BLOCK : t])
+
+    def _stored_before(self, t: int) -> int:
+        """Stored bytes of all frames before frame ``t`` (all blobs, blob-major)."""
+        j = t // _BLOCK
+        a = j * _BLOCK
+        total = int(self._stored[j])
+        if a == t:
+            return total
+        w = self.width[a:t]
+        s0 = int(self._streams[j])
+        total += int(self.lengths[s0 : s0 + sum(w)].sum(dtype=np.int64)) + w.count(0) * self.frame_bytes
+        i0, i1 = np.searchsorted(self._last, (a, t))
+        return total + sum(int(self._short[i]) for i in range(i0, i1) if not self.width[self._last[i]])
+
+    def _raw_len(self, t: int) -> int:
+        """Frame ``t``'s raw length (all blobs, blob-major)."""
+        i = int(np.searchsorted(self._last, t))
+        return self.frame_bytes + (int(self._short[i]) if i < len(self._last) and self._last[i] == t else 0)
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, FrameIndex):
@@ -201,7 +257,7 @@ class FrameIndex:
 
     def count(self, blob: int) -> int:
         """How many frames blob ``blob`` has."""
-        return self._first[blob + 1] - self._first[blob]
+        return int(self._first[blob + 1] - self._first[blob])
 
     def frame(self, blob: int, k: int) -> Frame:
         """Frame ``k`` of blob ``blob``.
@@ -211,13 +267,13 @@ class FrameIndex:
         """
         if not 0 <= k < self.count(blob):
             raise IndexError(f"blob {blob} has {self.count(blob)} frames, not {k + 1}")
-        t = self._first[blob] + k
+        t = int(self._first[blob]) + k
         f, size = self.frame_bytes, self.sizes[blob]
         raw_len = min(f, size - k * f)
         width = self.width[t]
-        s0, s1 = self._stream[t], self._stream[t + 1]
-        lengths = tuple(self.lengths[s0:s1].tolist()) if width else (raw_len,)
-        stored_offset = self._stored[t] - self._stored[self._first[blob]]
+        s0 = self._streams_before(t)
+        lengths = tuple(self.lengths[s0 : s0 + width].tolist()) if width else (raw_len,)
+        stored_offset = self._stored_before(t) - self._stored_before(t - k)
         return Frame(k * f, raw_len, stored_offset, width, self.planes[t], lengths)
 
     def span(self, blob: int, lo: int, hi: int) -> range:
@@ -231,9 +287,9 @@ class FrameIndex:
         """Offset and length, in blob ``blob``'s stored stream, of its frames ``k0`` to ``k1 - 1``."""
         if not 0 <= k0 <= k1 <= self.count(blob):
             raise IndexError(f"blob {blob} has {self.count(blob)} frames: no frames {k0} to {k1 - 1}")
-        base = self._first[blob]
-        start = self._stored[base + k0] - self._stored[base]
-        return start, self._stored[base + k1] - self._stored[base + k0]
+        base = int(self._first[blob])
+        start = self._stored_before(base + k0)
+        return start - self._stored_before(base), self._stored_before(base + k1) - start
 
     def compressed_frames(self) -> int:
         """Frames stored compressed (width other than 0)."""
@@ -249,7 +305,7 @@ class IndexBuilder:
 
     def __init__(self, blob_sizes: Sequence[int], frame_bytes: int) -> None:
         try:
-            _check_frame_bytes(frame_bytes)
+            check_frame_bytes(frame_bytes)
         except CorruptCheckpointError as e:
             raise ValueError(str(e)) from None
         self.sizes = tuple(blob_sizes)
@@ -295,7 +351,7 @@ class IndexBuilder:
             t = self._lengths.index(None)
             b = bisect.bisect_right(self._first, t) - 1
             raise ValueError(f"frame index: frame {t - self._first[b]} of blob {b} was not added")
-        lengths = np.fromiter(chain.from_iterable(x for x in self._lengths if x), _U32)
+        lengths = np.fromiter(chain.from_iterable(x for x in self._lengths if x), U32)
         held = []
         for b, size in enumerate(self.sizes):
             frames = range(self._first[b], self._first[b + 1])
@@ -312,9 +368,14 @@ class IndexBuilder:
         return index
 
 
+def _located(first: npt.NDArray[np.int64], t: int) -> str:
+    """Frame ``t`` (all blobs, blob-major) as "blob b frame k" (``first``: each blob's first frame)."""
+    b = int(np.searchsorted(first, t, side="right")) - 1
+    return f"blob {b} frame {t - int(first[b])}"
+
+
 def _where(index: FrameIndex, t: int) -> str:
-    b = bisect.bisect_right(index._first, t) - 1
-    return f"blob {b} frame {t - index._first[b]}"
+    return _located(index._first, t)
 
 
 def check_index(index: FrameIndex, blob_sizes: Sequence[int]) -> None:
@@ -324,138 +385,52 @@ def check_index(index: FrameIndex, blob_sizes: Sequence[int]) -> None:
         CorruptCheckpointError: naming the column, blob and frame that break a rule.
     """
     if tuple(blob_sizes) != index.sizes:
-        raise _bad(f"codec: the index is for {len(index.sizes)} blobs of other sizes than the manifest's")
+        raise index_error(f"codec: the index is for {len(index.sizes)} blobs of other sizes than the manifest's")
     if index.name != CODEC_NAME:
-        raise _bad(f"codec.name {index.name!r} is not {CODEC_NAME!r}")
+        raise index_error(f"codec.name {index.name!r} is not {CODEC_NAME!r}")
     width = np.frombuffer(index.width, np.uint8)
     planes = np.frombuffer(index.planes, np.uint8)
-    w = width.astype(np.int64)
-    ok = np.where(w <= 1, planes == w, (planes != 0) & (planes.astype(np.int64) >> w == 0))
-    if (bad := np.flatnonzero(~ok)).size:
-        t = int(bad[0])
-        raise _bad(f"codec.planes of {_where(index, t)}: {planes[t]:#x} for width {width[t]}")
-    counts = [index.count(b) for b in range(len(index.sizes))]
-    raw = index._raw_lengths(counts)
-    if (bad := np.flatnonzero((w >= 2) & (raw % np.maximum(w, 1) != 0))).size:
-        t = int(bad[0])
-        raise _bad(f"codec.width of {_where(index, t)}: {width[t]} byte planes of a {raw[t]}-byte frame")
-    _check_lengths(index, w, planes, raw)
-    stored = np.asarray(index._stored, np.int64)
+    for t0, t1 in _runs(index.total):
+        w, p = width[t0:t1], planes[t0:t1]
+        if (bad := np.flatnonzero((p < _PLANES_LO[w]) | (p > _PLANES_HI[w]))).size:
+            t = t0 + int(bad[0])
+            raise index_error(f"codec.planes of {_where(index, t)}: {planes[t]:#x} for width {width[t]}")
+    for t in index._last.tolist():  # every frame but a blob's last is F long, a multiple of every width
+        raw, w = index._raw_len(t), index.width[t]
+        if w >= 2 and raw % w:
+            raise index_error(f"codec.width of {_where(index, t)}: {w} byte planes of a {raw}-byte frame")
+    for t0, t1 in _runs(index.total):
+        _check_lengths(index, t0, t1)
     for b, (held, size) in enumerate(zip(index.held, index.sizes)):
-        frames = int(stored[index._first[b + 1]] - stored[index._first[b]])
+        frames = index._stored_before(int(index._first[b + 1])) - index._stored_before(int(index._first[b]))
         if held != frames or held > size:
-            raise _bad(f"codec.held of blob {b}: {held} bytes; its frames store {frames}, its raw size is {size}")
+            raise index_error(
+                f"codec.held of blob {b}: {held} bytes; its frames store {frames}, its raw size is {size}"
+            )
 
 
-def _check_lengths(index: FrameIndex, w: npt.NDArray[np.int64], planes: npt.NDArray[np.uint8], raw: Any) -> None:
-    """Each stream's length: a zstd stream shorter than the raw bytes it stands for, a raw plane exactly
-    ``raw_len / w`` bytes."""
-    if not len(index.lengths):
+def _check_lengths(index: FrameIndex, t0: int, t1: int) -> None:
+    """The streams of frames ``t0`` to ``t1 - 1``: a zstd stream shorter than the raw bytes it stands
+    for, a raw plane exactly ``raw_len / w`` bytes."""
+    w = np.frombuffer(index.width, np.uint8)[t0:t1].astype(np.int64)
+    s0 = index._streams_before(t0)
+    lengths = index.lengths[s0 : s0 + int(w.sum())].astype(np.int64)
+    if not len(lengths):
         return
-    frame = np.repeat(np.arange(len(w)), w)  # each stream's frame
-    plane = np.arange(len(frame)) - np.asarray(index._stream[:-1], np.int64)[frame]
+    raw = np.full(t1 - t0, index.frame_bytes, np.int64)
+    i0, i1 = np.searchsorted(index._last, (t0, t1))
+    raw[index._last[i0:i1] - t0] += index._short[i0:i1]
+    frame = np.repeat(np.arange(t1 - t0), w)  # each stream's frame (in the run)
+    plane = np.arange(len(frame)) - (np.cumsum(w) - w)[frame]
     wf = w[frame]
     stands = np.where(wf == 1, raw[frame], raw[frame] // wf)
-    zstd = (wf == 1) | ((planes[frame].astype(np.int64) >> plane) & 1 == 1)
-    lengths = index.lengths.astype(np.int64)
+    planes = np.frombuffer(index.planes, np.uint8)[t0:t1].astype(np.int64)
+    zstd = (wf == 1) | ((planes[frame] >> plane) & 1 == 1)
     bad = np.flatnonzero(np.where(zstd, lengths >= stands, lengths != stands))
     if bad.size:
         s = int(bad[0])
         kind = "zstd stream" if zstd[s] else "raw plane"
-        raise _bad(
-            f"codec.lengths of {_where(index, int(frame[s]))} plane {plane[s]}: {kind} of {lengths[s]} bytes "
-            f"for {stands[s]} raw bytes"
+        raise index_error(
+            f"codec.lengths of {_where(index, t0 + int(frame[s]))} plane {plane[s]}: {kind} of {lengths[s]} "
+            f"bytes for {stands[s]} raw bytes"
         )
-
-
-def codec_map(index: FrameIndex) -> dict[str, Any]:
-    """The ``codec`` map of an envelope's payload (what msgpack packs)."""
-    return {
-        "name": index.name,
-        "frame_bytes": index.frame_bytes,
-        "held": struct.pack(f"<{len(index.held)}Q", *index.held),
-        "width": index.width,
-        "planes": index.planes,
-        "lengths": index.lengths.astype(_U32).tobytes(),
-    }
-
-
-def _read_map(u: msgpack.Unpacker, keys: tuple[str, ...], what: str) -> dict[str, Any]:
-    """The next value of ``u``: a map with exactly ``keys``, in that order."""
-    if u.read_map_header() != len(keys):
-        raise _bad(f"{what} keys are not {', '.join(keys)}")
-    d = {}
-    for key in keys:
-        if u.unpack() != key:
-            raise _bad(f"{what} keys are not {', '.join(keys)}")
-        d[key] = _read_map(u, _CODEC_KEYS, "codec") if key == "codec" else u.unpack()
-    return d
-
-
-def split_envelope(payload: memoryview) -> tuple[bytes, dict[str, Any]]:
-    """A version-6 file's inner manifest file and its ``codec`` map (keys and types checked; ``payload``:
-    the file's payload, its framing checked).
-
-    Raises:
-        CorruptCheckpointError: naming the key or field.
-    """
-    u = msgpack.Unpacker(raw=False, use_list=True, strict_map_key=True, max_buffer_size=max(1, len(payload)))
-    u.feed(payload)
-    try:
-        d = _read_map(u, _ENVELOPE_KEYS, "envelope")
-        end = u.tell()
-    except CorruptCheckpointError:
-        raise
-    except Exception as e:  # not a map, ends early, bad bytes
-        raise _bad(f"envelope is not msgpack: {e}") from e
-    if end != len(payload):
-        raise _bad(f"envelope is not msgpack: {len(payload) - end} bytes after the map")
-    codec = d["codec"]
-    if not isinstance(d["manifest"], bytes):
-        raise _bad("envelope.manifest is not bytes")
-    if not isinstance(codec["name"], str):
-        raise _bad(f"codec.name {codec['name']!r} is not a string")
-    _check_frame_bytes(codec["frame_bytes"])
-    for col in ("held", "width", "planes", "lengths"):
-        if not isinstance(codec[col], bytes):
-            raise _bad(f"codec.{col} is not bytes")
-    for col, size in (("held", 8), ("lengths", 4)):
-        if len(codec[col]) % size:
-            raise _bad(f"codec.{col}: {len(codec[col])} bytes, not a whole number of {size}-byte entries")
-    return d["manifest"], codec
-
-
-def index_from_codec(codec: dict[str, Any], sizes: tuple[int, ...]) -> FrameIndex:
-    """The index a ``codec`` map (from :func:`split_envelope`) stores, for blobs of raw ``sizes``: its
-    columns' lengths checked, not its rules (:func:`check_index`)."""
-    held = codec["held"]
-    return FrameIndex(
-        name=codec["name"],
-        frame_bytes=codec["frame_bytes"],
-        held=struct.unpack(f"<{len(held) // 8}Q", held),
-        width=codec["width"],
-        planes=codec["planes"],
-        lengths=np.frombuffer(codec["lengths"], _U32),
-        sizes=sizes,
-    )
-
-
-def envelope_inner(data: bytes) -> memoryview:
-    """Where a version-6 file holds its inner manifest file (located, not checked: its commit record's tag
-    is the inner's trailer, docs/format.md).
-
-    Raises:
-        CorruptCheckpointError: the file is not laid out as a version-6 writer lays it out.
-    """
-    p = _HEADER_BYTES
-    start = p + len(_ENVELOPE_START)
-    if bytes(data[p:start]) != _ENVELOPE_START or len(data) < start + 1:
-        raise _bad("version-6 file does not start with its inner manifest")
-    tag, sizes = data[start], {0xC4: 1, 0xC5: 2, 0xC6: 4}
-    if tag not in sizes:
-        raise _bad("version-6 file's inner manifest is not bytes")
-    body = start + 1 + sizes[tag]
-    n = int.from_bytes(data[start + 1 : body], "big")
-    if body + n > len(data) - _TRAILER_BYTES:
-        raise _bad("version-6 file's inner manifest runs past the file")
-    return memoryview(data)[body : body + n]

@@ -5,7 +5,8 @@ stored encoded keeps, in its ``manifest`` file, an *envelope*: the unchanged man
 a :class:`FrameIndex` saying how each blob's frames are stored. :func:`wrap_manifest` makes that file,
 :func:`unwrap_manifest` takes it apart, and :func:`~tierckpt.format.manifest.decode_head` reads it like
 any manifest file (its head's ``frames`` set). The index itself is in
-:mod:`tierckpt.format.frameindex`, whose names this module exports too. Pure: no I/O.
+:mod:`tierckpt.format.frameindex` (the envelope's payload: :mod:`tierckpt.format.envelope`), whose names this
+module exports too. Pure: no I/O.
 """
 
 from __future__ import annotations
@@ -16,17 +17,14 @@ import msgpack
 import xxhash
 
 from tierckpt.errors import CorruptCheckpointError
+from tierckpt.format.envelope import codec_map, envelope_inner, index_from_codec, split_envelope
 from tierckpt.format.frameindex import (
     FORMAT_V6,
     Frame,
     FrameIndex,
     IndexBuilder,
     check_index,
-    codec_map,
-    envelope_inner,
     frame_count,
-    index_from_codec,
-    split_envelope,
 )
 from tierckpt.format.layout import round_up
 from tierckpt.format.manifest import (

@@ -19,7 +19,8 @@ import xxhash
 import zstandard
 
 from tierckpt.errors import CorruptCheckpointError, UnsupportedFormatError
-from tierckpt.format.frameindex import FORMAT_V6, FrameIndex, check_index, index_from_codec, split_envelope
+from tierckpt.format.envelope import index_from_codec, split_envelope
+from tierckpt.format.frameindex import FORMAT_V6, FrameIndex, check_index
 from tierckpt.format.sharding import (
     DEFAULT_CHUNK_BYTES,
     MAX_CHUNK_BYTES,

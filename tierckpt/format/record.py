@@ -19,7 +19,7 @@ import msgpack
 import xxhash
 
 from tierckpt.errors import CorruptCheckpointError, UnsupportedFormatError
-from tierckpt.format.frameindex import envelope_inner
+from tierckpt.format.envelope import envelope_inner
 from tierckpt.format.manifest import ENVELOPE_VERSION, HEADER, manifest_version
 
 __all__ = ["RECORDS_SINCE", "RECORD_MAGIC", "CommitRecord", "decode_record", "encode_record", "manifest_tag"]
