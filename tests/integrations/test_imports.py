@@ -12,7 +12,8 @@ def test_importing_tierckpt_imports_no_framework() -> None:
 import json, sys
 import tierckpt, tierckpt.integrations
 from tierckpt import Hierarchy, TrainState
-print(json.dumps(sorted(m for m in sys.modules if m.split(".")[0] in ("lightning", "pytorch_lightning"))))
+frameworks = ("lightning", "pytorch_lightning", "transformers", "accelerate")
+print(json.dumps(sorted(m for m in sys.modules if m.split(".")[0] in frameworks)))
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert json.loads(out) == []

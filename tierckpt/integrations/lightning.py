@@ -25,12 +25,11 @@ hierarchy when they load. See docs/integrations.md.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import threading
 from collections.abc import Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import Any
 
 import torch
@@ -41,6 +40,7 @@ from lightning_utilities.core.apply_func import apply_to_collection
 
 from tierckpt import CheckpointNotFoundError, Hierarchy, SaveHandle, SoloCoordinator, TierckptError
 from tierckpt.integrations._pointers import Pointer, new_id, read_pointer, referenced_steps, write_pointer
+from tierckpt.integrations._saving import Background, delete_steps, newest_step, next_step
 
 __all__ = ["AsyncHierarchyCheckpointIO", "HierarchyCheckpointIO"]
 
@@ -114,9 +114,7 @@ class HierarchyCheckpointIO(CheckpointIO):
         self._pending: dict[str, Pointer] = {}  # path -> its newest save, until its pointer is written
         self._dirs: set[str] = set()  # the directories this process wrote pointers in
         self._released: set[int] = set()  # steps a pointer stopped naming: deleted once none names them
-        self._handles: list[SaveHandle] = []
-        self._publisher: ThreadPoolExecutor | None = None
-        self._error: BaseException | None = None
+        self._background = Background("tierckpt-lightning")
         self._newest: int | None = None  # the newest step saved or listed
         self.prefetched = None
 
@@ -174,12 +172,12 @@ class HierarchyCheckpointIO(CheckpointIO):
         with self._lock:
             self._pending[key] = pointer
             self._dirs.add(os.path.dirname(key))
-            self._handles.append(handle)
-        self._publish_when_durable(h, handle, key, pointer)
+        what = f"writing the pointer file {key} (step {step})"
+        self._background.publish_when_durable(h, handle, lambda: self._publish(key, pointer), what)
         if self.blocking:
             handle.wait()
-            self._drain_publisher()
-            self._raise_error()
+            self._background.drain()
+            self._background.raise_error()
 
     def _snapshot(self, checkpoint: dict[str, Any]) -> dict[str, Any]:
         """The checkpoint as it is handed to ``Hierarchy.save`` (the async form copies what may change
@@ -192,61 +190,29 @@ class HierarchyCheckpointIO(CheckpointIO):
 
     def _next_step(self, h: Hierarchy, global_step: object) -> int:
         if self._newest is None:
-            self._newest = max((c.step for c in h.checkpoints()), default=-1)
-        gs = global_step if type(global_step) is int and global_step >= 0 else 0
-        self._newest = max(gs, self._newest + 1)
+            self._newest = newest_step(h)
+        self._newest = next_step(self._newest, global_step)
         return self._newest
-
-    def _publish_when_durable(self, h: Hierarchy, handle: SaveHandle, key: str, pointer: Pointer) -> None:
-        """Write the pointer once the first persistent tier (of those the save goes to) commits the step;
-        where it goes to none, once any tier does."""
-        persistent = [n for n in handle.durable if h.tier(n).capabilities.persistent] or list(handle.durable)
-        if self._publisher is None:
-            self._publisher = ThreadPoolExecutor(1, thread_name_prefix="tierckpt-lightning")
-        publisher = self._publisher
-        for name in persistent:
-            handle.durable[name].add_done_callback(
-                lambda f: None if f.exception() is not None else publisher.submit(self._publish, key, pointer)
-            )
 
     def _publish(self, key: str, pointer: Pointer) -> None:
         """Write ``pointer`` at ``key`` unless a newer save or a removal of the path came first; the step
         the file named before is released."""
-        try:
-            with self._lock:
-                if self._pending.get(key) is not pointer:
-                    return
-                try:
-                    old = read_pointer(key)
-                except (FileNotFoundError, ValueError):
-                    old = None
-                write_pointer(key, pointer)
-                del self._pending[key]
-                if old is not None and old.step != pointer.step:
-                    self._released.add(old.step)
-        except BaseException as e:
-            log.error("writing the pointer file %s (step %d) failed: %s", key, pointer.step, e)
-            self._error = self._error or e
+        with self._lock:
+            if self._pending.get(key) is not pointer:
+                return
+            try:
+                old = read_pointer(key)
+            except (FileNotFoundError, ValueError):
+                old = None
+            write_pointer(key, pointer)
+            del self._pending[key]
+            if old is not None and old.step != pointer.step:
+                self._released.add(old.step)
 
     def _settle_earlier(self) -> None:
         """Raise what failed in the background since the last call; delete the steps no pointer names."""
-        self._raise_error()
-        with self._lock:
-            done = [hd for hd in self._handles if hd.done()]
-            self._handles = [hd for hd in self._handles if not hd.done()]
-        for hd in done:
-            hd.wait()
+        self._background.settle()
         self._delete_released(self.hierarchy)
-
-    def _raise_error(self) -> None:
-        err, self._error = self._error, None
-        if err is not None:
-            raise err
-
-    def _drain_publisher(self) -> None:
-        if self._publisher is not None:
-            self._publisher.shutdown(wait=True)
-            self._publisher = None
 
     # -- remove -------------------------------------------------------------------------------------------
     def remove_checkpoint(self, path: Any) -> None:
@@ -278,9 +244,7 @@ class HierarchyCheckpointIO(CheckpointIO):
                 return
             named = referenced_steps(self._dirs) | {p.step for p in self._pending.values()}
             gone, self._released = self._released - named, set()
-        for step in sorted(gone):
-            with contextlib.suppress(CheckpointNotFoundError):  # gone already
-                h.delete(step)
+        delete_steps(h, gone)
 
     # -- load ---------------------------------------------------------------------------------------------
     def load_checkpoint(
@@ -329,18 +293,18 @@ class HierarchyCheckpointIO(CheckpointIO):
         the next save or load); raise a background failure."""
         h, self._h = self._h, None
         if h is None:
-            self._raise_error()
+            self._background.raise_error()
             return
         try:
             h.flush()
-            self._drain_publisher()
+            self._background.drain()
             if not h.readonly:
                 self._delete_released(h)
         finally:
             self._newest = None
-            self._handles = []
+            self._background.forget()
             h.close()
-        self._raise_error()
+        self._background.raise_error()
 
 
 def _torch_load_args(map_location: Any, weights_only: bool | None) -> dict[str, Any]:
