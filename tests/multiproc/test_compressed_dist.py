@@ -1,6 +1,6 @@
 """Compressed copies on many ranks (docs/tiers.md, "Compression"): 2 spawned gloo ranks save an FSDP2
 model, its AdamW state and a bf16 DTensor into a ``host`` tier, demoted by the mover into a ``pfs`` tier
-that compresses (``zstd``; ``auto`` under a 20 MB/s budget, which pays), with one data file a rank or a
+that compresses (``zstd``; ``auto`` under a 20 MB/s budget: compressed once it has measured the tier), with one data file a rank or a
 node; the copies are restored on 2 ranks and resharded in one process, bit-exact, and ``verify``
 re-reads every rank's copy."""
 
@@ -144,7 +144,11 @@ def test_compressed_copies_of_two_ranks_restore_reshard_and_verify(tmp_path: Pat
     try:
         for r in (0, 1):
             _, index = unwrap_manifest(pfs.read_manifest(CheckpointKey(2, r)))
-            assert index is not None and index.compressed_frames() > index.total // 2, (r, index)
+            if compress == "zstd":
+                assert index is not None and index.compressed_frames() > index.total // 2, (r, index)
+            # auto: compressed where it has measured what the tier's writes cost the CPUs (0.1 s of
+            # writes or 32 MiB: more than these small copies write), else the plain copy; either way
+            # it restores, reshards and verifies below
     finally:
         pfs.close()
 

@@ -14,6 +14,7 @@ import pytest
 import tierckpt
 from tierckpt import errors
 from tierckpt.datapath.manifests import UnnamedCopyError
+from tierckpt.interop.output import OutputExistsError
 from tierckpt.tiers._s3client import S3Error, S3FullError
 
 #: one instance of every error class, each field set (a class missing here fails the coverage test)
@@ -33,6 +34,7 @@ EXAMPLES: list[errors.TierckptError] = [
     ),
     errors.CoordinationError("rank 0 published no outcome", (0, 2), undecided=True),
     UnnamedCopyError("pfs", 3, 1, 2),
+    OutputExistsError("export: /out is not empty (force=True replaces it)"),
     S3Error(
         "S3 UploadPart of s3://b/k at http://h failed after 3 tries: SlowDown (HTTP 503)", "UploadPart", 503, "SlowDown"
     ),
