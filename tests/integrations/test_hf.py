@@ -7,10 +7,8 @@ hierarchy."""
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -20,11 +18,12 @@ import torch
 pytest.importorskip("transformers", reason="transformers is not installed (pip install 'tierckpt[hf]')")
 pytest.importorskip("accelerate", reason="accelerate is not installed (pip install 'tierckpt[hf]')")
 
+from jobs import report, run_job
+
 from tierckpt import CheckpointNotFoundError, Hierarchy, StateError
 from tierckpt.integrations._pointers import read_pointer
 from tierckpt.integrations.hf import POINTER_NAME
 
-JOB = Path(__file__).with_name("hf_job.py")
 CONFIG = """tiers:
   - {name: host, kind: host, capacity: 1GiB}
   - {name: ssd, kind: local, path: ssd}
@@ -34,26 +33,11 @@ policy:
 
 
 def _job(d: Path, out: str, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-    """Run hf_job.py in a process of its own with this tree on its path."""
-    d.mkdir(exist_ok=True)
-    if not (d / "cfg.yaml").exists():
-        (d / "cfg.yaml").write_text(CONFIG)
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[2]), os.environ.get("PYTHONPATH", "")]),
-        "HF_HUB_OFFLINE": "1",
-    }
-    r = subprocess.run(
-        [sys.executable, str(JOB), "--config", str(d / "cfg.yaml"), "--root", str(d / "run"), "--out", str(d / out), *args],
-        capture_output=True, text=True, env=env, timeout=300,
-    )  # fmt: skip
-    if check:
-        assert r.returncode == 0, r.stderr[-4000:]
-    return r
+    return run_job("hf_job.py", d, CONFIG, out, *args, check=check, env={"HF_HUB_OFFLINE": "1"})
 
 
 def _report(d: Path, out: str) -> dict[str, Any]:
-    return json.loads((d / out).read_text())
+    return report(d, out)
 
 
 def _steps(d: Path) -> list[int]:
@@ -116,11 +100,8 @@ def test_sigkill_mid_training_then_resume(tmp_path: Path, uninterrupted: dict[st
 
 def _build(tmp_path: Path, hierarchy: bool, max_steps: int, **kwargs: Any) -> Any:
     """hf_job.build in this process (the plain Trainer where ``hierarchy`` is False)."""
-    sys.path.insert(0, str(JOB.parent))
-    try:
-        from hf_job import build
-    finally:
-        sys.path.remove(str(JOB.parent))
+    from hf_job import build  # beside this file, on the path as jobs.py is
+
     (tmp_path / "cfg.yaml").write_text(CONFIG)
     return build(str(tmp_path / "cfg.yaml") if hierarchy else None, str(tmp_path / "run"), max_steps, **kwargs)
 

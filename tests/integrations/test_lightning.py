@@ -9,7 +9,6 @@ import os
 import pickle
 import signal
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -18,11 +17,12 @@ import torch
 
 pytest.importorskip("lightning", reason="PyTorch Lightning is not installed (pip install 'tierckpt[lightning]')")
 
+from jobs import report, run_job
+
 from tierckpt import CheckpointNotFoundError, Hierarchy, StateError, TierckptError
 from tierckpt.integrations._pointers import read_pointer
 from tierckpt.integrations.lightning import AsyncHierarchyCheckpointIO, HierarchyCheckpointIO
 
-JOB = Path(__file__).with_name("lightning_job.py")
 CONFIG = """tiers:
   - {name: host, kind: host, capacity: 1GiB}
   - {name: ssd, kind: local, path: ssd}
@@ -33,27 +33,11 @@ policy:
 
 
 def _job(d: Path, out: str, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-    """Run lightning_job.py in a process of its own with this tree on its path."""
-    d.mkdir(exist_ok=True)
-    if not (d / "cfg.yaml").exists():
-        (d / "cfg.yaml").write_text(CONFIG)
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[2]), os.environ.get("PYTHONPATH", "")]),
-    }
-    for v in ("RANK", "LOCAL_RANK", "NODE_RANK", "WORLD_SIZE"):
-        env.pop(v, None)
-    r = subprocess.run(
-        [sys.executable, str(JOB), "--config", str(d / "cfg.yaml"), "--root", str(d / "run"), "--out", str(d / out), *args],
-        capture_output=True, text=True, env=env, timeout=300,
-    )  # fmt: skip
-    if check:
-        assert r.returncode == 0, r.stderr[-4000:]
-    return r
+    return run_job("lightning_job.py", d, CONFIG, out, *args, check=check)
 
 
 def _report(d: Path, out: str) -> dict[str, Any]:
-    return json.loads((d / out).read_text())
+    return report(d, out)
 
 
 @pytest.fixture(scope="module")
@@ -210,13 +194,9 @@ def test_readonly_refuses_to_save_and_settings_pickle(tmp_path: Path) -> None:
 def test_save_last_link_in_process(tmp_path: Path) -> None:
     """``save_last="link"``: Lightning links last.ckpt to the newest top-k file right after saving it, before
     its pointer is written (the directory must exist by then); the link loads that checkpoint."""
-    sys.path.insert(0, str(JOB.parent))
-    try:
-        from lightning_job import Net, data
-    finally:
-        sys.path.remove(str(JOB.parent))
     from lightning import Trainer
     from lightning.pytorch.callbacks import ModelCheckpoint
+    from lightning_job import Net, data  # beside this file, on the path as jobs.py is
 
     io = _io(tmp_path)
     ckpt = ModelCheckpoint(tmp_path / "ckpts", monitor="val_loss", save_top_k=2, save_last="link")
