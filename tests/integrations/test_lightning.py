@@ -83,7 +83,6 @@ def test_sigkill_mid_training_then_resume(tmp_path: Path, uninterrupted: dict[st
     _continues_as(_report(tmp_path, "b.json"), uninterrupted, last.global_step)
 
 
-@pytest.mark.slow
 def test_two_ddp_ranks_save_from_rank_0_and_both_resume(tmp_path: Path) -> None:
     """strategy="ddp" with 2 CPU processes (gloo): rank 0 saves; on resume each rank loads the checkpoint
     (rank 1 through a read-only hierarchy) and finds it equal to the saved one."""
