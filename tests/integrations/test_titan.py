@@ -129,6 +129,17 @@ def test_seed_checkpoint_and_initial_load_path(tmp_path: Path) -> None:
     fresh.checkpointer.close()
 
 
+def test_exclude_from_loading_and_load_only(tmp_path: Path) -> None:
+    """A part in exclude_from_loading is left as the new job built it; load_only opens the hierarchy
+    read-only and saves nothing."""
+    Job(4, hierarchy=_cfg(tmp_path), interval=2, last_save_model_only=False).train()
+    job = Job(4, hierarchy=_cfg(tmp_path), exclude_from_loading=["lr_scheduler"], load_only=True)
+    assert job.checkpointer.load() is True
+    assert job.train_state.step == 4 and job.lr_schedulers.schedulers[0].last_epoch == 0
+    assert job.checkpointer.save(6, last_step=True) is False and job.checkpointer.h.readonly
+    job.checkpointer.close()
+
+
 def test_config_errors_and_disabled() -> None:
     with pytest.raises(ValueError, match="hierarchy's YAML file is required"):
         HierarchyCheckpointManager.Config(enable=True)
