@@ -7,16 +7,13 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import signal
-import socket
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from launch import run_ranks  # tests/integrations/launch.py
 from torch.utils.data import DataLoader, DistributedSampler
 
 from tierckpt import Hierarchy, ResumableLoader, StateError, TrainState
@@ -34,36 +31,11 @@ HAS_TORCHDATA = importlib.util.find_spec("torchdata") is not None
 LOADERS = "plain,stateful" if HAS_TORCHDATA else "plain"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _run(d: Path, world: int, *args: str) -> list[int]:
     """loader_job.py on ``world`` ranks (processes) in ``d``; their exit codes."""
     d.mkdir(exist_ok=True)
     (d / "cfg.yaml").write_text(CONFIG)
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[2]), os.environ.get("PYTHONPATH", "")]),
-    }
-    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE=str(world))
-    for v in ("TIERCKPT_JOB", "TORCHELASTIC_RUN_ID", "SLURM_JOB_ID", "LOCAL_RANK"):
-        env.pop(v, None)
-    argv = [sys.executable, str(JOB), "--config", "cfg.yaml", "--steps", str(STEPS), "--loaders", LOADERS, *args]
-    procs = [
-        subprocess.Popen(
-            [*argv, "--out", f"out-{r}.json"], cwd=d, env={**env, "RANK": str(r)}, stderr=subprocess.PIPE, text=True
-        )
-        for r in range(world)
-    ]
-    codes = []
-    for p in procs:
-        _, err = p.communicate(timeout=300)
-        codes.append(p.returncode)
-        assert p.returncode in (0, -signal.SIGKILL), err[-4000:]
-    return codes
+    return run_ranks(JOB, d, world, "--config", "cfg.yaml", "--steps", str(STEPS), "--loaders", LOADERS, *args)
 
 
 def _seen(d: Path, rank: int) -> dict[str, Any]:

@@ -7,11 +7,7 @@ checkpoint at step 0 and an ``initial_load_path`` read as torchtitan reads them.
 from __future__ import annotations
 
 import json
-import os
 import signal
-import socket
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +17,7 @@ pytest.importorskip("torchtitan", reason="torchtitan is not installed (pip insta
 pytest.importorskip("torchdata", reason="torchdata is not installed (pip install 'tierckpt[titan]')")
 
 import torch
+from launch import run_ranks  # tests/integrations/launch.py
 from titan_job import Job
 
 from tierckpt import Hierarchy
@@ -38,28 +35,7 @@ STEPS = 10
 def _run(d: Path, world: int, out: str, *args: str) -> list[int]:
     d.mkdir(exist_ok=True)
     (d / "cfg.yaml").write_text(CONFIG)
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[2]), os.environ.get("PYTHONPATH", "")]),
-        "MASTER_ADDR": "127.0.0.1",
-        "WORLD_SIZE": str(world),
-    }
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        env["MASTER_PORT"] = str(s.getsockname()[1])
-    for v in ("TIERCKPT_JOB", "TORCHELASTIC_RUN_ID", "SLURM_JOB_ID", "LOCAL_RANK"):
-        env.pop(v, None)
-    argv = [sys.executable, str(JOB), "--config", "cfg.yaml", "--steps", str(STEPS), "--out", out, *args]
-    procs = [
-        subprocess.Popen(argv, cwd=d, env={**env, "RANK": str(r)}, stderr=subprocess.PIPE, text=True)
-        for r in range(world)
-    ]
-    codes = []
-    for p in procs:
-        _, err = p.communicate(timeout=300)
-        codes.append(p.returncode)
-        assert p.returncode in (0, -signal.SIGKILL), err[-4000:]
-    return codes
+    return run_ranks(JOB, d, world, "--config", "cfg.yaml", "--steps", str(STEPS), *args, out=out)
 
 
 @pytest.mark.parametrize("world", [1, 2])
