@@ -116,6 +116,18 @@ def test_exclude_from_loading_and_load_only(tmp_path: Path) -> None:
     job.checkpointer.close()
 
 
+def test_selected_by_config_with_torchtitans_command_line_overrides() -> None:
+    """torchtitan's ConfigManager (``--module``/``--config`` and field overrides, as ``torchtitan.train``
+    parses them) keeps the manager's config class, its own fields included: the class it builds."""
+    from torchtitan.config import ConfigManager
+
+    args = ["--module", "titan_job", "--config", "tierckpt_debug", "--checkpoint.interval", "7"]
+    cfg: Any = ConfigManager().parse_args([*args, "--checkpoint.hierarchy", "tiers/b.yaml"])
+    assert type(cfg.checkpoint) is HierarchyCheckpointManager.Config
+    assert (cfg.checkpoint.interval, cfg.checkpoint.hierarchy, cfg.checkpoint.enable) == (7, "tiers/b.yaml", True)
+    assert cfg.checkpoint._owner is HierarchyCheckpointManager
+
+
 def test_config_errors_and_disabled() -> None:
     with pytest.raises(ValueError, match="hierarchy's YAML file is required"):
         HierarchyCheckpointManager.Config(enable=True)

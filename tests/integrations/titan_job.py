@@ -17,6 +17,7 @@ import argparse
 import json
 import os
 import signal
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +26,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import Dataset
 from torch.utils.data.distributed import DistributedSampler
+from torchtitan.components.checkpointer import BaseCheckpointManager, CheckpointManager
 from torchtitan.components.dataloader import ParallelAwareDataloader
 from torchtitan.components.optimizer import LRSchedulersContainer, OptimizersContainer
 from torchtitan.components.optimizer.optimizer import default_adamw
@@ -41,6 +43,20 @@ class Pairs(Dataset[tuple[torch.Tensor, torch.Tensor]]):
     def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         x = torch.randn(8, generator=torch.Generator().manual_seed(i))
         return x, x.sum(0, keepdim=True).sin()
+
+
+@dataclass(kw_only=True, slots=True)
+class JobConfig:
+    """A stand-in for torchtitan's ``Trainer.Config`` (whose module needs its Trainer's requirements): its
+    ``checkpoint`` field, typed as there, and what torchtitan's ConfigManager checks."""
+
+    hf_assets_path: str = "."
+    checkpoint: BaseCheckpointManager.Config = field(default_factory=CheckpointManager.Config)
+
+
+def tierckpt_debug() -> JobConfig:
+    """A config_registry function, as ``--module titan_job --config tierckpt_debug`` names one."""
+    return JobConfig(checkpoint=HierarchyCheckpointManager.Config(enable=True, hierarchy="tiers/a.yaml", interval=10))
 
 
 class TrainState:
