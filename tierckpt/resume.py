@@ -175,9 +175,10 @@ class ResumableLoader:
 
     Iterate it as the loader itself: each ``iter()`` is the next epoch (after a restore: the rest of the
     saved epoch). It saves the epoch, how many of its batches were handed out, and the random state
-    the epoch began with: torch's global generator and ``loader.generator`` as they were before the
-    epoch's first batch (the shuffle's seed and the workers' seeds are drawn from them). A restored
-    epoch starts again from that state and loads and drops the batches already handed out, so every
+    the epoch began with: torch's global generator, ``loader.generator`` and the sampler's ``generator``
+    as they were before the epoch's first batch (the shuffle and the workers' seeds are drawn from
+    them). A restored epoch starts again from that state and loads and drops the batches already
+    handed out, so every
     later batch is the same: the order, and whatever the dataset draws from the workers' generators
     (random crops), which the skipped batches advance as they did the first time. The global
     generators are not changed by this (the replay runs under ``torch.random.fork_rng``). A sampler or
@@ -206,7 +207,7 @@ class ResumableLoader:
         self.loader = loader
         self.epoch = 0  # the epoch being handed out, or the next one to start (batches == 0)
         self.batches = 0  # batches of it handed out
-        self._start: dict[str, torch.Tensor | None] = {}  # the random state before its first batch
+        self._start: dict[str, Any] = {}  # the random state before its first batch
         self._resume = False  # the next iter() takes up the saved epoch
 
     def __len__(self) -> int:
@@ -223,22 +224,36 @@ class ResumableLoader:
             set_epoch = getattr(s, "set_epoch", None)
             if callable(set_epoch):
                 set_epoch(self.epoch)
-        gen: torch.Generator | None = self.loader.generator
+        gens = self._generators()
         if resume:
             with torch.random.fork_rng(devices=[]):
                 torch.set_rng_state(cast("torch.Tensor", self._start["torch"]))
-                if gen is not None and self._start.get("generator") is not None:
-                    gen.set_state(cast("torch.Tensor", self._start["generator"]))
+                for g, state in zip(gens, cast("list[torch.Tensor]", self._start["generators"])):
+                    g.set_state(state)
                 it = iter(self.loader)
                 for _ in range(self.batches):
                     next(it)
         else:
-            self._start = {"torch": torch.get_rng_state(), "generator": None if gen is None else gen.get_state()}
+            self._start = {"torch": torch.get_rng_state(), "generators": [g.get_state() for g in gens]}
             it = iter(self.loader)
         for batch in it:
             self.batches += 1
             yield batch
         self.epoch, self.batches, self._start = self.epoch + 1, 0, {}
+
+    def _generators(self) -> list[torch.Generator]:
+        """The generators the loader's shuffling may draw from, each once: ``loader.generator``, its
+        sampler's and its batch sampler's (and the batch sampler's sampler's) ``generator``."""
+        bs = getattr(self.loader, "batch_sampler", None)
+        found = [
+            self.loader.generator,
+            *(getattr(o, "generator", None) for o in (self.loader.sampler, bs, getattr(bs, "sampler", None))),
+        ]
+        out: list[torch.Generator] = []
+        for g in found:
+            if isinstance(g, torch.Generator) and all(g is not h for h in out):
+                out.append(g)
+        return out
 
     def state_dict(self) -> dict[str, Any]:
         """The epoch, the batches of it handed out, and the random state it began with."""
@@ -250,12 +265,20 @@ class ResumableLoader:
         Raises:
             StateError: ``state`` is not what :meth:`state_dict` returns.
         """
+        start = state.get("start") if isinstance(state, dict) else None
         ok = isinstance(state, dict) and type(state.get("epoch")) is int and type(state.get("batches")) is int
-        start = state.get("start") if ok else None
-        if not ok or (
-            state["batches"] > 0 and not (isinstance(start, dict) and isinstance(start.get("torch"), torch.Tensor))
-        ):
-            raise StateError(f"ResumableLoader state: expected {{'epoch', 'batches', 'start'}}, got {_what(state)}")
+        if ok and state["batches"] > 0:
+            ok = (
+                isinstance(start, dict)
+                and isinstance(start.get("torch"), torch.Tensor)
+                and isinstance(start.get("generators"), list)
+                and len(start["generators"]) == len(self._generators())
+            )
+        if not ok:
+            raise StateError(
+                f"ResumableLoader state: expected {{'epoch', 'batches', 'start'}} with one state for each of this "
+                f"loader's {len(self._generators())} generator(s), got {_what(state)}"
+            )
         self.epoch, self.batches = state["epoch"], state["batches"]
         self._start = dict(start) if isinstance(start, dict) else {}
         self._resume = True

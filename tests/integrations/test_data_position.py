@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 from launch import run_ranks  # tests/integrations/launch.py
-from torch.utils.data import DataLoader, DistributedSampler
+from torch.utils.data import DataLoader, DistributedSampler, RandomSampler
 
 from tierckpt import Hierarchy, ResumableLoader, StateError, TrainState
 
@@ -100,16 +100,21 @@ def _h(tmp_path: Path) -> Hierarchy:
     return Hierarchy.from_config({"tiers": [{"name": "ssd", "kind": "local", "path": str(tmp_path / "ssd")}]})
 
 
-@pytest.mark.parametrize("generator", [False, True])
-def test_resume_in_process_without_workers_and_the_global_rng_is_left_alone(tmp_path: Path, generator: bool) -> None:
+@pytest.mark.parametrize("source", ["global", "loader", "sampler"])
+def test_resume_in_process_without_workers_and_the_global_rng_is_left_alone(tmp_path: Path, source: str) -> None:
     """No workers (the dataset draws from the main process's generator, between the training's draws),
-    shuffled from torch's global generator or from ``loader.generator``; saved after 3 batches of epoch 1
-    and restored into a fresh loader: the rest of the epoch and the next are the uninterrupted run's, and
-    the replay of the skipped batches leaves the global generator where the restore put it."""
+    shuffled from torch's global generator, ``loader.generator`` or a generator of the sampler's own;
+    saved after 3 batches of epoch 1 and restored into a fresh loader: the rest of the epoch and the
+    next are the uninterrupted run's, and the replay of the skipped batches leaves the global generator
+    where the restore put it."""
 
     def make() -> ResumableLoader:
-        g = torch.Generator().manual_seed(3) if generator else None
-        return ResumableLoader(DataLoader(Draws(), batch_size=2, shuffle=True, generator=g))
+        ds = Draws()
+        if source == "sampler":
+            sampler = RandomSampler(ds, generator=torch.Generator().manual_seed(4))
+            return ResumableLoader(DataLoader(ds, batch_size=2, sampler=sampler))
+        g = torch.Generator().manual_seed(3) if source == "loader" else None
+        return ResumableLoader(DataLoader(ds, batch_size=2, shuffle=True, generator=g))
 
     def run(loader: ResumableLoader, epochs: int) -> list[torch.Tensor]:
         out = []
@@ -160,5 +165,8 @@ def test_bad_input_is_refused() -> None:
     loader = ResumableLoader(DataLoader(Draws()))
     with pytest.raises(StateError, match="expected"):
         loader.load_state_dict({"epoch": 1, "batches": 2})  # no start state
+    start = {"torch": torch.get_rng_state(), "generators": [torch.get_rng_state()]}
+    with pytest.raises(StateError, match="0 generator"):  # saved by a loader with a generator
+        loader.load_state_dict({"epoch": 1, "batches": 2, "start": start})
     with pytest.raises(StateError, match="expected"):
         loader.load_state_dict({"pos": 3})
