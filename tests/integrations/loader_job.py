@@ -15,11 +15,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import signal
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset
@@ -31,13 +33,15 @@ ITEMS, BATCH = 44, 4  # 11 batches an epoch on one rank, 6 (the last one short) 
 
 
 class Noisy(Dataset[torch.Tensor]):
-    """Item i is [i, a draw from the worker's global generator] (a random augmentation)."""
+    """Item i is [i, a draw from each of the worker's global generators: torch's, numpy's, python's] (a
+    random augmentation)."""
 
     def __len__(self) -> int:
         return ITEMS
 
     def __getitem__(self, i: int) -> torch.Tensor:
-        return torch.tensor([i, int(torch.randint(0, 1 << 30, ()))])
+        draws = [int(torch.randint(0, 1 << 30, ())), int(np.random.randint(0, 1 << 30)), random.randrange(1 << 30)]
+        return torch.tensor([i, *draws])
 
 
 class NoisyStateful(Noisy):

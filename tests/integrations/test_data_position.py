@@ -75,7 +75,7 @@ def test_killed_mid_epoch_then_resumed_hands_out_the_uninterrupted_batches(
         got = {**killed[rank], **resumed}
         if world == 2 and HAS_TORCHDATA:
             for step in range(next_epoch, STEPS):
-                ids = [[i for i, _ in b] for b in (got[str(step)].pop("stateful"), ref[str(step)]["stateful"])]
+                ids = [[i for i, *_ in b] for b in (got[str(step)].pop("stateful"), ref[str(step)]["stateful"])]
                 assert ids[0] == ids[1], step
             ref = {k: {n: v for n, v in x.items() if n != "stateful" or int(k) < next_epoch} for k, x in ref.items()}
         assert got == ref
