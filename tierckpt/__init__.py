@@ -47,6 +47,7 @@ _LAZY: dict[str, str] = {
     "Coordinator": "tierckpt.ranks.coordinator",
     "SoloCoordinator": "tierckpt.ranks.coordinator",
     "StoreCoordinator": "tierckpt.ranks.distributed",
+    "ResumableLoader": "tierckpt.resume",
     "TrainState": "tierckpt.resume",
     "rng_state": "tierckpt.resume",
     "set_rng_state": "tierckpt.resume",
@@ -76,6 +77,7 @@ __all__ = [
     "KeyMap",
     "LayoutConfig",
     "PolicyConfig",
+    "ResumableLoader",
     "SaveHandle",
     "SoloCoordinator",
     "StateError",
@@ -133,7 +135,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time __getattr__ im
     from tierckpt.ranks.coordinator import Coordinator, SoloCoordinator
     from tierckpt.ranks.distributed import StoreCoordinator
     from tierckpt.registry import available_kinds, get_tier_class, register_tier
-    from tierckpt.resume import TrainState, rng_state, set_rng_state
+    from tierckpt.resume import ResumableLoader, TrainState, rng_state, set_rng_state
     from tierckpt.tiers.base import CheckpointKey, Tier, TierCapabilities, TierReader, TierWriter
 
 

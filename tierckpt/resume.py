@@ -25,6 +25,7 @@ import logging
 import random
 import sys
 from collections import OrderedDict
+from collections.abc import Iterator
 from types import ModuleType
 from typing import TYPE_CHECKING, Any, cast
 
@@ -36,7 +37,7 @@ if TYPE_CHECKING:
     from tierckpt.datapath.keymap import KeyMapLike
     from tierckpt.hierarchy import Hierarchy, SaveHandle
 
-__all__ = ["TrainState", "rng_state", "set_rng_state"]
+__all__ = ["ResumableLoader", "TrainState", "rng_state", "set_rng_state"]
 
 log = logging.getLogger(__name__)
 
@@ -166,6 +167,121 @@ class TrainState:
             h.restore(step, into=target, tier=tier, allow_pickle=allow_pickle, strict=True, key_map=key_map)
         )
         return cast("tuple[int, str]", h.last_restore)[0]  # set by the restore that just returned
+
+
+class ResumableLoader:
+    """A plain ``torch.utils.data.DataLoader`` that resumes mid-epoch with the batches an uninterrupted run
+    would have produced: a :class:`TrainState` part (``TrainState(..., data=ResumableLoader(loader))``).
+
+    Iterate it as the loader itself: each ``iter()`` is the next epoch (after a restore: the rest of the
+    saved epoch). It saves the epoch, how many of its batches were handed out, and the random state
+    the epoch began with: torch's global generator, ``loader.generator`` and the sampler's ``generator``
+    as they were before the epoch's first batch (the shuffle and the workers' seeds are drawn from
+    them). A restored epoch starts again from that state and loads and drops the batches already
+    handed out, so every
+    later batch is the same: the order, and whatever the dataset draws from the workers' generators
+    (random crops), which the skipped batches advance as they did the first time. The global
+    generators are not changed by this (the replay runs under ``torch.random.fork_rng``). A sampler or
+    batch sampler with ``set_epoch`` (``DistributedSampler``) gets the epoch number before each epoch.
+
+    The skipped batches are loaded again (in the workers, with their usual parallelism); torchdata's
+    ``StatefulDataLoader`` skips without loading, but does not restore what the workers draw from their
+    generators (docs/resume.md, "Data position").
+
+    Args:
+        loader: the data loader, with ``persistent_workers=False`` (persistent workers keep their
+            generators' state from one epoch to the next, which no restart can bring back).
+
+    Raises:
+        StateError: ``loader`` is not a ``torch.utils.data.DataLoader``, or has persistent workers.
+    """
+
+    def __init__(self, loader: torch.utils.data.DataLoader[Any]) -> None:
+        if not isinstance(loader, torch.utils.data.DataLoader):
+            raise StateError(f"ResumableLoader takes a torch.utils.data.DataLoader, got {_what(loader)}")
+        if loader.persistent_workers and loader.num_workers > 0:
+            raise StateError(
+                "ResumableLoader: persistent_workers=True keeps the workers' random state across epochs, which "
+                "a restarted job cannot bring back; build the DataLoader with persistent_workers=False"
+            )
+        self.loader = loader
+        self.epoch = 0  # the epoch being handed out, or the next one to start (batches == 0)
+        self.batches = 0  # batches of it handed out
+        self._start: dict[str, Any] = {}  # the random state before its first batch
+        self._resume = False  # the next iter() takes up the saved epoch
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __iter__(self) -> Iterator[Any]:
+        if not self._resume and (self.batches or self._start):  # a new epoch (the previous one left unfinished)
+            self.epoch, self.batches, self._start = self.epoch + 1, 0, {}
+        resume, self._resume = self._resume and self.batches > 0, False
+        return self._epoch(resume)
+
+    def _epoch(self, resume: bool) -> Iterator[Any]:
+        for s in (getattr(self.loader, "sampler", None), getattr(self.loader, "batch_sampler", None)):
+            set_epoch = getattr(s, "set_epoch", None)
+            if callable(set_epoch):
+                set_epoch(self.epoch)
+        gens = self._generators()
+        if resume:
+            with torch.random.fork_rng(devices=[]):
+                torch.set_rng_state(cast("torch.Tensor", self._start["torch"]))
+                for g, state in zip(gens, cast("list[torch.Tensor]", self._start["generators"])):
+                    g.set_state(state)
+                it = iter(self.loader)
+                for _ in range(self.batches):
+                    next(it)
+        else:
+            self._start = {"torch": torch.get_rng_state(), "generators": [g.get_state() for g in gens]}
+            it = iter(self.loader)
+        for batch in it:
+            self.batches += 1
+            yield batch
+        self.epoch, self.batches, self._start = self.epoch + 1, 0, {}
+
+    def _generators(self) -> list[torch.Generator]:
+        """The generators the loader's shuffling may draw from, each once: ``loader.generator``, its
+        sampler's and its batch sampler's (and the batch sampler's sampler's) ``generator``."""
+        bs = getattr(self.loader, "batch_sampler", None)
+        found = [
+            self.loader.generator,
+            *(getattr(o, "generator", None) for o in (self.loader.sampler, bs, getattr(bs, "sampler", None))),
+        ]
+        out: list[torch.Generator] = []
+        for g in found:
+            if isinstance(g, torch.Generator) and all(g is not h for h in out):
+                out.append(g)
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        """The epoch, the batches of it handed out, and the random state it began with."""
+        return {"epoch": self.epoch, "batches": self.batches, **({"start": dict(self._start)} if self.batches else {})}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Take up a saved position: the next ``iter()`` hands out the rest of its epoch.
+
+        Raises:
+            StateError: ``state`` is not what :meth:`state_dict` returns.
+        """
+        start = state.get("start") if isinstance(state, dict) else None
+        ok = isinstance(state, dict) and type(state.get("epoch")) is int and type(state.get("batches")) is int
+        if ok and state["batches"] > 0:
+            ok = (
+                isinstance(start, dict)
+                and isinstance(start.get("torch"), torch.Tensor)
+                and isinstance(start.get("generators"), list)
+                and len(start["generators"]) == len(self._generators())
+            )
+        if not ok:
+            raise StateError(
+                f"ResumableLoader state: expected {{'epoch', 'batches', 'start'}} with one state for each of this "
+                f"loader's {len(self._generators())} generator(s), got {_what(state)}"
+            )
+        self.epoch, self.batches = state["epoch"], state["batches"]
+        self._start = dict(start) if isinstance(start, dict) else {}
+        self._resume = True
 
 
 def rng_state() -> dict[str, Any]:

@@ -12,7 +12,7 @@ def test_importing_tierckpt_imports_no_framework() -> None:
 import json, sys
 import tierckpt, tierckpt.integrations
 from tierckpt import Hierarchy, TrainState
-frameworks = ("lightning", "pytorch_lightning", "transformers", "accelerate")
+frameworks = ("lightning", "pytorch_lightning", "transformers", "accelerate", "torchtitan", "torchdata")
 print(json.dumps(sorted(m for m in sys.modules if m.split(".")[0] in frameworks)))
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
