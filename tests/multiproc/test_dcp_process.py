@@ -1,7 +1,8 @@
 """``dcp.async_save`` with DCP's process executor (``AsyncCheckpointerType.PROCESS``) through
 ``HierarchyWriter``, on 1 and 2 ranks (gloo on CPU, spawned processes): DCP pickles the writer into its
 checkpoint process, which opens the hierarchy from its configuration with its own process group; the
-training ranks then load each step back bit-exact through ``HierarchyReader``. A writer over a
+training ranks then load each step back bit-exact through ``HierarchyReader`` (one of them staged by
+``HierarchyStager`` into shared memory). A writer over a
 hierarchy built from tier objects fails that save with an error naming the way out."""
 
 from __future__ import annotations
@@ -80,7 +81,7 @@ def _process_saves(rank: int, world: int, tmp: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
     from tierckpt import Hierarchy
-    from tierckpt.dcp import HierarchyReader, HierarchyWriter
+    from tierckpt.dcp import HierarchyReader, HierarchyStager, HierarchyWriter
     from tierckpt.errors import TierckptError
     from tierckpt.tiers.pfs import PfsTier
 
@@ -105,7 +106,10 @@ def _process_saves(rank: int, world: int, tmp: str) -> None:
         dist.barrier()
         two = _state(2, mesh)
         writer = HierarchyWriter(str(yaml), step=2, job=h.job)
-        dcp.async_save(two, storage_writer=writer, async_checkpointer_type=process).result(timeout=90)
+        stager = HierarchyStager(share_memory=True)  # the staged copy reaches the checkpoint process as it is
+        fut = dcp.async_save(two, storage_writer=writer, async_checkpointer_type=process, async_stager=stager)
+        fut.result(timeout=90)
+        stager.close()
 
         for step, want in ((1, saved_one), (2, two)):
             got = _zeros(mesh)
