@@ -4,9 +4,9 @@ across saves (docs/integrations.md, "DCP async and staging").
 ``dcp.async_save`` first stages the state: a copy that later training steps cannot change. DCP's
 ``DefaultStager`` (what ``async_save`` uses unless told otherwise) copies every tensor into newly
 allocated memory on every save, so most of the time the training thread is blocked goes to faulting in
-fresh pages. :class:`HierarchyStager` copies into one arena per state (tierckpt's aligned host buffers:
-pinned where CUDA exists, transparent huge pages where large), allocated at the first save and reused by
-the next ones once nothing holds the previous staged copy, on a background thread if asked.
+fresh pages. :class:`HierarchyStager` copies into one arena per state (pinned where CUDA exists, as
+tierckpt's host tier's buffers), allocated at the first save and reused by the next ones once nothing
+holds the previous staged copy, on a background thread if asked.
 """
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.staging import AsyncStager
 
-from tierckpt.io.buffers import aligned_empty
+from tierckpt.format.memory import in_storage
+from tierckpt.io.buffers import memmove
 
 __all__ = ["HierarchyStager"]
 
@@ -44,28 +45,26 @@ class _Arena:
     def busy(self) -> bool:
         return any(r() is not None for r in self.views)
 
-    def _alloc(self, nbytes: int, *, aligned: bool) -> torch.Tensor:
+    def _alloc(self, nbytes: int) -> torch.Tensor:
         self.allocations += 1
         if self.share:
             shared: torch.Tensor = torch.empty(max(nbytes, 1), dtype=torch.uint8).share_memory_()
             return shared
-        if aligned:
-            return aligned_empty(max(nbytes, 1), pin=self.pin)
         return torch.empty(max(nbytes, 1), dtype=torch.uint8, pin_memory=bool(self.pin))
 
     def plain(self, nbytes: int) -> torch.Tensor:
         """The plain tensors' buffer, of at least ``nbytes`` (grown where smaller)."""
         if self.buf is None or self.buf.numel() < nbytes:
             self.buf = None
-            self.buf = self._alloc(nbytes, aligned=True)
+            self.buf = self._alloc(nbytes)
         return self.buf
 
     def shard(self, i: int, nbytes: int) -> torch.Tensor:
         """The ``i``-th DTensor shard's buffer: ``nbytes`` at the start of its own storage."""
         if i == len(self.own):
-            self.own.append(self._alloc(nbytes, aligned=False))
+            self.own.append(self._alloc(nbytes))
         elif self.own[i].numel() < nbytes:
-            self.own[i] = self._alloc(nbytes, aligned=False)
+            self.own[i] = self._alloc(nbytes)
         return self.own[i][:nbytes]
 
 
@@ -103,7 +102,7 @@ class HierarchyStager(AsyncStager):
         if arenas < 1:
             raise ValueError(f"arenas: expected at least 1, got {arenas}")
         self._synchronize_after_execute = False  # staging is done when stage() returns (or its future)
-        self._pin = False if share_memory else pin_memory
+        self._pin = False if share_memory else (torch.cuda.is_available() if pin_memory is None else pin_memory)
         self._share, self._keep = share_memory, arenas
         self._arenas: list[_Arena] = []
         self._lock = threading.Lock()
@@ -158,7 +157,7 @@ class HierarchyStager(AsyncStager):
             shards += shard
             view = raw.view(t.dtype).view(t.shape)
             cuda |= t.device.type == "cuda"
-            view.copy_(t.detach(), non_blocking=t.device.type == "cuda" and view.is_pinned())
+            _copy(view, t, n)
             staged[key] = view
         if cuda:
             torch.cuda.synchronize()
@@ -190,6 +189,17 @@ def _copied(t: torch.Tensor) -> bool:
     """Whether ``t`` goes into the arena: a plain tensor (or Parameter) of strided memory; another kind
     (a ShardedTensor, a sparse or meta tensor) is deep-copied."""
     return type(t) in (torch.Tensor, torch.nn.Parameter) and t.layout == torch.strided and t.device.type != "meta"
+
+
+def _copy(dst: torch.Tensor, src: torch.Tensor, nbytes: int) -> None:
+    """``dst[...] = src``: a host tensor's bytes by one ``memmove`` (single-threaded: torch's own copy of
+    many small tensors splits each over its thread pool, and on a machine whose cores are busy every
+    split waits for a descheduled thread, docs/io.md); other tensors by ``copy_`` (a device's
+    asynchronously into pinned memory, synchronized by the caller)."""
+    if src.device.type == "cpu" and src.is_contiguous() and in_storage(src, src.data_ptr(), nbytes):
+        memmove(dst.data_ptr(), src.data_ptr(), nbytes)
+    else:
+        dst.copy_(src.detach(), non_blocking=src.device.type == "cuda" and dst.is_pinned())
 
 
 def _nbytes(t: torch.Tensor) -> int:

@@ -239,6 +239,7 @@ class HierarchyWriter(StorageWriter):
             if self._deferred is None:
                 raise TierckptError("HierarchyWriter.finish() before write_data()")
             values, reserved = self._deferred
+            self._deferred = None  # the staged tensors are the hierarchy's now (a stager may reuse them)
             record = encode_metadata(metadata, locations)
             self._save(values, {**reserved, "world_size": self.h.world_size, "metadata": record})
         elif locations != self._locations or encode_metadata(metadata, locations) != self._record:
