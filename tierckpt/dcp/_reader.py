@@ -22,6 +22,7 @@ from torch.futures import Future
 
 from tierckpt.datapath.manifests import load_manifest, load_tree
 from tierckpt.datapath.restore import read_checkpoint
+from tierckpt.dcp._copy import copy_tensor
 from tierckpt.dcp._ids import step_of, valid_id
 from tierckpt.dcp._layout import CHUNKS, RESERVED, lookup
 from tierckpt.dcp._record import RECORD_FORMAT, Location, decode_metadata
@@ -247,7 +248,7 @@ class HierarchyReader(StorageReader):
         target = planner.resolve_tensor(req).detach()
         if target.size() != t.size():
             raise ValueError(f"DCP item {req.storage_index}: target size {target.size()}, stored region {t.size()}")
-        target.copy_(t)
+        copy_tensor(target, t)
         planner.commit_tensor(req, target)
 
 

@@ -21,8 +21,7 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.staging import AsyncStager
 
-from tierckpt.format.memory import in_storage
-from tierckpt.io.buffers import memmove
+from tierckpt.dcp._copy import copy_tensor
 
 __all__ = ["HierarchyStager"]
 
@@ -157,7 +156,7 @@ class HierarchyStager(AsyncStager):
             shards += shard
             view = raw.view(t.dtype).view(t.shape)
             cuda |= t.device.type == "cuda"
-            _copy(view, t, n)
+            copy_tensor(view, t)
             staged[key] = view
         if cuda:
             torch.cuda.synchronize()
@@ -189,17 +188,6 @@ def _copied(t: torch.Tensor) -> bool:
     """Whether ``t`` goes into the arena: a plain tensor (or Parameter) of strided memory; another kind
     (a ShardedTensor, a sparse or meta tensor) is deep-copied."""
     return type(t) in (torch.Tensor, torch.nn.Parameter) and t.layout == torch.strided and t.device.type != "meta"
-
-
-def _copy(dst: torch.Tensor, src: torch.Tensor, nbytes: int) -> None:
-    """``dst[...] = src``: a host tensor's bytes by one ``memmove`` (single-threaded: torch's own copy of
-    many small tensors splits each over its thread pool, and on a machine whose cores are busy every
-    split waits for a descheduled thread, docs/io.md); other tensors by ``copy_`` (a device's
-    asynchronously into pinned memory, synchronized by the caller)."""
-    if src.device.type == "cpu" and src.is_contiguous() and in_storage(src, src.data_ptr(), nbytes):
-        memmove(dst.data_ptr(), src.data_ptr(), nbytes)
-    else:
-        dst.copy_(src.detach(), non_blocking=src.device.type == "cuda" and dst.is_pinned())
 
 
 def _nbytes(t: torch.Tensor) -> int:
