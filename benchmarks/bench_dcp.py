@@ -29,6 +29,7 @@ import subprocess
 import sys
 import time
 import warnings
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -54,9 +55,10 @@ def _state(size: int) -> dict[str, Any]:
     return {"model": make_llm_state(llm_dims_for(size))}
 
 
-def _timed(fn: Any) -> float:
+def _save(sd: Any, writer: Any) -> float:
+    """Seconds of one ``dcp.save``."""
     t = time.perf_counter()
-    fn()
+    dcp.save(sd, storage_writer=writer)
     return time.perf_counter() - t
 
 
@@ -65,6 +67,7 @@ def _async(sd: Any, **kw: Any) -> tuple[float, float]:
     t = time.perf_counter()
     fut = dcp.async_save(sd, **kw)
     blocked = time.perf_counter() - t
+    assert isinstance(fut, Future)  # stagers that stage on the caller's thread: the save's future
     fut.result()
     return blocked, time.perf_counter() - t
 
@@ -83,11 +86,9 @@ def run_saves(root: Path, sd: Any, repeats: int) -> tuple[dict[str, list[float]]
     with Hierarchy.from_config(_config(root)) as h:
         for r in range(repeats + 1):  # the first round warms up (buffers, the hierarchy's first save)
             got: dict[str, float] = {}
-            fs = dcp.FileSystemWriter(_fresh(root / "fs"))
-            got["save:dcp"] = _timed(lambda: dcp.save(sd, storage_writer=fs))
+            got["save:dcp"] = _save(sd, dcp.FileSystemWriter(_fresh(root / "fs")))
             step += 1
-            w = HierarchyWriter(h, step=step)
-            got["save:tierckpt"] = _timed(lambda: dcp.save(sd, storage_writer=w))
+            got["save:tierckpt"] = _save(sd, HierarchyWriter(h, step=step))
             w = dcp.FileSystemWriter(_fresh(root / "fs"))
             got["async-blocked:dcp"], got["async-total:dcp"] = _async(sd, storage_writer=w)
             w = dcp.FileSystemWriter(_fresh(root / "fs"))
@@ -106,7 +107,9 @@ def run_saves(root: Path, sd: Any, repeats: int) -> tuple[dict[str, list[float]]
     return out, step
 
 
-def run_loads(root: Path, size: int, step: int, repeats: int) -> tuple[dict[str, list[float]], str]:
+def run_loads(
+    root: Path, size: int, step: int, repeats: int, threads: int | None
+) -> tuple[dict[str, list[float]], str]:
     """``repeats`` restarts of each, in turn: a new process after the page cache is emptied."""
     out: dict[str, list[float]] = {}
     method = ""
@@ -114,7 +117,7 @@ def run_loads(root: Path, size: int, step: int, repeats: int) -> tuple[dict[str,
         for who in ("dcp", "tierckpt"):
             method = make_cold([root])
             cmd = [sys.executable, __file__, "--child-load", who, "--dir", str(root), "--size", str(size)]
-            cmd += ["--step", str(step)]
+            cmd += ["--step", str(step)] + (["--threads", str(threads)] if threads else [])
             res = subprocess.run(cmd, capture_output=True, text=True)
             if res.returncode:
                 raise SystemExit(f"the {who} load failed:\n{res.stderr[-3000:]}")
@@ -151,7 +154,8 @@ def report(times: dict[str, list[float]], nbytes: int, method: str, repeats: int
         "async total (dcp / tierckpt)": med["async-total:dcp"] / med["async-total:tierckpt"],
         "load speedup (dcp / tierckpt), target >= 1.5": med["load:dcp"] / med["load:tierckpt"],
     }
-    print(f"\nstate {nbytes / 2**20:.0f} MiB, medians of {repeats}, cold loads by {method}")
+    print(f"\nstate {nbytes / 2**20:.0f} MiB, medians of {repeats}, cold loads by {method}, "
+          f"torch threads {torch.get_num_threads()}")  # fmt: skip
     print("| measure | seconds | GB/s |\n|---|---|---|")
     for k, v in med.items():
         print(f"| {k} | {v:.3f} | {nbytes / v / 1e9:.2f} |")
@@ -167,10 +171,13 @@ def main() -> None:
     p.add_argument("--size", default="400MiB", help="state size (the llm workload)")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--json", type=Path, help="write the figures here")
+    p.add_argument("--threads", type=int, help="torch.set_num_threads in every process (default: torch's)")
     p.add_argument("--child-load", choices=("dcp", "tierckpt"), help=argparse.SUPPRESS)
     p.add_argument("--step", type=int, default=0, help=argparse.SUPPRESS)
     a = p.parse_args()
     size = parse_size(a.size, "--size")
+    if a.threads:
+        torch.set_num_threads(a.threads)
     if a.child_load:
         child_load(a.child_load, a.dir, size, a.step)
         return
@@ -180,8 +187,9 @@ def main() -> None:
     nbytes = state_bytes(sd)[0]
     try:
         saves, step = run_saves(root, sd, a.repeats)
-        loads, method = run_loads(root, size, step, a.repeats)
+        loads, method = run_loads(root, size, step, a.repeats, a.threads)
         out = report({**saves, **loads}, nbytes, method, a.repeats)
+        out["torch_threads"] = torch.get_num_threads()
         if a.json:
             a.json.write_text(json.dumps(out, indent=1))
     finally:
