@@ -7,34 +7,20 @@ hierarchy built from tier objects fails that save with an error naming the way o
 
 from __future__ import annotations
 
-import datetime
-import time
 import warnings
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 dist = pytest.importorskip("torch.distributed")
 if not dist.is_available():  # pragma: no cover - a torch without distributed
     pytest.skip("torch.distributed is not available", allow_module_level=True)
 
-_TIMEOUT = 150.0  # each rank starts DCP's checkpoint process (a spawned interpreter importing torch)
+from harness import spawn  # noqa: E402  (tests/multiproc/harness.py)
 
-
-def _spawn(fn: Any, nprocs: int, *args: Any) -> None:
-    """Run ``fn(rank, nprocs, *args)`` in ``nprocs`` spawned processes; a failure or a hang fails the test."""
-    mp.set_forkserver_preload(["torch", "torch.distributed.checkpoint", "torch.distributed.tensor", "tierckpt.dcp"])
-    ctx = mp.start_processes(fn, args=(nprocs, *args), nprocs=nprocs, join=False, start_method="forkserver")
-    deadline = time.monotonic() + _TIMEOUT
-    while not ctx.join(timeout=1.0):
-        if time.monotonic() > deadline:
-            for p in ctx.processes:
-                if p.is_alive():
-                    p.kill()
-            pytest.fail(f"{nprocs} ranks did not finish within {_TIMEOUT} s")
+_LIMIT = 150.0  # each rank starts DCP's checkpoint process (a spawned interpreter importing torch)
 
 
 def _config(tmp: str) -> dict[str, Any]:
@@ -75,7 +61,7 @@ def _same(got: dict[str, Any], want: dict[str, Any]) -> None:
     assert (got["step"], got["note"]) == (want["step"], want["note"])
 
 
-def _process_saves(rank: int, world: int, tmp: str) -> None:
+def _process_saves(rank: int, world: int, tmp: str) -> None:  # on a rank of harness.spawn (gloo initialized)
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
     from torch.distributed.device_mesh import init_device_mesh
@@ -87,9 +73,6 @@ def _process_saves(rank: int, world: int, tmp: str) -> None:
 
     warnings.simplefilter("ignore")
     torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"file://{tmp}/pg", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=90)
-    )
     mesh = init_device_mesh("cpu", (world,))
     process = AsyncCheckpointerType.PROCESS
     with Hierarchy.from_config(_config(tmp)) as h:
@@ -127,9 +110,8 @@ def _process_saves(rank: int, world: int, tmp: str) -> None:
                 assert "built from tier objects" in str(e) and "from_config" in str(e), e
             else:
                 raise AssertionError("a writer over tier objects was sent to DCP's checkpoint process")
-    dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("ranks", [1, 2])
 def test_process_executor_saves_through_the_hierarchy_and_loads_back_bit_exact(tmp_path: Path, ranks: int) -> None:
-    _spawn(_process_saves, ranks, str(tmp_path))
+    assert spawn(_process_saves, ranks, tmp_path, str(tmp_path), limit=_LIMIT) == [{"ok": None}] * ranks
