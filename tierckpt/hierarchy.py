@@ -33,6 +33,7 @@ from tierckpt.config import (
     PolicyConfig,
     default_io,
     load_config,
+    parse_config,
     parse_policy,
 )
 from tierckpt.datapath.keymap import KeyMap, KeyMapLike
@@ -111,6 +112,9 @@ class Hierarchy:
 
     Attributes:
         job: that identity (None for a read-only hierarchy, which leases nothing).
+        config: the configuration it was built from (:meth:`from_config`, :meth:`from_yaml`; relative
+            paths resolved), from which another process opens the same hierarchy (DCP's process
+            executor); None where it was built from tier objects.
         placement: the placement policy every decision comes from.
         last_restore: (step, tier) of the latest restore.
 
@@ -182,6 +186,7 @@ class Hierarchy:
         self._lock = threading.RLock()
         self._closed = False
         self.last_restore: tuple[int, str] | None = None
+        self.config: HierarchyConfig | None = None  # from_config sets it
         self._in_place = RestoreStaging(self._geometry, tiers=self._tiers)
 
     @property
@@ -227,8 +232,10 @@ class Hierarchy:
             TierBusyError: another job holds the lease of a file tier's directory (naming it).
             CoordinationError: some rank did not build its hierarchy in time.
         """
-        parts = open_parts(config, base_dir, readonly=readonly, job=job, coordinator=coordinator)
-        return parts.build(cls, readonly=readonly)
+        cfg = config if isinstance(config, HierarchyConfig) else parse_config(config, base_dir)
+        h = open_parts(cfg, None, readonly=readonly, job=job, coordinator=coordinator).build(cls, readonly=readonly)
+        h.config = cfg
+        return h
 
     @classmethod
     def from_yaml(

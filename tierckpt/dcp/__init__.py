@@ -9,6 +9,8 @@ plain data (no pickle), into rank 0's part of the step::
     dcp.save(sd, storage_writer=HierarchyWriter(h, step=n))
     dcp.async_save(sd, storage_writer=HierarchyWriter(h, step=n))
     dcp.load(sd, storage_reader=HierarchyReader(h, step=n))  # step=None: the newest
+    stager = HierarchyStager()  # staging buffers kept across dcp.async_save calls
+    dcp.async_save(sd, storage_writer=HierarchyWriter(h, step=n), async_stager=stager)
 
 docs/distributed.md, "DCP backend", says what each rank writes, when ``dcp.save`` returns, and the limits.
 """
@@ -18,6 +20,7 @@ from __future__ import annotations
 from tierckpt.dcp._layout import RESERVED
 from tierckpt.dcp._reader import HierarchyReader
 from tierckpt.dcp._record import Location
+from tierckpt.dcp._stager import HierarchyStager
 from tierckpt.dcp._writer import DURABLE, HierarchyWriter
 
-__all__ = ["DURABLE", "RESERVED", "HierarchyReader", "HierarchyWriter", "Location"]
+__all__ = ["DURABLE", "RESERVED", "HierarchyReader", "HierarchyStager", "HierarchyWriter", "Location"]

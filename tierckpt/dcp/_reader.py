@@ -22,9 +22,11 @@ from torch.futures import Future
 
 from tierckpt.datapath.manifests import load_manifest, load_tree
 from tierckpt.datapath.restore import read_checkpoint
+from tierckpt.dcp._copy import copy_tensor
 from tierckpt.dcp._ids import step_of, valid_id
 from tierckpt.dcp._layout import CHUNKS, RESERVED, lookup
 from tierckpt.dcp._record import RECORD_FORMAT, Location, decode_metadata
+from tierckpt.dcp._source import HierarchyLike, Source
 from tierckpt.errors import CheckpointNotFoundError, CorruptCheckpointError, TierckptError
 from tierckpt.facade.checks import check_step
 from tierckpt.facade.verify import holds
@@ -48,16 +50,34 @@ class HierarchyReader(StorageReader):
     copies the requested region of each item into DCP's target. Resharding is DCP's: any world size
     loads any other.
 
+    Like :class:`HierarchyWriter`, the reader pickles as the hierarchy's configuration.
+
     Args:
-        h: the hierarchy (read-only is fine: an evaluation job).
+        h: the hierarchy (read-only is fine: an evaluation job), or its configuration (a YAML path, a
+            mapping or a ``HierarchyConfig``): then opened read-only by the first read, in the process
+            that reads (every rank of the load at once), and shared by this process's readers of it.
         step: the step; None: the newest step whose rank-0 part is committed on some tier (the ranks
             agree on it through the hierarchy's coordinator).
     """
 
-    def __init__(self, h: Hierarchy, step: int | None = None) -> None:
+    def __init__(self, h: HierarchyLike, step: int | None = None) -> None:
         if step is not None:
             check_step(step)
-        self.h, self.step = h, step
+        self._source = Source(h, readonly=True, job=None, user="HierarchyReader")
+        self.step = step
+        self.reset()
+
+    @property
+    def h(self) -> Hierarchy:
+        """The hierarchy (opened read-only from its configuration on first use, in this process)."""
+        return self._source.hierarchy
+
+    def __getstate__(self) -> dict[str, Any]:
+        """The configuration and step (a load's own state is not sent: DCP resets it)."""
+        return {"_source": self._source, "step": self.step}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
         self.reset()
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
@@ -228,7 +248,7 @@ class HierarchyReader(StorageReader):
         target = planner.resolve_tensor(req).detach()
         if target.size() != t.size():
             raise ValueError(f"DCP item {req.storage_index}: target size {target.size()}, stored region {t.size()}")
-        target.copy_(t)
+        copy_tensor(target, t)
         planner.commit_tensor(req, target)
 
 

@@ -28,6 +28,7 @@ from torch.futures import Future
 from tierckpt.dcp._ids import step_of, valid_id
 from tierckpt.dcp._layout import build_state, place_items
 from tierckpt.dcp._record import RECORD_FORMAT, Location, PathElem, encode_metadata
+from tierckpt.dcp._source import HierarchyLike, Source
 from tierckpt.errors import ConfigError, StateError, TierckptError
 from tierckpt.facade.checks import check_step
 from tierckpt.format.tree import flatten
@@ -72,8 +73,16 @@ class HierarchyWriter(StorageWriter):
     in (a writable hierarchy of several ranks has a coordinator that connects them), so rank 0 saves
     with the others and waits for its part in ``finish`` (docs/distributed.md, "DCP backend").
 
+    The writer pickles (DCP's process executor sends it to its checkpoint process) as the hierarchy's
+    configuration: the receiving process opens the hierarchy there on first use (once per configuration
+    and process), under the same job identity (docs/integrations.md, "DCP async and staging").
+
     Args:
-        h: the hierarchy; its ``rank`` and ``world_size`` must be DCP's (torch.distributed's).
+        h: the hierarchy; its ``rank`` and ``world_size`` must be DCP's (torch.distributed's). Or its
+            configuration (a YAML path, a mapping or a ``HierarchyConfig``, as for
+            :meth:`Hierarchy.from_config`): the hierarchy is then opened by the first write, in the
+            process that writes (every rank of the save at once), and shared by this process's writers of
+            the same configuration.
         step: the step to save (``dcp.save(checkpoint_id=...)`` may replace it: an int or its digits).
         durable: which tier to wait for. ``"loadable"`` (the default): the fastest tier this step goes
             to from which a later ``dcp.load`` on every rank of this job can read it (a rank reads other
@@ -87,19 +96,38 @@ class HierarchyWriter(StorageWriter):
             persistent tier this step goes to, else the top tier (a node-local tier: loadable by the
             ranks of that node only, and only from a directory they share). ``"top"``: the top tier.
             ``"all"``: every tier it goes to.
+        job: the job identity a configuration is opened for (default: a live hierarchy's own, else as
+            for :meth:`Hierarchy.from_config`); a process that already holds the tiers' leases under
+            one identity must pass it (docs/jobs.md).
 
     Raises:
         ValueError: a bad ``step`` or ``durable``.
-        TierckptError: the hierarchy is read-only.
+        TierckptError: the hierarchy is read-only; pickling a writer whose hierarchy was built from
+            tier objects (it has no configuration another process could open).
+        ConfigError: a bad configuration.
     """
 
-    def __init__(self, h: Hierarchy, step: int, *, durable: str = "loadable") -> None:
+    def __init__(self, h: HierarchyLike, step: int, *, durable: str = "loadable", job: str | None = None) -> None:
         check_step(step)
         if durable not in DURABLE:
             raise ValueError(f"durable: expected one of {', '.join(DURABLE)}, got {durable!r}")
-        if h.readonly:
+        self._source = Source(h, readonly=False, job=job, user="HierarchyWriter")
+        if self._source.readonly:
             raise TierckptError("cannot save through DCP: the hierarchy was opened read-only")
-        self.h, self.step, self.durable = h, step, durable
+        self.step, self.durable = step, durable
+        self.reset()
+
+    @property
+    def h(self) -> Hierarchy:
+        """The hierarchy (opened from its configuration on first use, in this process)."""
+        return self._source.hierarchy
+
+    def __getstate__(self) -> dict[str, Any]:
+        """The configuration, step and ``durable`` (a save's own state is not sent: DCP resets it)."""
+        return {"_source": self._source, "step": self.step, "durable": self.durable}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
         self.reset()
 
     # -- DCP's protocol ----------------------------------------------------------------------------------
@@ -211,6 +239,7 @@ class HierarchyWriter(StorageWriter):
             if self._deferred is None:
                 raise TierckptError("HierarchyWriter.finish() before write_data()")
             values, reserved = self._deferred
+            self._deferred = None  # the staged tensors are the hierarchy's now (a stager may reuse them)
             record = encode_metadata(metadata, locations)
             self._save(values, {**reserved, "world_size": self.h.world_size, "metadata": record})
         elif locations != self._locations or encode_metadata(metadata, locations) != self._record:
