@@ -17,9 +17,15 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import hashlib
+import importlib.util
+import json
 import logging
+import os
 import subprocess
 import sys
+import tempfile
+from pathlib import Path
 from typing import Any
 
 from tierckpt.io.buffers import ptr_mv
@@ -27,6 +33,8 @@ from tierckpt.io.buffers import ptr_mv
 __all__ = ["LiburingRing", "liburing_runs"]
 
 log = logging.getLogger(__name__)
+
+_CACHE_NAME = "liburing-probe.json"
 
 _PROBE = """
 import os, liburing as L
@@ -45,17 +53,88 @@ L.io_uring_cqe_seen(r, c[0]); L.io_uring_queue_exit(r)
 
 @functools.lru_cache(maxsize=1)
 def liburing_runs() -> str | None:
-    """None if the ``liburing`` binding works here, else why not (checked in a child process, once)."""
+    """None if the ``liburing`` binding works here, else why not.
+
+    Checked in a child process once per machine, Python and binding: the answer is kept in a small file
+    (:func:`_probe_cache`) keyed by all three, so a later process (a restart, DCP's checkpoint process)
+    does not start an interpreter for it again. Probes that could not run are not kept.
+    """
+    key = _probe_key()
+    path = _probe_cache()
+    known = _read_cache(path, key) if key is not None and path is not None else None
+    if known is not None:
+        return known or None
+    why, final = _probe()
+    if final and key is not None and path is not None:
+        _write_cache(path, key, why or "")
+    return why
+
+
+def _probe() -> tuple[str | None, bool]:
+    """Run the probe in a child: (why it failed or None, whether that answer holds for this machine)."""
     try:
         p = subprocess.run([sys.executable, "-c", _PROBE], capture_output=True, timeout=60, check=False)
     except (OSError, subprocess.TimeoutExpired) as e:
-        return f"probe could not run: {e}"
+        return f"probe could not run: {e}", False
     if p.returncode == 0:
-        return None
+        return None, True
     if p.returncode == -4:  # SIGILL
-        return "the liburing wheel needs CPU instructions (AVX-512) that this CPU lacks"
+        return "the liburing wheel needs CPU instructions (AVX-512) that this CPU lacks", True
     err = p.stderr.decode(errors="replace").strip().splitlines()
-    return err[-1] if err else f"probe exited with status {p.returncode}"
+    return (err[-1] if err else f"probe exited with status {p.returncode}"), False
+
+
+def _probe_cache() -> Path | None:
+    """The file that keeps probe answers: ``$TIERCKPT_CACHE_DIR`` (empty: none), else the user's cache."""
+    where = os.environ.get("TIERCKPT_CACHE_DIR")
+    if where is not None:
+        return Path(where) / _CACHE_NAME if where else None
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "tierckpt" / _CACHE_NAME
+
+
+def _probe_key() -> str | None:
+    """What the answer depends on: this interpreter, the binding's files, the kernel and the CPU's flags."""
+    try:
+        spec = importlib.util.find_spec("liburing")
+        origin = spec.origin if spec is not None else None
+        if origin is None:
+            return None
+        flags = next((ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("flags")), "")
+        st = os.stat(origin)
+        parts = (sys.executable, sys.version, origin, str(st.st_size), str(st.st_mtime_ns), os.uname().release, flags)
+    except (OSError, ImportError, ValueError):
+        return None
+    return hashlib.sha256("\0".join(parts).encode()).hexdigest()
+
+
+def _read_cache(path: Path, key: str) -> str | None:
+    """The kept answer for ``key`` ("" where the binding works), or None where there is none."""
+    try:
+        answers = json.loads(path.read_text())
+        got = answers.get(key) if isinstance(answers, dict) else None
+    except (OSError, ValueError):
+        return None
+    return got if isinstance(got, str) else None
+
+
+def _write_cache(path: Path, key: str, answer: str) -> None:
+    """Keep ``answer`` under ``key`` (replacing the file whole; a failure only costs a probe next time)."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            answers = json.loads(path.read_text())
+        except (OSError, ValueError):
+            answers = {}
+        if not isinstance(answers, dict) or len(answers) > 64:
+            answers = {}
+        answers[key] = answer
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".probe-")
+        with os.fdopen(fd, "w") as f:
+            json.dump(answers, f)
+        os.replace(tmp, path)
+    except OSError as e:
+        log.debug("could not keep the liburing probe's answer in %s: %s", path, e)
 
 
 class _PyBuffer(ctypes.Structure):
