@@ -9,15 +9,26 @@ plain data (no pickle), into rank 0's part of the step::
     dcp.save(sd, storage_writer=HierarchyWriter(h, step=n))
     dcp.async_save(sd, storage_writer=HierarchyWriter(h, step=n))
     dcp.load(sd, storage_reader=HierarchyReader(h, step=n))  # step=None: the newest
+    dcp_to_torch_save(h, "model.pt", step=n)  # one torch.save file of full tensors
 
 docs/distributed.md, "DCP backend", says what each rank writes, when ``dcp.save`` returns, and the limits.
 """
 
 from __future__ import annotations
 
+from tierckpt.dcp._convert import dcp_to_torch_save, torch_save_to_dcp
 from tierckpt.dcp._layout import RESERVED
 from tierckpt.dcp._reader import HierarchyReader
 from tierckpt.dcp._record import Location
-from tierckpt.dcp._writer import DURABLE, HierarchyWriter
+from tierckpt.dcp._writer import DURABLE, HierarchyWriter, StepExistsError
 
-__all__ = ["DURABLE", "RESERVED", "HierarchyReader", "HierarchyWriter", "Location"]
+__all__ = [
+    "DURABLE",
+    "RESERVED",
+    "HierarchyReader",
+    "HierarchyWriter",
+    "Location",
+    "StepExistsError",
+    "dcp_to_torch_save",
+    "torch_save_to_dcp",
+]
