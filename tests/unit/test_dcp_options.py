@@ -31,15 +31,10 @@ pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWa
 
 @pytest.fixture
 def h(tmp_path: Path) -> Iterator[Hierarchy]:
-    cfg = {
-        "tiers": [
-            {"name": "host", "kind": "host"},
-            {"name": "ssd", "kind": "local", "path": str(tmp_path / "ssd")},
-            {"name": "pfs", "kind": "pfs", "path": str(tmp_path / "pfs")},
-        ],
-        "policy": {"demote": {"pfs": {"every": 1}}},
-    }
-    with Hierarchy.from_config(cfg) as hier:
+    """Host memory, and two file tiers (every step goes to both) whose directories ids may name."""
+    kinds = (("host", "host"), ("ssd", "local"), ("pfs", "pfs"))
+    tiers = [{"name": n, "kind": k} | ({} if k == "host" else {"path": str(tmp_path / n)}) for n, k in kinds]
+    with Hierarchy.from_config({"tiers": tiers, "policy": {"demote": {"pfs": {"every": 1}}}}) as hier:
         yield hier
 
 

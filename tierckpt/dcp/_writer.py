@@ -130,7 +130,7 @@ class HierarchyWriter(StorageWriter):
             assert step is not None  # the writer's step is never None
             self.step = step
         self.save_id = uuid.uuid4().hex
-        self._coordinator = False
+        self._coordinator = False  # this rank's part holds a metadata record (DCP's coordinator, or alone)
         self._locations: dict[MetadataIndex, Location] | None = None  # every rank's, from the global plan
         self._record: dict[str, Any] | None = None  # the metadata record this rank saved in write_data
         self._deferred: tuple[list[tuple[tuple[PathElem, ...], Any]], dict[str, Any]] | None = None
@@ -181,8 +181,9 @@ class HierarchyWriter(StorageWriter):
 
     def _hierarchy_ranks(self, plans: list[SavePlan]) -> list[int]:
         """Each plan's hierarchy rank (a plan per rank of DCP's group, in its order)."""
-        if len(plans) == 1:  # this rank alone: its part holds its own record
-            self._alone = self.h.world_size > 1
+        if len(plans) == 1:  # this rank alone: its part holds its own record (use_collectives=False: every
+            self._alone = self.h.world_size > 1  # rank plans alone and finishes, DCP's coordinator or not)
+            self._coordinator = True
             return [self.h.rank]
         wheres = [p.storage_data for p in plans]
         ranks = [w.rank for w in wheres] if all(isinstance(w, _Where) for w in wheres) else list(range(len(plans)))
