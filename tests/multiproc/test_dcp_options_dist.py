@@ -176,3 +176,30 @@ def test_a_subgroup_with_its_own_hierarchy(tmp_path: Path) -> None:
     assert res[0] == {"ok": {"idle": True}}
     for r in (1, 2):
         assert res[r] == {"ok": {"refused": True, "written": [], "roundtrip": True}}, res
+
+
+def _one_alone(rank: int, world: int, d: str) -> str:
+    import time
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from tierckpt import Hierarchy
+    from tierckpt.dcp import HierarchyWriter
+
+    cfg = {"tiers": [{"name": "pfs", "kind": "pfs", "path": f"{d}/pfs"}], "distributed": {"timeout": 3}}
+    with Hierarchy.from_config(cfg, job="one-alone") as h:
+        if rank == 1:
+            time.sleep(8)  # takes no part in the save
+            return "idle"
+        try:
+            dcp.save({"w": torch.ones(2)}, storage_writer=HierarchyWriter(h, step=7), no_dist=True)
+        except CheckpointException as e:
+            return str(e).splitlines()[-1]
+        return "saved"
+
+
+def test_one_rank_saving_alone_into_a_hierarchy_of_two_fails_naming_the_other(tmp_path: Path) -> None:
+    res = spawn(_one_alone, 2, tmp_path, str(tmp_path), limit=60)
+    assert res[1] == {"ok": "idle"}
+    assert res[0] is not None and "rank(s) 1 did not arrive" in res[0]["ok"], res  # the step is never committed

@@ -3,7 +3,7 @@
 DCP plans (which rank writes which tensor chunk, deduplication, resharding on load); tierckpt stores:
 each rank's items of a step go into one :meth:`Hierarchy.save` of that rank (packed into a few blobs,
 checksummed, demoted and evicted as the hierarchy's policy says), and DCP's metadata goes, encoded as
-plain data (no pickle), into rank 0's part of the step::
+plain data (no pickle), into the part of DCP's coordinator (rank 0 unless ``coordinator_rank`` says)::
 
     from tierckpt.dcp import HierarchyReader, HierarchyWriter
     dcp.save(sd, storage_writer=HierarchyWriter(h, step=n))

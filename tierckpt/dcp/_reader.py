@@ -1,4 +1,4 @@
-"""The DCP storage reader: DCP's metadata from rank 0's part of a step, each read item from the part of
+"""The DCP storage reader: DCP's metadata from the part of a step that DCP's coordinator saved, each read item from the part of
 the rank that wrote it (docs/distributed.md, "DCP backend")."""
 
 from __future__ import annotations
@@ -43,7 +43,8 @@ log = logging.getLogger(__name__)
 class HierarchyReader(StorageReader):
     """A DCP storage reader of step ``step`` (default: the newest) of a :class:`~tierckpt.Hierarchy`.
 
-    ``read_metadata`` reads rank 0's manifest only (the metadata is in its tree). ``read_data`` reads,
+    ``read_metadata`` reads manifests only: rank 0's, and, where DCP's coordinator was another rank, that
+    rank's (the metadata is in its tree). ``read_data`` reads,
     for each saved rank holding an item this rank asks for, that rank's part of the step, whole and
     verified, from the fastest tier holding it (a damaged copy: the next tier's, with a warning), and
     copies the requested region of each item into DCP's target. Resharding is DCP's: any world size

@@ -1,5 +1,5 @@
 """The DCP storage writer: each rank's items of a step go into one :meth:`Hierarchy.save` of that rank,
-DCP's metadata into rank 0's part (docs/distributed.md, "DCP backend")."""
+DCP's metadata into the part of DCP's coordinator (docs/distributed.md, "DCP backend")."""
 
 from __future__ import annotations
 
@@ -84,7 +84,7 @@ class HierarchyWriter(StorageWriter):
 
     ``dcp.save`` returns (``dcp.async_save``'s future resolves) once every rank's part is committed on
     the tier ``durable`` names. The hierarchy commits a step on a tier only once every rank's part is
-    in (a writable hierarchy of several ranks has a coordinator that connects them), so rank 0 saves
+    in (a writable hierarchy of several ranks has a coordinator that connects them), so DCP's coordinator saves
     with the others and waits for its part in ``finish`` (docs/distributed.md, "DCP backend").
 
     Args:
@@ -260,7 +260,7 @@ class HierarchyWriter(StorageWriter):
     # -- saving --------------------------------------------------------------------------------------------
     def _reported_by_dcp(self) -> None:
         """A part saved with the others' (the step commits on a tier only once every rank's part is in):
-        its failures are the save's, which DCP reports on every rank (rank 0 waits in ``finish``, and a
+        its failures are the save's, which DCP reports on every rank (DCP's coordinator waits in ``finish``, and a
         write phase that failed anywhere raises ``CheckpointException`` everywhere), so this hierarchy's
         ``wait()`` / ``close()`` does not raise them again (a zero-timeout wait marks them seen)."""
         assert self._handle is not None
