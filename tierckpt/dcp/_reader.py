@@ -1,4 +1,4 @@
-"""The DCP storage reader: DCP's metadata from rank 0's part of a step, each read item from the part of
+"""The DCP storage reader: DCP's metadata from the part of a step that DCP's coordinator saved, each read item from the part of
 the rank that wrote it (docs/distributed.md, "DCP backend")."""
 
 from __future__ import annotations
@@ -7,6 +7,7 @@ import io
 import logging
 import os
 import uuid
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -23,7 +24,7 @@ from torch.futures import Future
 from tierckpt.datapath.manifests import load_manifest, load_tree
 from tierckpt.datapath.restore import read_checkpoint
 from tierckpt.dcp._copy import copy_tensor
-from tierckpt.dcp._ids import step_of, valid_id
+from tierckpt.dcp._ids import step_of, tier_dirs, valid_id
 from tierckpt.dcp._layout import CHUNKS, RESERVED, lookup
 from tierckpt.dcp._record import RECORD_FORMAT, Location, decode_metadata
 from tierckpt.dcp._source import HierarchyLike, Source
@@ -44,7 +45,8 @@ log = logging.getLogger(__name__)
 class HierarchyReader(StorageReader):
     """A DCP storage reader of step ``step`` (default: the newest) of a :class:`~tierckpt.Hierarchy`.
 
-    ``read_metadata`` reads rank 0's manifest only (the metadata is in its tree). ``read_data`` reads,
+    ``read_metadata`` reads manifests only: rank 0's, and, where DCP's coordinator was another rank, that
+    rank's (the metadata is in its tree). ``read_data`` reads,
     for each saved rank holding an item this rank asks for, that rank's part of the step, whole and
     verified, from the fastest tier holding it (a damaged copy: the next tier's, with a warning), and
     copies the requested region of each item into DCP's target. Resharding is DCP's: any world size
@@ -81,9 +83,10 @@ class HierarchyReader(StorageReader):
         self.reset()
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
-        """Start a new load (of step ``checkpoint_id`` when given)."""
+        """Start a new load; ``checkpoint_id``, when given, chooses the step as for ``HierarchyWriter.reset``
+        (the directory of one of the hierarchy's file tiers: the step given so far, None: the newest)."""
         if checkpoint_id is not None:
-            self.step = step_of(checkpoint_id)
+            self.step = step_of(checkpoint_id, tier_dirs(self.h), self.step)
         self.load_id = uuid.uuid4().hex
         self._read: int | None = None  # the step read_metadata read
         self._locations: dict[MetadataIndex, Location] = {}
@@ -96,28 +99,30 @@ class HierarchyReader(StorageReader):
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
-        """Whether ``checkpoint_id`` names a step (an int, or a str of decimal digits)."""
+        """Whether ``checkpoint_id`` has the form of one: a step (an int, or a str of decimal digits) or a
+        local path (``reset`` checks that the path is one of the hierarchy's); False for a URL."""
         return valid_id(checkpoint_id)
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        """DCP's metadata of the step, from rank 0's manifest on the fastest tier that holds a good one.
+        """DCP's metadata of the step: the job's record (in the part of the rank that was DCP's
+        coordinator; rank 0's part says which), or, with ``rank=`` (DCP's fallback where there is no job
+        record), the record this rank's part holds of its own (a step each rank saved alone: ``no_dist``
+        or ``use_collectives=False``). Manifests only, from the fastest tier holding a good copy.
 
         Raises:
             CheckpointNotFoundError: no tier holds rank 0's part of the step (or, without a step, any).
             CorruptCheckpointError: the record is damaged on every tier holding it, naming the field.
-            TierckptError: the step was not written through DCP.
+            TierckptError: the step was not written through DCP, or has no record of the kind asked for.
         """
-        if kwargs.get("rank") is not None:
-            raise TierckptError("a tierckpt DCP checkpoint has one metadata record (rank 0's), none per rank")
         step = self.step if self.step is not None else self._newest()
-        md = self._record(step)
+        md = self._record(step, own=kwargs.get("rank") is not None)
         md.storage_meta = md.storage_meta or StorageMeta()
         md.storage_meta.load_id = self.load_id
         self._read = step
         return md
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
-        """Keep the items' locations."""
+        """Keep the items' locations (any rank may be DCP's coordinator)."""
         locs = metadata.storage_data
         if self._read is None or not isinstance(locs, dict) or not all(isinstance(v, Location) for v in locs.values()):
             raise TierckptError("HierarchyReader: the metadata is not one its read_metadata() returned")
@@ -208,8 +213,10 @@ class HierarchyReader(StorageReader):
             "the tiers of the node that saved it"
         )
 
-    def _record(self, step: int) -> Metadata:
-        def read(tier: Tier, key: CheckpointKey) -> Metadata:
+    def _record(self, step: int, *, own: bool) -> Metadata:
+        want = "rank" if own else "job"  # own: the record of this rank's part, whichever it is
+
+        def read(tier: Tier, key: CheckpointKey) -> Metadata | _Elsewhere:
             m = load_manifest(tier, key, allow_pickle=False)
             tree, ref = load_tree(tier, key, m, allow_pickle=False)
             if not isinstance(tree, dict) or RESERVED not in tree:
@@ -217,14 +224,44 @@ class HierarchyReader(StorageReader):
             entry = tree[RESERVED]
             if isinstance(entry, dict):  # items kept in the entry are read with the part, not as the record
                 entry = {k: v for k, v in entry.items() if k != CHUNKS}
-            rec = _reserved({RESERVED: resolve_tree(entry, ref, _no_tensor, len(m.tensors))}, 0, tier.name, step)
-            world = rec.get("world_size")
+            rec = _reserved({RESERVED: resolve_tree(entry, ref, _no_tensor, len(m.tensors))}, key.rank, tier.name, step)
+            world, scope = rec.get("world_size"), rec.get("scope", "job")
+            if rec.get("metadata") is None or (scope != want and not own):  # own: a job record holds its items too
+                return _Elsewhere(rec.get("record_rank"), world, scope if rec.get("metadata") is not None else None)
             if type(world) is not int or world < 1:
                 raise CorruptCheckpointError(f"DCP record: world_size: got {world!r}", tier=tier.name, step=step)
             return decode_metadata(rec.get("metadata"), world, tier=tier.name, step=step)
 
-        md: Metadata = self._first_good(0, step, read)
-        return md
+        got: Metadata | _Elsewhere = self._first_good(self.h.rank if own else 0, step, read)
+        if isinstance(got, Metadata):
+            return got
+        if own:
+            raise TierckptError(
+                f"step {step}: rank {self.h.rank}'s part holds no DCP metadata of its own (the ranks saved it "
+                "together: its metadata is the job's, which read_metadata() without rank= reads)"
+            )
+        if got.scope == "rank":
+            raise TierckptError(
+                f"step {step} was saved by each rank alone (no_dist=True or use_collectives=False): it has no "
+                "job-wide DCP metadata; each rank loads its own part's (DCP's fallback, read_metadata(rank=...))"
+            )
+        return self._record_elsewhere(step, got, read)
+
+    def _record_elsewhere(self, step: int, got: _Elsewhere, read: Any) -> Metadata:
+        """The job's record from the part rank 0's names (or, where it names none, the first part holding
+        one: a save whose plans came cached from an earlier one)."""
+        world = got.world_size if type(got.world_size) is int else 1
+        ranks = [got.record_rank] if type(got.record_rank) is int else list(range(1, world))
+        for r in ranks:
+            try:
+                md = self._first_good(r, step, read)
+            except CheckpointNotFoundError:
+                if len(ranks) == 1:
+                    raise
+                continue
+            if isinstance(md, Metadata):
+                return md
+        raise CorruptCheckpointError(f"step {step}: no rank's part holds DCP's metadata record", step=step)
 
     def _read_part(self, rank: int) -> tuple[Any, str]:
         assert self._read is not None  # read_data checked
@@ -250,6 +287,17 @@ class HierarchyReader(StorageReader):
             raise ValueError(f"DCP item {req.storage_index}: target size {target.size()}, stored region {t.size()}")
         copy_tensor(target, t)
         planner.commit_tensor(req, target)
+
+
+@dataclass(frozen=True)
+class _Elsewhere:
+    """A part with no record of the kind asked for: where rank 0's part says the job's record is (DCP's
+    coordinator's hierarchy rank; None: not said), the saving world size, and the scope of the record it
+    holds (None: none)."""
+
+    record_rank: Any
+    world_size: Any
+    scope: Any
 
 
 def lookup_value(state: Any, loc: Location, tier: str, step: int) -> Any:
