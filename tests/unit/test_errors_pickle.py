@@ -14,6 +14,7 @@ import pytest
 import tierckpt
 from tierckpt import errors
 from tierckpt.datapath.manifests import UnnamedCopyError
+from tierckpt.dcp import StepExistsError
 from tierckpt.interop.output import OutputExistsError
 from tierckpt.tiers._s3client import S3Error, S3FullError
 
@@ -35,6 +36,7 @@ EXAMPLES: list[errors.TierckptError] = [
     errors.CoordinationError("rank 0 published no outcome", (0, 2), undecided=True),
     UnnamedCopyError("pfs", 3, 1, 2),
     OutputExistsError("export: /out is not empty (force=True replaces it)"),
+    StepExistsError("step 3 is already committed and overwrite=False: nothing was written"),
     S3Error(
         "S3 UploadPart of s3://b/k at http://h failed after 3 tries: SlowDown (HTTP 503)", "UploadPart", 503, "SlowDown"
     ),
