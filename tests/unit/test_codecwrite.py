@@ -11,6 +11,7 @@ import os
 import random
 import threading
 import time
+import types
 import weakref
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -94,8 +95,9 @@ class Recorder(TierWriter):
 class _Tier:
     """What the codec writer reads of its tier: a name and a budget."""
 
-    def __init__(self, budget: Budget | None = None) -> None:
+    def __init__(self, budget: Budget | None = None, memory_align: int = ALIGN) -> None:
         self.name, self.budget = "t", budget
+        self.geometry = types.SimpleNamespace(memory_alignment_bytes=memory_align)
 
 
 def _manifest(tensors: Sequence[tuple[str, str, int]], blob_sizes: Sequence[int] | None = None) -> Manifest:
@@ -235,6 +237,59 @@ def test_whole_frames_raw_are_released_only_once_copied_out() -> None:
     w.commit(encode_manifest(m))
     assert inner.manifest == encode_manifest(m)  # nothing gained: the plain manifest
     assert bytes(inner.data[0]) == bytes(blob.numpy())
+
+
+class AddrRecorder(Recorder):
+    """A :class:`Recorder` that also keeps the memory each write came from."""
+
+    def __init__(self, sizes: Sequence[int], **kw: Any) -> None:
+        super().__init__(sizes, **kw)
+        self.addrs: list[tuple[int, int, int]] = []  # (blob, offset, address)
+
+    def write(self, blob: int, offset: int, addr: int, nbytes: int) -> Future[int]:
+        self.addrs.append((blob, offset, addr))
+        return super().write(blob, offset, addr, nbytes)
+
+
+@pytest.mark.parametrize("aligned", [True, False])
+def test_raw_frames_are_written_from_the_callers_memory(aligned: bool) -> None:
+    """A blob whose frames stay raw goes to the tier from the caller's memory in the tier's chunks (the
+    last one short), where that memory is aligned as the tier needs; each write's memory is given back
+    only once the tier's write completed: the caller then scribbles over it, and the copy is intact.
+    A blob that compresses still goes through output chunks."""
+    m = _manifest([("s['n']", "uint8", 9 * F + ALIGN), ("s['w']", "bfloat16", 3 * F)])
+    blobs = [_noise(m.blobs[0].size, 5), _floats(m.blobs[1].size, 6)]
+    want = [bytes(t.numpy()) for t in blobs]
+    inner = AddrRecorder([b.size for b in m.blobs], delay=0.005)
+    w = _writer(inner, m, tier=_Tier(memory_align=ALIGN if aligned else 1 << 40))
+    futs = [w.write(b, 0, t.data_ptr(), t.numel()) for b, t in enumerate(blobs)]
+    for f in futs:
+        f.result(timeout=60)
+    for t in blobs:
+        t.fill_(0xAA)  # the caller's memory is its own again
+    w.commit(encode_manifest(m))
+    assert inner.manifest is not None
+    assert _decoded(inner.manifest, inner.data) == want
+    direct = [(b, o) for b, o, a in inner.addrs if a == blobs[b].data_ptr() + o]
+    assert direct == ([(0, 0), (0, CHUNK), (0, 2 * CHUNK)] if aligned else [])
+    assert [n for b, _, n in inner.writes if b == 0] == [CHUNK, CHUNK, F + ALIGN]
+
+
+def test_a_run_held_back_is_copied_out_when_the_caller_waits_for_it() -> None:
+    """A caller that writes less than a chunk and waits for it before writing more (its memory reused)
+    gets its future: the emitter copies the run out instead of waiting for frames that cannot come."""
+    m = _manifest([("s['n']", "uint8", 6 * F)])
+    blob = _noise(m.blobs[0].size, 7)
+    inner = AddrRecorder([blob.numel()])
+    w = _writer(inner, m)
+    slot = aligned_empty(F, ALIGN, pin=False)
+    for o in range(0, blob.numel(), F):
+        slot.copy_(blob[o : o + F])
+        w.write(0, o, slot.data_ptr(), F).result(timeout=60)
+        slot.fill_(0)
+    w.commit(encode_manifest(m))
+    assert bytes(inner.data[0]) == bytes(blob.numpy())
+    assert not [a for _, _, a in inner.addrs if a == slot.data_ptr()], "no chunk was whole in one write"
 
 
 def test_writes_twice_outside_or_missing_are_refused() -> None:
