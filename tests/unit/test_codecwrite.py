@@ -275,6 +275,28 @@ def test_raw_frames_are_written_from_the_callers_memory(aligned: bool) -> None:
     assert [n for b, _, n in inner.writes if b == 0] == [CHUNK, CHUNK, F + ALIGN]
 
 
+def test_a_run_waits_for_frames_whose_bytes_are_in(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Frames whose bytes all arrived but that take longer to encode than the emitter waits with a run
+    (a loaded machine) do not break the run: only a frame whose bytes are still to come does."""
+    from tierckpt.datapath import codecwrite
+
+    real = codecwrite.encode_frame
+
+    def slow(*args: Any) -> Encoded:
+        time.sleep(5 * codecwrite.SETTLE_SECS)
+        return real(*args)
+
+    monkeypatch.setattr(codecwrite, "encode_frame", slow)
+    m = _manifest([("s['n']", "uint8", 8 * F)])
+    blob = _noise(m.blobs[0].size, 8)
+    inner = AddrRecorder([blob.numel()])
+    w = _writer(inner, m)
+    w.write(0, 0, blob.data_ptr(), blob.numel()).result(timeout=60)
+    w.commit(encode_manifest(m))
+    assert bytes(inner.data[0]) == bytes(blob.numpy())
+    assert [a - blob.data_ptr() for _, _, a in inner.addrs] == [0, CHUNK]
+
+
 def test_a_run_held_back_is_copied_out_when_the_caller_waits_for_it() -> None:
     """A caller that writes less than a chunk and waits for it before writing more (its memory reused)
     gets its future: the emitter copies the run out instead of waiting for frames that cannot come."""

@@ -362,8 +362,9 @@ class CodecWriter(TierWriter):
 
     def _next_encoded(self, t: int) -> Frame:
         """Frame ``t`` once it is encoded. Where the emitter holds raw frames' memory for a run
-        (:mod:`~tierckpt.datapath.codecemit`) and frame ``t`` takes longer than :data:`SETTLE_SECS`,
-        the run is copied out first: its caller may be waiting for that memory to write frame ``t``."""
+        (:mod:`~tierckpt.datapath.codecemit`) and some of frame ``t``'s bytes are still to come after
+        :data:`SETTLE_SECS`, the run is copied out first: its caller may be waiting for that memory
+        before it writes them."""
         while True:
             with self._cv:
                 deadline = None
@@ -374,7 +375,7 @@ class CodecWriter(TierWriter):
                     if fr is not None and fr.state == ENCODED:
                         fr.state = EMITTING  # its source is the emitter's to give back now
                         return fr
-                    if not self._out.holding():
+                    if not self._out.holding() or self._state[t] != MISSING:  # its bytes are in: it comes
                         self._cv.wait()
                         continue
                     now = time.perf_counter()
