@@ -684,6 +684,38 @@ def test_set_compression_defaults_and_keeps_one_adaptive_per_tier(tmp_path: Path
         local.close()
 
 
+def test_auto_writes_a_copy_plain_once_it_measured_that_nothing_pays(tmp_path: Path) -> None:
+    """A copy to an ``auto`` tier whose measurements say no kind of it pays gets the tier's own writer,
+    as under ``none`` (one in RECHECK_COPIES still goes through the codec writer to measure again)."""
+    from tierckpt.datapath.storing import storing_writer
+    from tierckpt.policies.compression import RECHECK_COPIES
+
+    tier = LocalTier("ssd", tmp_path)
+    m = _manifest([("s['n']", "uint8", 4 * F), ("s['w']", "bfloat16", 4 * F)])
+    blobs = [_noise(m.blobs[0].size, 9), _floats(m.blobs[1].size, 9)]
+    try:
+        set_compression(tier, CompressConfig("auto"))
+        adaptive = tier.adaptive
+        assert adaptive is not None
+
+        def writer(step: int) -> TierWriter:
+            inner = tier.reserve(CheckpointKey(step), m.blobs)
+            return storing_writer(tier, inner, m.blobs, chunk_bytes=CHUNK, background=True, codec=m)
+
+        first = writer(1)
+        assert isinstance(first, CodecWriter)  # nothing measured yet
+        _write_all(first, blobs, CHUNK, "forward")
+        first.commit(encode_manifest(m))
+        adaptive.observe_tier(100 << 30, 1.0)  # a tier faster than any compressor
+        adaptive.observe_cpu(0.0, 1 << 30)
+        plain = [writer(2 + i) for i in range(RECHECK_COPIES)]
+        assert [isinstance(w, CodecWriter) for w in plain] == [False] * (RECHECK_COPIES - 1) + [True]
+        for w in plain:
+            w.abort()
+    finally:
+        tier.close()
+
+
 class _Cuda(HostTier):
     """A tier whose bytes live in device memory, as far as its capabilities say."""
 

@@ -18,6 +18,7 @@ from tierckpt.policies.compression import (
     PROBE_EVERY,
     PROBE_FIRST,
     RAW,
+    RECHECK_COPIES,
     SAMPLE_BYTES,
     Adaptive,
     CompressConfig,
@@ -173,6 +174,24 @@ def test_each_plane_costs_its_own_time(timed: bool) -> None:
     else:  # the time shared out evenly: 6 GB/s a thread after the probes, which would pay (until the
         # compressed frames' own times, charged to the one plane, tell otherwise)
         assert FramePlan(4, 0b1000) in steady(plans)
+
+
+def test_a_copy_is_written_plain_once_no_kind_of_it_pays_and_rechecked_now_and_then() -> None:
+    fast = Adaptive(CompressConfig("auto"), threads=2)
+    assert fast.encode_copy([FP32])  # nothing known: the codec writer measures
+    slow_tier(fast, 2000 * MB)
+    assert fast.encode_copy([FP32])  # the tier known, the kind not yet
+    run(fast, FP32, Compressor(FP32_PLANES), 10)
+    decisions = [fast.encode_copy([FP32]) for _ in range(2 * RECHECK_COPIES)]
+    assert decisions == ([False] * (RECHECK_COPIES - 1) + [True]) * 2  # plain, but one in RECHECK_COPIES
+    assert fast.encode_copy([FP32, Kind("int64", 8)])  # a kind never measured: through the codec writer
+    assert fast.encode_copy([FP32], budget=50 * MB)  # a writer paced at 50 MB/s: compressing pays there
+    slow = Adaptive(CompressConfig("auto"), threads=2)
+    slow_tier(slow, 50 * MB)
+    run(slow, FP32, Compressor(FP32_PLANES), 10)
+    assert all(slow.encode_copy([FP32]) for _ in range(2 * RECHECK_COPIES))
+    assert Adaptive(CompressConfig("zstd"), threads=2).encode_copy([FP32])
+    assert not Adaptive(CompressConfig("none"), threads=2).encode_copy([FP32])
 
 
 def test_more_threads_make_a_compressor_bound_tier_worth_compressing() -> None:

@@ -53,7 +53,7 @@ from __future__ import annotations
 import math
 import re
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -74,6 +74,7 @@ __all__ = [
     "PROBE_EVERY",
     "PROBE_FIRST",
     "RAW",
+    "RECHECK_COPIES",
     "SAMPLE_BYTES",
     "Adaptive",
     "CompressConfig",
@@ -102,6 +103,9 @@ SAMPLE_BYTES = 256 << 10
 PROBE_EVERY = 32
 #: weight of the newest measurement in the running averages
 EWMA_WEIGHT = 0.25
+#: under ``auto``, once the measurements say no kind of a copy pays, the copies after it are written plain
+#: (as ``none`` writes them), but one in this many goes through the codec writer to measure again
+RECHECK_COPIES = 8
 _MAX_THREADS = 256
 
 
@@ -434,6 +438,7 @@ class Adaptive:
         self._kinds: dict[Kind, _KindStats] = {}
         self._tier_bytes: float | None = None  # running averages of what observe_tier reports
         self._tier_secs: float | None = None
+        self._plain_copies = 0  # copies written plain in a row, their kinds measured as not paying
 
     @property
     def level(self) -> int:
@@ -465,6 +470,35 @@ class Adaptive:
                     return FramePlan(0, 0, True, SAMPLE_BYTES, full)
                 return full
             return FramePlan(kind.width, mask) if mask else RAW
+
+    def encode_copy(self, kinds: Iterable[Kind], budget: float | None = None) -> bool:
+        """Whether a copy whose frames are of ``kinds``, by a writer paced at ``budget``, goes through the
+        codec writer: always under ``zstd``; under ``auto`` unless every kind was measured, the tier's
+        throughput (and, where counted, its CPU cost) is known, and no kind pays, in which case the
+        copy is written plain, as ``none`` writes it (no frame is planned or sampled), except one in
+        :data:`RECHECK_COPIES`, which measures again. Never under ``none``.
+
+        Raises:
+            ValueError: a budget that is not a positive number.
+        """
+        _check_budget(budget)
+        if self.cfg.mode != "auto":
+            return self.cfg.mode == "zstd"
+        with self._lock:
+            bw = self._bandwidth(budget)
+            known = bw is not None and (self.cpus is None or self._io_cpu() is not None)
+            stats = [self._kinds.get(k) for k in set(kinds)]
+            if not known or any(st is None or not st.measured() for st in stats):
+                self._plain_copies = 0
+                return True
+            if any(self._decide(st, bw) for st in stats if st is not None):
+                self._plain_copies = 0
+                return True
+            self._plain_copies += 1
+            if self._plain_copies >= RECHECK_COPIES:
+                self._plain_copies = 0
+                return True
+            return False
 
     def _decide(self, st: _KindStats, bw: float | None) -> int:
         """The planes to compress in a frame that is no probe (0: store it raw)."""
