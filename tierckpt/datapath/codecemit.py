@@ -85,12 +85,16 @@ class Stopped(Exception):
 class _Busy:
     """The tier's busy time: while at least one write is in flight (from its call, or where a budget
     paces the writer from when the budget let it go); each completed write reports its bytes and the
-    busy time since the report before."""
+    busy time since the report before. The copy's first completed write reports nothing: it pays for
+    what starts a copy (a new file's first blocks, an object's multipart upload), several times a
+    later write's time on a fast disk, and the running average would take many writes to forget it
+    (``auto`` compressed the frames it decided meanwhile, on a tier faster than its compressor)."""
 
     def __init__(self, adaptive: Adaptive) -> None:
         self._adaptive, self._meter = adaptive, meter_for(adaptive)
         self._lock = threading.Lock()
         self._inflight, self._mark, self._busy = 0, 0.0, 0.0
+        self._first = True
 
     def _tick(self, now: float) -> None:
         if self._inflight:
@@ -108,8 +112,9 @@ class _Busy:
             self._tick(perf_counter())
             self._inflight -= 1
             busy, self._busy = self._busy, 0.0
+            first, self._first = self._first and nbytes > 0, self._first and nbytes <= 0
         self._meter.end(nbytes)
-        if nbytes > 0:
+        if nbytes > 0 and not first:
             self._adaptive.observe_tier(nbytes, busy)
 
 
