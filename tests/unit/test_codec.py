@@ -144,6 +144,8 @@ def test_untried_planes_stay_raw_and_none_tried_is_raw() -> None:
     e = encode_frame(memoryview(raw), 2, 0b01, 1)
     assert e.width == 0, "the low byte of random bf16 does not compress, the high one was not tried"
     assert e.plane_stored[1] == e.plane_raw[1]
+    assert len(e.plane_seconds) == 2 and e.plane_seconds[1] == 0.0 and e.plane_seconds[0] > 0
+    assert sum(e.plane_seconds) <= e.seconds
     assert encode_frame(memoryview(raw), 2, 0, 1).width == 0
     assert encode_frame(memoryview(raw), 2, 0b10, 1).planes == 0b10
 

@@ -11,6 +11,7 @@ import os
 import random
 import threading
 import time
+import types
 import weakref
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -94,8 +95,9 @@ class Recorder(TierWriter):
 class _Tier:
     """What the codec writer reads of its tier: a name and a budget."""
 
-    def __init__(self, budget: Budget | None = None) -> None:
+    def __init__(self, budget: Budget | None = None, memory_align: int = ALIGN) -> None:
         self.name, self.budget = "t", budget
+        self.geometry = types.SimpleNamespace(memory_alignment_bytes=memory_align)
 
 
 def _manifest(tensors: Sequence[tuple[str, str, int]], blob_sizes: Sequence[int] | None = None) -> Manifest:
@@ -235,6 +237,81 @@ def test_whole_frames_raw_are_released_only_once_copied_out() -> None:
     w.commit(encode_manifest(m))
     assert inner.manifest == encode_manifest(m)  # nothing gained: the plain manifest
     assert bytes(inner.data[0]) == bytes(blob.numpy())
+
+
+class AddrRecorder(Recorder):
+    """A :class:`Recorder` that also keeps the memory each write came from."""
+
+    def __init__(self, sizes: Sequence[int], **kw: Any) -> None:
+        super().__init__(sizes, **kw)
+        self.addrs: list[tuple[int, int, int]] = []  # (blob, offset, address)
+
+    def write(self, blob: int, offset: int, addr: int, nbytes: int) -> Future[int]:
+        self.addrs.append((blob, offset, addr))
+        return super().write(blob, offset, addr, nbytes)
+
+
+@pytest.mark.parametrize("aligned", [True, False])
+def test_raw_frames_are_written_from_the_callers_memory(aligned: bool) -> None:
+    """A blob whose frames stay raw goes to the tier from the caller's memory in the tier's chunks (the
+    last one short), where that memory is aligned as the tier needs; each write's memory is given back
+    only once the tier's write completed: the caller then scribbles over it, and the copy is intact.
+    A blob that compresses still goes through output chunks."""
+    m = _manifest([("s['n']", "uint8", 9 * F + ALIGN), ("s['w']", "bfloat16", 3 * F)])
+    blobs = [_noise(m.blobs[0].size, 5), _floats(m.blobs[1].size, 6)]
+    want = [bytes(t.numpy()) for t in blobs]
+    inner = AddrRecorder([b.size for b in m.blobs], delay=0.005)
+    w = _writer(inner, m, tier=_Tier(memory_align=ALIGN if aligned else 1 << 40))
+    futs = [w.write(b, 0, t.data_ptr(), t.numel()) for b, t in enumerate(blobs)]
+    for f in futs:
+        f.result(timeout=60)
+    for t in blobs:
+        t.fill_(0xAA)  # the caller's memory is its own again
+    w.commit(encode_manifest(m))
+    assert inner.manifest is not None
+    assert _decoded(inner.manifest, inner.data) == want
+    direct = [(b, o) for b, o, a in inner.addrs if a == blobs[b].data_ptr() + o]
+    assert direct == ([(0, 0), (0, CHUNK), (0, 2 * CHUNK)] if aligned else [])
+    assert [n for b, _, n in inner.writes if b == 0] == [CHUNK, CHUNK, F + ALIGN]
+
+
+def test_a_run_waits_for_frames_whose_bytes_are_in(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Frames whose bytes all arrived but that take longer to encode than the emitter waits with a run
+    (a loaded machine) do not break the run: only a frame whose bytes are still to come does."""
+    from tierckpt.datapath import codecwrite
+
+    real = codecwrite.encode_frame
+
+    def slow(*args: Any) -> Encoded:
+        time.sleep(5 * codecwrite.SETTLE_SECS)
+        return real(*args)
+
+    monkeypatch.setattr(codecwrite, "encode_frame", slow)
+    m = _manifest([("s['n']", "uint8", 8 * F)])
+    blob = _noise(m.blobs[0].size, 8)
+    inner = AddrRecorder([blob.numel()])
+    w = _writer(inner, m)
+    w.write(0, 0, blob.data_ptr(), blob.numel()).result(timeout=60)
+    w.commit(encode_manifest(m))
+    assert bytes(inner.data[0]) == bytes(blob.numpy())
+    assert [a - blob.data_ptr() for _, _, a in inner.addrs] == [0, CHUNK]
+
+
+def test_a_run_held_back_is_copied_out_when_the_caller_waits_for_it() -> None:
+    """A caller that writes less than a chunk and waits for it before writing more (its memory reused)
+    gets its future: the emitter copies the run out instead of waiting for frames that cannot come."""
+    m = _manifest([("s['n']", "uint8", 6 * F)])
+    blob = _noise(m.blobs[0].size, 7)
+    inner = AddrRecorder([blob.numel()])
+    w = _writer(inner, m)
+    slot = aligned_empty(F, ALIGN, pin=False)
+    for o in range(0, blob.numel(), F):
+        slot.copy_(blob[o : o + F])
+        w.write(0, o, slot.data_ptr(), F).result(timeout=60)
+        slot.fill_(0)
+    w.commit(encode_manifest(m))
+    assert bytes(inner.data[0]) == bytes(blob.numpy())
+    assert not [a for _, _, a in inner.addrs if a == slot.data_ptr()], "no chunk was whole in one write"
 
 
 def test_writes_twice_outside_or_missing_are_refused() -> None:
@@ -494,7 +571,9 @@ def test_plans_are_followed_per_kind_and_the_tier_is_measured() -> None:
     assert [index.frame(1, k).width for k in range(4)] == [0] * 4
     assert [k.name for k, _ in fake.frames] == ["bfloat16/weight"] * 4
     assert set(fake.budgets) == {50e6}  # the budget paces background work: the throughput is at most it
-    assert sum(n for n, _ in fake.tier) == sum(inner.ends) and all(s > 0 for _, s in fake.tier)
+    # every write but the copy's first completed one (which pays for starting the copy) is reported
+    assert sum(inner.ends) - sum(n for n, _ in fake.tier) in {n for _, _, n in inner.writes}
+    assert len(fake.tier) == len(inner.writes) - 1 and all(s > 0 for _, s in fake.tier)
 
 
 def test_a_foreground_copy_is_not_bounded_by_the_budget() -> None:
@@ -586,7 +665,7 @@ def test_a_paced_write_is_timed_from_when_the_budget_let_it_go(monkeypatch: pyte
     w = _writer(throttled_writer(tier, inner, background=True), m, adaptive=fake, tier=tier)  # type: ignore[arg-type]
     _write_all(w, [blob], F, "forward")
     w.commit(encode_manifest(m))
-    assert budget.stats().waited_secs > 0 and sum(n for n, _ in fake.tier) == blob.numel()
+    assert budget.stats().waited_secs > 0 and sum(n for n, _ in fake.tier) == blob.numel() - CHUNK  # not the first
     assert sum(s for _, s in fake.tier) == 0.0
 
 
@@ -605,6 +684,38 @@ def test_set_compression_defaults_and_keeps_one_adaptive_per_tier(tmp_path: Path
         assert local.adaptive is not adaptive and local.adaptive is not None and local.adaptive.cfg.mode == "auto"
     finally:
         local.close()
+
+
+def test_auto_writes_a_copy_plain_once_it_measured_that_nothing_pays(tmp_path: Path) -> None:
+    """A copy to an ``auto`` tier whose measurements say no kind of it pays gets the tier's own writer,
+    as under ``none`` (one in RECHECK_COPIES still goes through the codec writer to measure again)."""
+    from tierckpt.datapath.storing import storing_writer
+    from tierckpt.policies.compression import RECHECK_COPIES
+
+    tier = LocalTier("ssd", tmp_path)
+    m = _manifest([("s['n']", "uint8", 4 * F), ("s['w']", "bfloat16", 4 * F)])
+    blobs = [_noise(m.blobs[0].size, 9), _floats(m.blobs[1].size, 9)]
+    try:
+        set_compression(tier, CompressConfig("auto"))
+        adaptive = tier.adaptive
+        assert adaptive is not None
+
+        def writer(step: int) -> TierWriter:
+            inner = tier.reserve(CheckpointKey(step), m.blobs)
+            return storing_writer(tier, inner, m.blobs, chunk_bytes=CHUNK, background=True, codec=m)
+
+        first = writer(1)
+        assert isinstance(first, CodecWriter)  # nothing measured yet
+        _write_all(first, blobs, CHUNK, "forward")
+        first.commit(encode_manifest(m))
+        adaptive.observe_tier(100 << 30, 1.0)  # a tier faster than any compressor
+        adaptive.observe_cpu(0.0, 1 << 30)
+        plain = [writer(2 + i) for i in range(RECHECK_COPIES)]
+        assert [isinstance(w, CodecWriter) for w in plain] == [False] * (RECHECK_COPIES - 1) + [True]
+        for w in plain:
+            w.abort()
+    finally:
+        tier.close()
 
 
 class _Cuda(HostTier):

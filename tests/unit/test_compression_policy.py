@@ -18,6 +18,7 @@ from tierckpt.policies.compression import (
     PROBE_EVERY,
     PROBE_FIRST,
     RAW,
+    RECHECK_COPIES,
     SAMPLE_BYTES,
     Adaptive,
     CompressConfig,
@@ -46,6 +47,7 @@ class Encoded:
     plane_raw: tuple[int, ...]
     plane_stored: tuple[int, ...]
     streams: list[bytes] = field(default_factory=list)
+    plane_seconds: tuple[float, ...] = ()
 
 
 @dataclass
@@ -134,6 +136,62 @@ def test_a_tier_faster_than_the_compressor_gets_raw_frames() -> None:
     plans = run(a, FP32, Compressor(FP32_PLANES), 100)
     assert steady(plans) == {RAW}
     assert a.snapshot()["kinds"]["float32/weight"]["planes"] == 0
+
+
+@dataclass
+class PlaneTimed(Compressor):
+    """A compressor that tells each plane's time apart: plane ``p`` takes ``plane_secs[p]`` seconds a
+    raw byte of it, and the split into planes ``split`` seconds a raw byte of the frame."""
+
+    plane_secs: tuple[float, ...] = ()
+    split: float = 0.0
+    timed: bool = True
+
+    def encode(self, plan: FramePlan, raw_len: int = F) -> Encoded:
+        e = super().encode(plan, raw_len)
+        if plan.width == 0:
+            return e
+        per = [c * r if plan.try_planes >> p & 1 else 0.0 for p, (c, r) in enumerate(zip(self.plane_secs, e.plane_raw))]
+        e.seconds = self.split * raw_len + sum(per)
+        e.plane_seconds = tuple(per) if self.timed else ()
+        return e
+
+
+@pytest.mark.parametrize("timed", [True, False])
+def test_each_plane_costs_its_own_time(timed: bool) -> None:
+    # the exponent plane takes 20x a mantissa plane's time: compressing it alone is about as slow as
+    # compressing every plane, not four times faster (what sharing the time out evenly would assume)
+    comp = PlaneTimed((1.0, 1.0, 1.0, 0.25), plane_secs=(0.1e-9, 0.1e-9, 0.1e-9, 2e-9), split=0.3e-9 / 4, timed=timed)
+    a = Adaptive(CompressConfig("auto"), threads=2)
+    slow_tier(a, 5000 * MB)
+    plans = run(a, FP32, comp, 100)
+    if timed:
+        speed = a.snapshot()["kinds"]["float32/weight"][
+            "speed_bytes_per_sec"
+        ]  # 1 / (split + a quarter of the exponent plane's cost): 1.7 GB/s a thread, 3.5 on two < 5 GB/s
+        assert speed == pytest.approx(1 / (0.3e-9 / 4 + 2e-9 / 4), rel=1e-3)
+        assert steady(plans) == {RAW}
+    else:  # the time shared out evenly: 6 GB/s a thread after the probes, which would pay (until the
+        # compressed frames' own times, charged to the one plane, tell otherwise)
+        assert FramePlan(4, 0b1000) in steady(plans)
+
+
+def test_a_copy_is_written_plain_once_no_kind_of_it_pays_and_rechecked_now_and_then() -> None:
+    fast = Adaptive(CompressConfig("auto"), threads=2)
+    assert fast.encode_copy([FP32])  # nothing known: the codec writer measures
+    slow_tier(fast, 2000 * MB)
+    assert fast.encode_copy([FP32])  # the tier known, the kind not yet
+    run(fast, FP32, Compressor(FP32_PLANES), 10)
+    decisions = [fast.encode_copy([FP32]) for _ in range(2 * RECHECK_COPIES)]
+    assert decisions == ([False] * (RECHECK_COPIES - 1) + [True]) * 2  # plain, but one in RECHECK_COPIES
+    assert fast.encode_copy([FP32, Kind("int64", 8)])  # a kind never measured: through the codec writer
+    assert fast.encode_copy([FP32], budget=50 * MB)  # a writer paced at 50 MB/s: compressing pays there
+    slow = Adaptive(CompressConfig("auto"), threads=2)
+    slow_tier(slow, 50 * MB)
+    run(slow, FP32, Compressor(FP32_PLANES), 10)
+    assert all(slow.encode_copy([FP32]) for _ in range(2 * RECHECK_COPIES))
+    assert Adaptive(CompressConfig("zstd"), threads=2).encode_copy([FP32])
+    assert not Adaptive(CompressConfig("none"), threads=2).encode_copy([FP32])
 
 
 def test_more_threads_make_a_compressor_bound_tier_worth_compressing() -> None:

@@ -3,9 +3,19 @@ laid out back to back, in frame order, into aligned output chunks of the tier's 
 the tier's writer front to back, one blob after another; the copy's frame index built as they go; the
 tier's busy time measured for its :class:`~tierckpt.policies.compression.Adaptive`.
 
-At most ``out_slots`` output chunks are in flight to the tier: the next chunk waits for the oldest
-write. Output chunks are kept for the next writers (a few per size): fresh memory costs a page fault a
-page, as much as the copy into it.
+**Raw frames go to the tier from where they are.** A frame stored raw whose stored offset is a chunk
+boundary (every frame before it in its blob raw, or the chunk just filled) and whose memory is aligned
+for the tier (its ``memory_alignment_bytes``) starts a *run*; the raw frames after it that lie right
+after it in memory join it. Each whole chunk of a run is written to the tier straight from that memory,
+as a plain copy writes it, and the run's end at its blob's end too; a frame's memory is given back once
+every write of its bytes completed. What breaks a run (a compressed frame, a raw one elsewhere in
+memory) and what the emitter would otherwise wait with (:meth:`Emitter.settle`: the caller may be
+waiting for those frames' memory before it writes the next ones) is copied into an output chunk, as
+every frame was before. So a copy ``auto`` leaves raw is written as ``none`` writes it, without a copy.
+
+At most ``out_slots`` writes (output chunks or runs' chunks) are in flight to the tier: the next waits
+for the oldest. Output chunks are kept for the next writers (a few per size): fresh memory costs a page
+fault a page, as much as the copy into it.
 """
 
 from __future__ import annotations
@@ -58,6 +68,16 @@ def _address(stream: bytes | memoryview) -> int:
     return int(np.frombuffer(stream, np.uint8).ctypes.data)
 
 
+class _Hold:
+    """A frame's memory in a run: given back (``done``) once its last reference goes (the run's own,
+    and one per write in flight that reads it)."""
+
+    __slots__ = ("done", "refs")
+
+    def __init__(self, done: Callable[[], None]) -> None:
+        self.done, self.refs = done, 1
+
+
 class Stopped(Exception):
     """The writer stopped (an error, or abort): nothing more is handed to the tier."""
 
@@ -65,12 +85,16 @@ class Stopped(Exception):
 class _Busy:
     """The tier's busy time: while at least one write is in flight (from its call, or where a budget
     paces the writer from when the budget let it go); each completed write reports its bytes and the
-    busy time since the report before."""
+    busy time since the report before. The copy's first completed write reports nothing: it pays for
+    what starts a copy (a new file's first blocks, an object's multipart upload), several times a
+    later write's time on a fast disk, and the running average would take many writes to forget it
+    (``auto`` compressed the frames it decided meanwhile, on a tier faster than its compressor)."""
 
     def __init__(self, adaptive: Adaptive) -> None:
         self._adaptive, self._meter = adaptive, meter_for(adaptive)
         self._lock = threading.Lock()
         self._inflight, self._mark, self._busy = 0, 0.0, 0.0
+        self._first = True
 
     def _tick(self, now: float) -> None:
         if self._inflight:
@@ -88,8 +112,9 @@ class _Busy:
             self._tick(perf_counter())
             self._inflight -= 1
             busy, self._busy = self._busy, 0.0
+            first, self._first = self._first and nbytes > 0, self._first and nbytes <= 0
         self._meter.end(nbytes)
-        if nbytes > 0:
+        if nbytes > 0 and not first:
             self._adaptive.observe_tier(nbytes, busy)
 
 
@@ -109,6 +134,9 @@ class Emitter:
         stopped: whether the writer stopped: checked before each write to the tier, which then raises
             :class:`Stopped` instead.
         failed: told of a write to the tier that failed (from the thread that completed it).
+        memory_align: the alignment of memory the tier writes from as it is (its geometry's
+            ``memory_alignment_bytes``): raw frames aligned so are written from their memory; None: every
+            frame is copied into an output chunk.
     """
 
     def __init__(
@@ -125,43 +153,51 @@ class Emitter:
         out_slots: int,
         stopped: Callable[[], bool],
         failed: Callable[[BaseException], None],
+        memory_align: int | None = None,
     ) -> None:
         self._inner, self._end, self._align, self._chunk = inner, end_blob, align, chunk_bytes
+        self._memory_align = memory_align
+        self._holds_lock = threading.Lock()
+        self._run: deque[tuple[int, _Hold]] = deque()  # the run's frames not yet all written: (end address, hold)
+        self._run_addr, self._run_len, self._run_blob = 0, 0, 0  # the run's bytes not yet written
         self._last_frame = [-(-s // frame_bytes) - 1 for s in sizes]
         self._builder = IndexBuilder(sizes, frame_bytes)
         self._busy, self._paced = _Busy(adaptive), paced
         self._out_slots, self._stopped, self._failed = out_slots, stopped, failed
         self._free: list[torch.Tensor] = []  # output chunks not in use
-        self._inflight: deque[tuple[torch.Tensor, Future[int]]] = deque()
+        self._inflight: deque[tuple[torch.Tensor | None, Future[int]]] = deque()
         self._slot: torch.Tensor | None = None
         self._start, self._fill = 0, 0  # the current chunk's offset in its blob's stream, and its bytes
 
-    def emit(self, blob: int, k: int, enc: Encoded) -> None:
+    def emit(self, blob: int, k: int, enc: Encoded, done: Callable[[], None] | None = None) -> None:
         """Append frame ``k`` of ``blob`` (its frames come in order) to its blob's stream; at the blob's
         last frame, write its last chunk (zero-padded to the alignment) and tell the tier where the
-        stream ended.
+        stream ended. ``done`` is called once the emitter no longer reads the frame's streams' memory
+        (at once where they were copied; for a raw frame written from its memory, once those writes
+        completed, from the thread that completed the last; at the latest in :meth:`close`).
 
         Raises:
             Stopped: the writer stopped.
             BaseException: a write to the tier that failed (the oldest's error, once it is waited for).
         """
-        chunk = self._chunk
         if k == 0:
             self._start, self._fill = 0, 0
-        for stream in enc.streams:
-            length, pos = len(stream), 0
-            addr = _address(stream) if length else 0
-            while pos < length:
-                if self._slot is None:
-                    self._slot = self._acquire()
-                n = min(length - pos, chunk - self._fill)
-                memmove(self._slot.data_ptr() + self._fill, addr + pos, n)
-                self._fill += n
-                pos += n
-                if self._fill == chunk:
-                    self._flush(blob, chunk)
+        try:
+            if self._join_run(blob, enc, done):
+                done = None
+            else:
+                self.settle()
+                for stream in enc.streams:
+                    if len(stream):
+                        self._append(blob, _address(stream), len(stream))
+        finally:
+            if done is not None:
+                done()
         self._builder.add(blob, k, enc.width, enc.planes, enc.lengths if enc.width else ())
         if k == self._last_frame[blob]:
+            if self._run_len and self._run_len % self._align == 0:  # the blob's last write, from the run
+                self._write_run(blob, self._run_len)
+            self.settle()
             held = self._start + self._fill
             if self._fill:
                 end = round_up(self._fill, self._align)
@@ -169,6 +205,88 @@ class Emitter:
                 ptr_mv(self._slot.data_ptr() + self._fill, end - self._fill)[:] = bytes(end - self._fill)
                 self._flush(blob, end)
             self._end(blob, round_up(held, self._align))
+
+    def _append(self, blob: int, addr: int, length: int) -> None:
+        """Copy ``length`` bytes at ``addr`` into output chunks, writing each one it fills."""
+        chunk, pos = self._chunk, 0
+        while pos < length:
+            if self._slot is None:
+                self._slot = self._acquire()
+            n = min(length - pos, chunk - self._fill)
+            memmove(self._slot.data_ptr() + self._fill, addr + pos, n)
+            self._fill += n
+            pos += n
+            if self._fill == chunk:
+                self._flush(blob, chunk)
+
+    # -- runs of raw frames, written from their memory ----------------------------------------------------
+    def _join_run(self, blob: int, enc: Encoded, done: Callable[[], None] | None) -> bool:
+        """Take a raw frame into the run (or start one with it) and write the run's whole chunks; whether
+        it was taken (its ``done`` is then the run's to call)."""
+        if self._memory_align is None or done is None or enc.width or len(enc.streams) != 1:
+            return False
+        n = len(enc.streams[0])
+        addr = _address(enc.streams[0]) if n else 0
+        if not n:
+            return False
+        if self._run_len:
+            if addr != self._run_addr + self._run_len:
+                return False
+        elif self._fill or addr % self._memory_align:
+            return False
+        else:
+            self._run_addr, self._run_blob = addr, blob
+        self._run_len += n
+        self._run.append((addr + n, _Hold(done)))
+        while self._run_len >= self._chunk:
+            self._write_run(blob, self._chunk)
+        return True
+
+    def _write_run(self, blob: int, nbytes: int) -> None:
+        """Write the run's next ``nbytes`` from their memory; the frames whose bytes all went give up the
+        run's reference to their memory (the write holds one until it completes)."""
+        lo = self._run_addr
+        hi = lo + nbytes
+        holds = []  # the frames this write reads: up to the first that ends at or after its end
+        for end, h in self._run:
+            holds.append(h)
+            if end >= hi:
+                break
+        self._send(blob, lo, nbytes, None, holds)
+        self._run_addr, self._run_len = hi, self._run_len - nbytes
+        gone = []
+        while self._run and self._run[0][0] <= hi:
+            gone.append(self._run.popleft()[1])
+        self._let_go(gone)
+
+    def holding(self) -> bool:
+        """Whether a run holds frames' memory not yet written (:meth:`settle` gives it back)."""
+        return self._run_len > 0
+
+    def settle(self) -> None:
+        """Copy the run's bytes not yet written into an output chunk and give the frames' memory back
+        (once their writes in flight complete)."""
+        if not self._run_len:
+            return
+        addr, n = self._run_addr, self._run_len
+        self._run_len = 0
+        try:
+            self._append(self._run_blob, addr, n)  # less than a chunk, into an empty one: no write
+        finally:
+            gone = [h for _, h in self._run]
+            self._run.clear()
+            self._let_go(gone)
+
+    def _let_go(self, holds: Sequence[_Hold]) -> None:
+        """Drop one reference to each of ``holds``; give back the memory of those left with none."""
+        free = []
+        with self._holds_lock:
+            for h in holds:
+                h.refs -= 1
+                if h.refs == 0:
+                    free.append(h)
+        for h in free:
+            h.done()
 
     def drain(self) -> None:
         """Wait for every write in flight (raising the first error)."""
@@ -182,7 +300,12 @@ class Emitter:
             slot, f = self._inflight.popleft()
             with contextlib.suppress(BaseException):
                 f.exception()
-            self._free.append(slot)
+            if slot is not None:
+                self._free.append(slot)
+        gone = [h for _, h in self._run]  # a run the writer stopped in: its frames' memory given back
+        self._run.clear()
+        self._run_len = 0
+        self._let_go(gone)
         if self._slot is not None:
             self._free.append(self._slot)
             self._slot = None
@@ -203,34 +326,47 @@ class Emitter:
         """Write the output chunk (``nbytes`` of it) at the stream's current chunk."""
         slot, self._slot = self._slot, None
         assert slot is not None
+        self._send(blob, slot.data_ptr(), nbytes, slot, ())
+        self._fill = 0
+
+    def _send(self, blob: int, addr: int, nbytes: int, slot: torch.Tensor | None, holds: Sequence[_Hold]) -> None:
+        """Write ``nbytes`` at ``addr`` (an output chunk ``slot``, or a run's memory, which ``holds`` keep
+        until the write completes) at the stream's current offset."""
         if self._stopped():
-            self._free.append(slot)
+            if slot is not None:
+                self._free.append(slot)
             raise Stopped
+        if slot is None and len(self._inflight) >= self._out_slots:
+            self._retire()
         paced = self._paced  # the write waits for the budget first: the tier is busy once it goes
         if not paced:
             self._busy.start()
         try:
-            fut = self._inner.write(blob, self._start, slot.data_ptr(), nbytes)
+            fut = self._inner.write(blob, self._start, addr, nbytes)
         except BaseException:
             if not paced:
                 self._busy.end(0)
-            self._free.append(slot)
+            if slot is not None:
+                self._free.append(slot)
             raise
         if paced:
             self._busy.start()
+        with self._holds_lock:
+            for h in holds:
+                h.refs += 1
         counted: Future[int] = Future()  # the write, once it is also counted (what commit waits for)
         self._inflight.append((slot, counted))
-        fut.add_done_callback(lambda f: self._written(f, nbytes, counted))
+        fut.add_done_callback(lambda f: self._written(f, nbytes, counted, holds))
         self._start += nbytes
-        self._fill = 0
 
-    def _written(self, f: Future[int], nbytes: int, counted: Future[int]) -> None:
+    def _written(self, f: Future[int], nbytes: int, counted: Future[int], holds: Sequence[_Hold]) -> None:
         error = f.exception()
         try:
             self._busy.end(0 if error is not None else nbytes)
             if error is not None:
                 self._failed(error)
         finally:
+            self._let_go(holds)
             if error is None:
                 counted.set_result(f.result())
             else:
@@ -242,4 +378,5 @@ class Emitter:
         try:
             f.result()
         finally:
-            self._free.append(slot)
+            if slot is not None:
+                self._free.append(slot)

@@ -14,7 +14,8 @@ after another, so a tier that takes writes in order only (an S3 multipart upload
 
 Memory (:mod:`~tierckpt.datapath.codecframes`): a frame that one write covers whole is read where the
 caller's write put it (the write's future resolves once the frame is encoded, or for a frame stored
-raw once it is copied out). A write of part of a frame is copied into the frame's buffer (and resolves
+raw once it is copied out or written to the tier from there: the emitter writes runs of raw frames
+from the caller's memory where it can, :mod:`~tierckpt.datapath.codecemit`). A write of part of a frame is copied into the frame's buffer (and resolves
 at once) while fewer than ``buffers`` frames not yet handed to the codec threads hold one. Beyond that
 the write waits for one of them to go, as long as the emitter's next frame has all its bytes (the
 writer then moves on without any other write, so the wait ends); else (frames that fill only once
@@ -40,6 +41,7 @@ from __future__ import annotations
 import errno
 import heapq
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
@@ -60,6 +62,9 @@ from tierckpt.tiers.base import Tier, TierWriter
 
 __all__ = ["CodecWriter", "codec_writer", "frame_bytes_for"]
 
+#: how long the emitter waits for the next frame while it holds a run of raw frames' memory before it
+#: copies the run out (its caller may be waiting for that memory before it writes the next frame)
+SETTLE_SECS = 0.002
 #: a part of a write to copy into its frame's buffer: (frame, its buffer, the part)
 _Copy = tuple[Frame, torch.Tensor, Piece]
 
@@ -146,7 +151,7 @@ class CodecWriter(TierWriter):
         self._out = Emitter(
             inner, end_blob, self._sizes, self._F, align=table.align, chunk_bytes=chunk_bytes, adaptive=adaptive,
             paced=self.budget is not None, out_slots=out_slots, stopped=lambda: self._error is not None,
-            failed=self._failed,
+            failed=self._failed, memory_align=tier.geometry.memory_alignment_bytes,
         )  # fmt: skip
 
     # -- the caller's side ----------------------------------------------------------------------------------
@@ -332,7 +337,7 @@ class CodecWriter(TierWriter):
         fr = self._next_encoded(t)
         assert fr.enc is not None
         try:
-            self._out.emit(fr.blob, fr.k, fr.enc)
+            self._out.emit(fr.blob, fr.k, fr.enc, lambda: self._let_go(fr))
         except Stopped:
             raise
         except BaseException as e:
@@ -341,7 +346,6 @@ class CodecWriter(TierWriter):
             raise
         finally:
             with self._cv:
-                fr.drop_source(self._error)
                 fr.enc = None
                 del self._frames[t]
                 self._state[t] = fr.state = EMITTED
@@ -350,16 +354,36 @@ class CodecWriter(TierWriter):
                 self._schedule()
                 self._cv.notify_all()  # a write waiting for a frame buffer looks at the next frame
 
-    def _next_encoded(self, t: int) -> Frame:
+    def _let_go(self, fr: Frame) -> None:
+        """The emitter no longer reads frame ``fr``'s raw bytes: give the caller's memory back."""
         with self._cv:
-            while True:
-                if self._error is not None:
-                    raise Stopped
-                fr = self._frames.get(t)
-                if fr is not None and fr.state == ENCODED:
-                    fr.state = EMITTING  # its source is the emitter's to give back now
-                    return fr
-                self._cv.wait()
+            fr.drop_source(self._error)
+            self._cv.notify_all()
+
+    def _next_encoded(self, t: int) -> Frame:
+        """Frame ``t`` once it is encoded. Where the emitter holds raw frames' memory for a run
+        (:mod:`~tierckpt.datapath.codecemit`) and some of frame ``t``'s bytes are still to come after
+        :data:`SETTLE_SECS`, the run is copied out first: its caller may be waiting for that memory
+        before it writes them."""
+        while True:
+            with self._cv:
+                deadline = None
+                while True:
+                    if self._error is not None:
+                        raise Stopped
+                    fr = self._frames.get(t)
+                    if fr is not None and fr.state == ENCODED:
+                        fr.state = EMITTING  # its source is the emitter's to give back now
+                        return fr
+                    if not self._out.holding() or self._state[t] != MISSING:  # its bytes are in: it comes
+                        self._cv.wait()
+                        continue
+                    now = time.perf_counter()
+                    deadline = deadline or now + SETTLE_SECS
+                    if now >= deadline:
+                        break
+                    self._cv.wait(deadline - now)
+            self._out.settle()
 
     def _failed(self, error: BaseException) -> None:
         """A write to the tier failed (on the thread that completed it): the writer stops."""

@@ -10,10 +10,10 @@ from collections.abc import Sequence
 
 from tierckpt.datapath import codecpool
 from tierckpt.datapath.blobcopy import ordered_writer, writer_for
-from tierckpt.datapath.codecwrite import CodecWriter
+from tierckpt.datapath.codecwrite import CodecWriter, frame_bytes_for
 from tierckpt.datapath.cpumeter import busy_cpu_seconds, usable_cpus
 from tierckpt.format.manifest import BlobEntry, Manifest, ManifestHead
-from tierckpt.policies.compression import Adaptive, CompressConfig, tier_compress
+from tierckpt.policies.compression import Adaptive, CompressConfig, frame_kinds, tier_compress
 from tierckpt.tiers.base import Tier, TierWriter
 
 __all__ = ["compresses", "set_compression", "storing_writer"]
@@ -47,6 +47,20 @@ def compresses(tier: Tier) -> bool:
     return cfg is not None and cfg.mode != "none" and tier.adaptive is not None and not device_copies
 
 
+def _worth_encoding(tier: Tier, codec: Manifest | ManifestHead, background: bool) -> bool:
+    """Whether a copy of ``codec`` to ``tier`` goes through the codec writer: what the tier's
+    :meth:`~tierckpt.policies.compression.Adaptive.encode_copy` says of its frames' kinds, with the
+    budget that paces this writer (a copy ``auto`` knows pays nothing is written plain)."""
+    adaptive = tier.adaptive
+    if adaptive is None or adaptive.cfg.mode != "auto":
+        return True
+    table = codec.manifest() if isinstance(codec, ManifestHead) else codec
+    kinds = frame_kinds([b.size for b in table.blobs], table.tensors, frame_bytes_for(table))
+    budget = tier.budget
+    paced = budget.bytes_per_sec if budget is not None and budget.paces(background) else None
+    return adaptive.encode_copy({k for blob in kinds for k in blob}, paced)
+
+
 def storing_writer(
     tier: Tier,
     writer: TierWriter,
@@ -59,7 +73,8 @@ def storing_writer(
 ) -> TierWriter:
     """``writer`` (of ``tier``, for ``blobs``) as a copy writes through it: in the order the tier takes
     writes (:func:`~tierckpt.datapath.blobcopy.writer_for`); encoding raw bytes where ``codec`` (the
-    copy's manifest, or its plan) is given and the tier :func:`compresses`; or taking a compressed
+    copy's manifest, or its plan) is given and the tier :func:`compresses` (under ``auto``, unless what
+    it measured says no kind of the copy pays: the copy is then plain); or taking a compressed
     copy's stored streams as they are, blob ``i`` ending at ``held[i]``."""
     # blobs and chunks in whole multiples of the copy's alignment (as layouts make them): a stored stream
     # padded to it ends inside its blob
@@ -68,6 +83,7 @@ def storing_writer(
         and compresses(tier)
         and chunk_bytes % codec.align == 0
         and all(b.size % codec.align == 0 for b in codec.blobs)
+        and _worth_encoding(tier, codec, background)
     )
     if not encode and held is None:
         return writer_for(tier, writer, blobs)

@@ -59,6 +59,9 @@ class Encoded:
             else its raw bytes: what the data gives, for statistics.
         tried: the width tried (``width`` asked for, 1 where the frame's length is not a multiple of it);
             ``width`` is 0 where nothing gained.
+        plane_seconds: per plane tried, the seconds its zstd compression took (0 for a plane not tried);
+            the rest of :attr:`seconds` is the frame's own (the split into planes): what a plane costs
+            differs (an exponent plane takes longer than a noisy mantissa plane, which zstd gives up on).
     """
 
     width: int
@@ -68,6 +71,7 @@ class Encoded:
     plane_raw: tuple[int, ...]
     plane_stored: tuple[int, ...]
     tried: int = field(default=0)
+    plane_seconds: tuple[float, ...] = field(default=())
 
     @property
     def lengths(self) -> tuple[int, ...]:
@@ -171,14 +175,16 @@ def encode_frame(raw: memoryview, width: int, try_planes: int, level: int) -> En
         packed = zstd.compress(raw)
         took = time.perf_counter() - start
         if len(packed) < n:
-            return Encoded(1, 1, [packed], took, (n,), (len(packed),), tried=1)
-        return Encoded(0, 0, [raw], took, (n,), (len(packed),), tried=1)
+            return Encoded(1, 1, [packed], took, (n,), (len(packed),), tried=1, plane_seconds=(took,))
+        return Encoded(0, 0, [raw], took, (n,), (len(packed),), tried=1, plane_seconds=(took,))
     planes = shuffle(raw, width)
     streams: list[bytes | memoryview] = []
-    stored, mask = [], 0
+    stored, mask, spent = [], 0, []
     for p in range(width):
         plane = memoryview(planes[p])
+        t0 = time.perf_counter()
         squeezed = zstd.compress(plane) if try_planes >> p & 1 else None
+        spent.append(time.perf_counter() - t0 if squeezed is not None else 0.0)
         stored.append(len(plane) if squeezed is None else len(squeezed))
         if squeezed is not None and len(squeezed) < PLANE_GAIN * len(plane):
             streams.append(squeezed)
@@ -188,8 +194,8 @@ def encode_frame(raw: memoryview, width: int, try_planes: int, level: int) -> En
     raw_planes = (n // width,) * width
     took = time.perf_counter() - start
     if not mask:
-        return Encoded(0, 0, [raw], took, raw_planes, tuple(stored), tried=width)
-    return Encoded(width, mask, streams, took, raw_planes, tuple(stored), tried=width)
+        return Encoded(0, 0, [raw], took, raw_planes, tuple(stored), tried=width, plane_seconds=tuple(spent))
+    return Encoded(width, mask, streams, took, raw_planes, tuple(stored), tried=width, plane_seconds=tuple(spent))
 
 
 def _decompress(stream: memoryview, expected: int, what: str) -> bytes:

@@ -14,7 +14,8 @@ ids compressed 30× grouped against 10× as one zstd stream (docs/benchmarks.md)
 (the low mantissa bytes) is left raw while the exponent plane is compressed.
 
 **The decision** (``auto``). With ``T`` compressor threads, a kind's measured per-thread speed ``s``
-(raw bytes a second, with the planes it compresses) and ratio ``r`` (raw / stored bytes), and the
+(raw bytes a second, with the planes it compresses: each plane's compression is timed apart, an
+exponent plane taking several times a noisy mantissa plane's time, plus the split into planes) and ratio ``r`` (raw / stored bytes), and the
 tier's write throughput ``bw`` (stored bytes a second: the smaller of the tier's measured busy-time
 throughput and the bandwidth budget that paces the writer asking, if one does), a raw byte costs
 ``1/bw`` stored as it is, and ``max(1/(T*s), 1/(r*bw))`` compressed (compressing and writing overlap,
@@ -52,7 +53,7 @@ from __future__ import annotations
 import math
 import re
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -73,6 +74,7 @@ __all__ = [
     "PROBE_EVERY",
     "PROBE_FIRST",
     "RAW",
+    "RECHECK_COPIES",
     "SAMPLE_BYTES",
     "Adaptive",
     "CompressConfig",
@@ -101,6 +103,9 @@ SAMPLE_BYTES = 256 << 10
 PROBE_EVERY = 32
 #: weight of the newest measurement in the running averages
 EWMA_WEIGHT = 0.25
+#: under ``auto``, once the measurements say no kind of a copy pays, the copies after it are written plain
+#: (as ``none`` writes them), but one in this many goes through the codec writer to measure again
+RECHECK_COPIES = 8
 _MAX_THREADS = 256
 
 
@@ -315,8 +320,9 @@ RAW = FramePlan(0, 0)
 
 class FrameStats(Protocol):
     """What :meth:`Adaptive.observe_frame` reads of an encoded frame (:class:`tierckpt.format.codec.Encoded`):
-    its encoding time, and per plane tried (one entry where the frame was tried whole) the raw bytes and
-    the zstd stream's length, kept or not (a plane not tried: its raw bytes)."""
+    its encoding time, and per plane tried (one entry where the frame was tried whole) the raw bytes, the
+    zstd stream's length, kept or not (a plane not tried: its raw bytes), and the seconds its compression
+    took (empty where not told apart: the time is then shared out evenly over the planes tried)."""
 
     @property
     def seconds(self) -> float: ...
@@ -324,6 +330,8 @@ class FrameStats(Protocol):
     def plane_raw(self) -> tuple[int, ...]: ...
     @property
     def plane_stored(self) -> tuple[int, ...]: ...
+    @property
+    def plane_seconds(self) -> tuple[float, ...]: ...
 
 
 def pays(
@@ -364,9 +372,12 @@ class _KindStats:
     observed: int = 0
     cost: float | None = None  # seconds per raw byte of the planes tried
     fraction: list[float | None] = field(default_factory=list)  # per plane: stored / raw when compressed
+    split: float | None = None  # seconds per raw byte of the frame outside the planes' compression
+    plane_cost: list[float | None] = field(default_factory=list)  # per plane: seconds per byte compressed
 
     def __post_init__(self) -> None:
         self.fraction = [None] * self.planes
+        self.plane_cost = [None] * self.planes
 
     def measured(self) -> bool:
         return self.cost is not None and None not in self.fraction
@@ -380,8 +391,23 @@ class _KindStats:
         share = 1.0 / self.planes
         tried = sum(share for p in range(self.planes) if mask >> p & 1)
         stored = sum(share * (f if mask >> p & 1 and f is not None else 1.0) for p, f in enumerate(self.fraction))
-        cost = (self.cost or 0.0) * tried
+        costs = [c for p, c in enumerate(self.plane_cost) if mask >> p & 1]
+        if self.split is not None and None not in costs:  # each plane's own cost, and the split's
+            cost = self.split + share * sum(c for c in costs if c is not None)
+        else:  # the planes told apart by no encoder: each tried plane costs the same
+            cost = (self.cost or 0.0) * tried
         return (1.0 / cost if cost > 0 else math.inf), (1.0 / stored if stored > 0 else math.inf)
+
+    def observe_planes(self, enc: FrameStats, tried: int) -> None:
+        """Each tried plane's compression cost, and the frame's own (the split), where ``enc`` tells them."""
+        secs, raw = enc.plane_seconds, enc.plane_raw
+        total = sum(raw)
+        if len(secs) != self.planes or total <= 0 or not enc.seconds > 0:
+            return
+        for p in range(self.planes):
+            if tried >> p & 1 and raw[p] > 0:
+                self.plane_cost[p] = _ewma(self.plane_cost[p], secs[p] / raw[p])
+        self.split = _ewma(self.split, max(0.0, enc.seconds - sum(secs)) / total)
 
 
 class Adaptive:
@@ -412,6 +438,7 @@ class Adaptive:
         self._kinds: dict[Kind, _KindStats] = {}
         self._tier_bytes: float | None = None  # running averages of what observe_tier reports
         self._tier_secs: float | None = None
+        self._plain_copies = 0  # copies written plain in a row, their kinds measured as not paying
 
     @property
     def level(self) -> int:
@@ -443,6 +470,35 @@ class Adaptive:
                     return FramePlan(0, 0, True, SAMPLE_BYTES, full)
                 return full
             return FramePlan(kind.width, mask) if mask else RAW
+
+    def encode_copy(self, kinds: Iterable[Kind], budget: float | None = None) -> bool:
+        """Whether a copy whose frames are of ``kinds``, by a writer paced at ``budget``, goes through the
+        codec writer: always under ``zstd``; under ``auto`` unless every kind was measured, the tier's
+        throughput (and, where counted, its CPU cost) is known, and no kind pays, in which case the
+        copy is written plain, as ``none`` writes it (no frame is planned or sampled), except one in
+        :data:`RECHECK_COPIES`, which measures again. Never under ``none``.
+
+        Raises:
+            ValueError: a budget that is not a positive number.
+        """
+        _check_budget(budget)
+        if self.cfg.mode != "auto":
+            return self.cfg.mode == "zstd"
+        with self._lock:
+            bw = self._bandwidth(budget)
+            known = bw is not None and (self.cpus is None or self._io_cpu() is not None)
+            stats = [self._kinds.get(k) for k in set(kinds)]
+            if not known or any(st is None or not st.measured() for st in stats):
+                self._plain_copies = 0
+                return True
+            if any(self._decide(st, bw) for st in stats if st is not None):
+                self._plain_copies = 0
+                return True
+            self._plain_copies += 1
+            if self._plain_copies >= RECHECK_COPIES:
+                self._plain_copies = 0
+                return True
+            return False
 
     def _decide(self, st: _KindStats, bw: float | None) -> int:
         """The planes to compress in a frame that is no probe (0: store it raw)."""
@@ -480,6 +536,7 @@ class Adaptive:
                     if tried >> p & 1 and raw[p] > 0:
                         st.fraction[p] = _ewma(st.fraction[p], min(1.0, stored[p] / raw[p]))
                 nbytes = sum(raw[p] for p in range(st.planes) if tried >> p & 1)
+                st.observe_planes(enc, tried)
             else:  # tried otherwise (a frame whose length is no multiple of the width): its time only
                 nbytes = sum(raw)
             if nbytes > 0 and enc.seconds > 0:
