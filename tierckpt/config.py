@@ -47,7 +47,7 @@ from tierckpt.configvalues import (
 from tierckpt.configvalues import short as _short
 from tierckpt.errors import ConfigError
 from tierckpt.ioconfig import ENGINES, THROTTLES, IOConfig, default_io, parse_io
-from tierckpt.policies.compression import CompressConfig, parse_compress
+from tierckpt.policies.compressconfig import CompressConfig, parse_compress
 from tierckpt.yamlfile import YAMLFileError, load_yaml
 
 __all__ = [
@@ -126,7 +126,7 @@ class TierConfig:
         node: what ``{node}`` stands for (None: this process's node,
             :func:`~tierckpt.configvalues.node_identity`); set by ``Hierarchy.from_config``.
         compress: the entry's ``compress:`` (None: the kind's default,
-            :func:`tierckpt.policies.compression.tier_compress`).
+            :func:`tierckpt.policies.compressconfig.tier_compress`).
     """
 
     name: str

@@ -50,7 +50,7 @@ def save_states(tier_dir: Path, compress: str | None = None) -> int:
     torch.manual_seed(0)  # nothing here is random; in case a writer ever consults the generator
     tier = _local_tier(tier_dir)
     if compress is not None:
-        from tierckpt.policies.compression import parse_compress
+        from tierckpt.policies.compressconfig import parse_compress
 
         tier.compress = parse_compress(compress, "--compress")
     with Hierarchy([tier], layout=LayoutConfig(align_bytes=ALIGN, blob_bytes=BLOB_BYTES)) as h:

@@ -16,7 +16,8 @@ from tierckpt import Hierarchy
 from tierckpt.format.frames import held_sizes, unwrap_manifest
 from tierckpt.format.manifest import decode_head
 from tierckpt.format.record import decode_record, manifest_tag
-from tierckpt.policies.compression import Adaptive, CompressConfig
+from tierckpt.policies.compressconfig import CompressConfig
+from tierckpt.policies.compression import Adaptive
 from tierckpt.testing.faulty import FaultyTier
 from tierckpt.tiers.base import CheckpointKey, Tier
 from tierckpt.tiers.host import HostTier

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from tierckpt import CorruptCheckpointError, Hierarchy, SoloCoordinator, StoreCoordinator, TierIOError
 from tierckpt.cli import main
 from tierckpt.io import make_engine
-from tierckpt.policies.compression import CompressConfig
+from tierckpt.policies.compressconfig import CompressConfig
 from tierckpt.testing.tamper import blob_file
 from tierckpt.tiers.local import LocalTier
 from tierckpt.tiers.pfs import PfsTier

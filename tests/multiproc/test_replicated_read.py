@@ -17,7 +17,7 @@ from tests.multiproc.harness import spawn
 from tierckpt import Hierarchy
 from tierckpt.format.manifest import decode_manifest
 from tierckpt.io import make_engine
-from tierckpt.policies.compression import CompressConfig
+from tierckpt.policies.compressconfig import CompressConfig
 from tierckpt.tiers.pfs import PfsTier
 
 CHUNK = 4096  # small checksum chunks (and pieces): small tensors span many

@@ -20,7 +20,7 @@ from tierckpt import Hierarchy
 from tierckpt.datapath import packing
 from tierckpt.format.manifest import decode_manifest
 from tierckpt.io import make_engine
-from tierckpt.policies.compression import CompressConfig
+from tierckpt.policies.compressconfig import CompressConfig
 from tierckpt.testing.tamper import blob_file
 from tierckpt.tiers.base import CheckpointKey
 from tierckpt.tiers.pfs import PfsTier

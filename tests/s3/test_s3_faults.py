@@ -72,7 +72,7 @@ def test_a_failed_compressed_demotion_does_not_wait_out_the_part_retries(s3_prox
     writers are cancelled, the parts give up, and the copy fails within seconds, leaving no upload."""
     import errno
 
-    from tierckpt.policies.compression import CompressConfig
+    from tierckpt.policies.compressconfig import CompressConfig
     from tierckpt.testing.faulty import FaultyTier
     from tierckpt.tiers._s3client import S3Settings
     from tierckpt.tiers.host import HostTier

@@ -32,7 +32,8 @@ from tierckpt.format.layout import round_up
 from tierckpt.format.manifest import BlobEntry, Manifest, TensorTable, encode_manifest
 from tierckpt.io.budget import Budget
 from tierckpt.io.buffers import aligned_empty
-from tierckpt.policies.compression import PROBE_FIRST, RAW, Adaptive, CompressConfig, FramePlan, Kind
+from tierckpt.policies.compressconfig import CompressConfig
+from tierckpt.policies.compression import PROBE_FIRST, RAW, Adaptive, FramePlan, Kind
 from tierckpt.testing.faulty import FaultyTier
 from tierckpt.tiers.base import CheckpointKey, Tier, TierWriter
 from tierckpt.tiers.host import HostTier

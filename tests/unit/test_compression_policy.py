@@ -11,9 +11,9 @@ import pytest
 from tierckpt import ConfigError
 from tierckpt.config import parse_config
 from tierckpt.format.table import TensorTable
+from tierckpt.policies.compressconfig import NONE, CompressConfig, default_compress, parse_compress, tier_compress
 from tierckpt.policies.compression import (
     GAIN,
-    NONE,
     OTHER,
     PROBE_EVERY,
     PROBE_FIRST,
@@ -21,15 +21,11 @@ from tierckpt.policies.compression import (
     RECHECK_COPIES,
     SAMPLE_BYTES,
     Adaptive,
-    CompressConfig,
     FramePlan,
     Kind,
-    default_compress,
     frame_kinds,
     kind_of,
-    parse_compress,
     pays,
-    tier_compress,
 )
 
 F = 4 << 20  # frame bytes
@@ -560,7 +556,7 @@ def test_the_config_reads_each_tiers_compress() -> None:
 
 def test_the_policy_and_the_codec_agree_on_gain_and_levels() -> None:
     from tierckpt.format import codec
-    from tierckpt.policies import compression
+    from tierckpt.policies import compressconfig, compression
 
     assert compression.GAIN == codec.PLANE_GAIN  # a plane the policy calls gaining is one the codec keeps
-    assert compression.LEVELS == codec.LEVELS
+    assert compressconfig.LEVELS == codec.LEVELS

@@ -10,7 +10,8 @@ import zstandard
 
 from tierckpt.datapath import codecpool
 from tierckpt.datapath.cpumeter import WINDOW_BYTES, WINDOW_SECONDS, CpuMeter, busy_cpu_seconds, meter_for
-from tierckpt.policies.compression import Adaptive, CompressConfig
+from tierckpt.policies.compressconfig import CompressConfig
+from tierckpt.policies.compression import Adaptive
 
 W = WINDOW_SECONDS * 1.5  # a step that ends a window
 

@@ -545,7 +545,8 @@ def test_aborting_a_compressed_copy_does_not_wait_out_the_part_retries(
     from tierckpt.datapath.blobcopy import ordered_writer
     from tierckpt.datapath.codecwrite import codec_writer
     from tierckpt.format.manifest import Manifest, TensorTable
-    from tierckpt.policies.compression import Adaptive, CompressConfig
+    from tierckpt.policies.compressconfig import CompressConfig
+    from tierckpt.policies.compression import Adaptive
 
     t = _tier(settings=S3Settings(attempts=1000, deadline_s=600))
     calls = _throttled_forever(t, monkeypatch)
@@ -603,7 +604,8 @@ def test_a_compressed_copy_holds_its_stored_streams_and_its_head_says_so(s3: Any
     from tierckpt.datapath.codecwrite import codec_writer
     from tierckpt.format.frames import held_sizes
     from tierckpt.format.manifest import Manifest, TensorTable, encode_manifest
-    from tierckpt.policies.compression import Adaptive, CompressConfig
+    from tierckpt.policies.compressconfig import CompressConfig
+    from tierckpt.policies.compression import Adaptive
 
     t = _tier()
     sizes = [3 * PART, 3 * 4096]

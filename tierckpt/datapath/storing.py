@@ -13,7 +13,8 @@ from tierckpt.datapath.blobcopy import ordered_writer, writer_for
 from tierckpt.datapath.codecwrite import CodecWriter, frame_bytes_for
 from tierckpt.datapath.cpumeter import busy_cpu_seconds, usable_cpus
 from tierckpt.format.manifest import BlobEntry, Manifest, ManifestHead
-from tierckpt.policies.compression import Adaptive, CompressConfig, frame_kinds, tier_compress
+from tierckpt.policies.compressconfig import CompressConfig, tier_compress
+from tierckpt.policies.compression import Adaptive, frame_kinds
 from tierckpt.tiers.base import Tier, TierWriter
 
 __all__ = ["compresses", "set_compression", "storing_writer"]

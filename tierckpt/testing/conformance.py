@@ -268,7 +268,7 @@ class TierConformanceTests:
             pytest.skip("the tier does not declare encoded_copies: it is never given a compressed copy")
         from tierckpt.datapath.manifests import load_head
         from tierckpt.hierarchy import Hierarchy
-        from tierckpt.policies.compression import CompressConfig
+        from tierckpt.policies.compressconfig import CompressConfig
 
         tier.compress = CompressConfig("zstd")
         g = torch.Generator().manual_seed(5)

@@ -88,7 +88,8 @@ if TYPE_CHECKING:
     from tierckpt.format.tree import FlatState
     from tierckpt.io.buffers import StagingPool
     from tierckpt.io.engine import IOEngine
-    from tierckpt.policies.compression import Adaptive, CompressConfig
+    from tierckpt.policies.compressconfig import CompressConfig
+    from tierckpt.policies.compression import Adaptive
 
 __all__ = [
     "DEVICES",
@@ -307,7 +308,7 @@ class Tier(ABC):
             entry's ``io.bandwidth`` (or have one assigned); a memory tier takes none.
         compress: how the tier stores its copies (docs/tiers.md, "Compression"): set by the hierarchy it
             joins, from its entry's ``compress:``, else the default for its capabilities
-            (:func:`~tierckpt.policies.compression.tier_compress`: ``auto`` on shared persistent file
+            (:func:`~tierckpt.policies.compressconfig.tier_compress`: ``auto`` on shared persistent file
             tiers and object stores, ``none`` elsewhere); assign one before to choose it from Python.
         adaptive: the compression decisions for the tier's copies, kept up to date from what its
             writers measure: one per tier object, shared by every copy written to it (set with
