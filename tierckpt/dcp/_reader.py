@@ -3,11 +3,13 @@ the rank that wrote it (docs/distributed.md, "DCP backend")."""
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import io
 import logging
 import os
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -142,6 +144,14 @@ class HierarchyReader(StorageReader):
         """Read each item of ``plan`` from its saved rank's part, into DCP's targets (one part at a time)."""
         if self._read is None:
             raise TierckptError("HierarchyReader.read_data() before read_metadata()")
+        with _gc_paused():
+            self._read_items(plan, planner)
+        fut: Future[None] = Future()
+        fut.set_result(None)
+        return fut
+
+    def _read_items(self, plan: LoadPlan, planner: LoadPlanner) -> None:
+        assert self._read is not None  # read_data checked
         by_rank: dict[int, list[tuple[ReadItem, Location]]] = {}
         for req in plan.items:
             loc = self._locations.get(req.storage_index)
@@ -159,9 +169,6 @@ class HierarchyReader(StorageReader):
             for i, t in streamed.items():  # every byte verified: the part has been read whole
                 planner.commit_tensor(items[i][0], t)
             del state
-        fut: Future[None] = Future()
-        fut.set_result(None)
-        return fut
 
     # -- reading -------------------------------------------------------------------------------------------
     def _newest(self) -> int:
@@ -317,6 +324,20 @@ class _Elsewhere:
     record_rank: Any
     world_size: Any
     scope: Any
+
+
+@contextlib.contextmanager
+def _gc_paused() -> Iterator[None]:
+    """No cyclic garbage collection meanwhile: decoding a part's tree makes thousands of objects (none in
+    a cycle), which set off a full collection, and in a process holding torch's and DCP's objects one costs
+    0.1-0.15 s here (most of a restart's first load's Python time, docs/integrations.md)."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
 
 
 def _resolver(
