@@ -14,6 +14,7 @@ import torch
 dcp = pytest.importorskip("torch.distributed.checkpoint")
 
 import tierckpt.dcp._reader as reader_mod  # noqa: E402
+from tests.unit.test_dcp import gloo1  # noqa: E402, F401  (a fixture: a process group of this process alone)
 from tierckpt import Hierarchy  # noqa: E402
 from tierckpt.dcp import HierarchyReader, HierarchyWriter  # noqa: E402
 
@@ -111,19 +112,8 @@ def test_targets_of_another_dtype_or_stride_get_the_values(h: Hierarchy, copied:
     assert [p for p, _ in copied] == [a_ptr]  # only the cast went through a fresh tensor
 
 
-@pytest.fixture
-def gloo1() -> Iterator[None]:
-    """A process group of this process alone (a ShardedTensor needs one)."""
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
-def test_a_resharded_load_streams_whole_chunks_and_copies_boxes(h: Hierarchy, gloo1: None, copied: list[Any]) -> None:
+@pytest.mark.usefixtures("gloo1")
+def test_a_resharded_load_streams_whole_chunks_and_copies_boxes(h: Hierarchy, copied: list[Any]) -> None:
     """Saved as two shards of 4 rows: a plain target takes each stored chunk whole (streamed into its rows);
     a target of four shards of 2 rows asks for boxes of the stored chunks (copied from fresh tensors)."""
     from torch.distributed._shard.sharded_tensor import empty
