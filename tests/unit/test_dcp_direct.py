@@ -13,6 +13,8 @@ import torch
 
 dcp = pytest.importorskip("torch.distributed.checkpoint")
 
+from torch.distributed.checkpoint.api import CheckpointException  # noqa: E402
+
 import tierckpt.dcp._reader as reader_mod  # noqa: E402
 from tests.unit.test_dcp import gloo1  # noqa: E402, F401  (a fixture: a process group of this process alone)
 from tierckpt import Hierarchy  # noqa: E402
@@ -138,3 +140,36 @@ def test_a_resharded_load_streams_whole_chunks_and_copies_boxes(h: Hierarchy, co
         full[2 * i : 2 * i + 2].tolist() for i in range(4)
     ]
     assert len(copied) == 4  # each a box of a stored chunk
+
+
+def test_the_garbage_collector_is_as_it_was_after_a_load(h: Hierarchy, monkeypatch: pytest.MonkeyPatch) -> None:
+    """read_data pauses the cyclic collector and leaves it as it found it, after a failed read too."""
+    import gc
+
+    dcp.save({"t": torch.arange(5)}, storage_writer=HierarchyWriter(h, step=1))
+    seen: list[bool] = []
+    real = reader_mod.read_part
+
+    def spy(*a: Any, **k: Any) -> Any:
+        seen.append(gc.isenabled())
+        return real(*a, **k)
+
+    monkeypatch.setattr(reader_mod, "read_part", spy)
+    assert gc.isenabled()
+    got = {"t": torch.zeros(5, dtype=torch.int64)}
+    dcp.load(got, storage_reader=HierarchyReader(h, step=1))
+    assert gc.isenabled() and seen == [False] and torch.equal(got["t"], torch.arange(5))
+    gc.disable()
+    try:
+        dcp.load(got, storage_reader=HierarchyReader(h, step=1))
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+
+    def broken(*a: Any, **k: Any) -> Any:
+        raise OSError(5, "the disk")
+
+    monkeypatch.setattr(reader_mod, "read_part", broken)
+    with pytest.raises(CheckpointException):  # DCP's, around the reader's error
+        dcp.load(got, storage_reader=HierarchyReader(h, step=1))
+    assert gc.isenabled()
