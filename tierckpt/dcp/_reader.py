@@ -3,10 +3,13 @@ the rank that wrote it (docs/distributed.md, "DCP backend")."""
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import io
 import logging
 import os
 import uuid
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -22,8 +25,8 @@ from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
 from tierckpt.datapath.manifests import load_manifest, load_tree
-from tierckpt.datapath.restore import read_checkpoint
 from tierckpt.dcp._copy import copy_tensor
+from tierckpt.dcp._direct import read_part, staging_of
 from tierckpt.dcp._ids import step_of, tier_dirs, valid_id
 from tierckpt.dcp._layout import CHUNKS, RESERVED, lookup
 from tierckpt.dcp._record import RECORD_FORMAT, Location, decode_metadata
@@ -48,9 +51,10 @@ class HierarchyReader(StorageReader):
     ``read_metadata`` reads manifests only: rank 0's, and, where DCP's coordinator was another rank, that
     rank's (the metadata is in its tree). ``read_data`` reads,
     for each saved rank holding an item this rank asks for, that rank's part of the step, whole and
-    verified, from the fastest tier holding it (a damaged copy: the next tier's, with a warning), and
-    copies the requested region of each item into DCP's target. Resharding is DCP's: any world size
-    loads any other.
+    verified, from the fastest tier holding it (a damaged copy: the next tier's, with a warning): an
+    item asked for whole into a tensor of its dtype streams straight into DCP's target, and the
+    requested region of any other is copied there from a fresh tensor. Resharding is DCP's: any world
+    size loads any other.
 
     Like :class:`HierarchyWriter`, the reader pickles as the hierarchy's configuration.
 
@@ -140,6 +144,14 @@ class HierarchyReader(StorageReader):
         """Read each item of ``plan`` from its saved rank's part, into DCP's targets (one part at a time)."""
         if self._read is None:
             raise TierckptError("HierarchyReader.read_data() before read_metadata()")
+        with _gc_paused():
+            self._read_items(plan, planner)
+        fut: Future[None] = Future()
+        fut.set_result(None)
+        return fut
+
+    def _read_items(self, plan: LoadPlan, planner: LoadPlanner) -> None:
+        assert self._read is not None  # read_data checked
         by_rank: dict[int, list[tuple[ReadItem, Location]]] = {}
         for req in plan.items:
             loc = self._locations.get(req.storage_index)
@@ -147,14 +159,16 @@ class HierarchyReader(StorageReader):
                 raise CorruptCheckpointError(f"DCP metadata: no location for item {req.storage_index}", step=self._read)
             by_rank.setdefault(loc.rank, []).append((req, loc))
         for rank in sorted(by_rank, key=lambda r: (r != self.h.rank, r)):  # its own first: maybe in memory
-            state, tier = self._read_part(rank)
+            items, targets = by_rank[rank], dict[int, torch.Tensor]()
+            state, tier, streamed = self._read_part(rank, items, _resolver(planner, items, targets))
             payloads = {tuple(p) for p in _reserved(state, rank, tier, self._read)["payloads"]}
-            for req, loc in by_rank[rank]:
-                self._load(planner, req, loc, lookup_value(state, loc, tier, self._read), loc.path in payloads)
+            for i, (req, loc) in enumerate(items):
+                if i not in streamed:
+                    value = lookup_value(state, loc, tier, self._read)
+                    self._load(planner, req, loc, value, loc.path in payloads, targets.get(i))
+            for i, t in streamed.items():  # every byte verified: the part has been read whole
+                planner.commit_tensor(items[i][0], t)
             del state
-        fut: Future[None] = Future()
-        fut.set_result(None)
-        return fut
 
     # -- reading -------------------------------------------------------------------------------------------
     def _newest(self) -> int:
@@ -263,12 +277,24 @@ class HierarchyReader(StorageReader):
                 return md
         raise CorruptCheckpointError(f"step {step}: no rank's part holds DCP's metadata record", step=step)
 
-    def _read_part(self, rank: int) -> tuple[Any, str]:
+    def _read_part(
+        self, rank: int, items: list[tuple[ReadItem, Location]], target: Callable[[int], torch.Tensor]
+    ) -> tuple[Any, str, dict[int, torch.Tensor]]:
+        """``rank``'s part, from the fastest tier whose copy reads, with the items that can be streamed
+        straight into their targets (``_direct.py``); the tier's name; the items streamed, by index."""
         assert self._read is not None  # read_data checked
-        got: tuple[Any, str] = self._first_good(rank, self._read, lambda t, k: (read_checkpoint(t, k)[0], t.name))
+        staging = staging_of(self.h)
+
+        def read(tier: Tier, key: CheckpointKey) -> tuple[Any, str, dict[int, torch.Tensor]]:
+            state, streamed = read_part(tier, key, items, target, staging)
+            return state, tier.name, streamed
+
+        got: tuple[Any, str, dict[int, torch.Tensor]] = self._first_good(rank, self._read, read)
         return got
 
-    def _load(self, planner: LoadPlanner, req: ReadItem, loc: Location, value: Any, payload: bool) -> None:
+    def _load(
+        self, planner: LoadPlanner, req: ReadItem, loc: Location, value: Any, payload: bool, target: Any = None
+    ) -> None:
         if req.type == LoadItemType.BYTE_IO:
             buf = io.BytesIO()
             if payload:
@@ -282,7 +308,7 @@ class HierarchyReader(StorageReader):
         for d, (off, n) in enumerate(zip(req.storage_offsets, req.lengths, strict=True)):
             if off != 0 or n != t.size(d):
                 t = t.narrow(d, off, n)
-        target = planner.resolve_tensor(req).detach()
+        target = planner.resolve_tensor(req).detach() if target is None else target
         if target.size() != t.size():
             raise ValueError(f"DCP item {req.storage_index}: target size {target.size()}, stored region {t.size()}")
         copy_tensor(target, t)
@@ -298,6 +324,34 @@ class _Elsewhere:
     record_rank: Any
     world_size: Any
     scope: Any
+
+
+@contextlib.contextmanager
+def _gc_paused() -> Iterator[None]:
+    """No cyclic garbage collection meanwhile: decoding a part's tree makes thousands of objects (none in
+    a cycle), which set off a full collection, and in a process holding torch's and DCP's objects one costs
+    0.1-0.15 s here (most of a restart's first load's Python time, docs/integrations.md)."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
+def _resolver(
+    planner: LoadPlanner, items: list[tuple[ReadItem, Location]], targets: dict[int, torch.Tensor]
+) -> Callable[[int], torch.Tensor]:
+    """DCP's target tensor of ``items[i]``, resolved once (kept in ``targets``: a retry on another tier
+    and the copy of an item not streamed take the same tensor)."""
+
+    def target(i: int) -> torch.Tensor:
+        if i not in targets:
+            targets[i] = planner.resolve_tensor(items[i][0]).detach()
+        return targets[i]
+
+    return target
 
 
 def lookup_value(state: Any, loc: Location, tier: str, step: int) -> Any:
