@@ -111,16 +111,19 @@ def demote(cfg: dict[str, Any], state: Any, step: int) -> dict[str, Any]:
 
 def demote_in(h: Hierarchy, state: Any, step: int) -> dict[str, Any]:
     """:func:`demote` through an open hierarchy ``h`` (its ``auto`` keeps what it learnt before)."""
+    adaptive = h.tier("slow").adaptive
+    before = adaptive.snapshot() if adaptive is not None else {}
     handle = h.save(state, step=step)
     handle.wait("host")
     t0 = time.perf_counter()
     handle.wait("slow")
     seconds = time.perf_counter() - t0
     info = _copy_info(h, step)
-    adaptive = h.tier("slow").adaptive
-    if adaptive is not None:  # what auto's decisions rested on
+    if adaptive is not None:  # what auto's decisions rested on; what its codec writer wrote from where
         snap = adaptive.snapshot()
         info.update(bandwidth=snap["bandwidth_bytes_per_sec"], io_cpu=snap["io_cpu_seconds_per_byte"])
+        for key in ("written_from_memory_bytes", "written_copied_bytes"):
+            info[key] = snap[key] - before[key]
     return {"demote_s": seconds, **info}
 
 
@@ -292,21 +295,26 @@ def steady_table(rows: list[dict[str, Any]], ckpt_bytes: int, copies: int) -> st
         "interleaved. first = the first copy (median over repeats); later = median of copies 2..N over "
         "repeats; × none = against `none` on the same target in this run.",
         "",
-        "| target | compress | first s | first × none | later s | later × none | frames compressed (first / later) |",
-        "|---|---|---:|---:|---:|---:|---:|",
+        "| target | compress | first s | first × none | later s | later × none | frames compressed (first / later) "
+        "| MB copied (first / later) |",
+        "|---|---|---:|---:|---:|---:|---:|---:|",
     ]
     for target in dict.fromkeys(r["target"] for r in rows):
         mine = [r for r in rows if r["target"] == target]
 
         def med(mode: str, first: bool, key: str = "demote_s", mine: list[dict[str, Any]] = mine) -> float:
-            vals = [r[key] for r in mine if r["mode"] == mode and (r["copy"] == 0) == first]
+            vals = [r.get(key, 0.0) for r in mine if r["mode"] == mode and (r["copy"] == 0) == first]
             return statistics.median(vals) if vals else float("nan")
 
         for mode in dict.fromkeys(r["mode"] for r in mine):
             f, later = med(mode, True), med(mode, False)
             fn, ln = f / med("none", True), later / med("none", False)
             cf, cl = med(mode, True, "compressed_frames"), med(mode, False, "compressed_frames")
-            lines.append(f"| {target} | {mode} | {f:.2f} | {fn:.2f} | {later:.2f} | {ln:.2f} | {cf:.0f} / {cl:.0f} |")
+            mf, ml = (med(mode, first, "written_copied_bytes") / MB for first in (True, False))
+            lines.append(
+                f"| {target} | {mode} | {f:.2f} | {fn:.2f} | {later:.2f} | {ln:.2f} | {cf:.0f} / {cl:.0f} "
+                f"| {mf:.0f} / {ml:.0f} |"
+            )
     return "\n".join(lines)
 
 
