@@ -5,6 +5,7 @@ Usage::
     python benchmarks/bench_codec_tiers.py --dir /var/tmp/bct                       # throttled + plain local disk
     python benchmarks/bench_codec_tiers.py --dir /var/tmp/bct --targets cephfs,s3   # a loopback Ceph (root)
     python benchmarks/bench_codec_tiers.py --quick                                  # 128 MiB, one repeat
+    python benchmarks/bench_codec_tiers.py --copies 8 --targets local,cephfs        # a training job's steady state
 
 For each target tier and each ``--modes`` setting of its ``compress:`` (``none``, ``auto``, ``zstd``), in
 rotated order per repeat: a host → target hierarchy saves the ``llm`` state (tierckpt/bench/workloads.py)
@@ -19,6 +20,13 @@ or MDS is slow at first). Targets:
 * ``local``: the same directory, unthrottled (``auto`` should decide not to compress);
 * ``cephfs``: a ``pfs`` tier on a loopback CephFS (ceph-fuse, memstore OSD) this script starts;
 * ``s3``: an ``s3`` tier on the same cluster's radosgw.
+
+With ``--copies N`` (N ≥ 2) the script measures what a training job sees instead: per target, one
+hierarchy per mode, each on its own directory or prefix, all open at once; ``N`` saves through each,
+the modes interleaved (rotated order per copy), each demotion timed as above (no restores). ``auto``'s
+decisions carry from copy to copy as in a job, so the first copy (sampling, learning the tier) and the
+later ones (what it then decided) are reported apart: the first copy's time and the median of the
+others, each against ``none``. ``--repeats`` repeats the whole series with fresh hierarchies.
 
 Prints a markdown table (medians over ``--repeats``, ratios against ``none`` of the same target measured
 in the same run) and writes JSON lines to ``--out``. See docs/benchmarks.md, "Compression on slow tiers".
@@ -65,16 +73,17 @@ def _drop_caches() -> bool:
 def target_tier(target: str, mode: str, where: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
     """The target's tier entry (YAML schema) with ``compress: mode``."""
     entry: dict[str, Any] = {"name": "slow", "compress": mode}
+    sub = f"/{mode}" if args.copies > 1 else ""  # one tier per mode when their hierarchies are open at once
     if target in ("throttled", "local"):
-        entry.update(kind="local", path=str(where["dir"] / "tier"))
+        entry.update(kind="local", path=str(where["dir"] / "tier") + sub)
         if target == "throttled":
             entry["io"] = {"bandwidth": args.budget, "throttle": "all"}
     elif target == "cephfs":
-        entry.update(kind="pfs", path=str(where["cephfs"] / "tier"))
+        entry.update(kind="pfs", path=str(where["cephfs"] / "tier") + sub)
     else:
         entry.update(
             kind="s3",
-            path=f"s3://{where['bucket']}/run",
+            path=f"s3://{where['bucket']}/run{sub}",
             options={"endpoint_url": where["endpoint"], "create_bucket": True, "sweep": False},
         )
     return entry
@@ -95,18 +104,26 @@ def demote(cfg: dict[str, Any], state: Any, step: int) -> dict[str, Any]:
     """Save into host memory, then time the demotion to the target; the tier's stored/raw bytes."""
     h = Hierarchy.from_config(cfg)
     try:
-        handle = h.save(state, step=step)
-        handle.wait("host")
-        t0 = time.perf_counter()
-        handle.wait("slow")
-        seconds = time.perf_counter() - t0
-        info = _copy_info(h, step)
-        adaptive = h.tier("slow").adaptive
-        if adaptive is not None:  # what auto's decisions rested on
-            snap = adaptive.snapshot()
-            info.update(bandwidth=snap["bandwidth_bytes_per_sec"], io_cpu=snap["io_cpu_seconds_per_byte"])
+        return demote_in(h, state, step)
     finally:
         h.close()
+
+
+def demote_in(h: Hierarchy, state: Any, step: int) -> dict[str, Any]:
+    """:func:`demote` through an open hierarchy ``h`` (its ``auto`` keeps what it learnt before)."""
+    adaptive = h.tier("slow").adaptive
+    before = adaptive.snapshot() if adaptive is not None else {}
+    handle = h.save(state, step=step)
+    handle.wait("host")
+    t0 = time.perf_counter()
+    handle.wait("slow")
+    seconds = time.perf_counter() - t0
+    info = _copy_info(h, step)
+    if adaptive is not None:  # what auto's decisions rested on; what its codec writer wrote from where
+        snap = adaptive.snapshot()
+        info.update(bandwidth=snap["bandwidth_bytes_per_sec"], io_cpu=snap["io_cpu_seconds_per_byte"])
+        for key in ("written_from_memory_bytes", "written_copied_bytes"):
+            info[key] = snap[key] - before[key]
     return {"demote_s": seconds, **info}
 
 
@@ -150,7 +167,8 @@ def places(targets: list[str], base: Path, args: argparse.Namespace) -> Iterator
         if "cephfs" in targets or "s3" in targets:
             from tierckpt.testing.clusters import CephCluster, free_port
 
-            mem = int(args.ckpt_bytes * 3 + (1 << 30))
+            held = 3 if args.copies <= 1 else 2 * len(args.modes.split(",")) + 1  # copies held at once
+            mem = int(args.ckpt_bytes * held + (1 << 30))
             ceph = CephCluster(Path(tempfile.mkdtemp(prefix="bct-ceph-")), memstore_bytes=mem)
             cluster = stack.enter_context(
                 ceph.start(
@@ -166,6 +184,12 @@ def places(targets: list[str], base: Path, args: argparse.Namespace) -> Iterator
         yield where
 
 
+def _s3_gc(where: dict[str, Any]) -> None:
+    """Have radosgw free deleted objects now (a memstore OSD holds them in memory for two hours)."""
+    conf = str(where["ceph"].conf)
+    subprocess.run(["radosgw-admin", "-c", conf, "gc", "process", "--include-all"], check=False, capture_output=True)
+
+
 def _clean(target: str, where: dict[str, Any]) -> None:
     """Remove the target's copies between measurements (the next one starts empty)."""
     if target == "s3":
@@ -177,13 +201,35 @@ def _clean(target: str, where: dict[str, Any]) -> None:
                 keys = [{"Key": o["Key"]} for o in page.get("Contents", [])]
                 if keys:
                     s3.delete_objects(Bucket=where["bucket"], Delete={"Objects": keys})
-        conf = str(where["ceph"].conf)  # a memstore OSD: free the deleted bytes now, not in two hours
-        subprocess.run(
-            ["radosgw-admin", "-c", conf, "gc", "process", "--include-all"], check=False, capture_output=True
-        )
+        _s3_gc(where)
         return
     root = where["cephfs"] if target == "cephfs" else where["dir"]
     shutil.rmtree(root / "tier", ignore_errors=True)
+
+
+def series(
+    target: str, modes: list[str], where: dict[str, Any], args: argparse.Namespace, state: Any, rep: int
+) -> list[dict[str, Any]]:
+    """``args.copies`` demotions through one hierarchy per mode, all open at once, modes interleaved."""
+    _clean(target, where)
+    rows: list[dict[str, Any]] = []
+    with contextlib.ExitStack() as stack:
+        hs = {m: Hierarchy.from_config(config(target, m, where, args, host=True)) for m in modes}
+        for h in hs.values():
+            stack.callback(h.close)
+        for copy in range(args.copies):
+            k = (copy + rep) % len(modes)
+            for mode in modes[k:] + modes[:k]:
+                rec: dict[str, Any] = {"target": target, "mode": mode, "repeat": rep, "copy": copy}
+                rec.update(demote_in(hs[mode], state, step=1000 * (rep + 1) + copy))
+                rows.append(rec)
+                print(json.dumps(rec), flush=True)
+                if args.out:
+                    with open(args.out, "a") as f:
+                        f.write(json.dumps(rec) + "\n")
+            if target == "s3":  # the copy the policy dropped: freed before the next
+                _s3_gc(where)
+    return rows
 
 
 def run(args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -200,7 +246,9 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
             if args.warmup:  # a first demotion, untimed: a fresh radosgw or MDS is slow at first
                 _clean(target, where)
                 demote(config(target, "none", where, args, host=True), state, step=99)
-            for rep in range(args.repeats):
+            for rep in range(args.repeats if args.copies > 1 else 0):
+                rows += series(target, modes, where, args, state, rep)
+            for rep in range(args.repeats if args.copies <= 1 else 0):
                 order = modes[rep % len(modes) :] + modes[: rep % len(modes)]
                 for mode in order:
                     cfg = config(target, mode, where, args, host=True)
@@ -240,6 +288,36 @@ def table(rows: list[dict[str, Any]], ckpt_bytes: int) -> str:
     return "\n".join(lines)
 
 
+def steady_table(rows: list[dict[str, Any]], ckpt_bytes: int, copies: int) -> str:
+    """First copy and the later copies' median per target and mode, against ``none``'s in the same run."""
+    lines = [
+        f"State: llm, {ckpt_bytes / MB:,.0f} MB; {copies} demotions through one hierarchy per mode, modes "
+        "interleaved. first = the first copy (median over repeats); later = median of copies 2..N over "
+        "repeats; × none = against `none` on the same target in this run.",
+        "",
+        "| target | compress | first s | first × none | later s | later × none | frames compressed (first / later) "
+        "| MB copied (first / later) |",
+        "|---|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for target in dict.fromkeys(r["target"] for r in rows):
+        mine = [r for r in rows if r["target"] == target]
+
+        def med(mode: str, first: bool, key: str = "demote_s", mine: list[dict[str, Any]] = mine) -> float:
+            vals = [r.get(key, 0.0) for r in mine if r["mode"] == mode and (r["copy"] == 0) == first]
+            return statistics.median(vals) if vals else float("nan")
+
+        for mode in dict.fromkeys(r["mode"] for r in mine):
+            f, later = med(mode, True), med(mode, False)
+            fn, ln = f / med("none", True), later / med("none", False)
+            cf, cl = med(mode, True, "compressed_frames"), med(mode, False, "compressed_frames")
+            mf, ml = (med(mode, first, "written_copied_bytes") / MB for first in (True, False))
+            lines.append(
+                f"| {target} | {mode} | {f:.2f} | {fn:.2f} | {later:.2f} | {ln:.2f} | {cf:.0f} / {cl:.0f} "
+                f"| {mf:.0f} / {ml:.0f} |"
+            )
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     p.add_argument("--dir", default=None, help="a directory on the local disk (default: a fresh one in /var/tmp)")
@@ -252,6 +330,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--chunk", default="16MiB")
     p.add_argument("--out", default=None, help="append JSON lines here")
     p.add_argument("--no-warmup", dest="warmup", action="store_false", help="no untimed first demotion per target")
+    p.add_argument("--copies", type=int, default=1, help="N > 1: N demotions through one hierarchy per mode")
     p.add_argument("--quick", action="store_true", help="128 MiB, one repeat")
     args = p.parse_args(argv)
     parse_rate(args.budget, "--budget")  # refused early when malformed
@@ -260,6 +339,8 @@ def main(argv: list[str] | None = None) -> None:
     bad = [t for t in args.targets.split(",") if t not in TARGETS] + [
         m for m in args.modes.split(",") if m not in MODES
     ]
+    if args.copies < 1:
+        bad.append(f"--copies {args.copies}")
     if bad:
         p.error(f"unknown target or mode: {', '.join(bad)}")
     made = args.dir is None
@@ -268,7 +349,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         print(json.dumps({"machine": machine_info(Path(args.dir))}), flush=True)
         rows = run(args)
-        print(table(rows, args.ckpt_bytes))
+        print(table(rows, args.ckpt_bytes) if args.copies <= 1 else steady_table(rows, args.ckpt_bytes, args.copies))
     finally:
         if made:
             shutil.rmtree(args.dir, ignore_errors=True)

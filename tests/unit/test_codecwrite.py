@@ -262,7 +262,8 @@ def test_raw_frames_are_written_from_the_callers_memory(aligned: bool) -> None:
     blobs = [_noise(m.blobs[0].size, 5), _floats(m.blobs[1].size, 6)]
     want = [bytes(t.numpy()) for t in blobs]
     inner = AddrRecorder([b.size for b in m.blobs], delay=0.005)
-    w = _writer(inner, m, tier=_Tier(memory_align=ALIGN if aligned else 1 << 40))
+    adaptive = Adaptive(ZSTD, 2)
+    w = _writer(inner, m, tier=_Tier(memory_align=ALIGN if aligned else 1 << 40), adaptive=adaptive)
     futs = [w.write(b, 0, t.data_ptr(), t.numel()) for b, t in enumerate(blobs)]
     for f in futs:
         f.result(timeout=60)
@@ -274,6 +275,9 @@ def test_raw_frames_are_written_from_the_callers_memory(aligned: bool) -> None:
     direct = [(b, o) for b, o, a in inner.addrs if a == blobs[b].data_ptr() + o]
     assert direct == ([(0, 0), (0, CHUNK), (0, 2 * CHUNK)] if aligned else [])
     assert [n for b, _, n in inner.writes if b == 0] == [CHUNK, CHUNK, F + ALIGN]
+    snap = adaptive.snapshot()  # the tier's count of each: for benchmarks and logs
+    assert snap["written_from_memory_bytes"] == (2 * CHUNK + F + ALIGN if aligned else 0)
+    assert snap["written_from_memory_bytes"] + snap["written_copied_bytes"] == sum(n for _, _, n in inner.writes)
 
 
 def test_a_run_waits_for_frames_whose_bytes_are_in(monkeypatch: pytest.MonkeyPatch) -> None:

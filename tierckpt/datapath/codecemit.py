@@ -162,7 +162,7 @@ class Emitter:
         self._run_addr, self._run_len, self._run_blob = 0, 0, 0  # the run's bytes not yet written
         self._last_frame = [-(-s // frame_bytes) - 1 for s in sizes]
         self._builder = IndexBuilder(sizes, frame_bytes)
-        self._busy, self._paced = _Busy(adaptive), paced
+        self._busy, self._paced, self._adaptive = _Busy(adaptive), paced, adaptive
         self._out_slots, self._stopped, self._failed = out_slots, stopped, failed
         self._free: list[torch.Tensor] = []  # output chunks not in use
         self._inflight: deque[tuple[torch.Tensor | None, Future[int]]] = deque()
@@ -356,15 +356,18 @@ class Emitter:
                 h.refs += 1
         counted: Future[int] = Future()  # the write, once it is also counted (what commit waits for)
         self._inflight.append((slot, counted))
-        fut.add_done_callback(lambda f: self._written(f, nbytes, counted, holds))
+        copied = slot is not None
+        fut.add_done_callback(lambda f: self._written(f, nbytes, counted, holds, copied))
         self._start += nbytes
 
-    def _written(self, f: Future[int], nbytes: int, counted: Future[int], holds: Sequence[_Hold]) -> None:
+    def _written(self, f: Future[int], nbytes: int, counted: Future[int], holds: Sequence[_Hold], copied: bool) -> None:
         error = f.exception()
         try:
             self._busy.end(0 if error is not None else nbytes)
             if error is not None:
                 self._failed(error)
+            else:
+                self._adaptive.observe_written(nbytes, copied=copied)
         finally:
             self._let_go(holds)
             if error is None:

@@ -314,6 +314,7 @@ class Adaptive:
         self._tier_bytes: float | None = None  # running averages of what observe_tier reports
         self._tier_secs: float | None = None
         self._plain_copies = 0  # copies written plain in a row, their kinds measured as not paying
+        self._written = [0, 0]  # stored bytes the codec writers wrote from the caller's memory, and copied
 
     @property
     def level(self) -> int:
@@ -427,6 +428,13 @@ class Adaptive:
             self._tier_bytes = _ewma(self._tier_bytes, float(stored_bytes))
             self._tier_secs = _ewma(self._tier_secs, float(busy_seconds))
 
+    def observe_written(self, stored_bytes: int, *, copied: bool) -> None:
+        """Count ``stored_bytes`` a codec writer wrote to the tier: from the caller's memory as they were
+        (raw frames), or ``copied`` through an output chunk (for :meth:`snapshot`; no decision uses it)."""
+        if stored_bytes > 0:
+            with self._lock:
+                self._written[copied] += stored_bytes
+
     def observe_cpu(self, cpu_seconds: float, stored_bytes: int) -> None:
         """Learn what writing to the tier costs the CPUs: ``cpu_seconds`` of CPU time (every process's on
         the CPUs this one may use, the codec threads' own left out) while ``stored_bytes`` were written."""
@@ -484,4 +492,6 @@ class Adaptive:
                 "bandwidth_bytes_per_sec": bw,
                 "budget_bytes_per_sec": budget,
                 "kinds": kinds,
+                "written_from_memory_bytes": self._written[False],
+                "written_copied_bytes": self._written[True],
             }
