@@ -89,11 +89,20 @@ def save_fixture(rank: int, kind: str, root: Path) -> None:
         if kind in ("dist", PERNODE):
             h.save(ds.dist_state(rank, meshes), step=ds.DIST_STEP, blocking=True)
         else:
+            import types
+            import uuid
+            from unittest import mock
+
             import torch.distributed.checkpoint as dcp
 
-            from tierckpt.dcp import HierarchyWriter
+            from tierckpt.dcp import HierarchyWriter, _writer
 
-            dcp.save(ds.dcp_state(meshes[(ds.SAVED_WORLD,)]), storage_writer=HierarchyWriter(h, step=ds.DCP_STEP))
+            # DCP's storage_meta holds the save's random id: a fixed one (the writer's alone), so that the
+            # bytes are the same each time
+            fixed = types.SimpleNamespace(uuid4=lambda: uuid.UUID(int=ds.DCP_STEP))
+            with mock.patch.object(_writer, "uuid", fixed):
+                state = ds.dcp_state(meshes[(ds.SAVED_WORLD,)])
+                dcp.save(state, storage_writer=HierarchyWriter(h, step=ds.DCP_STEP))
 
 
 def copy_fixture(kind: str, root: Path, dest: Path) -> list[Path]:

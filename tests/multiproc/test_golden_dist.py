@@ -29,6 +29,7 @@ import torch.distributed.tensor  # the same
 from tests.multiproc.harness import spawn
 from tierckpt import CorruptCheckpointError, Hierarchy, SoloCoordinator
 from tierckpt.dcp import HierarchyReader
+from tierckpt.dcp._record import RECORD_FORMAT
 from tierckpt.testing.tamper import blob_file
 
 GOLDEN = Path(__file__).resolve().parents[1] / "golden"
@@ -53,9 +54,21 @@ TIMEOUT = 10.0  # the readers' coordination timeout: a rank that fails makes the
 DCP_RESTORED = {"w": ("S1",), "v": ("S0",), "rep": ("R",)}
 
 
-def _copy(kind: str, version: int, tmp_path: Path) -> Path:
-    """A copy of the fixture ``kind`` of ``version`` (the tests never write into the repository)."""
-    return Path(shutil.copytree(GOLDEN / f"{kind}-v{version}", tmp_path / f"{kind}-v{version}"))
+def _copy(kind: str, version: int, tmp_path: Path, name: str | None = None) -> Path:
+    """A copy of the fixture ``kind`` of ``version`` (or the one called ``name``; the tests never write
+    into the repository)."""
+    name = name or f"{kind}-v{version}"
+    return Path(shutil.copytree(GOLDEN / name, tmp_path / name))
+
+
+def _current(kind: str, version: int) -> str:
+    """The fixture the current writer writes byte for byte: ``dcp-vN-r2`` for DCP's entries of record
+    format 2 (``dcp-vN``: format 1's, still read), ``kind-vN`` otherwise."""
+    return f"dcp-v{version}-r{RECORD_FORMAT}" if kind == "dcp" and RECORD_FORMAT > 1 else f"{kind}-v{version}"
+
+
+#: every DCP fixture read: each format version's, and those of later record formats (tests/golden/README.md)
+DCP_FIXTURES = sorted(p.name for p in GOLDEN.glob("dcp-v*") if p.is_dir())
 
 
 def _node(rank: int, world: int) -> int:
@@ -344,7 +357,7 @@ def test_the_current_writer_writes_the_newest_fixtures_byte_for_byte(tmp_path: P
         now = tmp_path / "now" / kind
         written = sorted(str(p.relative_to(now)) for p in mdf.copy_fixture(kind, tmp_path / "w" / kind, now))
         version = int.from_bytes(next(now.rglob("manifest")).read_bytes()[8:10], "little")  # docs/format.md
-        fixture = GOLDEN / f"{kind}-v{version}"
+        fixture = GOLDEN / _current(kind, version)
         assert fixture.is_dir(), f"the writer writes format version {version}: add {fixture} (tests/golden/README.md)"
         if _align(now, kind) != _align(fixture, kind):
             pytest.skip(f"this file system's block size gives another alignment than {fixture.name}'s")
@@ -356,11 +369,11 @@ def test_the_current_writer_writes_the_newest_fixtures_byte_for_byte(tmp_path: P
         )
 
 
-@versions
-def test_dcp_fixture_is_what_it_claims(version: int) -> None:
+@pytest.mark.parametrize("name", DCP_FIXTURES)
+def test_dcp_fixture_is_what_it_claims(name: str) -> None:
     """Each rank's part on ``pfs`` and the step's record; rank 0's part holds DCP's metadata, and the
     values DCP gave rank 1 (deduplicated: one rank's copy each) are in rank 1's part only."""
-    fixture, step = GOLDEN / f"dcp-v{version}", f"pfs/step-{ds.DCP_STEP:012d}"
+    fixture, step = GOLDEN / name, f"pfs/step-{ds.DCP_STEP:012d}"
     names = sorted(str(p.relative_to(fixture)) for p in fixture.rglob("*") if p.is_file())
     assert names == [f"{step}/commit"] + [f"{step}/rank-{r:05d}/{f}" for r in (0, 1) for f in ("data.bin", "manifest")]
     parts = []
@@ -411,9 +424,9 @@ def test_a_rank_beyond_the_saved_ones_restores_rank_0s_part(tmp_path: Path, vers
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # DCP's note that no_dist is on
-@versions
-def test_one_process_loads_the_dcp_checkpoint_without_a_process_group(tmp_path: Path, version: int) -> None:
-    root = _copy("dcp", version, tmp_path)
+@pytest.mark.parametrize("name", DCP_FIXTURES)
+def test_one_process_loads_the_dcp_checkpoint_without_a_process_group(tmp_path: Path, name: str) -> None:
+    root = _copy("dcp", 0, tmp_path, name)
     with _open(root, "dcp", 0, readonly=True) as h:
         target = dcp_target(1)
         dcp.load(target, storage_reader=HierarchyReader(h, step=ds.DCP_STEP), no_dist=True)

@@ -228,7 +228,7 @@ def test_h_restore_returns_the_nested_state_and_the_dcp_entry(h: Hierarchy) -> N
     dcp.save(sd, storage_writer=HierarchyWriter(h, step=1))
     got = h.restore(1)
     entry = got.pop("__dcp__")
-    assert entry["rank"] == 0 and entry["world_size"] == 1 and entry["metadata"]["format"] == 1
+    assert entry["rank"] == 0 and entry["world_size"] == 1 and entry["metadata"]["format"] == 2
     # DCP's flattening names dict keys as strings (the optimizer's parameter ids); plain values stay plain
     want = {**sd, "optim": {**sd["optim"], "state": {str(k): v for k, v in sd["optim"]["state"].items()}}}
     want["dtypes"] = {**sd["dtypes"], "view": sd["dtypes"]["view"].contiguous()}
@@ -325,7 +325,7 @@ def _saved_record(h: Hierarchy, sd: dict[str, Any]) -> dict[str, Any]:
         (lambda r: r["storage_data"][0].__setitem__(2, 3), "storage_data[0].rank"),
         (lambda r: r["storage_data"].pop(), "storage_data: does not match state_dict"),
         (lambda r: r["planner_data"]["mappings"].update(w=[]), "planner_data.mappings['w']"),
-        (lambda r: r.update(format=2), "format: expected 1"),
+        (lambda r: r.update(format=0), "format: expected one of 1, 2"),
     ],
 )
 def test_a_damaged_metadata_record_names_the_field(h: Hierarchy, damage: Any, field: str) -> None:
@@ -358,6 +358,23 @@ def test_the_record_round_trips_without_pickle(h: Hierarchy) -> None:
         MetadataIndex("n"): Location(0, ("n",)),
     }
     assert back.storage_meta == md.storage_meta
+
+
+def test_a_newer_record_format_is_unsupported_not_damage(h: Hierarchy) -> None:
+    """A record or entry of a later format is an intact copy this reader cannot read (upgrade), never damage;
+    format 1 (the entries of before coordinator_rank and per-rank records) is still read."""
+    from tierckpt.dcp._record import READ_FORMATS, RECORD_FORMAT, check_format
+    from tierckpt.errors import UnsupportedFormatError
+
+    md = dcp.save({"n": 1}, storage_writer=HierarchyWriter(h, step=1))
+    rec = encode_metadata(md, md.storage_data)
+    assert rec["format"] == RECORD_FORMAT and 1 in READ_FORMATS
+    assert decode_metadata({**rec, "format": 1}, 1).storage_data == decode_metadata(rec, 1).storage_data
+    with pytest.raises(UnsupportedFormatError, match=f"format {RECORD_FORMAT + 1} is newer"):
+        decode_metadata({**rec, "format": RECORD_FORMAT + 1}, 1)
+    for bad in (0, "2", True, None):
+        with pytest.raises(CorruptCheckpointError, match="format: expected one of"):
+            check_format(bad, "DCP entry", "pfs", 1)
 
 
 # -- items with no key path of their own ---------------------------------------------------------------------

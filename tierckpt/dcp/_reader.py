@@ -29,7 +29,7 @@ from tierckpt.dcp._copy import copy_tensor
 from tierckpt.dcp._direct import read_part, staging_of
 from tierckpt.dcp._ids import step_of, tier_dirs, valid_id
 from tierckpt.dcp._layout import CHUNKS, RESERVED, lookup
-from tierckpt.dcp._record import RECORD_FORMAT, Location, decode_metadata
+from tierckpt.dcp._record import Location, check_format, decode_metadata
 from tierckpt.dcp._source import HierarchyLike, Source
 from tierckpt.errors import CheckpointNotFoundError, CorruptCheckpointError, TierckptError
 from tierckpt.facade.checks import check_step
@@ -373,10 +373,7 @@ def _reserved(state: Any, rank: int, tier: str, step: int | None) -> dict[str, A
     rec = state.get(RESERVED) if isinstance(state, dict) else None
     if not isinstance(rec, dict):
         raise CorruptCheckpointError(f"rank {rank}'s part: no DCP entry {RESERVED!r}", tier=tier, step=step)
-    if rec.get("format") != RECORD_FORMAT:
-        raise CorruptCheckpointError(
-            f"DCP entry: format: expected {RECORD_FORMAT}, got {rec.get('format')!r}", tier=tier, step=step
-        )
+    check_format(rec.get("format"), "DCP entry", tier, step)
     if rec.get("rank") != rank:
         raise CorruptCheckpointError(f"DCP entry: rank: expected {rank}, got {rec.get('rank')!r}", tier=tier, step=step)
     p = rec.get("payloads")

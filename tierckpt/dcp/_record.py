@@ -6,9 +6,9 @@ as lists of ints, dataclasses as maps. :func:`decode_metadata` rebuilds it and c
 way; a record that does not decode raises :class:`~tierckpt.errors.CorruptCheckpointError` naming the
 field (``DCP metadata: state_dict['w'].chunks[1].sizes: expected a list of ints, got 'x'``).
 
-The record (format 1)::
+The record (format 2; format 1 is the same)::
 
-    {"format": 1,
+    {"format": 2,
      "version": str | None,                       # Metadata.version
      "state_dict": {fqn: {"bytes": True}          # BytesStorageMetadata
                     | {"dtype": "bfloat16", "size": [..], "chunks": [[offsets], [sizes]], ...],
@@ -40,13 +40,26 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from tierckpt.errors import CorruptCheckpointError, StateError, TierckptError
+from tierckpt.errors import CorruptCheckpointError, StateError, TierckptError, UnsupportedFormatError
 from tierckpt.format.manifest import dtype_from_name, dtype_name
 from tierckpt.format.tree import flatten
 
-__all__ = ["RECORD_FORMAT", "Location", "PathElem", "decode_metadata", "encode_metadata"]
+__all__ = [
+    "READ_FORMATS",
+    "RECORD_FORMAT",
+    "Location",
+    "PathElem",
+    "check_format",
+    "decode_metadata",
+    "encode_metadata",
+]
 
-RECORD_FORMAT = 1
+#: the format this writer gives its entries and records. 2: every part's entry says the world size, the
+#: coordinator's its ``scope``, the others' ``record_rank`` (docs/distributed.md, "What each rank writes");
+#: the record itself is format 1's
+RECORD_FORMAT = 2
+#: the formats this reader reads (1: the record in rank 0's part, the job's)
+READ_FORMATS = (1, 2)
 PathElem = str | int
 _LAYOUTS = {"strided": torch.strided}
 _MEMORY_FORMATS = {
@@ -293,9 +306,7 @@ def decode_metadata(record: Any, world_size: int, *, tier: str | None = None, st
     """
     f = _Fields(tier, step)
     rec = f.map(record, "record")
-    fmt = f.get(rec, "format", "format")
-    if fmt != RECORD_FORMAT:
-        raise f.bad("format", f"{RECORD_FORMAT} (this reader's)", fmt)
+    check_format(f.get(rec, "format", "format"), "DCP metadata", tier, step)
     sd = f.map(f.get(rec, "state_dict", "state_dict"), "state_dict")
     items = {}
     for fqn, v in sd.items():
@@ -309,4 +320,24 @@ def decode_metadata(record: Any, world_size: int, *, tier: str | None = None, st
         storage_data=locations,
         storage_meta=_decode_storage_meta(f, f.get(rec, "storage_meta", "storage_meta")),
         version=f.opt_str(f.get(rec, "version", "version"), "version"),
+    )
+
+
+def check_format(fmt: Any, what: str, tier: str | None, step: int | None) -> None:
+    """Refuse a format this reader does not read: a newer one as :class:`UnsupportedFormatError` (the
+    copy is intact; upgrade tierckpt), anything else as damage.
+
+    Raises:
+        UnsupportedFormatError: ``fmt`` is an int above :data:`RECORD_FORMAT`.
+        CorruptCheckpointError: ``fmt`` is not one of :data:`READ_FORMATS`.
+    """
+    if fmt in READ_FORMATS and type(fmt) is int:
+        return
+    if type(fmt) is int and fmt > RECORD_FORMAT:
+        raise UnsupportedFormatError(
+            f"{what}: format {fmt} is newer than this reader's ({RECORD_FORMAT}): upgrade tierckpt"
+            + (f" (tier {tier!r}, step {step})" if tier is not None else "")
+        )
+    raise CorruptCheckpointError(
+        f"{what}: format: expected one of {', '.join(map(str, READ_FORMATS))}, got {fmt!r}", tier=tier, step=step
     )
