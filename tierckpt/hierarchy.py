@@ -260,6 +260,12 @@ class Hierarchy:
         """The sizes of its checkpoints and of each tier's I/O in them (docs/tiers.md, "I/O geometry")."""
         return self._geometry
 
+    @property
+    def restore_staging(self) -> RestoreStaging:
+        """The staging buffers in-place restores stream through (``restore(into=)``, the DCP reader's
+        loads): one restore at a time, allocated on first use, freed by :meth:`close`."""
+        return self._in_place
+
     def tier(self, name: str) -> Tier:
         """The tier called ``name``; KeyError if there is none."""
         if name not in self._index:

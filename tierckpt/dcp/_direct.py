@@ -12,40 +12,23 @@ the page faults of fresh memory for the whole part and one copy of every byte it
 
 from __future__ import annotations
 
-import threading
-import weakref
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
 
 from tierckpt.datapath.manifests import load_manifest, load_tree
 from tierckpt.datapath.restore import read_checkpoint
-from tierckpt.datapath.restore_into import RestoreStaging, restore_into
+from tierckpt.datapath.restore_into import RestoreStaging
 from tierckpt.dcp._layout import lookup
 from tierckpt.dcp._record import Location, PathElem
 from tierckpt.format.manifest import dtype_from_name
 from tierckpt.tiers.base import CheckpointKey, Tier
 
-if TYPE_CHECKING:
-    from tierckpt.hierarchy import Hierarchy
-
-__all__ = ["read_part", "staging_of"]
+__all__ = ["read_part"]
 
 Path = tuple[PathElem, ...]
-
-_STAGING: weakref.WeakKeyDictionary[Hierarchy, RestoreStaging] = weakref.WeakKeyDictionary()
-_LOCK = threading.Lock()
-
-
-def staging_of(h: Hierarchy) -> RestoreStaging:
-    """The staging buffers of this process's DCP loads from ``h`` (made on first use, kept for the next)."""
-    with _LOCK:
-        s = _STAGING.get(h)
-        if s is None:
-            s = _STAGING[h] = RestoreStaging(h.geometry)
-        return s
 
 
 def read_part(
@@ -86,8 +69,7 @@ def read_part(
     if not targets:
         return read_checkpoint(tier, key)[0], {}
     into = _mirror(tree, (), targets, {p[:n] for p in targets for n in range(len(p))})
-    with staging.lock:
-        state = restore_into(tier, key, into, staging.pool, allow_pickle=False)
+    state = staging.restore(tier, key, into, allow_pickle=False)
     return state, streamed
 
 

@@ -26,7 +26,7 @@ from torch.futures import Future
 
 from tierckpt.datapath.manifests import load_manifest, load_tree
 from tierckpt.dcp._copy import copy_tensor
-from tierckpt.dcp._direct import read_part, staging_of
+from tierckpt.dcp._direct import read_part
 from tierckpt.dcp._ids import step_of, tier_dirs, valid_id
 from tierckpt.dcp._layout import CHUNKS, RESERVED, lookup
 from tierckpt.dcp._record import Location, check_format, decode_metadata
@@ -283,7 +283,7 @@ class HierarchyReader(StorageReader):
         """``rank``'s part, from the fastest tier whose copy reads, with the items that can be streamed
         straight into their targets (``_direct.py``); the tier's name; the items streamed, by index."""
         assert self._read is not None  # read_data checked
-        staging = staging_of(self.h)
+        staging = self.h.restore_staging
 
         def read(tier: Tier, key: CheckpointKey) -> tuple[Any, str, dict[int, torch.Tensor]]:
             state, streamed = read_part(tier, key, items, target, staging)
