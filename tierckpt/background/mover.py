@@ -25,11 +25,13 @@ from tierckpt.background.held import HeldCopies
 from tierckpt.background.listing import Listing
 from tierckpt.background.reclaim import Reclaimer
 from tierckpt.background.worker import Worker
-from tierckpt.datapath.blobcopy import copy_blobs, staging_for
+from tierckpt.datapath.blobcopy import staging_for
+from tierckpt.datapath.codecwrite import CodecWriter
 from tierckpt.datapath.copysource import open_copy_source
-from tierckpt.datapath.storing import compresses, storing_writer
+from tierckpt.datapath.storing import compresses, encodes_raw_frames, storing_writer
 from tierckpt.datapath.throttle import throttled_writer
 from tierckpt.errors import DeviceFullError, TierckptError, TierFullError
+from tierckpt.format.codec import Encoded
 from tierckpt.format.manifest import BlobEntry, Manifest, ManifestHead
 from tierckpt.io.buffers import StagingPool
 from tierckpt.io.geometry import IOGeometry
@@ -81,6 +83,11 @@ class Room:
         """Whether the tier stores its copies encoded (:meth:`reserve` then wants the copy's manifest)."""
         return compresses(self.tier)
 
+    def recodes(self, head: ManifestHead) -> bool:
+        """Whether a copy of the compressed copy ``head`` to the tier encodes the frames it stored raw
+        (:func:`~tierckpt.datapath.storing.encodes_raw_frames`: asked once a copy)."""
+        return encodes_raw_frames(self.tier, head, chunk_bytes=self.geometry.chunk_bytes, background=self.background)
+
     def reserve(
         self,
         key: CheckpointKey,
@@ -89,16 +96,18 @@ class Room:
         alone: bool = False,
         codec: Manifest | ManifestHead | None = None,
         held: Sequence[int] | None = None,
+        decided: bool = False,
     ) -> TierWriter:
         """A writer for ``key`` on the tier (see :meth:`Mover.reserve`); ``alone``: a copy no other rank
         makes (a promotion), which shares no node file; ``codec``: the copy's manifest (or its plan),
         for a tier that :attr:`compresses`; ``held``: each blob's bytes where a compressed copy's
-        stored streams are copied as they are."""
+        stored streams are copied as they are; ``decided``: the copy is encoded (:meth:`recodes`)."""
         place = None if alone else self.place_key
         self.placed = self.placed or place is not None
         return self._mover.reserve(
-            self.tier, key, blobs, background=self.background, place_key=place, codec=codec, held=held
-        )
+            self.tier, key, blobs, background=self.background, place_key=place, codec=codec, held=held,
+            decided=decided,
+        )  # fmt: skip
 
     def staging(self) -> StagingPool:
         """The tier's worker's staging buffers (only that worker's thread uses them)."""
@@ -123,6 +132,12 @@ class _CommitsWithRoom(TierWriter):
 
     def write(self, blob: int, offset: int, addr: int, nbytes: int) -> Future[int]:
         return self._inner.write(blob, offset, addr, nbytes)
+
+    def write_encoded(self, blob: int, k: int, enc: Encoded) -> Future[int]:
+        """A frame handed over encoded, to a codec writer (:meth:`CodecWriter.write_encoded`)."""
+        if not isinstance(self._inner, CodecWriter):
+            raise TypeError(f"a writer of {type(self._inner).__name__} takes no encoded frames")
+        return self._inner.write_encoded(blob, k, enc)
 
     def commit(self, manifest: bytes) -> None:
         self._room(lambda: self._inner.commit(manifest))
@@ -342,21 +357,27 @@ class Mover:
         """Copy ``key`` from ``src`` to the room's tier blob by blob and commit it there; the manifest
         committed (a compressed copy's inner manifest: what records name). Each chunk is charged to the
         budgets of both tiers (a read of one, a write of the other). A compressed source is read
-        decoded, or its frames pass through to a tier that compresses too; a tier that compresses
-        encodes a plain source (:mod:`tierckpt.datapath.copysource`). ``alone``: a copy no other rank
-        makes (see :meth:`Room.reserve`)."""
+        decoded, or its compressed frames pass through to a tier that compresses too (its raw frames
+        encoded there, where that tier encodes them: :mod:`tierckpt.datapath.recode`); a tier that
+        compresses encodes a plain source (:mod:`tierckpt.datapath.copysource`). ``alone``: a copy no
+        other rank makes (see :meth:`Room.reserve`)."""
         dst, background = room.tier, room.background
+        encodes = room.compresses
         with src.open_copy(key) as copy:  # manifest and blobs of one copy; blob sizes checked at open
-            source = open_copy_source(src, key, copy, blobs, encodes=room.compresses, background=background)
+            source = open_copy_source(
+                src, key, copy, blobs, encodes=encodes, background=background, recodes=room.recodes if encodes else None
+            )
         try:
-            writer = room.reserve(key, source.blobs, alone=alone, codec=source.plan, held=source.held)
+            writer = room.reserve(
+                key, source.blobs, alone=alone, codec=source.plan, held=source.held, decided=source.decided
+            )
         except BaseException:
             source.reader.close()
             raise
         chunk = self.geometries[dst.name].chunk_bytes
         try:
             try:
-                copy_blobs(src, source.reader, dst, writer, key, source.copied, chunk, self.workers[dst.name].pool)
+                source.copy(src, dst, writer, key, chunk, self.workers[dst.name].pool)
             finally:
                 source.reader.close()
             writer.commit(source.manifest)
@@ -376,6 +397,7 @@ class Mover:
         place_key: str | None = None,
         codec: Manifest | ManifestHead | None = None,
         held: Sequence[int] | None = None,
+        decided: bool = False,
     ) -> TierWriter:
         """Reserve room on ``tier`` (a writer that honours the tier's declared write order, its writes
         charged to the tier's budget as ``background`` says), making room as :meth:`with_room` says; the
@@ -384,7 +406,8 @@ class Mover:
         (None: a node file of this rank's own; :mod:`tierckpt.ranks.nodeplace`). With ``codec`` (the
         copy's manifest, or its plan) and a tier that compresses, the writer takes raw blob bytes and
         stores them encoded (:mod:`tierckpt.datapath.codecwrite`); with ``held``, it takes a compressed
-        copy's stored streams, blob ``i`` ending at ``held[i]``."""
+        copy's stored streams, blob ``i`` ending at ``held[i]``; ``decided``: whether ``codec`` is encoded
+        was decided already (``auto`` is not asked again)."""
         if tier.node_files:
             place = self.ranks.place(tier, key, blobs, place_key)
 
@@ -399,7 +422,9 @@ class Mover:
 
         def reserve() -> TierWriter:
             writer = throttled_writer(tier, made(), background=background)
-            return storing_writer(tier, writer, blobs, chunk_bytes=chunk, background=background, codec=codec, held=held)
+            return storing_writer(
+                tier, writer, blobs, chunk_bytes=chunk, background=background, codec=codec, held=held, decided=decided
+            )
 
         writer = self.with_room(tier, key.step, reserve)
         return _CommitsWithRoom(writer, lambda commit: self.with_room(tier, key.step, commit))

@@ -23,7 +23,10 @@ from tierckpt.format.codec import Encoded
 from tierckpt.io.buffers import memmove, ptr_mv
 from tierckpt.policies.compression import FramePlan
 
-__all__ = ["EMITTED", "EMITTING", "ENCODED", "MISSING", "QUEUED", "READY", "Frame", "Piece", "Write", "frame_buffer"]
+__all__ = [
+    "EMITTED", "EMITTING", "ENCODED", "MISSING", "QUEUED", "READY", "Frame", "Piece", "Write", "check_encoded",
+    "frame_buffer",
+]  # fmt: skip
 
 # a frame's states: bytes missing, ready to encode, handed to the pool, encoded, being emitted, emitted
 MISSING, READY, QUEUED, ENCODED, EMITTING, EMITTED = range(6)
@@ -32,6 +35,26 @@ MISSING, READY, QUEUED, ENCODED, EMITTING, EMITTED = range(6)
 def frame_buffer(nbytes: int) -> torch.Tensor:
     """A frame buffer of ``nbytes`` (the one place they are made: tests count them)."""
     return torch.empty(nbytes, dtype=torch.uint8)
+
+
+def check_encoded(enc: Encoded, raw_len: int, where: str) -> None:
+    """Refuse a frame of ``raw_len`` raw bytes handed over encoded whose streams break a rule of the frame
+    index (docs/format.md): compressed (width 1, 2, 4 or 8), its plane mask within the width, a zstd
+    stream shorter than the raw bytes it stands for, a raw plane exactly ``raw_len / w`` bytes.
+
+    Raises:
+        ValueError: naming ``where`` (the frame) and what is wrong.
+    """
+    w, planes, lengths = enc.width, enc.planes, enc.lengths
+    if w == 1:
+        ok = planes == 1 and len(lengths) == 1 and lengths[0] < raw_len
+    elif w in (2, 4, 8) and raw_len % w == 0 and 0 < planes < 1 << w and len(lengths) == w:
+        plane = raw_len // w
+        ok = all(n < plane if planes >> p & 1 else n == plane for p, n in enumerate(lengths))
+    else:
+        ok = False
+    if not ok:
+        raise ValueError(f"{where}: width {w}, planes {planes:#x}, streams {lengths} for {raw_len} raw bytes")
 
 
 class Write:
@@ -125,6 +148,18 @@ class Frame:
         held, self.held = self.held, []
         for p in held:
             p.write.release(error)
+
+    def take_encoded(self, enc: Encoded, write: Write, where: str) -> None:
+        """Make the frame ``enc`` as it is (handed over encoded: nothing is planned or encoded); ``write``
+        waits until the emitter no longer reads its streams (:meth:`drop_source`).
+
+        Raises:
+            ValueError: streams that do not fit the frame (:func:`check_encoded`), naming ``where``.
+        """
+        check_encoded(enc, self.raw_len, where)
+        self.claim(0, self.raw_len)
+        self.hold(Piece(0, 0, self.raw_len, write))
+        self.enc = enc
 
     def drop_source(self, error: BaseException | None = None) -> None:
         """The raw bytes are no longer needed: give the caller's memory back, drop the buffer."""

@@ -197,6 +197,31 @@ class CodecWriter(TierWriter):
                     w.release(self._error if later else None)  # its own hold: it is in (or not all of it)
                     return w.future
 
+    def write_encoded(self, blob: int, k: int, enc: Encoded) -> Future[int]:
+        """Take frame ``k`` of blob ``blob`` already encoded (a compressed copy's frame passing through:
+        :mod:`~tierckpt.datapath.recode`): stored as it is, neither planned, encoded nor measured. Its
+        streams are read where they are; the future resolves once the emitter copied them out. Frames
+        handed over so count in the window like encoded ones (:meth:`write`'s frames wait for room).
+
+        Raises:
+            ValueError: no such frame, a frame written before, or streams that do not fit its raw length.
+        """
+        if not (0 <= blob < len(self._sizes) and 0 <= k < self._first[blob + 1] - self._first[blob]):
+            raise ValueError(f"codec writer: blob {blob} has no frame {k}")
+        fr = Frame(self._first[blob] + k, blob, k, min(self._F, self._sizes[blob] - k * self._F))
+        w = Write(fr.raw_len)
+        fr.take_encoded(enc, w, f"codec writer: blob {blob} frame {k} handed over encoded")
+        with self._cv:
+            self._check_going()
+            self._check_fresh(blob, k, 0, fr.raw_len)
+            self._start_emitter()
+            self._frames[fr.t] = fr
+            self._state[fr.t] = fr.state = ENCODED
+            self._pending += 1
+            self._cv.notify_all()
+        w.release()
+        return w.future
+
     def _place(self, later: list[tuple[Frame, Piece]]) -> list[_Copy]:
         """Under the lock: hold the parts of ``later`` that get no frame buffer, up to one that does (its
         copy, returned); what the writer stopping left stays in ``later``."""
