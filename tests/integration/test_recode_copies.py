@@ -20,6 +20,7 @@ import xxhash
 from test_compressed_copies import same  # tests/integration/
 
 from tierckpt import Hierarchy
+from tierckpt.datapath.codecwrite import frame_bytes_for
 from tierckpt.datapath.openblobs import stored_entries
 from tierckpt.errors import CorruptCheckpointError, TierIOError
 from tierckpt.format.frames import FrameIndex, unwrap_manifest
@@ -27,6 +28,7 @@ from tierckpt.format.manifest import decode_head
 from tierckpt.io.buffers import aligned_empty
 from tierckpt.policies.compressconfig import CompressConfig
 from tierckpt.policies.compression import RAW, Adaptive, FramePlan, Kind
+from tierckpt.testing.compressed import recompress
 from tierckpt.testing.faulty import FaultyTier
 from tierckpt.testing.tamper import rewrite_manifest
 from tierckpt.tiers.base import CheckpointKey, Tier
@@ -271,3 +273,29 @@ def test_a_copy_failing_midway_leaves_nothing_and_gives_its_memory_back(tmp_path
         assert [str(p) for p in left] == [".tierckpt-lease"]  # no step, no temporary copy
         pool = h._mover.workers["dst"].pool()
         assert pool.allocated_bytes > 0 and len(pool._free) * pool.slot_bytes == pool.allocated_bytes  # all back
+
+
+@pytest.mark.parametrize("raw", [True, False], ids=["some-raw", "none-raw"])
+def test_a_source_of_another_frame_size(tmp_path: Path, raw: bool) -> None:
+    """A compressed copy of 64 KiB frames (another grid than the destination's): with frames left raw it
+    is decoded and every frame encoded again on the destination's grid, never given an index of two
+    grids; with none left raw (no random bytes) it passes through whole, as it is."""
+    s = state(7) if raw else {"model": state(7)["model"]}
+    src_root = tmp_path / "src"
+    with Hierarchy([LocalTier("src", src_root)]) as h:
+        h.save(s, step=1, blocking=True)
+    src = LocalTier("src", src_root)
+    small = recompress(src, CheckpointKey(1), plan=lambda b, k: (0, 0) if raw and k % 3 == 0 else (1, 1))
+    assert small.frame_bytes == 64 << 10 and (small.compressed_frames() < small.total) == raw
+    dst = _with(LocalTier("dst", tmp_path / "dst"), ZSTD)
+    with Hierarchy([dst, src]) as h:
+        h.prefetch(1, to="dst").result()
+        at_src, at_dst = src.read_manifest(CheckpointKey(1)), dst.read_manifest(CheckpointKey(1))
+        index = unwrap_manifest(at_dst)[1]
+        assert index is not None and unwrap_manifest(at_dst)[0] == unwrap_manifest(at_src)[0]
+        if raw:
+            inner = decode_head(unwrap_manifest(at_dst)[0])
+            assert index.frame_bytes == frame_bytes_for(inner) != small.frame_bytes
+        else:
+            assert at_dst == at_src
+        assert same(h.restore(1, tier="dst"), s)
