@@ -1,6 +1,7 @@
 """Which tiers store their copies compressed, and the writer a copy to a tier writes through (docs/tiers.md,
 "Compression"): a tier's ``compress:`` setting and its :class:`~tierckpt.policies.compression.Adaptive`
-(one per tier object), and :func:`storing_writer`, which puts a codec writer
+(one per tier object, starting from what an earlier process measured of the tier where that is kept:
+:mod:`~tierckpt.datapath.measured`), and :func:`storing_writer`, which puts a codec writer
 (:mod:`~tierckpt.datapath.codecwrite`) in front of the tier's writer where the tier compresses.
 """
 
@@ -12,6 +13,7 @@ from tierckpt.datapath import codecpool
 from tierckpt.datapath.blobcopy import ordered_writer, writer_for
 from tierckpt.datapath.codecwrite import CodecWriter, frame_bytes_for
 from tierckpt.datapath.cpumeter import busy_cpu_seconds, usable_cpus
+from tierckpt.datapath.measured import keeping_writer, start_from_kept
 from tierckpt.format.manifest import BlobEntry, Manifest, ManifestHead
 from tierckpt.policies.compressconfig import CompressConfig, tier_compress
 from tierckpt.policies.compression import Adaptive, frame_kinds
@@ -37,6 +39,7 @@ def set_compression(tier: Tier, cfg: CompressConfig | None = None, where: str | 
     if tier.adaptive is None or tier.adaptive.cfg != got:
         cpus = len(usable_cpus()) if busy_cpu_seconds() is not None else None  # None: the CPUs not counted
         tier.adaptive = Adaptive(got, got.threads or codecpool.default_threads(), cpus)
+        start_from_kept(tier)  # what the last process measured of this tier, where kept (datapath.measured)
     return got
 
 
@@ -94,8 +97,9 @@ def storing_writer(
             end(b, n)
         return ordered
     assert codec is not None and tier.adaptive is not None
+    kept = keeping_writer(tier, ordered)  # the codec writer's commit, once done, keeps what the tier measured
     try:
-        return CodecWriter(tier, ordered, end, codec, tier.adaptive, chunk_bytes=chunk_bytes, background=background)
+        return CodecWriter(tier, kept, end, codec, tier.adaptive, chunk_bytes=chunk_bytes, background=background)
     except BaseException:
         ordered.abort()
         raise
