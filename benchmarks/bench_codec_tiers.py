@@ -6,6 +6,7 @@ Usage::
     python benchmarks/bench_codec_tiers.py --dir /var/tmp/bct --targets cephfs,s3   # a loopback Ceph (root)
     python benchmarks/bench_codec_tiers.py --quick                                  # 128 MiB, one repeat
     python benchmarks/bench_codec_tiers.py --copies 8 --targets local,cephfs        # a training job's steady state
+    python benchmarks/bench_codec_tiers.py --copies 4 --targets local --measured kept  # a restarted job's first copy
 
 For each target tier and each ``--modes`` setting of its ``compress:`` (``none``, ``auto``, ``zstd``), in
 rotated order per repeat: a host → target hierarchy saves the ``llm`` state (tierckpt/bench/workloads.py)
@@ -27,6 +28,13 @@ the modes interleaved (rotated order per copy), each demotion timed as above (no
 decisions carry from copy to copy as in a job, so the first copy (sampling, learning the tier) and the
 later ones (what it then decided) are reported apart: the first copy's time and the median of the
 others, each against ``none``. ``--repeats`` repeats the whole series with fresh hierarchies.
+
+What ``auto`` measured is kept across processes (docs/tiers.md, "Compression"). By default
+(``--measured fresh``) nothing is kept or read: every hierarchy learns from nothing, and "first copy" is
+a new job's first. With ``--measured kept`` the run keeps measurements in a cache directory of its own
+(under ``--dir``), each target first gets one untimed ``auto`` demotion (the job's previous run), and
+each timed hierarchy starts from what the ones before it kept: "first copy" is a restarted job's first.
+Each row says whether its ``auto`` started from kept measurements (``started_from_saved``).
 
 Prints a markdown table (medians over ``--repeats``, ratios against ``none`` of the same target measured
 in the same run) and writes JSON lines to ``--out``. See docs/benchmarks.md, "Compression on slow tiers".
@@ -113,6 +121,7 @@ def demote_in(h: Hierarchy, state: Any, step: int) -> dict[str, Any]:
     """:func:`demote` through an open hierarchy ``h`` (its ``auto`` keeps what it learnt before)."""
     adaptive = h.tier("slow").adaptive
     before = adaptive.snapshot() if adaptive is not None else {}
+    kept = before.get("started_from_saved", False) if before.get("mode") == "auto" else None
     handle = h.save(state, step=step)
     handle.wait("host")
     t0 = time.perf_counter()
@@ -124,7 +133,7 @@ def demote_in(h: Hierarchy, state: Any, step: int) -> dict[str, Any]:
         info.update(bandwidth=snap["bandwidth_bytes_per_sec"], io_cpu=snap["io_cpu_seconds_per_byte"])
         for key in ("written_from_memory_bytes", "written_copied_bytes"):
             info[key] = snap[key] - before[key]
-    return {"demote_s": seconds, **info}
+    return {"demote_s": seconds, "started_from_saved": kept, **info}
 
 
 def _copy_info(h: Hierarchy, step: int) -> dict[str, Any]:
@@ -246,6 +255,10 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
             if args.warmup:  # a first demotion, untimed: a fresh radosgw or MDS is slow at first
                 _clean(target, where)
                 demote(config(target, "none", where, args, host=True), state, step=99)
+            for mode in modes if args.measured == "kept" and "auto" in modes else ():  # the job's previous run
+                if mode == "auto":
+                    _clean(target, where)
+                    demote(config(target, mode, where, args, host=True), state, step=98)
             for rep in range(args.repeats if args.copies > 1 else 0):
                 rows += series(target, modes, where, args, state, rep)
             for rep in range(args.repeats if args.copies <= 1 else 0):
@@ -332,6 +345,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--no-warmup", dest="warmup", action="store_false", help="no untimed first demotion per target")
     p.add_argument("--copies", type=int, default=1, help="N > 1: N demotions through one hierarchy per mode")
     p.add_argument("--quick", action="store_true", help="128 MiB, one repeat")
+    p.add_argument(
+        "--measured",
+        choices=("fresh", "kept"),
+        default="fresh",
+        help="fresh: auto learns from nothing in each hierarchy; kept: from what earlier ones kept (a restart)",
+    )
     args = p.parse_args(argv)
     parse_rate(args.budget, "--budget")  # refused early when malformed
     if args.quick:
@@ -346,9 +365,17 @@ def main(argv: list[str] | None = None) -> None:
     made = args.dir is None
     if made:
         args.dir = tempfile.mkdtemp(prefix="bct-", dir="/var/tmp")
+    if args.measured == "fresh":
+        os.environ["TIERCKPT_NO_MEASURE_CACHE"] = "1"
+    else:  # a cache of this run's own: nothing from an earlier run or the user's
+        cache = Path(args.dir) / "measured-cache"
+        shutil.rmtree(cache, ignore_errors=True)
+        os.environ.pop("TIERCKPT_NO_MEASURE_CACHE", None)
+        os.environ["TIERCKPT_CACHE_DIR"] = str(cache)
     try:
         print(json.dumps({"machine": machine_info(Path(args.dir))}), flush=True)
         rows = run(args)
+        print(f"auto's measurements: {args.measured} (--measured)")
         print(table(rows, args.ckpt_bytes) if args.copies <= 1 else steady_table(rows, args.ckpt_bytes, args.copies))
     finally:
         if made:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import subprocess
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -14,6 +15,26 @@ from tierckpt.io.engine import IOEngine, make_engine
 
 # the real servers (Ceph with CephFS and S3, GlusterFS) and their fixtures, one of each per session
 pytest_plugins = ["tierckpt.testing.pytest_clusters"]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """The session's own cache directory (``TIERCKPT_CACHE_DIR``, inherited by the processes tests start):
+    nothing read from or left in the user's cache (the liburing probe's answer, kept measurements)."""
+    where = tmp_path_factory.mktemp("cache")
+    old = os.environ.get("TIERCKPT_CACHE_DIR")
+    os.environ["TIERCKPT_CACHE_DIR"] = str(where)
+    yield where
+    if old is None:
+        os.environ.pop("TIERCKPT_CACHE_DIR", None)
+    else:
+        os.environ["TIERCKPT_CACHE_DIR"] = old
+
+
+@pytest.fixture(autouse=True)
+def _no_kept_measurements(cache_dir: Path) -> None:
+    """Each test starts with no measurements kept by an earlier one (tierckpt.datapath.measured)."""
+    shutil.rmtree(cache_dir / "measured", ignore_errors=True)
 
 
 @pytest.fixture(params=["threads", "uring"])

@@ -38,6 +38,7 @@ from tierckpt.config import (
 )
 from tierckpt.datapath.keymap import KeyMap, KeyMapLike
 from tierckpt.datapath.manifests import load_manifest
+from tierckpt.datapath.measured import keep as keep_measured
 from tierckpt.datapath.restore_into import RestoreStaging
 from tierckpt.datapath.storing import set_compression
 from tierckpt.errors import CheckpointNotFoundError, TierckptError
@@ -563,6 +564,7 @@ class Hierarchy:
             self._mover.close()
             self._in_place.release()
             for t in self._tiers:
+                keep_measured(t, now=True)  # what auto measured of it, for the next process (never raises)
                 t.close()
             self._engines.close()
 

@@ -1,6 +1,7 @@
 """Which tiers store their copies compressed, and the writer a copy to a tier writes through (docs/tiers.md,
 "Compression"): a tier's ``compress:`` setting and its :class:`~tierckpt.policies.compression.Adaptive`
-(one per tier object), and :func:`storing_writer`, which puts a codec writer
+(one per tier object, starting from what an earlier process measured of the tier where that is kept:
+:mod:`~tierckpt.datapath.measured`), and :func:`storing_writer`, which puts a codec writer
 (:mod:`~tierckpt.datapath.codecwrite`) in front of the tier's writer where the tier compresses.
 """
 
@@ -12,6 +13,7 @@ from tierckpt.datapath import codecpool
 from tierckpt.datapath.blobcopy import ordered_writer, writer_for
 from tierckpt.datapath.codecwrite import CodecWriter, frame_bytes_for
 from tierckpt.datapath.cpumeter import busy_cpu_seconds, usable_cpus
+from tierckpt.datapath.measured import keeping_writer, start_from_kept
 from tierckpt.format.frames import FrameIndex
 from tierckpt.format.manifest import BlobEntry, Manifest, ManifestHead
 from tierckpt.policies.compressconfig import CompressConfig, tier_compress
@@ -38,6 +40,7 @@ def set_compression(tier: Tier, cfg: CompressConfig | None = None, where: str | 
     if tier.adaptive is None or tier.adaptive.cfg != got:
         cpus = len(usable_cpus()) if busy_cpu_seconds() is not None else None  # None: the CPUs not counted
         tier.adaptive = Adaptive(got, got.threads or codecpool.default_threads(), cpus)
+        start_from_kept(tier)  # what the last process measured of this tier, where kept (datapath.measured)
     return got
 
 
@@ -54,8 +57,8 @@ def _worth_encoding(
 ) -> bool:
     """Whether a copy of ``codec`` to ``tier`` goes through the codec writer: what the tier's
     :meth:`~tierckpt.policies.compression.Adaptive.encode_copy` says of its frames' kinds (``raw_of``: a
-    compressed copy's index on the same frame grid, of whose frames only those stored raw count), with the budget that paces
-    this writer (a copy ``auto`` knows pays nothing is written plain)."""
+    compressed copy's index on the same frame grid, of whose frames only those stored raw count), with
+    the budget that paces this writer (a copy ``auto`` knows pays nothing is written plain)."""
     adaptive = tier.adaptive
     if adaptive is None or adaptive.cfg.mode != "auto":
         return True
@@ -122,8 +125,9 @@ def storing_writer(
             end(b, n)
         return ordered
     assert codec is not None and tier.adaptive is not None
+    kept = keeping_writer(tier, ordered)  # the codec writer's commit, once done, keeps what the tier measured
     try:
-        return CodecWriter(tier, ordered, end, codec, tier.adaptive, chunk_bytes=chunk_bytes, background=background)
+        return CodecWriter(tier, kept, end, codec, tier.adaptive, chunk_bytes=chunk_bytes, background=background)
     except BaseException:
         ordered.abort()
         raise

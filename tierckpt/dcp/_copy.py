@@ -6,8 +6,9 @@ import torch
 
 from tierckpt.format.memory import in_storage
 from tierckpt.io.buffers import memmove
+from tierckpt.io.copier import copy_spans
 
-__all__ = ["copy_tensor"]
+__all__ = ["copy_tensor", "copy_tensors"]
 
 
 def _flat(t: torch.Tensor) -> bool:
@@ -25,3 +26,15 @@ def copy_tensor(dst: torch.Tensor, src: torch.Tensor) -> None:
         memmove(dst.data_ptr(), src.data_ptr(), src.numel() * src.element_size())
     else:
         dst.copy_(src.detach(), non_blocking=src.device.type == "cuda" and dst.is_pinned())
+
+
+def copy_tensors(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """:func:`copy_tensor` of each ``(dst, src)``: the host tensors' bytes all at once, shared out over a
+    few threads (:func:`~tierckpt.io.copier.copy_spans`: no barrier per tensor), the others one by one."""
+    spans = []
+    for dst, src in pairs:
+        if dst.dtype == src.dtype and dst.shape == src.shape and _flat(dst) and _flat(src):
+            spans.append((dst.data_ptr(), src.data_ptr(), src.numel() * src.element_size()))
+        else:
+            copy_tensor(dst, src)
+    copy_spans(spans)

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.staging import AsyncStager
 
-from tierckpt.dcp._copy import copy_tensor
+from tierckpt.dcp._copy import copy_tensors
 
 __all__ = ["HierarchyStager"]
 
@@ -149,6 +149,7 @@ class HierarchyStager(AsyncStager):
         before = arena.allocations
         buf, shards = arena.plain(total), 0
         staged: dict[int, torch.Tensor] = {}
+        pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
         cuda = False
         for (key, (t, shard)), off in zip(tensors.items(), offsets, strict=True):
             n = _nbytes(t)
@@ -156,8 +157,9 @@ class HierarchyStager(AsyncStager):
             shards += shard
             view = raw.view(t.dtype).view(t.shape)
             cuda |= t.device.type == "cuda"
-            copy_tensor(view, t)
+            pairs.append((view, t))
             staged[key] = view
+        copy_tensors(pairs)
         if cuda:
             torch.cuda.synchronize()
         arena.views = [weakref.ref(v) for v in staged.values()]

@@ -24,11 +24,11 @@ import logging
 import os
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
 from tierckpt.io.buffers import ptr_mv
+from tierckpt.io.cachedir import cache_dir, replace_file
 
 __all__ = ["LiburingRing", "liburing_runs"]
 
@@ -85,12 +85,10 @@ def _probe() -> tuple[str | None, bool]:
 
 
 def _probe_cache() -> Path | None:
-    """The file that keeps probe answers: ``$TIERCKPT_CACHE_DIR`` (empty: none), else the user's cache."""
-    where = os.environ.get("TIERCKPT_CACHE_DIR")
-    if where is not None:
-        return Path(where) / _CACHE_NAME if where else None
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "tierckpt" / _CACHE_NAME
+    """The file that keeps probe answers, in the user's cache (:func:`~tierckpt.io.cachedir.cache_dir`;
+    None: none kept)."""
+    where = cache_dir()
+    return where / _CACHE_NAME if where is not None else None
 
 
 def _probe_key() -> str | None:
@@ -121,7 +119,6 @@ def _read_cache(path: Path, key: str) -> str | None:
 def _write_cache(path: Path, key: str, answer: str) -> None:
     """Keep ``answer`` under ``key`` (replacing the file whole; a failure only costs a probe next time)."""
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
         try:
             answers = json.loads(path.read_text())
         except (OSError, ValueError):
@@ -129,10 +126,7 @@ def _write_cache(path: Path, key: str, answer: str) -> None:
         if not isinstance(answers, dict) or len(answers) > 64:
             answers = {}
         answers[key] = answer
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".probe-")
-        with os.fdopen(fd, "w") as f:
-            json.dump(answers, f)
-        os.replace(tmp, path)
+        replace_file(path, json.dumps(answers).encode())
     except OSError as e:
         log.debug("could not keep the liburing probe's answer in %s: %s", path, e)
 

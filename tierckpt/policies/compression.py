@@ -45,20 +45,26 @@ copy. Until the tier's throughput is known (measured by the writer after its fir
 by the writer's budget), and, where the CPUs are counted (``cpus``), what its writes cost them, ``auto``
 stores frames raw.
 
+**Across processes.** :meth:`Adaptive.export` gives the measurements as plain data and
+:meth:`Adaptive.start_from` takes them (checked, :mod:`tierckpt.policies.kindstats`): a new process
+starts from what the last one measured of the same tier (:mod:`tierckpt.datapath.measured` keeps them),
+decides from them at once (its kinds need no first probes; a copy in which nothing pays is plain from
+the first), and keeps measuring as above, so measurements gone stale correct themselves.
+
 ``zstd`` compresses every frame, leaving raw the planes that never gain (except on probes, which try
 them again); ``none`` stores every frame raw.
 """
 
 from __future__ import annotations
 
-import math
 import re
 import threading
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from tierckpt.policies.compressconfig import CompressConfig
+from tierckpt.policies.kindstats import EWMA_WEIGHT, GAIN, STATE_VERSION, FrameStats, KindStats, ewma, parse_state
 
 if TYPE_CHECKING:
     from tierckpt.format.table import TensorTable
@@ -84,16 +90,11 @@ __all__ = [
 
 #: the transfer must get shorter by this fraction for ``auto`` to compress
 MARGIN = 0.05
-#: a plane is worth compressing when its stream is below this fraction of its raw bytes: the codec's
-#: ``PLANE_GAIN``, not imported so that the config does not import numpy and zstd (a test checks they agree)
-GAIN = 0.97
 #: the first frames of each kind that are probes, and then one in this many
 PROBE_FIRST = 4
 #: the bytes of a frame ``auto`` compresses only to measure them, while the frame itself is stored raw
 SAMPLE_BYTES = 256 << 10
 PROBE_EVERY = 32
-#: weight of the newest measurement in the running averages
-EWMA_WEIGHT = 0.25
 #: under ``auto``, once the measurements say no kind of a copy pays, the copies after it are written plain
 #: (as ``none`` writes them), but one in this many goes through the codec writer to measure again
 RECHECK_COPIES = 8
@@ -193,22 +194,6 @@ class FramePlan:
 RAW = FramePlan(0, 0)
 
 
-class FrameStats(Protocol):
-    """What :meth:`Adaptive.observe_frame` reads of an encoded frame (:class:`tierckpt.format.codec.Encoded`):
-    its encoding time, and per plane tried (one entry where the frame was tried whole) the raw bytes, the
-    zstd stream's length, kept or not (a plane not tried: its raw bytes), and the seconds its compression
-    took (empty where not told apart: the time is then shared out evenly over the planes tried)."""
-
-    @property
-    def seconds(self) -> float: ...
-    @property
-    def plane_raw(self) -> tuple[int, ...]: ...
-    @property
-    def plane_stored(self) -> tuple[int, ...]: ...
-    @property
-    def plane_seconds(self) -> tuple[float, ...]: ...
-
-
 def pays(
     speed: float,
     ratio: float,
@@ -233,56 +218,6 @@ def pays(
 def _check_budget(budget: float | None) -> None:
     if budget is not None and (isinstance(budget, bool) or not budget > 0):
         raise ValueError(f"budget: expected a positive number of bytes a second or None, got {budget!r}")
-
-
-def _ewma(old: float | None, new: float) -> float:
-    return new if old is None else old + EWMA_WEIGHT * (new - old)
-
-
-@dataclass
-class _KindStats:
-    planes: int
-    frames: int = 0  # plans handed out
-    probes: int = 0
-    observed: int = 0
-    cost: float | None = None  # seconds per raw byte of the planes tried
-    fraction: list[float | None] = field(default_factory=list)  # per plane: stored / raw when compressed
-    split: float | None = None  # seconds per raw byte of the frame outside the planes' compression
-    plane_cost: list[float | None] = field(default_factory=list)  # per plane: seconds per byte compressed
-
-    def __post_init__(self) -> None:
-        self.fraction = [None] * self.planes
-        self.plane_cost = [None] * self.planes
-
-    def measured(self) -> bool:
-        return self.cost is not None and None not in self.fraction
-
-    def gaining(self) -> int:
-        """The planes whose streams were smaller than ``GAIN`` of their raw bytes."""
-        return sum(1 << p for p, f in enumerate(self.fraction) if f is not None and f < GAIN)
-
-    def model(self, mask: int) -> tuple[float, float]:
-        """``(speed, ratio)`` of a frame compressed with the planes of ``mask``: raw B/s a thread, raw/stored."""
-        share = 1.0 / self.planes
-        tried = sum(share for p in range(self.planes) if mask >> p & 1)
-        stored = sum(share * (f if mask >> p & 1 and f is not None else 1.0) for p, f in enumerate(self.fraction))
-        costs = [c for p, c in enumerate(self.plane_cost) if mask >> p & 1]
-        if self.split is not None and None not in costs:  # each plane's own cost, and the split's
-            cost = self.split + share * sum(c for c in costs if c is not None)
-        else:  # the planes told apart by no encoder: each tried plane costs the same
-            cost = (self.cost or 0.0) * tried
-        return (1.0 / cost if cost > 0 else math.inf), (1.0 / stored if stored > 0 else math.inf)
-
-    def observe_planes(self, enc: FrameStats, tried: int) -> None:
-        """Each tried plane's compression cost, and the frame's own (the split), where ``enc`` tells them."""
-        secs, raw = enc.plane_seconds, enc.plane_raw
-        total = sum(raw)
-        if len(secs) != self.planes or total <= 0 or not enc.seconds > 0:
-            return
-        for p in range(self.planes):
-            if tried >> p & 1 and raw[p] > 0:
-                self.plane_cost[p] = _ewma(self.plane_cost[p], secs[p] / raw[p])
-        self.split = _ewma(self.split, max(0.0, enc.seconds - sum(secs)) / total)
 
 
 class Adaptive:
@@ -310,11 +245,13 @@ class Adaptive:
         self._cpu_secs: float | None = None  # running averages of what observe_cpu reports
         self._cpu_bytes: float | None = None
         self._lock = threading.Lock()
-        self._kinds: dict[Kind, _KindStats] = {}
+        self._kinds: dict[Kind, KindStats] = {}
         self._tier_bytes: float | None = None  # running averages of what observe_tier reports
         self._tier_secs: float | None = None
         self._plain_copies = 0  # copies written plain in a row, their kinds measured as not paying
         self._written = [0, 0]  # stored bytes the codec writers wrote from the caller's memory, and copied
+        self._revision = 0  # measurements taken (each observe_* that learnt something)
+        self._started_from = False  # whether it started from plain data (start_from)
 
     @property
     def level(self) -> int:
@@ -337,7 +274,8 @@ class Adaptive:
             st.frames += 1
             everything = (1 << st.planes) - 1
             bw = self._bandwidth(budget)
-            probe = st.frames <= PROBE_FIRST or st.frames % PROBE_EVERY == 0 or not st.measured()
+            first = st.frames <= PROBE_FIRST and not st.loaded  # a kind started from plain data: no first probes
+            probe = first or st.frames % PROBE_EVERY == 0 or not st.measured()
             mask = self._decide(st, bw) if st.measured() else 0
             if probe:
                 st.probes += 1
@@ -376,7 +314,7 @@ class Adaptive:
                 return True
             return False
 
-    def _decide(self, st: _KindStats, bw: float | None) -> int:
+    def _decide(self, st: KindStats, bw: float | None) -> int:
         """The planes to compress in a frame that is no probe (0: store it raw)."""
         mask = st.gaining()
         if mask and self.cfg.mode == "auto" and (bw is None or not self._pays(*st.model(mask), bw)):
@@ -410,14 +348,15 @@ class Adaptive:
             if len(raw) == st.planes and len(stored) == st.planes:
                 for p in range(st.planes):
                     if tried >> p & 1 and raw[p] > 0:
-                        st.fraction[p] = _ewma(st.fraction[p], min(1.0, stored[p] / raw[p]))
+                        st.fraction[p] = ewma(st.fraction[p], min(1.0, stored[p] / raw[p]))
                 nbytes = sum(raw[p] for p in range(st.planes) if tried >> p & 1)
                 st.observe_planes(enc, tried)
             else:  # tried otherwise (a frame whose length is no multiple of the width): its time only
                 nbytes = sum(raw)
             if nbytes > 0 and enc.seconds > 0:
-                st.cost = _ewma(st.cost, enc.seconds / nbytes)
+                st.cost = ewma(st.cost, enc.seconds / nbytes)
             st.observed += 1
+            self._revision += 1
 
     def observe_tier(self, stored_bytes: int, busy_seconds: float) -> None:
         """Learn the tier's write throughput: ``stored_bytes`` written in ``busy_seconds`` of the tier
@@ -425,8 +364,9 @@ class Adaptive:
         if stored_bytes <= 0 or not busy_seconds > 0:
             return
         with self._lock:
-            self._tier_bytes = _ewma(self._tier_bytes, float(stored_bytes))
-            self._tier_secs = _ewma(self._tier_secs, float(busy_seconds))
+            self._tier_bytes = ewma(self._tier_bytes, float(stored_bytes))
+            self._tier_secs = ewma(self._tier_secs, float(busy_seconds))
+            self._revision += 1
 
     def observe_written(self, stored_bytes: int, *, copied: bool) -> None:
         """Count ``stored_bytes`` a codec writer wrote to the tier: from the caller's memory as they were
@@ -441,8 +381,47 @@ class Adaptive:
         if stored_bytes <= 0 or not cpu_seconds >= 0:
             return
         with self._lock:
-            self._cpu_secs = _ewma(self._cpu_secs, float(cpu_seconds))
-            self._cpu_bytes = _ewma(self._cpu_bytes, float(stored_bytes))
+            self._cpu_secs = ewma(self._cpu_secs, float(cpu_seconds))
+            self._cpu_bytes = ewma(self._cpu_bytes, float(stored_bytes))
+            self._revision += 1
+
+    @property
+    def revision(self) -> int:
+        """How many measurements it has taken (grows with each one: what a keeper of them compares)."""
+        with self._lock:
+            return self._revision
+
+    def export(self) -> dict[str, Any]:
+        """Its measurements as plain data (:mod:`tierckpt.policies.kindstats`), for a later process to
+        :meth:`start_from`: the running averages of the tier's throughput, of what its writes cost the
+        CPUs, and of each kind measured; no counts, no decision."""
+        with self._lock:
+            tier = [self._tier_bytes, self._tier_secs] if self._tier_bytes and self._tier_secs else None
+            cpu = [self._cpu_secs, self._cpu_bytes] if self._cpu_secs is not None and self._cpu_bytes else None
+            kinds = [
+                {"kind": k.name, "width": k.width, **st.export()} for k, st in self._kinds.items() if st.has_measured()
+            ]
+            return {"version": STATE_VERSION, "tier": tier, "cpu": cpu, "kinds": kinds}
+
+    def start_from(self, data: object) -> None:
+        """Take ``data`` (what :meth:`export` gave, maybe in another process) as its measurements so far:
+        the decisions rest on them at once (a kind started from them needs no first probes), and later
+        measurements update them as they would their own. Nothing is taken unless all of ``data`` is well
+        formed (:func:`~tierckpt.policies.kindstats.parse_state`) and every kind it names is one
+        :func:`kind_of` can return.
+
+        Raises:
+            ValueError: naming what is wrong with ``data``.
+        """
+        state = parse_state(data)
+        kinds = {_known_kind(name, width): st for (name, width), st in state.kinds.items()}
+        with self._lock:
+            self._kinds.update(kinds)
+            if state.tier is not None:
+                self._tier_bytes, self._tier_secs = state.tier
+            if state.cpu is not None:
+                self._cpu_secs, self._cpu_bytes = state.cpu
+            self._started_from = True
 
     def bandwidth(self, budget: float | None = None) -> float | None:
         """The write throughput the decisions of a writer paced at ``budget`` (None: unpaced) use, in
@@ -457,10 +436,10 @@ class Adaptive:
             return measured if measured is not None else budget
         return min(measured, budget)
 
-    def _stats(self, kind: Kind) -> _KindStats:
+    def _stats(self, kind: Kind) -> KindStats:
         st = self._kinds.get(kind)
         if st is None:
-            st = self._kinds[kind] = _KindStats(max(1, kind.width))
+            st = self._kinds[kind] = KindStats(max(1, kind.width))
         return st
 
     def snapshot(self, budget: float | None = None) -> dict[str, Any]:
@@ -494,4 +473,14 @@ class Adaptive:
                 "kinds": kinds,
                 "written_from_memory_bytes": self._written[False],
                 "written_copied_bytes": self._written[True],
+                "started_from_saved": self._started_from,  # began from an earlier process's measurements
             }
+
+
+def _known_kind(name: str, width: int) -> Kind:
+    """The kind named ``name`` of ``width``, if :func:`kind_of` can return it (else ValueError)."""
+    dtype, _, role = name.partition("/")
+    kind = OTHER if name == OTHER.name else kind_of(dtype, "" if role == "weight" else f"state['{role}']")
+    if kind != Kind(name, width):
+        raise ValueError(f"kinds: {name!r} of width {width} is not a kind of this version")
+    return kind
