@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import threading
 
 import pytest
 import torch
@@ -85,3 +86,20 @@ def test_a_forked_child_copies_with_its_own_helpers() -> None:
     # in a fresh interpreter: a pytest process has used torch's thread pool, which a forked child cannot
     res = subprocess.run([sys.executable, "-c", _FORKED], capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr
+
+
+def test_a_stopped_copy_writes_nothing_after_stop_returns() -> None:
+    # what copy_spans does when its caller is interrupted: once stop() returns, no helper touches the memory
+    n, piece = 64 << 20, 256 << 10
+    src = torch.ones(n, dtype=torch.uint8)
+    dst = torch.zeros(n, dtype=torch.uint8)
+    job = copier._Job([(dst.data_ptr() + o, src.data_ptr() + o, piece) for o in range(0, n, piece)])
+    helper = threading.Thread(target=job.run)
+    helper.start()
+    job.stop()
+    seen = dst.clone()
+    helper.join(30)
+    assert not helper.is_alive()
+    assert torch.equal(dst, seen)  # nothing written after stop() returned
+    job.run()  # a stopped job hands out no more pieces
+    assert torch.equal(dst, seen)

@@ -43,20 +43,41 @@ class _Job:
     def __init__(self, pieces: list[tuple[int, int, int]]) -> None:
         self.pieces = pieces
         self._next = itertools.count()  # next() is atomic under the GIL
-        self._lock = threading.Lock()
-        self._left = len(pieces)
-        self.done = threading.Event()
+        self._cv = threading.Condition()
+        self._left = len(pieces)  # pieces not yet copied
+        self._busy = 0  # threads copying a piece now
+        self._stopped = False
 
     def run(self) -> None:
-        """Copy pieces until none is left to take."""
+        """Copy pieces until none is left to take (or the job is stopped)."""
         n = len(self.pieces)
-        while (i := next(self._next)) < n:
+        while True:
+            with self._cv:
+                if self._stopped or (i := next(self._next)) >= n:
+                    return
+                self._busy += 1
             dst, src, nbytes = self.pieces[i]
-            memmove(dst, src, nbytes)
-            with self._lock:
-                self._left -= 1
-                if not self._left:
-                    self.done.set()
+            try:
+                memmove(dst, src, nbytes)
+            finally:
+                with self._cv:
+                    self._busy -= 1
+                    self._left -= 1
+                    self._cv.notify_all()
+
+    def wait(self) -> None:
+        """Until every piece is copied."""
+        with self._cv:
+            while self._left:
+                self._cv.wait()
+
+    def stop(self) -> None:
+        """No piece is taken any more; returns once none is being copied (the caller may then free the
+        memory: an interrupted copy never writes into it later)."""
+        with self._cv:
+            self._stopped = True
+            while self._busy:
+                self._cv.wait()
 
 
 class _Helpers:
@@ -108,5 +129,9 @@ def copy_spans(spans: Sequence[tuple[int, int, int]], threads: int | None = None
     pieces = [(d + o, s + o, min(PIECE, n - o)) for d, s, n in spans for o in range(0, n, PIECE)]
     job = _Job(pieces)
     _helpers.hand(job, min(threads, len(pieces)) - 1)
-    job.run()
-    job.done.wait()
+    try:
+        job.run()
+        job.wait()
+    except BaseException:  # interrupted (KeyboardInterrupt): no helper goes on writing after we return
+        job.stop()
+        raise
