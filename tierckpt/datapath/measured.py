@@ -95,14 +95,20 @@ def measure_key(tier: Tier) -> dict[str, Any] | None:
     return {"tier": tier.kind, "location": location, "host": host, "threads": adaptive.threads, "level": adaptive.level}
 
 
-def kept_path(tier: Tier) -> Path | None:
-    """The file ``tier``'s measurements are kept in (None: none kept, or keeping is turned off)."""
+def _kept_where(tier: Tier) -> tuple[dict[str, Any], Path] | None:
+    """``tier``'s key and the file its measurements are kept in (None: none kept, or keeping is off)."""
     key = measure_key(tier)
     where = cache_dir() if key is not None and _enabled() else None
     if key is None or where is None:
         return None
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:32]
-    return where / _SUBDIR / f"{digest}.json"
+    return key, where / _SUBDIR / f"{digest}.json"
+
+
+def kept_path(tier: Tier) -> Path | None:
+    """The file ``tier``'s measurements are kept in (None: none kept, or keeping is turned off)."""
+    kept = _kept_where(tier)
+    return None if kept is None else kept[1]
 
 
 def _measurements(doc: object, key: Mapping[str, Any], now: float) -> object:
@@ -128,10 +134,10 @@ def start_from_kept(tier: Tier) -> bool:
     start, never an exception."""
     adaptive = tier.adaptive
     try:
-        path = kept_path(tier)
-        key = measure_key(tier)
-        if path is None or key is None or adaptive is None:
+        kept = _kept_where(tier)
+        if kept is None or adaptive is None:
             return False
+        key, path = kept
         doc = json.loads(read_small(path, MAX_FILE_BYTES))
         adaptive.start_from(_measurements(doc, key, time.time()))
     except FileNotFoundError:
@@ -170,11 +176,10 @@ def keep(tier: Tier, *, now: bool = False) -> Future[None] | None:
     Returns:
         the background write's future (for tests), None where nothing was handed to it.
     """
-    adaptive = tier.adaptive
-    path = kept_path(tier)
-    key = measure_key(tier)
-    if path is None or key is None or adaptive is None:
+    adaptive, where = tier.adaptive, _kept_where(tier)
+    if where is None or adaptive is None:
         return None
+    key, path = where
     kept, clock = _state(adaptive), time.monotonic()
     with _kept_lock:
         revision = adaptive.revision
